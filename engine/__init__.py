@@ -1,0 +1,31 @@
+"""tokenrelay's inference engine: paged KV cache, continuous batching, vLLM-shaped API.
+
+Heavy names (``LLM``, ``LLMEngine``, ...) are imported lazily so that ``engine.sampling_params``
+and ``engine.errors`` stay importable without torch (the producer SDK validates with them).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from engine.errors import InvalidRequestError, PromptTooLongError, UnsupportedModelError
+from engine.sampling_params import SamplingParams
+
+_LAZY = {
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "EngineConfig": "engine.config",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "RequestDelta": "engine.outputs",
+}
+
+__all__ = ["SamplingParams", "InvalidRequestError", "PromptTooLongError",
+           "UnsupportedModelError", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

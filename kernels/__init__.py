@@ -1,0 +1,1 @@
+"""Triton kernels for the paged engine, each beside a plain-torch reference (tensors in, tensors out)."""
