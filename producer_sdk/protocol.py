@@ -1,0 +1,324 @@
+"""The tokenrelay wire format (protocol v1), shared by the worker and the producer SDK.
+
+Everything that crosses Redis is defined here and nowhere else: key names, the job payload, the
+result events and the error codes. Payloads are msgpack maps validated with pydantic; the human
+description lives in ``docs/protocol.md`` and must change together with this module.
+
+This module imports no torch: web backends install the SDK without the engine.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from enum import Enum
+from typing import Any, Literal, Optional, Union
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PROTOCOL_VERSION = 1
+GROUP = "workers"
+PAYLOAD_FIELD = b"data"
+MAX_JOB_ID_LEN = 128
+# Job ids go inside a Redis Cluster hash tag ``{...}``, so braces are not allowed; whitespace and
+# control characters would make keys and logs ambiguous.
+_JOB_ID_RE = re.compile(r"^[^\s{}\x00-\x1f\x7f]{1,128}$")
+
+
+class ErrorCode(str, Enum):
+    """Codes of terminal ``error`` events. Clients may branch on them; messages are for people."""
+
+    INVALID_REQUEST = "invalid_request"      # malformed payload or sampling params
+    PROMPT_TOO_LONG = "prompt_too_long"      # prompt (+ max_tokens) cannot fit the model/worker
+    EXPIRED = "expired"                      # deadline_ms passed before the job started
+    CANCELLED = "cancelled"                  # reserved: cancellation ends with done/cancelled
+    POISON = "poison"                        # delivered more than max_deliveries times
+    INTERNAL = "internal"                    # engine failure that retrying will not fix
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"            # EOS, a stop token or a stop string
+    LENGTH = "length"        # max_tokens or max_model_len reached
+    CANCELLED = "cancelled"  # the producer cancelled the job
+
+
+class ProtocolError(ValueError):
+    """A payload that does not follow protocol v1. Carries the job id when one could be read."""
+
+    def __init__(self, message: str, job_id: Optional[str] = None,
+                 code: ErrorCode = ErrorCode.INVALID_REQUEST) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+        self.code = code
+
+
+def validate_job_id(job_id: str) -> str:
+    if not isinstance(job_id, str) or not _JOB_ID_RE.match(job_id):
+        raise ValueError(
+            f"job_id must be 1-{MAX_JOB_ID_LEN} characters without whitespace, control characters "
+            f"or braces; got {job_id!r:.60}")
+    return job_id
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+# --------------------------------------------------------------------------------------------
+# Keys
+# --------------------------------------------------------------------------------------------
+
+class Keys:
+    """Every Redis key of one namespace and queue.
+
+    Per-job keys put the job id in a ``{...}`` hash tag so a job's result stream, cancel flag and
+    dedupe record share one Redis Cluster slot (one Lua script may touch them all).
+    Priority lanes are separate streams, read most urgent first:
+    ``<ns>:jobs:<queue>:urgent`` (priority < 0), ``<ns>:jobs:<queue>`` (priority 0) and
+    ``<ns>:jobs:<queue>:bulk`` (priority > 0). Inside a worker the engine schedules by the exact
+    integer priority.
+    """
+
+    LANES = ("urgent", "default", "bulk")
+
+    def __init__(self, namespace: str = "tokenrelay", queue: str = "default") -> None:
+        for name, value in (("namespace", namespace), ("queue", queue)):
+            if not value or any(c in value for c in "{}: \t\n"):
+                raise ValueError(f"{name} must be non-empty without braces, colons or whitespace; "
+                                 f"got {value!r}")
+        self.namespace = namespace
+        self.queue = queue
+
+    # -- queue-level keys
+    def lane(self, name: str) -> str:
+        base = f"{self.namespace}:jobs:{self.queue}"
+        if name == "default":
+            return base
+        if name in ("urgent", "bulk"):
+            return f"{base}:{name}"
+        raise ValueError(f"unknown lane {name!r}; lanes are {self.LANES}")
+
+    @staticmethod
+    def lane_for_priority(priority: int) -> str:
+        return "urgent" if priority < 0 else ("default" if priority == 0 else "bulk")
+
+    def jobs_stream(self, priority: int = 0) -> str:
+        return self.lane(self.lane_for_priority(priority))
+
+    def lanes(self) -> list[str]:
+        """Job stream keys in read order, most urgent first."""
+        return [self.lane(n) for n in self.LANES]
+
+    @property
+    def dead(self) -> str:
+        return f"{self.namespace}:dead:{self.queue}"
+
+    @property
+    def workers(self) -> str:
+        """Sorted set: worker id -> epoch ms of its last heartbeat."""
+        return f"{self.namespace}:workers:{self.queue}"
+
+    @property
+    def config(self) -> str:
+        """Hash of queue settings shared by all producers (e.g. ``max_queued_jobs``)."""
+        return f"{self.namespace}:config:{self.queue}"
+
+    def heartbeat(self, worker_id: str) -> str:
+        return f"{self.namespace}:worker:{worker_id}"
+
+    # -- per-job keys (hash-tagged by job id)
+    def results(self, job_id: str) -> str:
+        return f"{self.namespace}:result:{{{job_id}}}"
+
+    def cancel(self, job_id: str) -> str:
+        return f"{self.namespace}:cancel:{{{job_id}}}"
+
+    def dedupe(self, job_id: str) -> str:
+        """Set with the XADD: holds ``<lane key> <entry id>``; its presence means 'job known'."""
+        return f"{self.namespace}:job:{{{job_id}}}"
+
+    def owner(self, job_id: str) -> str:
+        """Fencing record: which worker currently owns the job (written by workers only)."""
+        return f"{self.namespace}:owner:{{{job_id}}}"
+
+
+# --------------------------------------------------------------------------------------------
+# Job payload
+# --------------------------------------------------------------------------------------------
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str = Field(min_length=1)
+    content: str
+
+
+class JobRequest(BaseModel):
+    """One job as carried in the ``data`` field of a job stream entry."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    v: Literal[1] = PROTOCOL_VERSION
+    job_id: str
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    prompt_token_ids: Optional[list[int]] = None
+    params: dict[str, Any] = Field(default_factory=dict)
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)
+    deadline_ms: Optional[int] = Field(default=None, ge=0)
+    stream: bool = True
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    submitted_ms: Optional[int] = Field(default=None, ge=0)
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_id(cls, v: str) -> str:
+        return validate_job_id(v)
+
+    @field_validator("prompt_token_ids")
+    @classmethod
+    def _ids(cls, v: Optional[list[int]]) -> Optional[list[int]]:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> "JobRequest":
+        given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError("exactly one of prompt, messages or prompt_token_ids is required; "
+                             f"got {given or 'none'}")
+        return self
+
+    def sampling_params(self):
+        """The params as the engine's SamplingParams; raises pydantic's ValidationError."""
+        from engine.sampling_params import SamplingParams
+        return SamplingParams.model_validate(self.params)
+
+
+def encode_job(job: JobRequest) -> bytes:
+    return msgpack.packb(job.model_dump(exclude_none=True), use_bin_type=True)
+
+
+def decode_job(raw: Any) -> JobRequest:
+    """Decode and validate a job entry's ``data`` field.
+
+    Raises ``ProtocolError`` (with ``job_id`` set when one could be read) for bytes that are not
+    msgpack, a payload that is not a map, an unknown ``v`` or missing and mistyped fields.
+    """
+    try:
+        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False) if isinstance(raw, bytes) else raw
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise ProtocolError(f"payload is not msgpack ({type(exc).__name__}: {exc})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"payload must be a msgpack map, got {type(obj).__name__}")
+    job_id = obj.get("job_id")
+    readable_id = job_id if isinstance(job_id, str) and _JOB_ID_RE.match(job_id) else None
+    if obj.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version v={obj.get('v')!r}; this worker speaks "
+                            f"v={PROTOCOL_VERSION}", job_id=readable_id)
+    try:
+        return JobRequest.model_validate(obj)
+    except ValidationError as exc:
+        raise ProtocolError(describe_validation_error(exc), job_id=readable_id) from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line naming each bad field, for messages a person reads."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ())) or "payload"
+        parts.append(f"{loc}: {err.get('msg')}")
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Result events
+# --------------------------------------------------------------------------------------------
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StartedEvent(_Event):
+    """Written when a worker starts (or resumes) a job. Records the sampling seed it uses, so any
+    later resume samples exactly as the first worker would have."""
+
+    type: Literal["started"] = "started"
+    worker_id: str
+    attempt: int = 1
+    seed: Optional[int] = None
+    resumed_tokens: int = 0
+    ts: float = Field(default_factory=time.time)
+
+
+class TokenEvent(_Event):
+    """New tokens of one engine step. ``seq`` numbers token events 0, 1, 2, ... per job;
+    ``index`` is the output position of the first token in ``token_ids``."""
+
+    type: Literal["token"] = "token"
+    seq: int
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: Optional[list[dict[int, float]]] = None
+    ts: float = Field(default_factory=time.time)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Timings(BaseModel):
+    queued_ms: Optional[float] = None
+    ttft_ms: Optional[float] = None
+    total_ms: Optional[float] = None
+
+
+class DoneEvent(_Event):
+    """Terminal success (or cancellation). For ``stream=False`` jobs it carries the whole output."""
+
+    type: Literal["done"] = "done"
+    finish_reason: str
+    usage: Usage = Field(default_factory=Usage)
+    timings: Timings = Field(default_factory=Timings)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    text: Optional[str] = None
+    token_ids: Optional[list[int]] = None
+    stop_reason: Optional[Union[str, int]] = None
+    ts: float = Field(default_factory=time.time)
+
+
+class ErrorEvent(_Event):
+    """Terminal failure: ``code`` from ErrorCode, ``message`` for a person."""
+
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    ts: float = Field(default_factory=time.time)
+
+
+Event = Union[StartedEvent, TokenEvent, DoneEvent, ErrorEvent]
+TERMINAL_TYPES = frozenset({"done", "error"})
+_EVENT_TYPES: dict[str, type[_Event]] = {
+    "started": StartedEvent, "token": TokenEvent, "done": DoneEvent, "error": ErrorEvent}
+
+
+def encode_event(event: _Event) -> bytes:
+    return msgpack.packb(event.model_dump(exclude_none=True), use_bin_type=True)
+
+
+def decode_event(raw: bytes) -> Event:
+    try:
+        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise ProtocolError(f"result event is not msgpack ({type(exc).__name__}: {exc})") from None
+    if not isinstance(obj, dict) or obj.get("type") not in _EVENT_TYPES:
+        raise ProtocolError(f"unknown result event: {obj!r:.80}")
+    return _EVENT_TYPES[obj["type"]].model_validate(obj)
+
+
+def is_terminal(event: Event) -> bool:
+    return event.type in TERMINAL_TYPES
