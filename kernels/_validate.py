@@ -1,0 +1,113 @@
+"""Launcher-side checks, raising ValueError before any kernel runs.
+
+Why in Python: `tl.device_assert` never fires in the interpreter, and an out-of-bounds index on the
+GPU corrupts memory silently (or kills the process in the interpreter). Checks on tensor *values*
+(index bounds) need a device-to-host sync, which is forbidden while a CUDA graph is being
+captured; they are skipped then — the same launch ran validated in eager mode before capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def value_checks_enabled() -> bool:
+    """False while a CUDA graph is being captured (reading values would sync and break capture)."""
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    ndim: int,
+    dtypes: Iterable[torch.dtype],
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Type, rank, dtype and device of one argument."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    dtypes = tuple(dtypes)
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} dtype must be one of {dtypes}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    return t
+
+
+def check_contiguous(name: str, t: torch.Tensor) -> None:
+    """Whole-tensor contiguity (caches, index tensors)."""
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
+
+
+def check_rows_contiguous(name: str, t: torch.Tensor) -> None:
+    """Everything but dim 0 packed densely, so a view of a fused projection (qkv split) is accepted."""
+    expected = 1
+    for dim in range(t.dim() - 1, 0, -1):
+        if t.shape[dim] > 1 and t.stride(dim) != expected:
+            raise ValueError(f"{name} must be contiguous past dim 0 (strides {t.stride()})")
+        expected *= t.shape[dim]
+    if t.shape[0] > 1 and t.stride(0) < expected:
+        raise ValueError(f"{name} rows overlap (strides {t.stride()})")
+
+
+def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(t.shape)}")
+
+
+def check_same_dtype(names: str, *tensors: torch.Tensor) -> None:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise ValueError(f"{names} must share one dtype, got {sorted(map(str, dtypes))}")
+
+
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, device: torch.device) -> None:
+    """Both caches [num_blocks, block_size, Hkv, D], same shape and dtype, contiguous."""
+    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES, device)
+    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES, device)
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    check_same_dtype("k_cache and v_cache", k_cache, v_cache)
+    check_contiguous("k_cache", k_cache)
+    check_contiguous("v_cache", v_cache)
+
+
+def check_range(name: str, t: torch.Tensor, low: int, high: int, what: str) -> None:
+    """Every value in [low, high); the message names the worst offender."""
+    if t.numel() == 0 or not value_checks_enabled():
+        return
+    lo, hi = int(t.min()), int(t.max())
+    if lo < low:
+        raise ValueError(f"{name} has value {lo} < {low} ({what})")
+    if hi >= high:
+        raise ValueError(f"{name} has value {hi} >= {high} ({what})")
+
+
+def check_block_tables(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """seq_lens fit the table's width, and every *used* table entry names a real block.
+
+    Entries past a sequence's last page are padding (often 0) and are never read, so they are not
+    checked — the engine may leave garbage there.
+    """
+    batch, width = block_tables.shape
+    check_range("seq_lens", seq_lens, 0, width * block_size + 1,
+                f"at most block_tables.shape[1] * block_size = {width * block_size}")
+    if batch == 0 or width == 0 or not value_checks_enabled():
+        return
+    pages_used = (seq_lens.long() + block_size - 1) // block_size
+    used = torch.arange(width, device=block_tables.device)[None, :] < pages_used[:, None]
+    entries = block_tables[used]
+    check_range("block_tables", entries, 0, num_blocks, f"num_blocks = {num_blocks}")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

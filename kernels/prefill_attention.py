@@ -1,0 +1,166 @@
+"""paged_prefill_attention: ragged causal attention for new tokens over a cached prefix.
+
+Runs after store_kv, so every key (prefix and new tokens alike) is read from the paged cache and a
+prefix-cache hit costs nothing special: sequence b's q_len = cu[b+1] - cu[b] new queries sit at
+positions context_len .. seq_len - 1, with context_len = seq_len - q_len.
+
+Design (why):
+- GQA packing as in decode: a program owns one (sequence, query tile, KV head) and stacks its
+  BLOCK_Q tokens x GROUP query heads as the BLOCK_M rows of one tile (row r = token r // GP,
+  head r % GP, GP = GROUP rounded up to a power of two), so each K/V tile is loaded once per group.
+- Causality per row: key n is visible to token t iff n <= context_len + t; the key loop stops at
+  the tile's last visible key, so the upper triangle beyond it is never read.
+- Query tiles past a sequence's span do no work (their loop is empty, their stores masked).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _validate as v
+from kernels.decode_attention import LOG2E
+from kernels.reference import paged_prefill_attention_ref
+
+__all__ = ["paged_prefill_attention", "paged_prefill_attention_ref"]
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_ptr, out_ptr,
+    qk_scale,
+    q_stride_t, q_stride_h, bt_stride,
+    cache_stride_blk, cache_stride_tok, cache_stride_head,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_GP
+    b = tl.program_id(0).to(tl.int64)
+    q_tile = tl.program_id(1).to(tl.int64)
+    kvh = tl.program_id(2).to(tl.int64)
+    num_heads = tl.num_programs(2).to(tl.int64) * GROUP
+
+    q_start = tl.load(cu_ptr + b).to(tl.int64)
+    q_len = tl.load(cu_ptr + b + 1).to(tl.int64) - q_start
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
+    context_len = seq_len - q_len
+    t0 = q_tile * BLOCK_Q
+
+    r = tl.arange(0, BLOCK_M).to(tl.int64)
+    t = t0 + r // BLOCK_GP
+    g = r % BLOCK_GP
+    row_ok = (t < q_len) & (g < GROUP)
+    head = kvh * GROUP + g
+    d = tl.arange(0, BLOCK_D).to(tl.int64)
+    d_ok = d < HEAD_DIM
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q_rows = (q_start + t) * q_stride_t + head * q_stride_h
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    limit = context_len + t                     # last key position each row may see
+
+    kv_end = tl.minimum(seq_len, context_len + t0 + BLOCK_Q)
+    kv_end = tl.where(t0 < q_len, kv_end, 0)     # tile past the span: no work
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N).to(tl.int64)
+        n_ok = n < kv_end
+        blk = tl.load(block_tables_ptr + b * bt_stride + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        row = blk * cache_stride_blk + (n % PAGE) * cache_stride_tok + kvh * cache_stride_head
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        visible = n_ok[None, :] & (n[None, :] <= limit[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        val = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, val, input_precision=PRECISION)
+        m = m_new
+
+    o = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+    o_rows = (q_start + t) * num_heads + head
+    tl.store(out_ptr + o_rows[:, None] * HEAD_DIM + d[None, :], o.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _check(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale) -> None:
+    v.check_tensor("query", query, 3, v.FLOAT_DTYPES)
+    dev = query.device
+    v.check_kv_cache(k_cache, v_cache, dev)
+    v.check_tensor("block_tables", block_tables, 2, (torch.int32,), dev)
+    v.check_tensor("seq_lens", seq_lens, 1, (torch.int32,), dev)
+    v.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,), dev)
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, page, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}")
+    v.check_same_dtype("query and the caches", query, k_cache)
+    v.check_rows_contiguous("query", query)
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
+        v.check_contiguous(name, t)
+    batch = seq_lens.shape[0]
+    if block_tables.shape[0] != batch or cu_seqlens_q.shape[0] != batch + 1:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)} and "
+                         f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} disagree on the batch")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    v.check_block_tables(block_tables, seq_lens, num_blocks, page)
+    if not v.value_checks_enabled():
+        return
+    cu = cu_seqlens_q.tolist()
+    if cu[0] != 0 or cu[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens_q must run from 0 to num_tokens = {num_tokens}, got {cu[0]}..{cu[-1]}")
+    q_lens = [hi - lo for lo, hi in zip(cu[:-1], cu[1:])]
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens.tolist())):
+        if q_len < 0:
+            raise ValueError(f"cu_seqlens_q decreases at sequence {b} ({cu[b]} -> {cu[b + 1]})")
+        if q_len > seq_len:
+            raise ValueError(f"sequence {b} has {q_len} new tokens but seq_len {seq_len}")
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """query [T, Hq, D] (sequence b = rows cu[b]:cu[b+1]) -> out [T, Hq, D] in query's dtype."""
+    _check(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
+    num_tokens, num_heads, head_dim = query.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    batch = seq_lens.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return out
+    block_gp = v.next_pow2(group)
+    block_d = max(16, v.next_pow2(head_dim))
+    block_m = max(64, block_gp)
+    block_n = 64 if block_d <= 128 else 32
+    max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # a sync; prefill is never graph-captured
+    if max_q <= 0:
+        return out
+    grid = (batch, triton.cdiv(max_q, block_m // block_gp), num_kv_heads)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
+        scale * LOG2E,
+        query.stride(0), query.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_GP=block_gp, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    return out
