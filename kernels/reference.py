@@ -96,11 +96,15 @@ def paged_prefill_attention_ref(
     return out
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight, all in fp32, cast once."""
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     inv = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (xf * inv * weight.float()).to(x.dtype)
+    return xf * inv * weight.float()
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight, all in fp32, cast once."""
+    return _rms_norm_fp32(x, weight, eps).to(x.dtype)
 
 
 def fused_add_rms_norm_ref(
@@ -109,7 +113,7 @@ def fused_add_rms_norm_ref(
     """residual += x in place (rounded to residual's dtype), then rms_norm of the stored residual."""
     summed = (residual.float() + x.float()).to(residual.dtype)
     residual.copy_(summed)
-    return rms_norm_ref(summed, weight, eps).to(x.dtype)
+    return _rms_norm_fp32(summed, weight, eps).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
