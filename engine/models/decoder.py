@@ -1,0 +1,220 @@
+"""One decoder for Llama, Qwen2, Qwen3 and Mistral over a flattened ragged batch.
+
+The families differ only by switches read from :class:`ModelConfig`: QKV bias (Qwen2), per-head
+Q/K RMSNorm (Qwen3), output-projection bias (Llama ``attention_bias``) and tied embeddings.
+Tokens of all sequences are concatenated (``input_ids[T]``, no padding); the attention layer
+learns the layout from :class:`AttentionMetadata` and reads K/V from the paged cache.
+
+Parameter names mirror Hugging Face's, except that q/k/v are fused into ``qkv_proj`` and
+gate/up into ``gate_up_proj``; :meth:`DecoderForCausalLM.hf_weight_target` maps HF names.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.layers import build_cos_sin_cache
+from engine.model_config import ModelConfig
+from engine.models.ops import Ops, get_ops
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    # Uninitialised on purpose: every parameter is overwritten by the loader.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)`` without nn.Linear's (slow, pointless) random init."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Holds the weight and eps; the computation is the backend's ``rms_norm`` op."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = _param(size, dtype=dtype, device=device)
+        self.eps = eps
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.ops = ops
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.split = [q_size, kv_size, kv_size]
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias, dtype, device)
+        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_bias, dtype, device)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
+        if self.q_norm is not None:
+            q = self.ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight,
+                                  self.q_norm.eps).view(t, self.num_heads, self.head_dim)
+            k = self.ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight,
+                                  self.k_norm.eps).view(t, self.num_kv_heads, self.head_dim)
+        q, k = q.contiguous(), k.contiguous()
+        self.ops.rotary(q, k, positions, cos_sin_cache, True)
+        k_cache, v_cache = kv_cache
+        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            out = self.ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                                  meta.seq_lens, self.scale)
+        else:
+            out = self.ops.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables,
+                                                   meta.seq_lens, meta.cu_seqlens_q, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype, device)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.ops = ops
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, ops, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, ops, dtype, device)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata, kv_cache: KVCache, cos_sin_cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        norm = self.input_layernorm
+        if residual is None:
+            residual = hidden
+            hidden = self.ops.rms_norm(hidden, norm.weight, norm.eps)
+        else:
+            hidden = self.ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden = self.self_attn(positions, hidden, meta, kv_cache, cos_sin_cache)
+        norm = self.post_attention_layernorm
+        hidden = self.ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                                         device=device, _weight=torch.empty(
+                                             cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                                             device=device))
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, dtype, device)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class DecoderForCausalLM(nn.Module):
+    """``forward(input_ids[T], positions[T], meta, kv_caches) -> hidden[T, H]``;
+    ``compute_logits(hidden[N, H]) -> [N, vocab] float32``."""
+
+    # HF projection name -> (our fused module, index of its shard in the fused rows)
+    PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", ops: Ops | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.ops = ops or get_ops("torch")
+        self.dtype = dtype
+        self.model = DecoderModel(config, self.ops, dtype, device)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        # float32 on purpose: cos/sin are cast to the activation dtype at use, like transformers.
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(
+            config.head_dim, config.max_position_embeddings, config.rope_theta,
+            config.rope_scaling, device), persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for a model with "
+                             f"{len(self.model.layers)} layers; pass one (k, v) pair per layer")
+        hidden = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, meta, kv_cache,
+                                     self.cos_sin_cache)
+        norm = self.model.norm
+        return self.ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model dtype (as transformers computes them), returned as float32."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          dtype: torch.dtype | None = None) -> list[KVCache]:
+        """Zeroed ``[num_blocks, block_size, Hkv, D]`` (k, v) pairs, one per layer."""
+        cfg = self.config
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        device = self.model.embed_tokens.weight.device
+        return [(torch.zeros(shape, dtype=dtype or self.dtype, device=device),
+                 torch.zeros(shape, dtype=dtype or self.dtype, device=device))
+                for _ in range(cfg.num_hidden_layers)]
+
+    def hf_weight_target(self, hf_name: str) -> tuple[str, int | None] | None:
+        """Map a Hugging Face tensor name to ``(our parameter name, shard index or None)``;
+        ``None`` means the tensor is not used (rotary buffers, a tied lm_head copy)."""
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            return None
+        if hf_name == "lm_head.weight" and self.lm_head is None:
+            return None
+        for hf_part, (ours, shard) in self.PACKED.items():
+            token = f".{hf_part}."
+            if token in hf_name:
+                return hf_name.replace(token, f".{ours}."), shard
+        return hf_name, None
+
+    def shard_rows(self, fused: str, shard: int) -> slice:
+        """Rows of a fused ``qkv_proj``/``gate_up_proj`` parameter that hold shard ``shard``."""
+        cfg = self.config
+        if fused == "qkv_proj":
+            q = cfg.num_attention_heads * cfg.head_dim
+            kv = cfg.num_key_value_heads * cfg.head_dim
+            starts = [0, q, q + kv, q + 2 * kv]
+        else:
+            i = cfg.intermediate_size
+            starts = [0, i, 2 * i]
+        return slice(starts[shard], starts[shard + 1])

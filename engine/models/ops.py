@@ -1,0 +1,78 @@
+"""The seven ops the decoder calls, chosen by backend name so Triton kernels can be swapped in.
+
+Signatures are fixed by docs/contracts.md; ``"torch"`` uses ``engine.layers``/``engine.attention``,
+``"triton"`` imports ``kernels`` lazily (so a CPU-only install never needs Triton), ``"auto"``
+picks Triton only when CUDA is available and ``kernels`` provides every op.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine import attention, layers
+
+OP_NAMES = ("store_kv", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
+            "fused_add_rms_norm", "rotary", "silu_and_mul")
+BACKENDS = ("torch", "triton", "auto")
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested attention backend cannot be used in this install."""
+
+
+@dataclass(frozen=True)
+class Ops:
+    """Callables with the contract's signatures."""
+
+    name: str
+    store_kv: Callable
+    paged_decode_attention: Callable
+    paged_prefill_attention: Callable
+    rms_norm: Callable
+    fused_add_rms_norm: Callable
+    rotary: Callable
+    silu_and_mul: Callable
+
+
+def _torch_ops() -> Ops:
+    return Ops(name="torch", store_kv=attention.store_kv,
+               paged_decode_attention=attention.paged_decode_attention,
+               paged_prefill_attention=attention.paged_prefill_attention,
+               rms_norm=layers.rms_norm, fused_add_rms_norm=layers.fused_add_rms_norm,
+               rotary=layers.rotary, silu_and_mul=layers.silu_and_mul)
+
+
+def _triton_ops() -> Ops:
+    try:
+        kernels = importlib.import_module("kernels")
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"backend 'triton' needs the `kernels` package and Triton ({exc}); "
+            "install the worker extra or use backend='torch'") from exc
+    missing = [n for n in OP_NAMES if not callable(getattr(kernels, n, None))]
+    if missing:
+        raise BackendUnavailableError(
+            f"`kernels` does not export {', '.join(missing)} yet; use backend='torch' "
+            "(or 'auto', which falls back) until they exist")
+    return Ops(name="triton", **{n: getattr(kernels, n) for n in OP_NAMES})
+
+
+def get_ops(backend: str = "torch") -> Ops:
+    """Return the op table for ``backend`` ("torch" | "triton" | "auto")."""
+    if backend == "torch":
+        return _torch_ops()
+    if backend == "triton":
+        return _triton_ops()
+    if backend == "auto":
+        if torch.cuda.is_available():
+            try:
+                return _triton_ops()
+            except BackendUnavailableError:
+                pass
+        return _torch_ops()
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
