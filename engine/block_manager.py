@@ -1,0 +1,185 @@
+"""BlockManager: the paged KV cache's bookkeeping (which physical block holds which tokens).
+
+The cache is ``num_blocks`` blocks of ``block_size`` token slots. Each sequence owns a block
+table: its i-th block holds its tokens ``[i*block_size, (i+1)*block_size)``. Blocks are ref
+counted so that sequences sharing a prompt prefix can share the full blocks of that prefix.
+
+Prefix caching: every *full* block is identified by a hash chained over the previous block's
+hash and its own token ids, so equal hashes mean equal whole prefixes. A hit is verified against
+the stored (parent hash, token ids) key, so a hash collision can never serve wrong KV. Blocks
+nobody references stay in the free queue with their contents and hash intact, reusable until a
+fresh allocation evicts them, least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Optional
+
+from engine.sequence import Sequence
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Internal: an allocation was attempted without checking ``can_allocate`` first."""
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, "
+                             f"{block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[Optional[int]] = [None] * num_blocks
+        self.block_key: list[Optional[tuple]] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # Blocks with ref count 0, in eviction order (front is reused first). Blocks without a
+        # hash go to the front: reusing them costs nothing, evicting cached ones loses a prefix.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Prefix cache statistics (tokens):
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+    # -- prefix cache ----------------------------------------------------------------------
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of the sequence's first ``num_blocks`` full blocks (memoized)."""
+        hashes = seq.block_hashes
+        bs = self.block_size
+        tokens = seq.token_ids
+        prev = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_blocks):
+            prev = hash((prev, tuple(tokens[i * bs:(i + 1) * bs])))
+            hashes.append(prev)
+        return hashes
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the sequence's leading tokens; takes no references.
+
+        At most ``num_tokens - 1`` tokens are matched: the last token must be computed anyway,
+        because its logits are what the next sample needs.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hashes = self._hashes(seq, max_blocks)
+        bs = self.block_size
+        matched: list[int] = []
+        prev: Optional[int] = None
+        for i in range(max_blocks):
+            h = hashes[i]
+            block = self.hash_to_block.get(h)
+            if block is None or self.block_key[block] != (prev, tuple(seq.token_ids[i * bs:(i + 1) * bs])):
+                break
+            matched.append(block)
+            prev = h
+        return matched
+
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.num_query_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    # -- allocation ------------------------------------------------------------------------
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int,
+                          cached_blocks: Iterable[int] = ()) -> int:
+        """Free-queue blocks an ``allocate`` call would consume (fresh plus revived cached)."""
+        cached = list(cached_blocks)
+        have = len(seq.block_table) + len(cached)
+        total_tokens = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        fresh = max(0, self.blocks_for(total_tokens) - have)
+        revived = sum(1 for b in cached if self.ref_counts[b] == 0)
+        return fresh + revived
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int,
+                     cached_blocks: Iterable[int] = ()) -> bool:
+        return self.num_blocks_needed(seq, num_new_tokens, cached_blocks) <= len(self.free_queue)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int,
+                 cached_blocks: Iterable[int] = ()) -> None:
+        """Give ``seq`` blocks for ``num_new_tokens`` more tokens after its computed ones.
+
+        ``cached_blocks`` (only for a sequence holding no blocks) are prefix-cache hits from
+        ``match_prefix``; the caller advances ``num_computed_tokens`` past them.
+        """
+        cached = list(cached_blocks)
+        if cached and seq.block_table:
+            raise ValueError("cached blocks can only start an empty block table")
+        if not self.can_allocate(seq, num_new_tokens, cached):
+            raise NoFreeBlocksError(
+                f"{seq.request_id}: need {self.num_blocks_needed(seq, num_new_tokens, cached)} "
+                f"blocks, {len(self.free_queue)} free")
+        for b in cached:
+            if self.ref_counts[b] == 0:
+                del self.free_queue[b]
+            self.ref_counts[b] += 1
+        if cached:
+            seq.block_table.extend(cached)
+            seq.num_cached_blocks = len(cached)
+        total_tokens = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        for _ in range(self.blocks_for(total_tokens) - len(seq.block_table)):
+            seq.block_table.append(self._take_fresh_block())
+
+    def _take_fresh_block(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)
+        h = self.block_hash[block]
+        if h is not None:  # evict its cached contents
+            if self.hash_to_block.get(h) == block:
+                del self.hash_to_block[h]
+            self.block_hash[block] = None
+            self.block_key[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references. Tail blocks first, so they are evicted first."""
+        for block in reversed(seq.block_table):
+            rc = self.ref_counts[block] - 1
+            if rc < 0:
+                raise RuntimeError(f"block {block} ref count went negative")
+            self.ref_counts[block] = rc
+            if rc == 0:
+                self.free_queue[block] = None
+                if self.block_hash[block] is None:
+                    self.free_queue.move_to_end(block, last=False)
+        seq.block_table = []
+        seq.num_cached_blocks = 0
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Publish the sequence's newly completed blocks to the prefix cache.
+
+        Called after a step computed tokens: a block is full once all its slots hold KV. If an
+        identical block is already published (two equal prompts in one step), this one simply
+        stays private.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_cached_blocks:
+            return
+        hashes = self._hashes(seq, num_full)
+        bs = self.block_size
+        for i in range(seq.num_cached_blocks, num_full):
+            block = seq.block_table[i]
+            h = hashes[i]
+            if self.block_hash[block] is None and h not in self.hash_to_block:
+                self.block_hash[block] = h
+                self.block_key[block] = (hashes[i - 1] if i else None,
+                                         tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+                self.hash_to_block[h] = block
+        seq.num_cached_blocks = num_full

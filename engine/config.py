@@ -1,0 +1,137 @@
+"""EngineConfig: every knob of the engine, i.e. the keyword arguments of ``LLM(model=..., **kw)``.
+
+The config is resolved once, at engine start: ``resolve()`` reads the checkpoint's config.json
+(``engine.model_config.ModelConfig``) for the shapes the KV cache needs and picks the device,
+dtype and max_model_len defaults. The number
+of KV blocks is decided later by the ModelRunner (it needs the loaded weights to measure free
+GPU memory), through ``kv_block_bytes`` and ``num_kv_blocks_for``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from engine.model_config import ModelConfig
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+# On CPU there is no "free memory after weights" to measure, so the default pool is a fixed
+# budget, capped so we never allocate more than max_num_seqs full-length sequences could use.
+_CPU_DEFAULT_KV_BYTES = 2 * 1024**3
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. ``None`` means "pick a sensible default at resolve time".
+
+    KV pool size, in order of precedence: ``num_kv_blocks``, then ``kv_cache_memory`` (bytes),
+    then on CUDA ``gpu_memory_utilization`` of total memory minus what is in use after the
+    weights are loaded, else a fixed CPU budget. A pool smaller than ``max_model_len`` is fine:
+    only requests that could never fit are refused.
+    """
+
+    model: str
+    dtype: Union[str, torch.dtype] = "auto"
+    device: Optional[str] = None
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+    # Filled by resolve(): the checkpoint's config.json, parsed.
+    hf_config: Optional[ModelConfig] = field(default=None, repr=False)
+
+    def resolve(self) -> "EngineConfig":
+        """Validate the knobs and fill every default; returns self for chaining."""
+        self.model = str(self.model)
+        if self.hf_config is None:
+            self.hf_config = ModelConfig.from_pretrained(self.model)
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = str(self.device)
+        self.dtype = self._resolve_dtype()
+        if self.attention_backend not in ("torch", "triton", "auto"):
+            raise ValueError(f"attention_backend must be 'torch', 'triton' or 'auto', "
+                             f"got {self.attention_backend!r}")
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
+        for name in ("block_size", "max_num_seqs"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < self.kv_block_bytes():
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} bytes is less than one KV "
+                             f"block ({self.kv_block_bytes()} bytes)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        limit = self.hf_config.max_position_embeddings
+        if self.hf_config.sliding_window is not None:  # the decoder attends to everything
+            limit = min(limit, self.hf_config.sliding_window)
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif not 1 <= self.max_model_len <= limit:
+            raise ValueError(f"max_model_len={self.max_model_len} must be in [1, {limit}] "
+                             f"(the checkpoint's max_position_embeddings or sliding_window)")
+        if self.max_num_batched_tokens is None:
+            # Large enough that a typical prompt is one chunk; small enough that a step of
+            # prefill does not stall decodes for long.
+            self.max_num_batched_tokens = max(2048, self.max_num_seqs)
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, "
+                             f"got {self.max_num_batched_tokens}")
+        return self
+
+    def _resolve_dtype(self) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        name = str(self.dtype).lower().replace("torch.", "")
+        if name == "auto":
+            if not self.device.startswith("cuda"):
+                return torch.float32  # half precision matmuls are slow on most CPUs
+            name = str(self.hf_config.torch_dtype or "bfloat16").replace("torch.", "")
+            if name == "float32":
+                return torch.float32
+            return _DTYPES.get(name, torch.bfloat16)
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        return _DTYPES[name]
+
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block across all layers (K and V)."""
+        c = self.hf_config
+        elem = torch.empty((), dtype=self.dtype if isinstance(self.dtype, torch.dtype)
+                           else torch.float32).element_size()
+        return (2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim
+                * elem)
+
+    def max_useful_blocks(self) -> int:
+        """More blocks than this could never be in use at once."""
+        return self.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
+
+    def num_kv_blocks_for(self, free_bytes: Optional[int] = None) -> int:
+        """How many blocks the pool gets, given the bytes free for it (CUDA) or None (CPU)."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        if self.kv_cache_memory is not None:
+            return max(1, self.kv_cache_memory // self.kv_block_bytes())
+        budget = free_bytes if free_bytes is not None else _CPU_DEFAULT_KV_BYTES
+        blocks = budget // self.kv_block_bytes()
+        if blocks < 1:
+            raise ValueError("not enough memory left for even one KV block; lower max_model_len, "
+                             "raise gpu_memory_utilization or pass num_kv_blocks")
+        return int(min(blocks, self.max_useful_blocks()))

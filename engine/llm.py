@@ -1,0 +1,131 @@
+"""LLM: the offline, vLLM-shaped front door (``LLM(model=PATH).generate(prompts, params)``)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence as Seq, Union
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, PromptType
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+
+ParamsType = Union[SamplingParams, Seq[SamplingParams], None]
+
+
+class LLM:
+    """Batch generation over an ``LLMEngine``. Keyword arguments are ``EngineConfig`` fields."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        model_object = kwargs.pop("model_object", None)
+        tokenizer_object = kwargs.pop("tokenizer_object", None)
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), model=model_object,
+                                tokenizer=tokenizer_object)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    @staticmethod
+    def _is_single_prompt(prompts: Any) -> bool:
+        if isinstance(prompts, str):
+            return True
+        return (isinstance(prompts, (list, tuple)) and len(prompts) > 0
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts))
+
+    def generate(self, prompts: Union[PromptType, Seq[PromptType]], params: ParamsType = None,
+                 use_tqdm: bool = False, *, sampling_params: ParamsType = None,
+                 priority: Optional[Seq[int]] = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order.
+
+        ``prompts``: a string, a list of token ids, or a list of those. ``params``: one
+        SamplingParams for all, or one per prompt. Bad input raises ValueError before anything
+        runs (the requests of this call that were already queued are withdrawn).
+        """
+        if params is None:
+            params = sampling_params
+        if self._is_single_prompt(prompts):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"params: got {len(params_list)} SamplingParams for "
+                                 f"{len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        return self._run(prompts, params_list, priorities, use_tqdm)
+
+    def chat(self, messages: Union[list[dict], list[list[dict]]], params: ParamsType = None,
+             use_tqdm: bool = False, *, sampling_params: ParamsType = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations."""
+        if params is None:
+            params = sampling_params
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts: list[PromptType] = []
+        texts: list[str] = []
+        for conv in convs:
+            text = self.engine.render_chat(conv)  # type: ignore[arg-type]
+            texts.append(text)
+            # The rendered template already holds BOS and friends: add no special tokens.
+            prompts.append(list(tok.encode(text, add_special_tokens=False)))
+        outs = self.generate(prompts, params, use_tqdm)
+        for o, text in zip(outs, texts):
+            o.prompt = text
+        return outs
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
+             priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for prompt, p, prio in zip(prompts, params_list, priorities):
+                rid = f"llm-{next(self._ids)}"
+                engine.add_request(rid, prompt, p, priority=prio)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        seqs = {rid: engine.requests[rid] for rid in ids}
+        texts: dict[str, list[str]] = {rid: [] for rid in ids}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        pending = set(ids)
+        while pending:
+            for d in engine.step():
+                if d.request_id in texts:
+                    texts[d.request_id].append(d.new_text)
+                    if d.finished:
+                        pending.discard(d.request_id)
+                        if bar is not None:
+                            bar.update(1)
+            if pending and not engine.has_unfinished_requests():
+                raise RuntimeError("engine went idle with requests still pending")
+        if bar is not None:
+            bar.close()
+        outputs = []
+        for rid in ids:
+            seq = seqs[rid]
+            completion = CompletionOutput(
+                index=0,
+                text="".join(texts[rid]),
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            outputs.append(RequestOutput(
+                request_id=rid, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+                outputs=[completion], finished=True,
+                metrics=RequestMetrics(seq.arrival_time, seq.first_token_time,
+                                       seq.finished_time)))
+        return outputs

@@ -1,0 +1,320 @@
+"""LLMEngine: the step API (add_request / step / abort_request) the worker drives.
+
+One ``step()`` = schedule -> one forward pass -> sample -> detokenize -> finish checks. The
+engine holds no threads and no queues of its own beyond the scheduler's; the caller decides
+when to step. See docs/contracts.md for the contract this implements.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, detokenize_step
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestDelta, ResumeState
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+PromptType = Union[str, list[int]]
+
+
+def _eos_ids(config: EngineConfig, tokenizer: Any) -> set[int]:
+    """EOS ids: config.json's and generation_config.json's ``eos_token_id`` (int or list, read
+    by ModelConfig) plus the tokenizer's."""
+    ids = set(config.hf_config.eos_token_ids)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int):
+        ids.add(tok_eos)
+    return ids
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    ``model``/``tokenizer`` may be injected (tests use a fake model); by default they are
+    loaded from ``config.model`` with ``engine.loader``.
+    """
+
+    def __init__(self, config: EngineConfig, *, model: Optional[Any] = None,
+                 tokenizer: Optional[Any] = None) -> None:
+        self.config = config.resolve()
+        torch.manual_seed(config.seed)
+        if tokenizer is None:
+            from engine.loader import load_tokenizer
+            tokenizer = load_tokenizer(config.model)
+        self.tokenizer = tokenizer
+        self.model_runner = ModelRunner(config, model)
+        self.vocab_size = config.hf_config.vocab_size
+        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+        self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.eos_token_ids = _eos_ids(config, tokenizer)
+        self.sampler = Sampler(self.vocab_size, sorted(self.eos_token_ids))
+        self.requests: dict[str, Sequence] = {}
+        self._seed_rng = random.Random(config.seed)
+        self._arrivals = itertools.count()
+        # Statistics:
+        self._num_steps = 0
+        self._num_generated_tokens = 0
+        self._num_computed_tokens = 0
+        self._peak_blocks_used = 0
+        self._kv_utilization_peak = 0.0
+        self._request_blocks_sum = 0
+        self._request_count = 0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "LLMEngine":
+        model = kwargs.pop("model_object", None)
+        tokenizer = kwargs.pop("tokenizer_object", None)
+        return cls(EngineConfig(**kwargs), model=model, tokenizer=tokenizer)
+
+    # -- requests --------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt: must not be empty")
+            ids = list(self.tokenizer.encode(prompt))
+            if not ids:
+                raise InvalidRequestError("prompt: tokenizes to zero tokens")
+            return ids
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequestError(
+                f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise InvalidRequestError("prompt: must not be empty")
+        self._check_token_ids("prompt", prompt)
+        return [int(t) for t in prompt]
+
+    def _check_token_ids(self, field: str, ids: Any) -> None:
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise InvalidRequestError(f"{field}: token ids must be integers, got {t!r}")
+            if not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(
+                    f"{field}: token id {t} is outside the vocabulary [0, {self.vocab_size})")
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: Union[SamplingParams, Mapping[str, Any], None] = None,
+                    priority: int = 0, resume: Optional[ResumeState] = None) -> None:
+        """Queue a request. Raises InvalidRequestError / PromptTooLongError (with the numbers)
+        or pydantic's ValidationError for bad sampling fields; on error nothing is changed."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id: must be a non-empty string")
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id: {request_id!r} is already in use")
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, Mapping):
+            params = SamplingParams.model_validate(dict(params))
+        elif not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"params: expected SamplingParams, got {type(params).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority: must be an integer, got {priority!r}")
+        prompt_ids = self._prompt_ids(prompt)
+        resumed: list[int] = []
+        if resume is not None:
+            resumed = list(resume.output_token_ids)
+            self._check_token_ids("resume.output_token_ids", resumed)
+            if len(resumed) >= params.max_tokens:
+                raise InvalidRequestError(
+                    f"resume: {len(resumed)} tokens already emitted, max_tokens is "
+                    f"{params.max_tokens}; nothing left to generate")
+        p, m = len(prompt_ids), params.max_tokens
+        if p + m > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({p} tokens) + max_tokens ({m}) = {p + m} exceeds max_model_len "
+                f"({self.max_model_len})")
+        # The last sampled token never needs KV, hence the -1.
+        need = self.block_manager.blocks_for(p + m - 1)
+        if need > self.block_manager.num_blocks:
+            raise PromptTooLongError(
+                f"prompt ({p} tokens) + max_tokens ({m}) needs {need} KV blocks of "
+                f"{self.config.block_size} tokens, the pool has {self.block_manager.num_blocks}")
+
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seq = Sequence(request_id, prompt_ids, params, priority=priority,
+                       arrival_index=next(self._arrivals), seed=seed,
+                       prompt=prompt if isinstance(prompt, str) else None)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+        if resumed:
+            seq.token_ids.extend(resumed)
+            seq.detokenizer.replay(resumed, resume.output_text)  # type: ignore[union-attr]
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        self._request_blocks_sum += self.block_manager.blocks_for(p + m)
+        self._request_count += 1
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request in any state and free its blocks at once. Silent: no delta follows."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        seq.finished_time = time.time()
+        return True
+
+    def request_seed(self, request_id: str) -> int:
+        """The sampling seed of a live request (drawn at add time when it gave none)."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            raise KeyError(f"no unfinished request {request_id!r}")
+        return seq.seed
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished()
+
+    def free_capacity(self) -> int:
+        """How many more requests could start soon: free sequence slots, bounded by the free
+        KV blocks left after the waiting prompts, divided by the average request's blocks."""
+        slots = self.config.max_num_seqs - self.scheduler.num_unfinished()
+        bm = self.block_manager
+        pending = sum(bm.blocks_for(s.num_tokens) for s in self.scheduler.waiting)
+        headroom = bm.num_free_blocks - pending
+        if self._request_count:
+            per_request = max(1, self._request_blocks_sum // self._request_count)
+        else:
+            per_request = bm.blocks_for(min(self.max_model_len, 512))
+        return max(0, min(slots, headroom // per_request))
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        """Run one scheduling step; return at most one delta per request that got a token."""
+        if not self.scheduler.has_unfinished():
+            return []
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        logits, rows = self.model_runner.execute(out.seqs, out.num_new_tokens)
+        self.scheduler.update(out)
+        self._num_steps += 1
+        self._num_computed_tokens += out.num_batched_tokens
+        self._track_kv_utilization()
+        if not rows:
+            return []
+        seqs = [out.seqs[i] for i in rows]
+        sampled = self.sampler(logits, seqs)
+        return self._process_samples(seqs, sampled)
+
+    def _process_samples(self, seqs: list[Sequence], sampled) -> list[RequestDelta]:
+        now = time.time()
+        eos = self.eos_token_ids
+        finish: list[Optional[str]] = []
+        stop_reasons: list[Union[str, int, None]] = []
+        items = []
+        for seq, tok, lp, top in zip(seqs, sampled.token_ids, sampled.logprobs,
+                                     sampled.top_logprobs):
+            p = seq.params
+            seq.token_ids.append(tok)
+            seq.cumulative_logprob += lp
+            if p.logprobs is not None:
+                seq.output_logprobs.append(top)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            n_out = seq.num_output_tokens
+            reason: Optional[str] = None
+            stop_reason: Union[str, int, None] = None
+            text_tokens = [tok]
+            if n_out >= p.min_tokens:
+                if tok in p.stop_token_ids:
+                    reason, stop_reason, text_tokens = "stop", tok, []
+                elif not p.ignore_eos and tok in eos:
+                    reason, text_tokens = "stop", []
+            if reason is None and (n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+                reason = "length"
+            finish.append(reason)
+            stop_reasons.append(stop_reason)
+            items.append((seq.detokenizer, text_tokens, reason is not None))
+        texts = detokenize_step(items)
+        deltas = []
+        for seq, tok, lp, top, reason, stop_reason, (text, stop_str) in zip(
+                seqs, sampled.token_ids, sampled.logprobs, sampled.top_logprobs,
+                finish, stop_reasons, texts):
+            if stop_str is not None:
+                reason, stop_reason = "stop", stop_str
+            if reason is not None:
+                seq.stop_reason = stop_reason
+                seq.finished_time = now
+                self.scheduler.finish(seq, reason)
+                del self.requests[seq.request_id]
+            deltas.append(RequestDelta(
+                request_id=seq.request_id,
+                new_token_ids=[tok],
+                new_text=text,
+                logprobs=[top] if seq.params.logprobs is not None else None,
+                token_logprobs=[lp],
+                finished=reason is not None,
+                finish_reason=reason,
+                stop_reason=stop_reason,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_output_tokens=seq.num_output_tokens,
+            ))
+        self._num_generated_tokens += len(deltas)
+        return deltas
+
+    # -- statistics ------------------------------------------------------------------------
+    def _track_kv_utilization(self) -> None:
+        """At the step with the most blocks in use, record tokens stored / slots allocated."""
+        bm = self.block_manager
+        used = bm.num_used_blocks
+        if used <= self._peak_blocks_used:
+            return
+        self._peak_blocks_used = used
+        bs = bm.block_size
+        fill: dict[int, int] = {}
+        for seq in self.scheduler.running:
+            c = seq.num_computed_tokens
+            for i, b in enumerate(seq.block_table):
+                f = min(bs, max(0, c - i * bs))
+                if f > fill.get(b, 0):
+                    fill[b] = f
+        self._kv_utilization_peak = sum(fill.values()) / (used * bs)
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_peak": self._peak_blocks_used,
+            "kv_utilization_peak": self._kv_utilization_peak,
+            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate(),
+            "prefix_cache_hit_tokens": bm.num_hit_tokens,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_steps": self._num_steps,
+            "num_generated_tokens": self._num_generated_tokens,
+            "num_computed_tokens": self._num_computed_tokens,
+            "block_size": bm.block_size,
+            "max_model_len": self.max_model_len,
+        }
+
+    # -- chat ------------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict]) -> str:
+        """The checkpoint's chat template applied, with the generation prompt."""
+        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+            raise InvalidRequestError("messages: must be a list of {'role', 'content'} dicts")
+        for m in messages:
+            if "role" not in m or "content" not in m:
+                raise InvalidRequestError("messages: every message needs 'role' and 'content'")
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                      add_generation_prompt=True)
+        # No template in the checkpoint: a plain, readable fallback.
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + "assistant:"

@@ -1,0 +1,124 @@
+"""ModelRunner: owns the weights and the paged KV cache, turns a schedule into one forward pass.
+
+The batch is flattened and ragged, with no padding: the new tokens of every scheduled sequence
+are concatenated into ``input_ids[T]``/``positions[T]``; ``cu_seqlens_q`` marks where each
+sequence's span starts; ``slot_mapping[T]`` says where each new token's K/V goes in the cache
+(``block_table[pos // block_size] * block_size + pos % block_size``). Only the last position of
+each sequence that completes its tokens this step reaches the LM head; chunked-prefill pieces
+that do not finish their prompt skip it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from engine.config import EngineConfig
+from engine.attention import AttentionMetadata
+from engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: Optional[Any] = None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        if model is None:
+            from engine.loader import load_model
+            model = load_model(config.model, dtype=config.dtype, device=config.device,
+                               backend=config.attention_backend)
+        self.model = model
+        self.num_blocks = config.num_kv_blocks_for(self._free_bytes_for_kv())
+        c = config.hf_config
+        cache_shape = (self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(cache_shape, dtype=config.dtype, device=self.device),
+             torch.zeros(cache_shape, dtype=config.dtype, device=self.device))
+            for _ in range(c.num_hidden_layers)
+        ]
+
+    def _free_bytes_for_kv(self) -> Optional[int]:
+        """CUDA: what ``gpu_memory_utilization`` leaves after the weights; CPU: None."""
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Leave room for activations of the largest step (a generous per-token estimate).
+        activations = self.config.max_num_batched_tokens * 64 * 1024
+        return int(total * self.config.gpu_memory_utilization - (total - free) - activations)
+
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
+        """Build the flattened inputs. Returns (input_ids, positions, meta, last_token_indices,
+        sample_rows) where ``sample_rows`` indexes ``seqs`` that get a token this step."""
+        bs = self.block_size
+        dev = self.device
+        is_decode = all(n == 1 for n in num_new_tokens)
+        max_blocks = max(len(s.block_table) for s in seqs)
+        block_tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table))
+                                     for s in seqs], dtype=torch.int32)
+        if is_decode:
+            input_ids = [s.token_ids[-1] for s in seqs]
+            pos = [s.num_computed_tokens for s in seqs]
+            slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
+            seq_lens = [p + 1 for p in pos]
+            positions = torch.tensor(pos, dtype=torch.int64)
+            slot_mapping = torch.tensor(slots, dtype=torch.int64)
+            context_lens = positions.to(torch.int32)
+            seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+            cu = torch.arange(len(seqs) + 1, dtype=torch.int32)
+            sample_rows = list(range(len(seqs)))
+            last = torch.arange(len(seqs), dtype=torch.int64)
+            max_q = 1
+        else:
+            input_ids: list[int] = []
+            starts: list[int] = []
+            seq_lens = []
+            sample_rows = []
+            last_idx: list[int] = []
+            total = 0
+            for i, (s, n) in enumerate(zip(seqs, num_new_tokens)):
+                c = s.num_computed_tokens
+                input_ids.extend(s.token_ids[c:c + n])
+                starts.append(c)
+                seq_lens.append(c + n)
+                total += n
+                if c + n == s.num_tokens:
+                    sample_rows.append(i)
+                    last_idx.append(total - 1)
+            q_lens = torch.tensor(num_new_tokens, dtype=torch.int64)
+            start_t = torch.tensor(starts, dtype=torch.int64)
+            rows = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
+            cu64 = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+            torch.cumsum(q_lens, 0, out=cu64[1:])
+            positions = start_t[rows] + (torch.arange(total) - cu64[:-1][rows])
+            slot_mapping = (block_tables[rows, positions // bs].to(torch.int64) * bs
+                            + positions % bs)
+            context_lens = start_t.to(torch.int32)
+            seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+            cu = cu64.to(torch.int32)
+            last = torch.tensor(last_idx, dtype=torch.int64)
+            max_q = max(num_new_tokens)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev, non_blocking=True),
+            block_tables=block_tables.to(dev, non_blocking=True),
+            seq_lens=seq_lens_t.to(dev, non_blocking=True),
+            context_lens=context_lens.to(dev, non_blocking=True),
+            cu_seqlens_q=cu.to(dev, non_blocking=True),
+            max_seqlen_q=max_q,
+            max_seqlen_k=max(seq_lens),
+            is_decode=is_decode,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        return ids, positions.to(dev, non_blocking=True), meta, last.to(dev), sample_rows
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]
+                ) -> tuple[Optional[torch.Tensor], list[int]]:
+        """Run one forward pass. Returns (logits[N, vocab] float32 or None, sample_rows)."""
+        ids, positions, meta, last, sample_rows = self.prepare(seqs, num_new_tokens)
+        hidden = self.model(ids, positions, meta, self.kv_caches)
+        if not sample_rows:
+            return None, sample_rows
+        logits = self.model.compute_logits(hidden[last])
+        return logits.float(), sample_rows

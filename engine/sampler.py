@@ -1,0 +1,163 @@
+"""Sampler: logits of the sequences that finished their step -> one token each.
+
+Reproducibility contract: a request's randomness is a function of (seed, output position) only.
+Each sampled row draws its exponential noise from a ``torch.Generator`` seeded with
+``mix_seed(seed, position)``; the sample is ``argmax(probs / noise)`` (the exponential-race form
+of Gumbel-max, equivalent to drawing from ``probs``). So what else is in the batch, and which
+worker resumes the request, never changes the draw.
+
+The common paths are vectorized over the batch: greedy rows are one ``argmax``; top-k/top-p/min-p
+are one sort for all rows that need them. The per-row Python loops are only the generator
+seeding of random rows and the (rare) penalty rows.
+
+Logprobs are those of the raw model distribution (vLLM's default), before penalties,
+temperature and truncation: they describe the model, not the sampling knobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence as Seq
+
+import torch
+
+from engine.sequence import Sequence
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): a well-spread 63-bit generator seed."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]                          # of each chosen token
+    top_logprobs: list[Optional[dict[int, float]]]  # per row: top-N plus the chosen one, or None
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: Seq[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted({t for t in eos_token_ids if 0 <= t < vocab_size})
+        self._generator = torch.Generator()  # CPU: identical streams on every device
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        logits = logits.float()
+        n, vocab = logits.shape
+        params = [s.params for s in seqs]
+        lse = torch.logsumexp(logits, dim=-1)
+
+        processed = self._apply_penalties_and_min_tokens(logits, seqs)
+        greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
+        random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
+
+        if not random_rows:
+            tokens = processed.argmax(dim=-1)
+        else:
+            tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+            if greedy_rows:
+                g = torch.tensor(greedy_rows, device=logits.device)
+                tokens[g] = processed[g].argmax(dim=-1)
+            r = torch.tensor(random_rows, device=logits.device)
+            tokens[r] = self._sample_random(processed[r], [seqs[i] for i in random_rows])
+
+        chosen = (logits.gather(1, tokens[:, None]).squeeze(1) - lse)
+        token_list = tokens.tolist()
+        top: list[Optional[dict[int, float]]] = [None] * n
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            k = max(params[i].logprobs for i in want)
+            rows = torch.tensor(want, device=logits.device)
+            if k > 0:
+                vals, ids = logits[rows].topk(min(k, vocab), dim=-1)
+                vals = (vals - lse[rows, None]).tolist()
+                ids = ids.tolist()
+            chosen_list = chosen.tolist()
+            for j, i in enumerate(want):
+                kk = params[i].logprobs
+                d = dict(zip(ids[j][:kk], vals[j][:kk])) if kk > 0 else {}
+                d[token_list[i]] = chosen_list[i]
+                top[i] = d
+        return SamplerOutput(token_list, chosen.tolist(), top)
+
+    # -- logits processing -----------------------------------------------------------------
+    def _apply_penalties_and_min_tokens(self, logits: torch.Tensor,
+                                        seqs: list[Sequence]) -> torch.Tensor:
+        """Returns ``logits`` itself when nothing applies (the common case: no copy)."""
+        out = logits
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            n_out = seq.num_output_tokens
+            if n_out < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                banned = [t for t in banned if 0 <= t < self.vocab_size]
+                if banned:
+                    if out is logits:
+                        out = logits.clone()
+                    out[i, banned] = float("-inf")
+            if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                    or p.frequency_penalty != 0.0):
+                if out is logits:
+                    out = logits.clone()
+                self._penalize_row(out, i, seq)
+        return out
+
+    def _penalize_row(self, logits: torch.Tensor, i: int, seq: Sequence) -> None:
+        p = seq.params
+        row = logits[i]
+        dev = logits.device
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=dev)
+            seen[torch.tensor(seq.token_ids, device=dev)] = True
+            penalized = torch.where(row > 0, row / p.repetition_penalty,
+                                    row * p.repetition_penalty)
+            row.copy_(torch.where(seen, penalized, row))
+        if seq.num_output_tokens and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
+            counts = torch.bincount(torch.tensor(seq.output_token_ids, device=dev),
+                                    minlength=self.vocab_size)[: self.vocab_size].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        dev = logits.device
+        params = [s.params for s in seqs]
+        temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < self.vocab_size for k in top_k) or any(tp < 1.0 for tp in top_p):
+            logits = self._top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            mp = torch.tensor(min_p, device=dev, dtype=probs.dtype)
+            keep = probs >= mp[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs * keep
+        noise = torch.empty(probs.shape, dtype=torch.float32)
+        gen = self._generator
+        for j, seq in enumerate(seqs):
+            gen.manual_seed(mix_seed(seq.seed, seq.num_output_tokens))
+            noise[j].exponential_(generator=gen)
+        return (probs / noise.to(dev)).argmax(dim=-1)
+
+    def _top_k_top_p(self, logits: torch.Tensor, top_k: list[int],
+                     top_p: list[float]) -> torch.Tensor:
+        dev = logits.device
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        k = torch.tensor(top_k, device=dev)
+        ranks = torch.arange(logits.shape[-1], device=dev)[None, :]
+        drop = ranks >= k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        p = torch.tensor(top_p, device=dev, dtype=logits.dtype)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p (the top one stays).
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop = drop | (mass_before >= p[:, None])
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)

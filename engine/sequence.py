@@ -1,0 +1,93 @@
+"""Sequence: one request's tokens and where it stands in the engine.
+
+There is no separate "prefill" and "decode" state (the vLLM v1 idea): a sequence simply has
+``num_tokens`` tokens, of which ``num_computed_tokens`` already have their KV in the cache.
+Every step the scheduler hands it some of the remaining ones; when the last one is computed the
+model's logits for it are sampled and one token is appended. A fresh prompt, a chunked prompt, a
+decode, a preempted sequence being recomputed and a resumed request are all the same thing.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING, Optional
+
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.detokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"      # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"      # owns KV blocks, scheduled every step while budget allows
+    FINISHED = "finished"    # done or aborted; owns nothing
+
+
+class Sequence:
+    """Token ids (prompt then outputs), KV block table and sampling state of one request."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 *, priority: int, arrival_index: int, seed: int,
+                 prompt: Optional[str] = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.priority = priority
+        self.arrival_index = arrival_index      # tie-breaker: earlier requests first
+        self.seed = seed
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []       # chained hashes of full blocks, filled lazily
+        self.num_cached_blocks = 0              # leading blocks already offered to the prefix cache
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Optional[str | int] = None
+        # Sampled-token bookkeeping:
+        self.output_logprobs: list[Optional[dict[int, float]]] = []
+        self.cumulative_logprob = 0.0
+        self.detokenizer: Optional["IncrementalDetokenizer"] = None
+        # Timing (wall clock, seconds):
+        self.arrival_time = time.time()
+        self.first_token_time: Optional[float] = None
+        self.finished_time: Optional[float] = None
+
+    # -- sizes -----------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs first: priority number, then arrival order."""
+        return (self.priority, self.arrival_index)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
