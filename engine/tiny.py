@@ -98,7 +98,7 @@ def trained_tokenizer_json(vocab_size: int) -> str:
                                   show_progress=False)
     lines = CORPUS.read_text(encoding="utf-8").splitlines()
     if vocab_size > 4096:
-        lines += _pseudo_words(vocab_size * 12)
+        lines += _pseudo_words(vocab_size * 3)
     tok.train_from_iterator(lines, trainer)
     return tok.to_str()
 

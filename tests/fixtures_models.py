@@ -1,1 +1,53 @@
-"""Model fixtures (filled in by the engine work)."""
+"""Model fixtures: tiny random-weight Hugging Face checkpoints, built once per session.
+
+``tiny_checkpoint(arch="llama", **opts)`` returns the folder of a checkpoint written by
+:func:`engine.tiny.write_checkpoint` with those options (seed, shards, rope_scaling, dtype,
+tie_word_embeddings, size); equal requests share one folder for the whole session.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+TinyCheckpointFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpointFactory:
+    """Factory ``(arch="llama", **opts) -> Path``; the tokenizer is trained once per process."""
+    from engine.tiny import write_checkpoint
+
+    built: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", **opts: Any) -> Path:
+        key = (arch, *sorted(opts.items()))
+        if key not in built:
+            label = "-".join([arch, *(f"{k}={v}" for k, v in sorted(opts.items()))])
+            out = tmp_path_factory.mktemp(label.replace("/", "_"), numbered=True)
+            built[key] = write_checkpoint(out, arch=arch, **opts)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoint: TinyCheckpointFactory) -> Path:
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_checkpoint: TinyCheckpointFactory) -> Path:
+    return tiny_checkpoint("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_checkpoint: TinyCheckpointFactory) -> Path:
+    return tiny_checkpoint("qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tiny_checkpoint: TinyCheckpointFactory) -> Path:
+    return tiny_checkpoint("mistral")
