@@ -1,0 +1,81 @@
+"""Exceptions a producer can branch on.
+
+Each one says what happened and what to do about it, because the person reading the traceback is
+usually a web-backend engineer who has never seen the worker side.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+class SDKError(Exception):
+    """Base class of every error the SDK raises on its own (not ValueError/ConnectionError)."""
+
+
+class InvalidRequest(ValueError):
+    """A job that would be rejected by the worker; raised before anything is sent.
+
+    Subclasses ValueError so ``except ValueError`` around ``submit`` keeps working.
+    """
+
+    def __init__(self, message: str, field: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class RedisUnavailable(ConnectionError):
+    """Redis could not be reached (refused, DNS, timeout). Subclasses the builtin ConnectionError."""
+
+    def __init__(self, url: str, cause: BaseException) -> None:
+        super().__init__(
+            f"cannot reach Redis at {url}: {type(cause).__name__}: {cause}. Check that redis-server "
+            f"is running and that --redis-url / TOKENRELAY_REDIS_URL points at it.")
+        self.url = url
+
+
+class QueueFull(SDKError):
+    """The queue is past its high-water mark (or Redis is out of memory).
+
+    Retry later, submit with ``block=True`` to wait for room, or raise ``max_queued_jobs``
+    (per client, or for everyone via the queue's config hash). ``accepted`` holds the jobs that a
+    ``submit_many`` call did enqueue before the queue filled up.
+    """
+
+    def __init__(self, queue: str, depth: Optional[int], limit: Optional[int],
+                 reason: str = "high-water mark", accepted: Optional[list[Any]] = None) -> None:
+        if reason == "oom":
+            msg = (f"queue {queue!r}: Redis is out of memory (maxmemory reached); treat as "
+                   f"back-pressure: wait for workers to drain results, or raise maxmemory")
+        else:
+            msg = (f"queue {queue!r} holds {depth} jobs, at its high-water mark of {limit}; retry "
+                   f"later, pass block=True to wait, or raise max_queued_jobs")
+        super().__init__(msg)
+        self.queue = queue
+        self.depth = depth
+        self.limit = limit
+        self.reason = reason
+        self.accepted = accepted or []
+
+
+class JobFailed(SDKError):
+    """The job ended with a terminal ``error`` event. ``code`` is a protocol ErrorCode value."""
+
+    def __init__(self, job_id: str, code: str, message: str) -> None:
+        super().__init__(f"job {job_id} failed [{code}]: {message}")
+        self.job_id = job_id
+        self.code = code
+        self.message = message
+
+
+class JobNotFound(SDKError, LookupError):
+    """No job with this id is known to Redis (never submitted, or its records expired)."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"no job {job_id!r} in this namespace: it was never submitted here, or its "
+                         f"dedupe record and result stream have expired")
+        self.job_id = job_id
+
+
+# The SDK's own code for a job whose records vanished (result stream expired before it was read).
+LOST = "lost"

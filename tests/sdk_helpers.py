@@ -1,0 +1,243 @@
+"""Test helpers for the producer SDK: a private redis-server and a fake worker thread.
+
+The fake worker follows protocol v1 closely enough to exercise every SDK path (consumer group
+reads, started/token/done/error events, cancel flags, a crash-and-resume that re-emits tokens)
+without torch or a model, so SDK tests run in seconds.
+
+Prompt directives understood by the fake worker:
+  ``FAIL``     -> terminal error event (code internal)
+  ``CRASH``    -> after 3 tokens, a second ``started`` (attempt 2) and tokens 1..2 re-emitted
+  ``SLOW``     -> 50 ms per token regardless of the worker's token_delay
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import msgpack
+import pytest
+import redis
+
+from producer_sdk.protocol import GROUP, Keys, decode_job
+
+REDIS_SERVER = shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A throwaway redis-server on a free port (no persistence), killed on exit."""
+
+    def __init__(self, *extra: str) -> None:
+        if REDIS_SERVER is None:
+            pytest.skip("redis-server is not installed")
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="sdk-redis-")
+        self.proc = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir, *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._wait()
+
+    def _wait(self) -> None:
+        r = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        for _ in range(100):
+            try:
+                r.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("redis-server did not start")
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    """A clean database on the module's server for each test."""
+    server_client = redis_server.client()
+    server_client.flushall()
+    yield redis_server.url
+    server_client.flushall()
+    server_client.close()
+
+
+class FakeWorker(threading.Thread):
+    """Reads jobs from the consumer group and writes protocol v1 result events."""
+
+    def __init__(self, url: str, namespace: str = "tokenrelay", queue: str = "default", *,
+                 token_delay: float = 0.0, worker_id: str = "fake-1", result_ttl_s: int = 3600,
+                 start_delay: float = 0.0) -> None:
+        super().__init__(daemon=True, name=f"fake-worker-{worker_id}")
+        self.r = redis.Redis.from_url(url)
+        self.keys = Keys(namespace, queue)
+        self.token_delay = token_delay
+        self.worker_id = worker_id
+        self.ttl = result_ttl_s
+        self.start_delay = start_delay
+        self.stopping = threading.Event()
+        self.processed: list[str] = []
+        self.max_depth_seen = 0
+        self.errors: list[BaseException] = []
+
+    # -- lifecycle
+    def __enter__(self) -> "FakeWorker":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.is_alive():
+            self.join(timeout=10)
+        self.r.close()
+        if self.errors:
+            raise self.errors[0]
+
+    def run(self) -> None:
+        try:
+            self._setup()
+            if self.start_delay:
+                time.sleep(self.start_delay)
+            while not self.stopping.is_set():
+                self._step()
+        except BaseException as exc:  # surfaced by stop()
+            if not self.stopping.is_set():
+                self.errors.append(exc)
+
+    def _setup(self) -> None:
+        for lane in self.keys.lanes():
+            with contextlib.suppress(redis.ResponseError):  # BUSYGROUP
+                self.r.xgroup_create(lane, GROUP, id="0", mkstream=True)
+
+    def _step(self) -> None:
+        self.r.zadd(self.keys.workers, {self.worker_id: int(time.time() * 1000)})
+        lanes = self.keys.lanes()
+        depth = sum(self.r.xlen(k) for k in lanes)
+        self.max_depth_seen = max(self.max_depth_seen, depth)
+        reply = self.r.xreadgroup(GROUP, self.worker_id, {k: ">" for k in lanes}, count=1,
+                                  block=50)
+        for lane, entries in reply or []:
+            for entry_id, fields in entries:
+                self._run_job(fields[b"data"])
+                self.r.xack(lane, GROUP, entry_id)
+                self.r.xdel(lane, entry_id)
+
+    # -- one job
+    def _emit(self, job_id: str, event: dict[str, Any]) -> None:
+        key = self.keys.results(job_id)
+        event.setdefault("ts", time.time())
+        self.r.xadd(key, {b"data": msgpack.packb(event, use_bin_type=True)})
+        self.r.expire(key, self.ttl)
+
+    def _cancelled(self, job_id: str) -> bool:
+        return bool(self.r.exists(self.keys.cancel(job_id)))
+
+    def _run_job(self, raw: bytes) -> None:
+        job = decode_job(raw)
+        self.processed.append(job.job_id)
+        if self._cancelled(job.job_id):
+            self._emit(job.job_id, {"type": "done", "finish_reason": "cancelled"})
+            return
+        self._emit(job.job_id, {"type": "started", "worker_id": self.worker_id, "attempt": 1,
+                                "seed": 1234})
+        prompt = job.prompt or " ".join(m.content for m in job.messages or []) or "ids"
+        if "FAIL" in prompt:
+            self._emit(job.job_id, {"type": "error", "code": "internal",
+                                    "message": "fake failure"})
+            return
+        self._generate(job, prompt)
+
+    def _generate(self, job: Any, prompt: str) -> None:
+        max_tokens = int(job.params.get("max_tokens", 16))
+        delay = 0.05 if "SLOW" in prompt else self.token_delay
+        texts, ids, reason = [], [], "length"
+        seq = 0
+        i = 0
+        while i < max_tokens:
+            if self._cancelled(job.job_id):
+                reason = "cancelled"
+                break
+            if delay:
+                time.sleep(delay)
+            text, tid = f" t{i}", 100 + i
+            texts.append(text)
+            ids.append(tid)
+            if job.stream:
+                lp = [{tid: -0.5}] if job.params.get("logprobs") is not None else None
+                ev = {"type": "token", "seq": seq, "index": i, "text": text, "token_ids": [tid]}
+                if lp:
+                    ev["logprobs"] = lp
+                self._emit(job.job_id, ev)
+            seq += 1
+            i += 1
+            if "CRASH" in prompt and i == 3 and job.stream:
+                self._resume(job.job_id)
+        done: dict[str, Any] = {"type": "done", "finish_reason": reason,
+                                "usage": {"prompt_tokens": len(prompt.split()),
+                                          "completion_tokens": len(ids)},
+                                "timings": {"queued_ms": 1.0, "ttft_ms": 2.0, "total_ms": 3.0},
+                                "metadata": job.metadata}
+        if not job.stream:
+            done["text"] = "".join(texts)
+            done["token_ids"] = ids
+        self._emit(job.job_id, done)
+
+    def _resume(self, job_id: str) -> None:
+        """Pretend this worker crashed after 3 tokens and a second one resumed the job."""
+        self._emit(job_id, {"type": "started", "worker_id": self.worker_id + "-b", "attempt": 2,
+                            "seed": 1234, "resumed_tokens": 2})
+        for j in (1, 2):  # a resume that overlaps what was already streamed
+            self._emit(job_id, {"type": "token", "seq": j, "index": j, "text": f" t{j}",
+                                "token_ids": [100 + j]})
+
+
+def wait_until(cond: Any, timeout: float = 10.0, interval: float = 0.02) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+def env_with_repo(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """Environment for subprocesses that import the repo's packages."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra or {})
+    return env
