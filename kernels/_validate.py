@@ -13,6 +13,10 @@ from collections.abc import Iterable
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Tests set this so every buffer a launcher allocates starts as NaN: an element the kernel forgets
+# to write then fails the comparison instead of passing by luck (torch.empty often returns zeros).
+POISON_OUTPUTS = False
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -107,6 +111,13 @@ def check_block_tables(
     used = torch.arange(width, device=block_tables.device)[None, :] < pages_used[:, None]
     entries = block_tables[used]
     check_range("block_tables", entries, 0, num_blocks, f"num_blocks = {num_blocks}")
+
+
+def new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.empty, or NaN-filled when POISON_OUTPUTS is set."""
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def next_pow2(n: int) -> int:

@@ -40,7 +40,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.stride(1) != 1:
         raise ValueError(f"x must be contiguous along its last dim (strides {x.stride()})")
     inter = width // 2
-    out = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
+    out = v.new_buffer((num_rows, inter), x.dtype, x.device)
     if num_rows == 0 or inter == 0:
         return out
     block_i = min(v.next_pow2(inter), 1024)

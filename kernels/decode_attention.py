@@ -50,8 +50,8 @@ def _decode_split_kernel(
     num_heads = tl.num_programs(1).to(tl.int64) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, num_splits)
+    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N   # not tl.cdiv: a jit helper, slow when interpreted
+    per_split = (num_tiles + num_splits - 1) // num_splits
     tile_lo = split * per_split
     tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
@@ -99,30 +99,32 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, num_splits,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    # Loops over the splits instead of reducing a [G, S, D] tile: splits are few, the loop keeps
+    # registers small on the GPU and avoids slow reductions in the interpreter.
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     num_heads = tl.num_programs(1).to(tl.int64) * GROUP
     g = tl.arange(0, BLOCK_G).to(tl.int64)
-    s = tl.arange(0, BLOCK_S).to(tl.int64)
     d = tl.arange(0, BLOCK_D).to(tl.int64)
-    head = kvh * GROUP + g
-    gs_ok = (g < GROUP)[:, None] & (s < num_splits)[None, :]
-    part = (b * num_heads + head)[:, None] * num_splits + s[None, :]          # [G, S]
-    lse = tl.load(part_lse_ptr + part, mask=gs_ok, other=float("-inf"))
-    mx = tl.max(lse, axis=1)
+    g_ok = g < GROUP
+    gd_mask = g_ok[:, None] & (d < HEAD_DIM)[None, :]
+    part0 = (b * num_heads + kvh * GROUP + g) * num_splits                 # [G], split 0
+    mx = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        mx = tl.maximum(mx, tl.load(part_lse_ptr + part0 + s, mask=g_ok, other=float("-inf")))
     mx = tl.where(mx == float("-inf"), 0.0, mx)                             # all splits empty
-    w = tl.exp2(lse - mx[:, None])                                          # 0 for empty splits
-    total = tl.sum(w, axis=1)
-    w = w / tl.where(total > 0.0, total, 1.0)[:, None]
-    gsd_mask = gs_ok[:, :, None] & (d < HEAD_DIM)[None, None, :]
-    po = tl.load(part_out_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :], mask=gsd_mask, other=0.0)
-    o = tl.sum(po * w[:, :, None], axis=1)                                  # [G, D]
-    o_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-    o_ptr = out_ptr + (b * num_heads + head[:, None]) * HEAD_DIM + d[None, :]
-    tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s in range(num_splits):
+        w = tl.exp2(tl.load(part_lse_ptr + part0 + s, mask=g_ok, other=float("-inf")) - mx)  # 0 if empty
+        po = tl.load(part_out_ptr + (part0 + s)[:, None] * HEAD_DIM + d[None, :], mask=gd_mask, other=0.0)
+        acc += w[:, None] * po
+        total += w
+    o = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    o_ptr = out_ptr + (b * num_heads + kvh * GROUP + g)[:, None] * HEAD_DIM + d[None, :]
+    tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=gd_mask)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -192,7 +194,7 @@ def paged_decode_attention(
     batch, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    out = torch.empty((batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    out = v.new_buffer((batch, num_heads, head_dim), query.dtype, query.device)
     if batch == 0:
         return out
     block_d, block_n = _config(head_dim)
@@ -203,9 +205,8 @@ def paged_decode_attention(
     if direct:
         part_out = part_lse = out  # unused
     else:
-        part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
-                               device=query.device)
-        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_out = v.new_buffer((batch, num_heads, num_splits, head_dim), torch.float32, query.device)
+        part_lse = v.new_buffer((batch, num_heads, num_splits), torch.float32, query.device)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens,
@@ -221,8 +222,7 @@ def paged_decode_attention(
     if not direct:
         _decode_merge_kernel[(batch, num_kv_heads)](
             out, part_out, part_lse, num_splits,
-            GROUP=group, HEAD_DIM=head_dim,
-            BLOCK_G=v.next_pow2(group), BLOCK_S=v.next_pow2(num_splits), BLOCK_D=block_d,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_G=v.next_pow2(group), BLOCK_D=block_d,
             num_warps=4,
         )
     return out

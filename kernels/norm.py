@@ -64,7 +64,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Te
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     num_rows, hidden = x.shape
-    out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+    out = v.new_buffer((num_rows, hidden), x.dtype, x.device)
     if num_rows == 0:
         return out
     block_h = v.next_pow2(hidden)

@@ -141,7 +141,7 @@ def paged_prefill_attention(
     num_tokens, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    out = v.new_buffer((num_tokens, num_heads, head_dim), query.dtype, query.device)
     batch = seq_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
