@@ -51,6 +51,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         logits = logits.float()
         n, vocab = logits.shape
+        if n != len(seqs):
+            raise ValueError(f"sampler got {n} logits rows for {len(seqs)} sequences")
         params = [s.params for s in seqs]
         lse = torch.logsumexp(logits, dim=-1)
 
