@@ -21,6 +21,14 @@ PROTOCOL_VERSION = 1
 GROUP = "workers"
 PAYLOAD_FIELD = b"data"
 MAX_JOB_ID_LEN = 128
+# Result stream entries carry the event in ``data`` and a write-batch id in ``b`` (opaque; the
+# worker uses it to make retried writes idempotent). Readers ignore ``b``.
+EVENT_FIELD = b"data"
+BATCH_FIELD = b"b"
+# Consumer name that holds jobs a draining worker handed back: it never has a heartbeat, and its
+# entries are parked with an idle time of PARKED_IDLE_MS so any reclaimer takes them at once.
+PARKING_CONSUMER = "__parked__"
+PARKED_IDLE_MS = 10**12
 # Job ids go inside a Redis Cluster hash tag ``{...}``, so braces are not allowed; whitespace and
 # control characters would make keys and logs ambiguous.
 _JOB_ID_RE = re.compile(r"^[^\s{}\x00-\x1f\x7f]{1,128}$")
@@ -298,6 +306,38 @@ class ErrorEvent(_Event):
     message: str
     metadata: dict[str, Any] = Field(default_factory=dict)
     ts: float = Field(default_factory=time.time)
+
+
+# --------------------------------------------------------------------------------------------
+# Dead letters
+# --------------------------------------------------------------------------------------------
+
+class DeadLetter(BaseModel):
+    """One entry of ``Keys.dead``: a job the workers gave up on. Stored as flat stream fields (not
+    msgpack) so ``data`` keeps the original payload bytes exactly as the producer sent them."""
+
+    data: bytes = b""            # original payload (raw); empty when the entry had been deleted
+    reason: str                  # for a person: why it was given up on
+    code: str                    # an ErrorCode value
+    worker_id: str
+    lane: str                    # job stream key the entry came from
+    entry_id: str                # its id in that stream
+    job_id: str = ""             # when one could be read from the payload
+    deliveries: int = 0          # delivery count when given up on (0 = unknown)
+    ts: float = Field(default_factory=time.time)
+
+    def to_fields(self) -> dict[str, Any]:
+        return {k: (v if isinstance(v, bytes) else str(v)) for k, v in self.model_dump().items()}
+
+    @classmethod
+    def from_fields(cls, fields: dict[Any, Any]) -> "DeadLetter":
+        def key(k: Any) -> str:
+            return k.decode() if isinstance(k, bytes) else str(k)
+        obj = {key(k): v for k, v in fields.items()}
+        for k, v in obj.items():
+            if k != "data" and isinstance(v, bytes):
+                obj[k] = v.decode("utf-8", "replace")
+        return cls.model_validate(obj)
 
 
 Event = Union[StartedEvent, TokenEvent, DoneEvent, ErrorEvent]

@@ -1,0 +1,42 @@
+"""``python -m worker [--flags]`` runs a worker; ``python -m worker health`` probes one;
+``python -m worker admin ...`` inspects and repairs the queue (worker/admin.py).
+
+SIGTERM/SIGINT start the drain (stop reading, let running jobs finish until --drain-timeout,
+hand the rest back); a second signal hands back at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Optional
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["health"]:
+        from worker.health import main as health_main
+        return health_main(argv[1:])
+    if argv[:1] == ["admin"]:
+        from worker.admin import main as admin_main
+        return admin_main(argv[1:])
+    from worker.config import build_parser, settings_from_args
+    args = build_parser().parse_args(argv)
+    settings = settings_from_args(args)
+    if not settings.model:
+        build_parser().error("--model (or TOKENRELAY_MODEL) is required")
+    from worker.logs import configure_logging
+    configure_logging(settings.log_level)
+    from worker.service import Worker
+    worker = Worker(settings)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return worker.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

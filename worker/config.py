@@ -1,0 +1,169 @@
+"""Worker settings: one pydantic-settings model, filled from ``TOKENRELAY_<NAME>`` env vars and CLI flags.
+
+The CLI is generated from the model's fields so that a flag, its env var and its default can never
+drift apart: every field ``foo_bar`` is ``--foo-bar`` and ``TOKENRELAY_FOO_BAR``. Flags win over
+env vars, env vars over defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import socket
+from typing import Any, Optional, Sequence
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from producer_sdk.protocol import PARKING_CONSUMER, Keys
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_MULT = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+              "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "ki": 1024, "kib": 1024, "mi": 1024**2,
+              "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4}
+
+
+def parse_size(value: Any) -> Optional[int]:
+    """Bytes from ``2147483648``, ``2GiB`` or ``512MB``; operators type sizes, not byte counts."""
+    if value is None or isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ValueError(f"expected a size such as 2GiB or 512MB, got {value!r}")
+    return int(float(m.group(1)) * _SIZE_MULT[(m.group(2) or "").lower()])
+
+
+class WorkerSettings(BaseSettings):
+    """Every knob of ``python -m worker``. ``None`` engine options mean "the engine's default"."""
+
+    model_config = SettingsConfigDict(env_prefix="TOKENRELAY_", extra="ignore",
+                                      validate_default=True)
+
+    model: Optional[str] = Field(None, description="Hugging Face checkpoint folder to serve.")
+    redis_url: str = Field("redis://localhost:6379/0",
+                           description="redis:// or rediss:// URL; user:password@ works.")
+    namespace: str = Field("tokenrelay", description="Key prefix shared with the producers.")
+    queue: str = Field("default", description="Queue name (jobs stream <ns>:jobs:<queue>).")
+    worker_id: Optional[str] = Field(
+        None, description="Consumer name; must be stable across restarts. Default: host-device.")
+    device: Optional[str] = Field(None, description="cuda, cuda:1, cpu; default: cuda if present.")
+    dtype: str = Field("auto", description="auto, float32, float16, bfloat16.")
+    max_num_seqs: Optional[int] = Field(None, ge=1, description="Max running sequences.")
+    max_num_batched_tokens: Optional[int] = Field(None, ge=1, description="Token budget per step.")
+    block_size: Optional[int] = Field(None, ge=1, description="KV cache block size in tokens.")
+    kv_cache_memory: Optional[int] = Field(None, ge=1, description="KV pool size, e.g. 2GiB.")
+    max_model_len: Optional[int] = Field(None, ge=1, description="Max prompt+output tokens.")
+    enable_prefix_caching: Optional[bool] = Field(None, description="Reuse cached prompt prefixes.")
+    attention_backend: Optional[str] = Field(None, description="torch, triton or auto.")
+    result_ttl: float = Field(3600.0, gt=0, description="Seconds a result stream lives after its "
+                              "last write.")
+    drain_timeout: float = Field(30.0, ge=0, description="Seconds running jobs get to finish on "
+                                 "SIGTERM before they are handed back.")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port; 0 disables.")
+    metrics_host: str = Field("0.0.0.0", description="Address the metrics server binds.")
+    lease_ms: int = Field(30000, ge=100, description="Lease on held jobs; renewed every lease/3.")
+    max_deliveries: int = Field(5, ge=1, description="Deliveries before a job is dead-lettered.")
+    heartbeat_ms: int = Field(1000, ge=50, description="Heartbeat interval.")
+    block_ms: int = Field(500, ge=1, description="Max blocking read time while idle.")
+    log_level: str = Field("info", description="debug, info, warning, error.")
+    log_prompts: bool = Field(False, description="Log prompt text (debug only; off by default).")
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> Optional[int]:
+        return parse_size(v)
+
+    @field_validator("namespace", "queue")
+    @classmethod
+    def _key_part(cls, v: str) -> str:
+        if not v or any(c in v for c in "{}: \t\n"):
+            raise ValueError("must be non-empty without braces, colons or whitespace")
+        return v
+
+    @field_validator("worker_id")
+    @classmethod
+    def _worker_id(cls, v: Optional[str]) -> Optional[str]:
+        if v is None:
+            return v
+        if not re.match(r"^[A-Za-z0-9_.:@-]{1,200}$", v) or v == PARKING_CONSUMER:
+            raise ValueError(f"worker_id must be 1-200 characters of [A-Za-z0-9_.:@-] and not "
+                             f"{PARKING_CONSUMER!r}; got {v!r}")
+        return v
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.namespace, self.queue)
+
+    def resolved_worker_id(self) -> str:
+        """The explicit id, else ``<hostname>-<device>``: stable across restarts of one slot."""
+        return self.worker_id or default_worker_id(self.device)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for EngineConfig; unset options keep the engine's defaults."""
+        names = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                 "kv_cache_memory", "max_model_len", "enable_prefix_caching", "attention_backend")
+        out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        out["model"] = self.model
+        return out
+
+
+def default_device() -> str:
+    try:
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def default_worker_id(device: Optional[str] = None) -> str:
+    dev = (device or default_device()).replace(":", "")
+    if dev == "cuda":
+        dev = "cuda0"
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()) or "host"
+    return f"{host}-{dev}"
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_setting_flags(parser: argparse.ArgumentParser, only: Optional[Sequence[str]] = None) -> None:
+    """One flag per settings field. Defaults are SUPPRESSed so env vars are not overridden."""
+    for name, field in WorkerSettings.model_fields.items():
+        if only is not None and name not in only:
+            continue
+        env = f"TOKENRELAY_{name.upper()}"
+        help_text = f"{field.description or ''} [env {env}; default {field.default!r}]"
+        annotation = str(field.annotation)
+        if "bool" in annotation:
+            parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(_flag(name), dest=name, default=argparse.SUPPRESS, help=help_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker",
+        description="tokenrelay worker: pulls jobs from Redis Streams, runs them on the engine, "
+                    "streams tokens back. Subcommand: 'health' (exit 0 when the worker is alive).")
+    add_setting_flags(parser)
+    return parser
+
+
+def build_health_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker health",
+        description="Exit 0 when the worker's heartbeat is fresh and its engine is loaded.")
+    add_setting_flags(parser, only=("redis_url", "namespace", "queue", "worker_id", "device",
+                                    "heartbeat_ms"))
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    """Flags over env vars over defaults (pydantic-settings gives init kwargs precedence)."""
+    return WorkerSettings(**vars(args))

@@ -1,0 +1,310 @@
+"""Fencing: every result write and every ack checks, atomically inside Redis, that this worker still
+owns the job.
+
+Why: XACK takes no consumer and XADD takes no owner, so a worker that was paused (GC, SIGSTOP,
+a long step) after its job was reclaimed would otherwise write into the new owner's result stream
+and ack the new owner's entry away. Two records decide ownership:
+
+* ``Keys.owner(job_id)`` holds ``<worker_id>:<token>``; a worker sets it (fresh token) when it
+  starts a job it holds in the group. The result stream shares its hash slot, so one Lua script
+  checks the owner and appends events (``WRITE_EVENTS``).
+* The consumer group's pending list names the consumer holding an entry; ``ACK`` checks it with
+  XPENDING before XACK + XDEL (acknowledged entries are deleted: the stream is never trimmed).
+
+Scripts are sent as EVALSHA inside ordinary pipelines; a NOSCRIPT reply (Redis restarted) is
+retried with EVAL for that command only, so a step costs one round trip, not a SCRIPT EXISTS
+round trip more as redis-py's pipelined ``Script`` objects do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Optional, Sequence
+
+import redis
+
+from producer_sdk.protocol import BATCH_FIELD, GROUP, PARKED_IDLE_MS, PARKING_CONSUMER, Keys
+
+
+@dataclass(frozen=True)
+class LuaScript:
+    name: str
+    source: str
+
+    @property
+    def sha(self) -> str:
+        return hashlib.sha1(self.source.encode()).hexdigest()
+
+
+# KEYS: owner, results. ARGV: owner value, ttl ms, create ("1"/"0"), batch id, events...
+# Each event entry gets field b = "<batch id>:<k>" (k = 1..n), so a retried batch (reply lost on a
+# broken connection, or a script that failed half way) writes only the events still missing.
+# Returns ok | dup (whole batch already there) | refused (another owner) | missing (no owner
+# record: it expired) | gone (result stream expired and create=0: never recreate it).
+WRITE_EVENTS = LuaScript("write_events", """
+local cur = redis.call('GET', KEYS[1])
+if not cur then return 'missing' end
+if cur ~= ARGV[1] then return 'refused' end
+local n = #ARGV - 4
+local done = 0
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+  if #last > 0 then
+    local f = last[1][2]
+    local prefix = ARGV[4] .. ':'
+    for i = 1, #f, 2 do
+      if f[i] == 'b' and string.sub(f[i + 1], 1, #prefix) == prefix then
+        done = tonumber(string.sub(f[i + 1], #prefix + 1)) or 0
+      end
+    end
+  end
+elseif ARGV[3] ~= '1' then
+  return 'gone'
+end
+for k = done + 1, n do
+  redis.call('XADD', KEYS[2], '*', 'data', ARGV[4 + k], 'b', ARGV[4] .. ':' .. k)
+end
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if done >= n then return 'dup' end
+return 'ok'
+""")
+
+# KEYS: lane. ARGV: group, consumer, ids... Returns one code per id:
+# 1 acked+deleted, 0 not pending (already acked / never delivered), -1 pending at another consumer.
+ACK = LuaScript("ack", """
+local out = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 0 then
+    out[#out + 1] = 0
+  elseif p[1][2] ~= ARGV[2] then
+    out[#out + 1] = -1
+  else
+    redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+    redis.call('XDEL', KEYS[1], ARGV[i])
+    out[#out + 1] = 1
+  end
+end
+return out
+""")
+
+# KEYS: lane. ARGV: group, consumer, parking consumer, idle ms, ids... Moves entries this consumer
+# holds to the parking consumer with a huge idle time and no delivery-count change (JUSTID).
+PARK = LuaScript("park", """
+local n = 0
+for i = 5, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p > 0 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[i], 'IDLE', ARGV[4], 'JUSTID')
+    n = n + 1
+  end
+end
+return n
+""")
+
+# KEYS: lane. ARGV: group, consumer, parking consumer, count. Takes up to count parked entries
+# (JUSTID: a hand-back is not a failed delivery) and returns {id, fields|false, deliveries}.
+CLAIM_PARKED = LuaScript("claim_parked", """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[4]), ARGV[3])
+local out = {}
+for _, e in ipairs(p) do
+  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, e[1], 'JUSTID')
+  local r = redis.call('XRANGE', KEYS[1], e[1], e[1])
+  local fields = false
+  if #r > 0 then fields = r[1][2] end
+  out[#out + 1] = {e[1], fields, e[4]}
+end
+return out
+""")
+
+# KEYS: lane. ARGV: group, consumer, start id, count. This consumer's pending entries after
+# start id (XREADGROUP ... <id>), as {id, fields|false (deleted), deliveries}. In Lua so that the
+# nil body of a deleted entry survives client-side parsing.
+READ_OWN_PENDING = LuaScript("read_own_pending", """
+local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', tonumber(ARGV[4]),
+                     'STREAMS', KEYS[1], ARGV[3])
+local out = {}
+if not r or not r[1] then return out end
+for _, e in ipairs(r[1][2]) do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], e[1], e[1], 1)
+  local d = 0
+  if #p > 0 then d = p[1][4] end
+  out[#out + 1] = {e[1], e[2] or false, d}
+end
+return out
+""")
+
+# KEYS: lane. ARGV: group, consumer, ids... Resets the idle time of entries this consumer still
+# holds (XCLAIM to itself, JUSTID: no delivery counted); never takes an entry someone reclaimed.
+RENEW = LuaScript("renew", """
+local n = 0
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p > 0 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    n = n + 1
+  end
+end
+return n
+""")
+
+# KEYS: owner. ARGV: owner value. Deletes the owner record only if it is still ours.
+RELEASE_OWNER = LuaScript("release_owner", """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+""")
+
+ALL_SCRIPTS = (WRITE_EVENTS, ACK, PARK, CLAIM_PARKED, READ_OWN_PENDING, RENEW, RELEASE_OWNER)
+
+
+class WriteStatus(str, Enum):
+    OK = "ok"
+    DUP = "dup"
+    REFUSED = "refused"
+    MISSING = "missing"
+    GONE = "gone"
+
+    @property
+    def written(self) -> bool:
+        return self in (WriteStatus.OK, WriteStatus.DUP)
+
+
+class AckStatus(int, Enum):
+    ACKED = 1
+    NOT_PENDING = 0
+    NOT_OWNER = -1
+
+
+def new_owner_value(worker_id: str) -> str:
+    """A fresh ``<worker_id>:<token>``: the token tells apart two lives of the same worker id."""
+    return f"{worker_id}:{secrets.token_hex(8)}"
+
+
+def _text(v: Any) -> Any:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+class ScriptPipeline:
+    """A non-transactional pipeline whose script calls survive a script-cache flush.
+
+    ``execute`` returns one result per command, exceptions in place (never raised) except
+    connection errors, which propagate: the caller reconnects and retries the whole batch, which
+    is safe because every write here is idempotent (batch ids, XPENDING-checked acks).
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+        self._cmds: list[tuple[Optional[LuaScript], tuple[Any, ...]]] = []
+
+    def __len__(self) -> int:
+        return len(self._cmds)
+
+    def command(self, *args: Any) -> int:
+        self._cmds.append((None, args))
+        return len(self._cmds) - 1
+
+    def script(self, script: LuaScript, keys: Sequence[Any], args: Sequence[Any]) -> int:
+        self._cmds.append((script, (len(keys), *keys, *args)))
+        return len(self._cmds) - 1
+
+    def execute(self) -> list[Any]:
+        if not self._cmds:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for script, args in self._cmds:
+            if script is None:
+                pipe.execute_command(*args)
+            else:
+                pipe.execute_command("EVALSHA", script.sha, *args)
+        results = pipe.execute(raise_on_error=False)
+        missing = [i for i, r in enumerate(results) if isinstance(r, redis.exceptions.NoScriptError)]
+        if missing:
+            retry = self._client.pipeline(transaction=False)
+            for i in missing:
+                script, args = self._cmds[i]
+                retry.execute_command("EVAL", script.source, *args)
+            for i, r in zip(missing, retry.execute(raise_on_error=False)):
+                results[i] = r
+        return results
+
+
+class Fence:
+    """Builds the fenced commands of one worker into a ScriptPipeline."""
+
+    def __init__(self, keys: Keys, worker_id: str, group: str = GROUP) -> None:
+        self.keys = keys
+        self.worker_id = worker_id
+        self.group = group
+
+    def take_ownership(self, pipe: ScriptPipeline, job_id: str, owner: str, ttl_ms: int) -> int:
+        """Make ``owner`` the job's owner. Call only for an entry this consumer holds; from the
+        moment it runs, every write of a previous owner is refused."""
+        return pipe.command("SET", self.keys.owner(job_id), owner, "PX", int(ttl_ms))
+
+    def write_events(self, pipe: ScriptPipeline, job_id: str, owner: str, ttl_ms: int,
+                     batch_id: str, events: Sequence[bytes], create: bool) -> int:
+        return pipe.script(WRITE_EVENTS, [self.keys.owner(job_id), self.keys.results(job_id)],
+                           [owner, int(ttl_ms), "1" if create else "0", batch_id, *events])
+
+    def take_ownership_if_free(self, pipe: ScriptPipeline, job_id: str, owner: str,
+                               ttl_ms: int) -> int:
+        """SET NX: used to report a bad entry's error without stealing a live job's stream."""
+        return pipe.command("SET", self.keys.owner(job_id), owner, "PX", int(ttl_ms), "NX")
+
+    def renew(self, pipe: ScriptPipeline, lane_key: str, entry_ids: Sequence[str]) -> int:
+        return pipe.script(RENEW, [lane_key], [self.group, self.worker_id, *entry_ids])
+
+    def release(self, pipe: ScriptPipeline, job_id: str, owner: str) -> int:
+        return pipe.script(RELEASE_OWNER, [self.keys.owner(job_id)], [owner])
+
+    def ack(self, pipe: ScriptPipeline, lane_key: str, entry_ids: Sequence[str]) -> int:
+        return pipe.script(ACK, [lane_key], [self.group, self.worker_id, *entry_ids])
+
+    def park(self, pipe: ScriptPipeline, lane_key: str, entry_ids: Sequence[str]) -> int:
+        return pipe.script(PARK, [lane_key], [self.group, self.worker_id, PARKING_CONSUMER,
+                                              PARKED_IDLE_MS, *entry_ids])
+
+    def claim_parked(self, pipe: ScriptPipeline, lane_key: str, count: int) -> int:
+        return pipe.script(CLAIM_PARKED, [lane_key],
+                           [self.group, self.worker_id, PARKING_CONSUMER, int(count)])
+
+    def read_own_pending(self, pipe: ScriptPipeline, lane_key: str, start_id: str,
+                         count: int) -> int:
+        return pipe.script(READ_OWN_PENDING, [lane_key],
+                           [self.group, self.worker_id, start_id, int(count)])
+
+
+def parse_write_status(reply: Any) -> WriteStatus:
+    return WriteStatus(_text(reply))
+
+
+def parse_ack_codes(reply: Any) -> list[AckStatus]:
+    return [AckStatus(int(c)) for c in reply]
+
+
+def parse_raw_entries(reply: Any) -> list[tuple[str, Optional[dict[bytes, bytes]], int]]:
+    """``{id, fields|false, deliveries}`` rows (CLAIM_PARKED, READ_OWN_PENDING) as
+    ``(entry_id, fields or None, deliveries)``; None means the entry was deleted."""
+    out = []
+    for row in reply or []:
+        entry_id, raw_fields, deliveries = _text(row[0]), row[1], int(row[2] or 0)
+        fields: Optional[dict[bytes, bytes]] = None
+        if raw_fields:
+            flat = list(raw_fields)
+            fields = fields_of(dict(zip(flat[0::2], flat[1::2])))
+        out.append((entry_id, fields, deliveries))
+    return out
+
+
+def fields_of(entry_fields: Any) -> dict[bytes, bytes]:
+    return {(k if isinstance(k, bytes) else str(k).encode()): v for k, v in entry_fields.items()}
+
+
+__all__ = ["LuaScript", "WRITE_EVENTS", "ACK", "PARK", "CLAIM_PARKED", "READ_OWN_PENDING",
+           "RENEW", "RELEASE_OWNER", "ALL_SCRIPTS", "WriteStatus", "AckStatus", "ScriptPipeline", "Fence",
+           "new_owner_value", "parse_write_status", "parse_ack_codes", "parse_raw_entries",
+           "BATCH_FIELD"]

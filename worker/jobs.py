@@ -1,0 +1,126 @@
+"""A job this worker holds: its entry, its request, its ownership, and the events it owes.
+
+Pure bookkeeping, no I/O: the service loop turns engine deltas into events here and the
+result writer ships ``pending`` once per step. Keeping the emitted tokens and text lets the
+worker re-add a job to the engine with a resume state after an engine failure, and count
+partial output in ``usage`` when a job is cancelled.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from producer_sdk.protocol import (DoneEvent, ErrorEvent, FinishReason, JobRequest, StartedEvent,
+                                   Timings, TokenEvent, Usage, encode_event)
+from worker.intake import Entry
+
+
+@dataclass
+class Job:
+    entry: Entry
+    request: JobRequest
+    owner: str                           # "<worker_id>:<token>" written to Keys.owner
+    worker_id: str
+    seed: int = 0
+    attempt: int = 1
+    want_logprobs: bool = False
+    next_seq: int = 0                    # seq of the next token event
+    out_ids: list[int] = field(default_factory=list)    # all output tokens (incl. resumed)
+    out_text: list[str] = field(default_factory=list)   # all output text pieces (incl. resumed)
+    resumed_tokens: int = 0
+    prompt_tokens: int = 0
+    admitted_at: float = field(default_factory=time.time)
+    first_token_at: Optional[float] = None
+    last_token_at: Optional[float] = None
+    finished_at: Optional[float] = None
+    # write state
+    pending: list[bytes] = field(default_factory=list)  # encoded events not yet written
+    batch_no: int = 0
+    may_create: bool = True              # the stream may be created until the first write lands
+    terminal: Optional[str] = None       # "done"/"error" once the terminal event is queued
+    finish_reason: Optional[str] = None
+    error_code: Optional[str] = None
+    in_engine: bool = False
+    parking: bool = False                # draining: hand the entry back once events are written
+    params: Any = None                   # the validated SamplingParams (seed filled in)
+    write_failures: int = 0
+    engine_failures: int = 0
+
+    @property
+    def job_id(self) -> str:
+        return self.request.job_id
+
+    @property
+    def enqueued_ms(self) -> int:
+        return self.request.submitted_ms or self.entry.enqueued_ms
+
+    @property
+    def batch_id(self) -> str:
+        return f"{self.owner.rsplit(':', 1)[-1]}.{self.batch_no}"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.out_text)
+
+    def log_fields(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "entry_id": self.entry.entry_id, "lane": self.entry.lane}
+
+    # ------------------------------------------------------------------ events
+    def queue_started(self) -> None:
+        self.pending.append(encode_event(StartedEvent(
+            worker_id=self.worker_id, attempt=self.attempt, seed=self.seed,
+            resumed_tokens=self.resumed_tokens)))
+
+    def on_delta(self, delta: Any, ts: float) -> bool:
+        """Record one engine delta; queue a token event (stream jobs) and, when finished, the
+        done event. Returns True when this delta carried the first token of this attempt."""
+        first = False
+        if delta.new_token_ids or delta.new_text:
+            if self.first_token_at is None:
+                self.first_token_at, first = ts, True
+            self.last_token_at = ts
+            if self.request.stream:
+                self.pending.append(encode_event(TokenEvent(
+                    seq=self.next_seq, index=len(self.out_ids), text=delta.new_text,
+                    token_ids=list(delta.new_token_ids),
+                    logprobs=delta.logprobs if self.want_logprobs else None, ts=ts)))
+                self.next_seq += 1
+            self.out_ids.extend(delta.new_token_ids)
+            self.out_text.append(delta.new_text)
+        self.prompt_tokens = delta.num_prompt_tokens or self.prompt_tokens
+        if delta.finished:
+            self.finish(delta.finish_reason or FinishReason.STOP.value, delta.stop_reason,
+                        completion_tokens=delta.num_output_tokens)
+        return first
+
+    def finish(self, reason: str, stop_reason: Any = None,
+               completion_tokens: Optional[int] = None) -> None:
+        self.finished_at = time.time()
+        self.terminal, self.finish_reason = "done", reason
+        full = not self.request.stream
+        self.pending.append(encode_event(DoneEvent(
+            finish_reason=reason, stop_reason=stop_reason,
+            usage=Usage(prompt_tokens=self.prompt_tokens,
+                        completion_tokens=(completion_tokens if completion_tokens is not None
+                                           else len(self.out_ids))),
+            timings=self.timings(), metadata=self.request.metadata,
+            text=self.text if full else None, token_ids=list(self.out_ids) if full else None)))
+
+    def fail(self, code: str, message: str) -> None:
+        self.finished_at = time.time()
+        self.terminal, self.error_code = "error", code
+        self.pending.append(encode_event(ErrorEvent(code=code, message=message,
+                                                    metadata=self.request.metadata)))
+
+    def timings(self) -> Timings:
+        """All from the enqueue time (submitted_ms, else the entry id's timestamp)."""
+        base = self.enqueued_ms / 1000.0
+        if not base:
+            return Timings()
+
+        def ms(t: Optional[float]) -> Optional[float]:
+            return None if t is None else round(max(0.0, (t - base) * 1000.0), 3)
+        return Timings(queued_ms=ms(self.admitted_at), ttft_ms=ms(self.first_token_at),
+                       total_ms=ms(self.finished_at))

@@ -1,0 +1,82 @@
+"""Prometheus metrics, vLLM-style names with a ``tokenrelay_`` prefix.
+
+Each Worker owns a registry (several in-process workers in one test must not collide); the
+HTTP server is started only when ``--metrics-port`` is non-zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+            7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+        0.75, 1.0, 2.5)
+
+
+class WorkerMetrics:
+    def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.running = Gauge("tokenrelay_num_requests_running", "Requests running in the engine.",
+                             registry=r)
+        self.waiting = Gauge("tokenrelay_num_requests_waiting", "Requests waiting in the engine.",
+                             registry=r)
+        self.queue_time = Histogram("tokenrelay_request_queue_time_seconds",
+                                    "Enqueue to start on a worker.", buckets=_LATENCY, registry=r)
+        self.ttft = Histogram("tokenrelay_time_to_first_token_seconds",
+                              "Enqueue to first token.", buckets=_LATENCY, registry=r)
+        self.itl = Histogram("tokenrelay_inter_token_latency_seconds",
+                             "Time between token events of a request, per token.",
+                             buckets=_ITL, registry=r)
+        self.e2e = Histogram("tokenrelay_e2e_request_latency_seconds",
+                             "Enqueue to terminal event.", buckets=_LATENCY, registry=r)
+        self.prompt_tokens = Counter("tokenrelay_prompt_tokens", "Prefill tokens processed.",
+                                     registry=r)
+        self.generation_tokens = Counter("tokenrelay_generation_tokens",
+                                         "Generated tokens.", registry=r)
+        self.kv_usage = Gauge("tokenrelay_kv_cache_usage_perc", "KV blocks in use (0-1).",
+                              registry=r)
+        self.prefix_hit_rate = Gauge("tokenrelay_prefix_cache_hit_rate",
+                                     "Prefix cache hit rate (0-1).", registry=r)
+        self.preemptions = Counter("tokenrelay_num_preemptions", "Engine preemptions.", registry=r)
+        self.stream_lag = Gauge("tokenrelay_stream_lag", "Entries not yet delivered to any worker.",
+                                ["lane"], registry=r)
+        self.stream_pending = Gauge("tokenrelay_stream_pending",
+                                    "Entries delivered but not acknowledged.", ["lane"], registry=r)
+        self.errors = Counter("tokenrelay_request_errors", "Jobs ended with an error event.",
+                              ["code"], registry=r)
+        self.finished = Counter("tokenrelay_request_success", "Jobs ended with a done event.",
+                                ["finished_reason"], registry=r)
+        self.dead_letters = Counter("tokenrelay_dead_letters", "Entries dead-lettered.",
+                                    ["code"], registry=r)
+        self.redis_reconnects = Counter("tokenrelay_redis_reconnects", "Reconnects to Redis.",
+                                        registry=r)
+        self.step_redis = Histogram("tokenrelay_step_redis_seconds",
+                                    "Time of the per-step Redis pipeline.", buckets=_ITL,
+                                    registry=r)
+        self._preemptions_seen = 0
+        self._server: Any = None
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        if port:
+            self._server = start_http_server(port, addr=host, registry=self.registry)
+
+    def close(self) -> None:
+        if self._server is not None:
+            server, _thread = self._server
+            server.shutdown()
+            self._server = None
+
+    def observe_engine(self, stats: dict[str, Any]) -> None:
+        self.running.set(stats.get("num_running", 0))
+        self.waiting.set(stats.get("num_waiting", 0))
+        total = stats.get("kv_blocks_total") or 0
+        if total:
+            self.kv_usage.set(stats.get("kv_blocks_used", 0) / total)
+        self.prefix_hit_rate.set(stats.get("prefix_cache_hit_rate", 0.0) or 0.0)
+        pre = int(stats.get("num_preemptions", 0) or 0)
+        if pre > self._preemptions_seen:
+            self.preemptions.inc(pre - self._preemptions_seen)
+        self._preemptions_seen = pre
