@@ -22,7 +22,7 @@ from redis.retry import Retry
 from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, PayloadBuilder, Prepared,
                                 normalize_xread, redact_url)
 from producer_sdk.config import ClientConfig
-from producer_sdk.errors import JobFailed, JobNotFound, QueueFull, RedisUnavailable
+from producer_sdk.errors import DUPLICATE, JobFailed, JobNotFound, QueueFull, RedisUnavailable
 from producer_sdk.job import Deadline, Delta, Job, JobState, Result
 from producer_sdk.protocol import Keys, now_ms, validate_job_id
 
@@ -345,7 +345,7 @@ class Client:
             if job.state.finished:
                 yield tag, job
             elif job.state.key in inflight:
-                job.state.fail("duplicate", f"job id {job.id} is already in flight in this "
+                job.state.fail(DUPLICATE, f"job id {job.id} is already in flight in this "
                                f"window (duplicate request id)")
                 yield tag, job
             else:

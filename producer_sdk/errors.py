@@ -77,5 +77,7 @@ class JobNotFound(SDKError, LookupError):
         self.job_id = job_id
 
 
-# The SDK's own code for a job whose records vanished (result stream expired before it was read).
+# The SDK's own JobFailed codes (not protocol ErrorCodes): a job whose records vanished (result
+# stream expired before it was read), and a job id given twice within one bulk window.
 LOST = "lost"
+DUPLICATE = "duplicate"

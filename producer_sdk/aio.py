@@ -1,0 +1,359 @@
+"""The asyncio producer client: the same surface as ``Client``, with await / async for.
+
+Meant for async web backends (FastAPI, aiohttp): nothing here blocks the event loop, and one
+AsyncClient is shared by all requests of a process. Payload building, the enqueue script and the
+result-stream state machine are the sync client's (``_wire``, ``job.JobState``); only the waiting
+differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
+
+from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, PayloadBuilder, Prepared,
+                                normalize_xread, redact_url)
+from producer_sdk.client import (ENQUEUE_SHA, NET_ERRORS, XREAD_COUNT, _len_or_none, _outcome,
+                                 make_redis, map_defaults, progress_bar)
+from producer_sdk.config import ClientConfig
+from producer_sdk.errors import DUPLICATE, JobNotFound, QueueFull, RedisUnavailable
+from producer_sdk.job import Deadline, Delta, JobState, Result
+from producer_sdk.protocol import Keys, now_ms, validate_job_id
+
+
+class AsyncJob:
+    """A handle on one submitted job (asyncio)."""
+
+    __slots__ = ("client", "id", "state", "reattached")
+
+    def __init__(self, client: "AsyncClient", job_id: str, *, reattached: bool = False) -> None:
+        self.client = client
+        self.id = job_id
+        self.state = JobState(job_id, client.keys.results(job_id))
+        self.reattached = reattached
+
+    def __repr__(self) -> str:
+        return f"AsyncJob(id={self.id!r}, finished={self.state.finished})"
+
+    @property
+    def done(self) -> bool:
+        return self.state.finished
+
+    async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Delta]:
+        """Yield deltas as they arrive; raises JobFailed on error, TimeoutError on timeout."""
+        deadline = Deadline(timeout)
+        while not self.state.finished:
+            if deadline.expired:
+                raise TimeoutError(f"job {self.id}: no terminal event within {timeout}s")
+            for delta in await self.client._pump_one(self.state, deadline):
+                yield delta
+        if self.state.failure is not None or self.state.terminal.type == "error":
+            self.state.result()
+
+    async def result(self, timeout: Optional[float] = None) -> Result:
+        deadline = Deadline(timeout)
+        while not self.state.finished:
+            if deadline.expired:
+                raise TimeoutError(f"job {self.id}: not finished within {timeout}s "
+                                   f"(it keeps running; call job.cancel() to stop it)")
+            await self.client._pump_one(self.state, deadline)
+        return self.state.result()
+
+    async def cancel(self) -> None:
+        await self.client.cancel(self.id)
+
+
+class AsyncClient:
+    """Asyncio producer client for one queue; see ``Client`` for the semantics of each method."""
+
+    def __init__(self, redis_url: Optional[str] = None, queue: str = "default",
+                 namespace: str = "tokenrelay", *, redis_client: Optional[aioredis.Redis] = None,
+                 **settings: Any) -> None:
+        if redis_url is not None:
+            settings["redis_url"] = redis_url
+        self.config = ClientConfig(queue=queue, namespace=namespace, **settings)
+        self.keys = Keys(namespace, queue)
+        self.url = redact_url(self.config.redis_url)
+        self.redis = redis_client if redis_client is not None else make_redis(self.config, aioredis)
+        self._builder = PayloadBuilder(self.keys)
+        self._script = EnqueueScript(self.keys, ENQUEUE_SHA, limit=self.config.max_queued_jobs,
+                                     ttl_s=self.config.dedupe_ttl_s)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except NET_ERRORS as exc:
+            raise RedisUnavailable(self.url, exc) from exc
+
+    async def ping(self) -> None:
+        await self._call(self.redis.ping)
+
+    # -- submit
+    async def submit(self, prompt: Optional[str] = None, *, messages: Optional[list[dict]] = None,
+                     prompt_token_ids: Optional[list[int]] = None, job_id: Optional[str] = None,
+                     priority: int = 0, deadline_s: Optional[float] = None, stream: bool = True,
+                     metadata: Optional[dict[str, Any]] = None, block: bool = False,
+                     block_timeout: Optional[float] = None, **sampling: Any) -> AsyncJob:
+        prepared = self._builder.build(prompt, messages, prompt_token_ids, job_id=job_id,
+                                       priority=priority, deadline_s=deadline_s, stream=stream,
+                                       metadata=metadata, **sampling)
+        return (await self.enqueue([prepared], block=block, block_timeout=block_timeout))[0]
+
+    async def submit_many(self, requests: Iterable[Any], *, block: bool = True,
+                          block_timeout: Optional[float] = None, **defaults: Any) -> list[AsyncJob]:
+        submitted = now_ms()
+        build = self._builder.build_request
+        prepared = [build(r, defaults, submitted) for r in requests]
+        return await self.enqueue(prepared, block=block, block_timeout=block_timeout)
+
+    def prepare(self, request: Any, **defaults: Any) -> Prepared:
+        return self._builder.build_request(request, defaults)
+
+    async def enqueue(self, prepared: Sequence[Prepared], *, block: bool,
+                      block_timeout: Optional[float] = None) -> list[AsyncJob]:
+        if not prepared:
+            return []
+        plan = EnqueuePlan(prepared, self._script, self.config.chunk_size)
+        deadline = Deadline(block_timeout)
+        pause = 0.02
+        while True:
+            cmds = plan.round()
+            if cmds:
+                await self._run_round(plan, cmds)
+                continue
+            if not plan.refused:
+                break
+            if not block or deadline.expired:
+                accepted = [AsyncJob(self, plan.jobs[i].job_id, reattached=plan.entries[i][0])
+                            for i in plan.accepted()]
+                raise QueueFull(self.keys.queue, plan.depth, plan.limit,
+                                reason="oom" if plan.oom else "high-water mark", accepted=accepted)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.5)
+            plan.requeue_refused()
+        return [AsyncJob(self, p.job_id, reattached=e[0]) for p, e in zip(prepared, plan.entries)]
+
+    async def _run_round(self, plan: EnqueuePlan, cmds: list[tuple[list[int], bytes]]) -> None:
+        replies = await self._send_pipelined([c for _, c in cmds])
+        load = False
+        for (idx, _), rep in zip(cmds, replies):
+            if isinstance(rep, NoScriptError):
+                plan.resend(idx)
+                load = True
+            elif isinstance(rep, OutOfMemoryError):
+                plan.refuse_oom(idx)
+            elif isinstance(rep, Exception):
+                raise rep
+            else:
+                plan.on_reply(idx, rep)
+        if load:
+            await self._call(self.redis.script_load, ENQUEUE_LUA)
+
+    async def _send_pipelined(self, commands: list[bytes]) -> list[Any]:
+        for attempt in (1, 2):
+            try:
+                return await self._send_once(commands)
+            except NET_ERRORS as exc:
+                if attempt == 2:
+                    raise RedisUnavailable(self.url, exc) from exc
+                await asyncio.sleep(0.1)
+        raise AssertionError("unreachable")
+
+    async def _send_once(self, commands: list[bytes]) -> list[Any]:
+        pool = self.redis.connection_pool
+        conn = await pool.get_connection()
+        try:
+            replies: list[Any] = []
+            depth = self.config.pipeline_depth
+            for i, data in enumerate(commands):
+                await conn.send_packed_command([data], check_health=(i == 0))
+                if i + 1 - len(replies) >= depth:
+                    replies.append(await _read_reply(conn))
+            while len(replies) < len(commands):
+                replies.append(await _read_reply(conn))
+            return replies
+        except BaseException:
+            await conn.disconnect()
+            raise
+        finally:
+            await pool.release(conn)
+
+    # -- jobs
+    async def get(self, job_id: str) -> AsyncJob:
+        validate_job_id(job_id)
+        job = AsyncJob(self, job_id, reattached=True)
+        if (await self.probe([job]))[0] == "unknown":
+            raise JobNotFound(job_id)
+        return job
+
+    async def probe(self, jobs: Sequence[AsyncJob]) -> list[str]:
+        pipe = self.redis.pipeline(transaction=False)
+        for j in jobs:
+            pipe.get(self.keys.dedupe(j.id))
+        records = await self._call(pipe.execute)
+        pipe = self.redis.pipeline(transaction=True)
+        for j, rec in zip(jobs, records):
+            lane, _, entry = (rec or b"").decode().partition(" ")
+            pipe.exists(self.keys.results(j.id))
+            pipe.xrange(lane or self.keys.lane("default"), entry or "0-0", entry or "0-0", count=1)
+        replies = await self._call(pipe.execute)
+        out = []
+        for k, (j, rec) in enumerate(zip(jobs, records)):
+            has_results, queued = replies[2 * k], bool(rec) and bool(replies[2 * k + 1])
+            status = "active" if has_results or queued else ("lost" if rec else "unknown")
+            if status == "lost":
+                j.state.mark_lost()
+            out.append(status)
+        return out
+
+    async def cancel(self, job_id: str) -> None:
+        await self._call(self.redis.set, self.keys.cancel(job_id), b"1",
+                         ex=self.config.cancel_ttl_s)
+
+    async def queue_depth(self) -> int:
+        pipe = self.redis.pipeline(transaction=False)
+        for lane in self.keys.lanes():
+            pipe.xlen(lane)
+        return sum(await self._call(pipe.execute))
+
+    async def set_max_queued_jobs(self, limit: int) -> None:
+        await self._call(self.redis.hset, self.keys.config, "max_queued_jobs", int(limit))
+
+    # -- reading results
+    async def _xread(self, streams: dict[str, bytes], block_ms: int) -> list:
+        give_up = time.monotonic() + self.config.reconnect_timeout_s
+        pause = 0.05
+        while True:
+            try:
+                return normalize_xread(
+                    await self.redis.xread(streams, count=XREAD_COUNT, block=block_ms))
+            except NET_ERRORS as exc:
+                if time.monotonic() >= give_up:
+                    raise RedisUnavailable(self.url, exc) from exc
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
+
+    async def _pump(self, states: Iterable[JobState],
+                    block_ms: int) -> list[tuple[JobState, list[Delta]]]:
+        by_key = {s.key: s for s in states if not s.finished}
+        if not by_key:
+            return []
+        out = []
+        for key, entries in await self._xread({k: s.last_id for k, s in by_key.items()},
+                                              block_ms):
+            state = by_key[key]
+            out.append((state, state.feed(entries)))
+        return out
+
+    async def _pump_one(self, state: JobState, deadline: Deadline) -> list[Delta]:
+        got = await self._pump([state], deadline.block_ms(self.config.poll_ms))
+        return got[0][1] if got else []
+
+    async def iter_completed(self, source: Iterable[tuple[Any, Prepared]], *,
+                             concurrency: int = 64, block: bool = True,
+                             cancel_on_exit: bool = True) -> AsyncIterator[tuple[Any, AsyncJob]]:
+        """Async twin of ``Client.iter_completed`` (source is a plain iterable)."""
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        it = iter(source)
+        inflight: dict[str, tuple[Any, AsyncJob]] = {}
+        exhausted = False
+        try:
+            while True:
+                if not exhausted and len(inflight) < concurrency:
+                    batch = []
+                    for pair in it:
+                        batch.append(pair)
+                        if len(inflight) + len(batch) >= concurrency:
+                            break
+                    else:
+                        exhausted = True
+                    for pair in await self._start(batch, inflight, block):
+                        yield pair
+                if not inflight:
+                    if exhausted:
+                        return
+                    continue
+                for state, _ in await self._pump([j.state for _, j in inflight.values()],
+                                                 self.config.poll_ms):
+                    if state.finished:
+                        yield inflight.pop(state.key)
+        finally:
+            if cancel_on_exit and inflight:
+                await self._cancel_many([j.id for _, j in inflight.values()])
+
+    async def _start(self, batch: list[tuple[Any, Prepared]],
+                     inflight: dict[str, tuple[Any, AsyncJob]],
+                     block: bool) -> list[tuple[Any, AsyncJob]]:
+        if not batch:
+            return []
+        jobs = await self.enqueue([p for _, p in batch], block=block)
+        pairs = [(tag, job) for (tag, _), job in zip(batch, jobs)]
+        reattached = [j for _, j in pairs if j.reattached]
+        if reattached:
+            await self.probe(reattached)
+        finished = []
+        for tag, job in pairs:
+            if job.state.finished:
+                finished.append((tag, job))
+            elif job.state.key in inflight:
+                job.state.fail(DUPLICATE, f"job id {job.id} is already in flight in "
+                               f"this window (duplicate request id)")
+                finished.append((tag, job))
+            else:
+                inflight[job.state.key] = (tag, job)
+        return finished
+
+    async def _cancel_many(self, job_ids: list[str]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for jid in job_ids:
+            pipe.set(self.keys.cancel(jid), b"1", ex=self.config.cancel_ttl_s)
+        try:
+            await pipe.execute()
+        except NET_ERRORS:
+            pass
+
+    async def map(self, prompts_or_requests: Iterable[Any], *, concurrency: int = 32,
+                  progress: bool = True, return_exceptions: bool = False, priority: int = 0,
+                  block: bool = True, **sampling: Any) -> list[Any]:
+        """Results in input order with at most ``concurrency`` jobs in flight."""
+        defaults = map_defaults(sampling, {"priority": priority})
+        results: list[Any] = []
+        bar = progress_bar(_len_or_none(prompts_or_requests), progress, "map")
+
+        def source() -> Iterable[tuple[int, Prepared]]:
+            for i, req in enumerate(prompts_or_requests):
+                results.append(None)
+                yield i, self._builder.build_request(req, defaults)
+
+        try:
+            async for i, job in self.iter_completed(source(), concurrency=concurrency,
+                                                    block=block):
+                results[i] = _outcome(job.state, return_exceptions)
+                bar.update(1)
+        finally:
+            bar.close()
+        return results
+
+
+async def _read_reply(conn: Any) -> Any:
+    try:
+        return await conn.read_response()
+    except ResponseError as exc:
+        return exc
+
+
+__all__ = ["AsyncClient", "AsyncJob"]

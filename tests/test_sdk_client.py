@@ -1,0 +1,261 @@
+"""Producer SDK (sync client) against a private redis-server and the fake worker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import redis
+
+from producer_sdk import Client, JobFailed, JobNotFound, QueueFull, RedisUnavailable
+from producer_sdk._wire import ENQUEUE_LUA
+from producer_sdk.client import ENQUEUE_SHA
+from producer_sdk.protocol import Keys, decode_job
+from tests.sdk_helpers import (FakeWorker, RedisServer, env_with_repo, free_port,  # noqa: F401
+                               redis_server, redis_url, wait_until)
+
+KEYS = Keys()
+
+
+def entries(url: str, lane: str = "default") -> list:
+    r = redis.Redis.from_url(url)
+    try:
+        return r.xrange(KEYS.lane(lane))
+    finally:
+        r.close()
+
+
+@pytest.fixture
+def client(redis_url: str):
+    c = Client(redis_url)
+    yield c
+    c.close()
+
+
+def test_sdk_never_imports_torch():
+    code = ("import sys; import producer_sdk, producer_sdk.batch, producer_sdk.cli, "
+            "producer_sdk.aio, producer_sdk.bench, producer_sdk.__main__; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, env=env_with_repo(), timeout=60)
+
+
+def test_payloads_follow_protocol(client: Client, redis_url: str):
+    client.submit("hi", max_tokens=3, stop="x", metadata={"user": 7}, deadline_s=5)
+    client.submit(messages=[{"role": "user", "content": "yo"}], priority=-1)
+    client.submit(prompt_token_ids=[1, 2, 3], priority=2, stream=False)
+    job = decode_job(entries(redis_url)[0][1][b"data"])
+    assert job.prompt == "hi" and job.params == {"max_tokens": 3, "stop": ["x"]}
+    assert job.metadata == {"user": 7} and job.deadline_ms - job.submitted_ms == 5000
+    assert decode_job(entries(redis_url, "urgent")[0][1][b"data"]).messages[0].content == "yo"
+    bulk = decode_job(entries(redis_url, "bulk")[0][1][b"data"])
+    assert bulk.prompt_token_ids == [1, 2, 3] and bulk.stream is False
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_token": 3}, "max_token"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"job_id": "has space"}, "job_id"),
+    ({"prompt": None}, "prompt"),
+])
+def test_bad_fields_rejected_before_sending(client: Client, redis_url: str, kwargs, field):
+    kwargs = {"prompt": "hi", **kwargs}
+    with pytest.raises(ValueError, match=field):
+        client.submit(**kwargs)
+    assert entries(redis_url) == []
+
+
+def test_stream_and_result(client: Client, redis_url: str):
+    with FakeWorker(redis_url):
+        job = client.submit("hello", max_tokens=4, metadata={"k": "v"})
+        deltas = list(job.stream(timeout=10))
+        assert [d.text for d in deltas] == [" t0", " t1", " t2", " t3"]
+        assert [d.seq for d in deltas] == [0, 1, 2, 3]
+        res = job.result(timeout=5)
+        assert res.text == " t0 t1 t2 t3" and res.token_ids == [100, 101, 102, 103]
+        assert res.finish_reason == "length" and res.usage.completion_tokens == 4
+        assert res.metadata == {"k": "v"} and res.timings.ttft_ms == 2.0
+        full = client.submit("x", max_tokens=2, stream=False).result(timeout=10)
+        assert full.text == " t0 t1" and full.token_ids == [100, 101]
+
+
+def test_resumed_job_does_not_repeat_text(client: Client, redis_url: str):
+    with FakeWorker(redis_url):
+        job = client.submit("CRASH", max_tokens=6)
+        text = "".join(d.text for d in job.stream(timeout=10))
+        assert text == " t0 t1 t2 t3 t4 t5"
+        assert job.result().attempts == 2
+
+
+def test_stream_survives_dropped_connection(client: Client, redis_url: str):
+    admin = redis.Redis.from_url(redis_url)
+    with FakeWorker(redis_url):
+        job = client.submit("SLOW", max_tokens=20)
+        got = []
+        for d in job.stream(timeout=20):
+            got.append(d.text)
+            if len(got) == 3:
+                def kill_reader():
+                    readers = [c for c in admin.client_list() if c["cmd"] == "xread"]
+                    for c in readers:
+                        admin.client_kill_filter(_id=c["id"])
+                    return bool(readers)
+                wait_until(kill_reader, timeout=5)
+        assert "".join(got) == "".join(f" t{i}" for i in range(20))
+    admin.close()
+
+
+def test_cancel_running_and_queued(client: Client, redis_url: str):
+    queued = client.submit("never", max_tokens=5)
+    queued.cancel()
+    with FakeWorker(redis_url) as worker:
+        assert queued.result(timeout=10).finish_reason == "cancelled"
+        assert queued.state.attempts == 0  # it never started
+        running = client.submit("SLOW", max_tokens=200)
+        next(iter(running.stream(timeout=10)))
+        running.cancel()
+        res = running.result(timeout=10)
+        assert res.finish_reason == "cancelled" and len(res.token_ids) < 200
+    assert worker.processed == [queued.id, running.id]
+
+
+def test_timeout_failure_and_reattach(client: Client, redis_url: str):
+    job = client.submit("x", job_id="job-1", max_tokens=2)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        job.result(timeout=0.3)
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(JobNotFound):
+        client.get("nope")
+    with FakeWorker(redis_url):
+        assert client.get("job-1").result(timeout=10).text == " t0 t1"
+        with pytest.raises(JobFailed) as err:
+            client.submit("FAIL").result(timeout=10)
+        assert err.value.code == "internal" and err.value.message == "fake failure"
+        with pytest.raises(JobFailed):
+            list(client.submit("FAIL").stream(timeout=10))
+
+
+def test_lost_results_reported(client: Client, redis_url: str):
+    with FakeWorker(redis_url):
+        client.submit("x", job_id="gone", max_tokens=1).result(timeout=10)
+    redis.Redis.from_url(redis_url).delete(KEYS.results("gone"))
+    with pytest.raises(JobFailed) as err:
+        client.get("gone").result(timeout=5)
+    assert err.value.code == "lost"
+
+
+def test_idempotent_submit(client: Client, redis_url: str):
+    a = client.submit("x", job_id="same")
+    b = client.submit("y", job_id="same")
+    assert a.id == b.id and b.reattached and not a.reattached
+    # A retried script call (what redis-py does after a timeout) enqueues nothing new.
+    r = redis.Redis.from_url(redis_url)
+    args = [KEYS.lane("default"), *KEYS.lanes(), KEYS.config, KEYS.dedupe("same"), "", 86400,
+            100, b"payload"]
+    reply = r.evalsha(ENQUEUE_SHA, 6, *args)
+    assert reply[2].startswith(b"=")
+    assert len(entries(redis_url)) == 1
+    r.script_flush()  # NOSCRIPT is handled by loading the script and resending
+    client.submit("z", job_id="other")
+    assert len(entries(redis_url)) == 2 and r.script_exists(ENQUEUE_SHA) == [True]
+    assert ENQUEUE_LUA.count("XADD") == 1
+    r.close()
+
+
+def test_queue_full_client_and_shared_limits(redis_url: str):
+    with Client(redis_url, max_queued_jobs=2) as c:
+        c.submit("a")
+        c.submit("b")
+        with pytest.raises(QueueFull) as err:
+            c.submit("c")
+        assert err.value.depth == 2 and err.value.limit == 2
+        with pytest.raises(QueueFull):
+            c.submit("c", block=True, block_timeout=0.2)
+    with Client(redis_url) as shared:
+        shared.set_max_queued_jobs(3)
+        shared.submit("c")
+        with pytest.raises(QueueFull):
+            shared.submit("d")
+        with pytest.raises(QueueFull) as err:
+            shared.submit_many(["e", "f"], block=False)
+        assert err.value.accepted == []
+        # block=True waits until a worker drains the queue
+        with FakeWorker(redis_url, start_delay=0.3):
+            t0 = time.monotonic()
+            jobs = shared.submit_many([f"p{i}" for i in range(10)], max_tokens=1)
+            assert time.monotonic() - t0 > 0.2
+            assert [j.result(timeout=10).text for j in jobs] == [" t0"] * 10
+
+
+def test_redis_oom_becomes_backpressure():
+    server = RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    try:
+        r = server.client()
+        blob = b"x" * 1000
+        i = 0
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            while True:
+                r.set(f"fill{i}", blob)
+                i += 1
+        with Client(server.url) as c:
+            with pytest.raises(QueueFull) as err:
+                c.submit("hi")
+            assert err.value.reason == "oom"
+            r.delete(*[f"fill{k}" for k in range(i)])
+            assert c.submit("hi", block=True, block_timeout=5).id
+        r.close()
+    finally:
+        server.stop()
+
+
+def test_unreachable_redis_fails_fast():
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with Client(url) as c:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError) as err:
+            c.submit("hi")
+        assert isinstance(err.value, RedisUnavailable) and "127.0.0.1" in str(err.value)
+        with pytest.raises(ConnectionError):
+            c.ping()
+        assert time.monotonic() - t0 < 5
+
+
+def test_submit_many_order_and_dedupe(client: Client, redis_url: str):
+    reqs = [f"p{i}" for i in range(1200)] + [{"prompt": "k", "job_id": "known", "priority": 3}]
+    client.submit("k", job_id="known", priority=3)
+    jobs = client.submit_many(reqs, max_tokens=2)
+    assert len(jobs) == 1201 and len({j.id for j in jobs}) == 1201
+    assert jobs[-1].id == "known" and jobs[-1].reattached
+    ents = entries(redis_url)
+    assert [decode_job(e[1][b"data"]).prompt for e in ents] == [f"p{i}" for i in range(1200)]
+    assert len(entries(redis_url, "bulk")) == 1
+
+
+def test_map_preserves_order_and_bounds_concurrency(client: Client, redis_url: str):
+    with FakeWorker(redis_url, token_delay=0.001) as worker:
+        prompts = [f"p{i}" for i in range(40)] + ["FAIL"]
+        out = client.map(prompts, concurrency=4, progress=False, return_exceptions=True,
+                         max_tokens=2)
+        assert [r.text for r in out[:40]] == [" t0 t1"] * 40
+        assert isinstance(out[40], JobFailed)
+        with pytest.raises(JobFailed):
+            client.map(["a", "FAIL", "b"], concurrency=2, progress=False, max_tokens=1)
+    assert worker.max_depth_seen <= 4
+
+
+def test_submit_is_thread_safe(client: Client, redis_url: str):
+    ids: list[str] = []
+
+    def work():
+        ids.extend(client.submit(f"t{i}").id for i in range(50))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(ids)) == 200 and len(entries(redis_url)) == 200
