@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import socket
-import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,69 +24,30 @@ import pytest
 import redis
 
 from producer_sdk.protocol import GROUP, Keys, decode_job
+from tests.fixtures_redis import RedisServer, free_port, start_redis_server
 
-REDIS_SERVER = shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A throwaway redis-server on a free port (no persistence), killed on exit."""
-
-    def __init__(self, *extra: str) -> None:
-        if REDIS_SERVER is None:
-            pytest.skip("redis-server is not installed")
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="sdk-redis-")
-        self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir, *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._wait()
-
-    def _wait(self) -> None:
-        r = redis.Redis(port=self.port, socket_connect_timeout=0.2)
-        for _ in range(100):
-            try:
-                r.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("redis-server did not start")
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        shutil.rmtree(self.dir, ignore_errors=True)
+__all__ = ["RedisServer", "free_port", "start_redis_server", "sdk_redis", "sdk_url", "FakeWorker",
+           "wait_until", "env_with_repo"]
 
 
 @pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
+def sdk_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One private redis-server per test module (starting one per test costs more than tests)."""
+    server = start_redis_server(tmp_path_factory.mktemp("sdk-redis"))
     try:
         yield server
     finally:
-        server.stop()
+        server.kill()
 
 
 @pytest.fixture
-def redis_url(redis_server: RedisServer) -> Iterator[str]:
-    """A clean database on the module's server for each test."""
-    server_client = redis_server.client()
-    server_client.flushall()
-    yield redis_server.url
-    server_client.flushall()
-    server_client.close()
+def sdk_url(sdk_redis: RedisServer) -> Iterator[str]:
+    """URL of the module's server with an empty database for each test."""
+    admin = sdk_redis.client()
+    admin.flushall()
+    yield sdk_redis.url
+    admin.flushall()
+    admin.close()
 
 
 class FakeWorker(threading.Thread):

@@ -14,8 +14,8 @@ from producer_sdk import Client, JobFailed, JobNotFound, QueueFull, RedisUnavail
 from producer_sdk._wire import ENQUEUE_LUA
 from producer_sdk.client import ENQUEUE_SHA
 from producer_sdk.protocol import Keys, decode_job
-from tests.sdk_helpers import (FakeWorker, RedisServer, env_with_repo, free_port,  # noqa: F401
-                               redis_server, redis_url, wait_until)
+from tests.sdk_helpers import (FakeWorker, env_with_repo, free_port, sdk_redis,  # noqa: F401
+                               sdk_url, start_redis_server, wait_until)
 
 KEYS = Keys()
 
@@ -29,8 +29,8 @@ def entries(url: str, lane: str = "default") -> list:
 
 
 @pytest.fixture
-def client(redis_url: str):
-    c = Client(redis_url)
+def client(sdk_url: str):
+    c = Client(sdk_url)
     yield c
     c.close()
 
@@ -42,15 +42,15 @@ def test_sdk_never_imports_torch():
     subprocess.run([sys.executable, "-c", code], check=True, env=env_with_repo(), timeout=60)
 
 
-def test_payloads_follow_protocol(client: Client, redis_url: str):
+def test_payloads_follow_protocol(client: Client, sdk_url: str):
     client.submit("hi", max_tokens=3, stop="x", metadata={"user": 7}, deadline_s=5)
     client.submit(messages=[{"role": "user", "content": "yo"}], priority=-1)
     client.submit(prompt_token_ids=[1, 2, 3], priority=2, stream=False)
-    job = decode_job(entries(redis_url)[0][1][b"data"])
+    job = decode_job(entries(sdk_url)[0][1][b"data"])
     assert job.prompt == "hi" and job.params == {"max_tokens": 3, "stop": ["x"]}
     assert job.metadata == {"user": 7} and job.deadline_ms - job.submitted_ms == 5000
-    assert decode_job(entries(redis_url, "urgent")[0][1][b"data"]).messages[0].content == "yo"
-    bulk = decode_job(entries(redis_url, "bulk")[0][1][b"data"])
+    assert decode_job(entries(sdk_url, "urgent")[0][1][b"data"]).messages[0].content == "yo"
+    bulk = decode_job(entries(sdk_url, "bulk")[0][1][b"data"])
     assert bulk.prompt_token_ids == [1, 2, 3] and bulk.stream is False
 
 
@@ -61,15 +61,15 @@ def test_payloads_follow_protocol(client: Client, redis_url: str):
     ({"job_id": "has space"}, "job_id"),
     ({"prompt": None}, "prompt"),
 ])
-def test_bad_fields_rejected_before_sending(client: Client, redis_url: str, kwargs, field):
+def test_bad_fields_rejected_before_sending(client: Client, sdk_url: str, kwargs, field):
     kwargs = {"prompt": "hi", **kwargs}
     with pytest.raises(ValueError, match=field):
         client.submit(**kwargs)
-    assert entries(redis_url) == []
+    assert entries(sdk_url) == []
 
 
-def test_stream_and_result(client: Client, redis_url: str):
-    with FakeWorker(redis_url):
+def test_stream_and_result(client: Client, sdk_url: str):
+    with FakeWorker(sdk_url):
         job = client.submit("hello", max_tokens=4, metadata={"k": "v"})
         deltas = list(job.stream(timeout=10))
         assert [d.text for d in deltas] == [" t0", " t1", " t2", " t3"]
@@ -82,17 +82,17 @@ def test_stream_and_result(client: Client, redis_url: str):
         assert full.text == " t0 t1" and full.token_ids == [100, 101]
 
 
-def test_resumed_job_does_not_repeat_text(client: Client, redis_url: str):
-    with FakeWorker(redis_url):
+def test_resumed_job_does_not_repeat_text(client: Client, sdk_url: str):
+    with FakeWorker(sdk_url):
         job = client.submit("CRASH", max_tokens=6)
         text = "".join(d.text for d in job.stream(timeout=10))
         assert text == " t0 t1 t2 t3 t4 t5"
         assert job.result().attempts == 2
 
 
-def test_stream_survives_dropped_connection(client: Client, redis_url: str):
-    admin = redis.Redis.from_url(redis_url)
-    with FakeWorker(redis_url):
+def test_stream_survives_dropped_connection(client: Client, sdk_url: str):
+    admin = redis.Redis.from_url(sdk_url)
+    with FakeWorker(sdk_url):
         job = client.submit("SLOW", max_tokens=20)
         got = []
         for d in job.stream(timeout=20):
@@ -108,10 +108,10 @@ def test_stream_survives_dropped_connection(client: Client, redis_url: str):
     admin.close()
 
 
-def test_cancel_running_and_queued(client: Client, redis_url: str):
+def test_cancel_running_and_queued(client: Client, sdk_url: str):
     queued = client.submit("never", max_tokens=5)
     queued.cancel()
-    with FakeWorker(redis_url) as worker:
+    with FakeWorker(sdk_url) as worker:
         assert queued.result(timeout=10).finish_reason == "cancelled"
         assert queued.state.attempts == 0  # it never started
         running = client.submit("SLOW", max_tokens=200)
@@ -122,7 +122,7 @@ def test_cancel_running_and_queued(client: Client, redis_url: str):
     assert worker.processed == [queued.id, running.id]
 
 
-def test_timeout_failure_and_reattach(client: Client, redis_url: str):
+def test_timeout_failure_and_reattach(client: Client, sdk_url: str):
     job = client.submit("x", job_id="job-1", max_tokens=2)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
@@ -130,7 +130,7 @@ def test_timeout_failure_and_reattach(client: Client, redis_url: str):
     assert time.monotonic() - t0 < 2
     with pytest.raises(JobNotFound):
         client.get("nope")
-    with FakeWorker(redis_url):
+    with FakeWorker(sdk_url):
         assert client.get("job-1").result(timeout=10).text == " t0 t1"
         with pytest.raises(JobFailed) as err:
             client.submit("FAIL").result(timeout=10)
@@ -139,35 +139,35 @@ def test_timeout_failure_and_reattach(client: Client, redis_url: str):
             list(client.submit("FAIL").stream(timeout=10))
 
 
-def test_lost_results_reported(client: Client, redis_url: str):
-    with FakeWorker(redis_url):
+def test_lost_results_reported(client: Client, sdk_url: str):
+    with FakeWorker(sdk_url):
         client.submit("x", job_id="gone", max_tokens=1).result(timeout=10)
-    redis.Redis.from_url(redis_url).delete(KEYS.results("gone"))
+    redis.Redis.from_url(sdk_url).delete(KEYS.results("gone"))
     with pytest.raises(JobFailed) as err:
         client.get("gone").result(timeout=5)
     assert err.value.code == "lost"
 
 
-def test_idempotent_submit(client: Client, redis_url: str):
+def test_idempotent_submit(client: Client, sdk_url: str):
     a = client.submit("x", job_id="same")
     b = client.submit("y", job_id="same")
     assert a.id == b.id and b.reattached and not a.reattached
     # A retried script call (what redis-py does after a timeout) enqueues nothing new.
-    r = redis.Redis.from_url(redis_url)
+    r = redis.Redis.from_url(sdk_url)
     args = [KEYS.lane("default"), *KEYS.lanes(), KEYS.config, KEYS.dedupe("same"), "", 86400,
             100, b"payload"]
     reply = r.evalsha(ENQUEUE_SHA, 6, *args)
     assert reply[2].startswith(b"=")
-    assert len(entries(redis_url)) == 1
+    assert len(entries(sdk_url)) == 1
     r.script_flush()  # NOSCRIPT is handled by loading the script and resending
     client.submit("z", job_id="other")
-    assert len(entries(redis_url)) == 2 and r.script_exists(ENQUEUE_SHA) == [True]
+    assert len(entries(sdk_url)) == 2 and r.script_exists(ENQUEUE_SHA) == [True]
     assert ENQUEUE_LUA.count("XADD") == 1
     r.close()
 
 
-def test_queue_full_client_and_shared_limits(redis_url: str):
-    with Client(redis_url, max_queued_jobs=2) as c:
+def test_queue_full_client_and_shared_limits(sdk_url: str):
+    with Client(sdk_url, max_queued_jobs=2) as c:
         c.submit("a")
         c.submit("b")
         with pytest.raises(QueueFull) as err:
@@ -175,7 +175,7 @@ def test_queue_full_client_and_shared_limits(redis_url: str):
         assert err.value.depth == 2 and err.value.limit == 2
         with pytest.raises(QueueFull):
             c.submit("c", block=True, block_timeout=0.2)
-    with Client(redis_url) as shared:
+    with Client(sdk_url) as shared:
         shared.set_max_queued_jobs(3)
         shared.submit("c")
         with pytest.raises(QueueFull):
@@ -184,15 +184,15 @@ def test_queue_full_client_and_shared_limits(redis_url: str):
             shared.submit_many(["e", "f"], block=False)
         assert err.value.accepted == []
         # block=True waits until a worker drains the queue
-        with FakeWorker(redis_url, start_delay=0.3):
+        with FakeWorker(sdk_url, start_delay=0.3):
             t0 = time.monotonic()
             jobs = shared.submit_many([f"p{i}" for i in range(10)], max_tokens=1)
             assert time.monotonic() - t0 > 0.2
             assert [j.result(timeout=10).text for j in jobs] == [" t0"] * 10
 
 
-def test_redis_oom_becomes_backpressure():
-    server = RedisServer("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+def test_redis_oom_becomes_backpressure(tmp_path):
+    server = start_redis_server(tmp_path, "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
     try:
         r = server.client()
         blob = b"x" * 1000
@@ -209,7 +209,7 @@ def test_redis_oom_becomes_backpressure():
             assert c.submit("hi", block=True, block_timeout=5).id
         r.close()
     finally:
-        server.stop()
+        server.kill()
 
 
 def test_unreachable_redis_fails_fast():
@@ -224,19 +224,19 @@ def test_unreachable_redis_fails_fast():
         assert time.monotonic() - t0 < 5
 
 
-def test_submit_many_order_and_dedupe(client: Client, redis_url: str):
+def test_submit_many_order_and_dedupe(client: Client, sdk_url: str):
     reqs = [f"p{i}" for i in range(1200)] + [{"prompt": "k", "job_id": "known", "priority": 3}]
     client.submit("k", job_id="known", priority=3)
     jobs = client.submit_many(reqs, max_tokens=2)
     assert len(jobs) == 1201 and len({j.id for j in jobs}) == 1201
     assert jobs[-1].id == "known" and jobs[-1].reattached
-    ents = entries(redis_url)
+    ents = entries(sdk_url)
     assert [decode_job(e[1][b"data"]).prompt for e in ents] == [f"p{i}" for i in range(1200)]
-    assert len(entries(redis_url, "bulk")) == 1
+    assert len(entries(sdk_url, "bulk")) == 1
 
 
-def test_map_preserves_order_and_bounds_concurrency(client: Client, redis_url: str):
-    with FakeWorker(redis_url, token_delay=0.001) as worker:
+def test_map_preserves_order_and_bounds_concurrency(client: Client, sdk_url: str):
+    with FakeWorker(sdk_url, token_delay=0.001) as worker:
         prompts = [f"p{i}" for i in range(40)] + ["FAIL"]
         out = client.map(prompts, concurrency=4, progress=False, return_exceptions=True,
                          max_tokens=2)
@@ -247,7 +247,7 @@ def test_map_preserves_order_and_bounds_concurrency(client: Client, redis_url: s
     assert worker.max_depth_seen <= 4
 
 
-def test_submit_is_thread_safe(client: Client, redis_url: str):
+def test_submit_is_thread_safe(client: Client, sdk_url: str):
     ids: list[str] = []
 
     def work():
@@ -258,4 +258,4 @@ def test_submit_is_thread_safe(client: Client, redis_url: str):
         t.start()
     for t in threads:
         t.join()
-    assert len(set(ids)) == 200 and len(entries(redis_url)) == 200
+    assert len(set(ids)) == 200 and len(entries(sdk_url)) == 200
