@@ -119,6 +119,19 @@ def test_reclaim_takes_only_expired_leases_most_urgent_first(r, keys):
     assert pending(r, keys.lane("urgent"), urgent)["consumer"] == b"b"
 
 
+def test_parked_entries_come_first_and_keep_their_delivery_count(r, keys):
+    from producer_sdk.protocol import PARKED_IDLE_MS, PARKING_CONSUMER
+    lane = keys.lane("default")
+    stale, parked = enqueue(r, keys, "stale"), enqueue(r, keys, "parked")
+    read_as(r, keys, "dead")
+    age(r, lane, "dead", [stale], 5000)
+    r.xclaim(lane, GROUP, PARKING_CONSUMER, 0, [parked], idle=PARKED_IDLE_MS, retrycount=2,
+             justid=True)
+    got = keeper(r, keys, "b").reclaim(10)
+    assert [(e.entry_id, e.deliveries) for e in got] == [(parked, 2), (stale, 2)]
+    assert pending(r, lane, parked)["times_delivered"] == 2
+
+
 def test_reclaim_follows_the_cursor_and_stops_at_count(r, keys):
     lane = keys.lane("default")
     ids = [enqueue(r, keys, f"j{i}") for i in range(25)]

@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterable, Optional
 import msgpack
 
 from producer_sdk.protocol import (
-    GROUP, PAYLOAD_FIELD, ErrorCode, ErrorEvent, Keys, ProtocolError, decode_job, encode_event,
+    GROUP, PARKING_CONSUMER, PAYLOAD_FIELD, DeadLetter, ErrorCode, ErrorEvent, Keys, ProtocolError,
+    decode_job, encode_event,
 )
 
 log = logging.getLogger(__name__)
@@ -51,26 +52,40 @@ end
 return lost
 """
 
-# KEYS[1] lane; ARGV: group, me, min_idle_ms, cursor, count
+# KEYS[1] lane; ARGV: group, me, min_idle_ms, cursor, count, parking consumer
 # -> {next_cursor, {{id, fields_or_false, deliveries}, ...}, {deleted_id, ...}}
-# JUSTID gives the ids on both 6.2 and 7 (6.2 replies with a bare nil for a deleted entry, id
-# unknown); the body is then read with XRANGE and the delivery count raised by one by hand, so
-# the counts are exactly those of *this* delivery. Redis 7's third element is passed through.
+# Entries a draining worker parked are taken first and keep their delivery count: a hand-back is
+# not a failed delivery. Then XAUTOCLAIM ... JUSTID gives the ids on both 6.2 and 7 (6.2 replies
+# with a bare nil for a deleted entry, id unknown); each body is read with XRANGE and the count
+# raised by one by hand, so counts are exactly those of *this* delivery. Redis 7's third element
+# (ids deleted from the stream, already dropped from the PEL) is passed through.
 _AUTOCLAIM_LUA = """
-local lane, group, me = KEYS[1], ARGV[1], ARGV[2]
-local r = redis.call('XAUTOCLAIM', lane, group, me, ARGV[3], ARGV[4], 'COUNT', ARGV[5], 'JUSTID')
-local out = {}
-for i, id in ipairs(r[2]) do
-  local p = redis.call('XPENDING', lane, group, id, id, 1)
-  local n = 1
-  if #p == 1 then n = p[1][4] + 1 end
-  redis.call('XCLAIM', lane, group, me, 0, id, 'RETRYCOUNT', n, 'JUSTID')
+local lane, group, me, count = KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[5])
+local out, deleted = {}, {}
+local function add(id, n)
   local e = redis.call('XRANGE', lane, id, id)
   local body = false
   if #e == 1 then body = e[1][2] end
-  out[i] = {id, body, n}
+  out[#out + 1] = {id, body, n}
 end
-return {r[1], out, r[3] or {}}
+for _, p in ipairs(redis.call('XPENDING', lane, group, '-', '+', count, ARGV[6])) do
+  redis.call('XCLAIM', lane, group, me, 0, p[1], 'JUSTID')
+  add(p[1], p[4])
+end
+local cursor = ARGV[4]
+if #out < count then
+  local r = redis.call('XAUTOCLAIM', lane, group, me, ARGV[3], cursor, 'COUNT', count - #out,
+                       'JUSTID')
+  cursor, deleted = r[1], r[3] or {}
+  for _, id in ipairs(r[2]) do
+    local p = redis.call('XPENDING', lane, group, id, id, 1)
+    local n = 1
+    if #p == 1 then n = p[1][4] + 1 end
+    redis.call('XCLAIM', lane, group, me, 0, id, 'RETRYCOUNT', n, 'JUSTID')
+    add(id, n)
+  end
+end
+return {cursor, out, deleted}
 """
 
 # KEYS[1] lane; ARGV: group, me, ids... -> number acknowledged. Ack (XACK + XDEL, so the stream
@@ -226,7 +241,8 @@ class LeaseKeeper:
         cursor = "0-0"
         while len(kept) < want:
             nxt, entries, deleted = self._autoclaim(
-                keys=[lane], args=[GROUP, self.worker_id, self.lease_ms, cursor, want - len(kept)])
+                keys=[lane], args=[GROUP, self.worker_id, self.lease_ms, cursor, want - len(kept),
+                                   PARKING_CONSUMER])
             self._report_deleted(lane, [_s(x) for x in deleted])
             for raw_id, body, deliveries in entries:
                 entry = self._sort_entry(lane, _s(raw_id), body, int(deliveries))
@@ -306,10 +322,10 @@ def make_dead_letter(redis: Any, keys: Keys, worker_id: str, result_ttl_ms: int,
 
     def dead_letter(entry: ClaimedEntry, reason: str) -> None:
         job_id = _job_id_of(entry)
-        record = {b"lane": entry.lane, b"entry_id": entry.entry_id, b"job_id": job_id or "",
-                  b"deliveries": entry.deliveries, b"reason": reason, b"worker_id": worker_id,
-                  b"ts_ms": int(time.time() * 1000), field_name: entry.data or b""}
-        redis.xadd(keys.dead, record, maxlen=dead_maxlen, approximate=True)
+        letter = DeadLetter(data=entry.data or b"", reason=reason, code=ErrorCode.POISON.value,
+                            worker_id=worker_id, lane=entry.lane, entry_id=entry.entry_id,
+                            job_id=job_id or "", deliveries=entry.deliveries)
+        redis.xadd(keys.dead, letter.to_fields(), maxlen=dead_maxlen, approximate=True)
         if job_id is None:
             log.error("poison entry %s %s has no readable job id; no client to tell",
                       entry.lane, entry.entry_id)
