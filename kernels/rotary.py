@@ -1,7 +1,7 @@
 """rotary: in-place rotary position embedding of q and k.
 
-One program per token rotates all of that token's query and key heads, so the token's cos/sin row
-is loaded once and shared by every head. The cache row is [cos half | sin half] of R/2 values
+One program rotates all query and key heads of BLOCK_T tokens, so each token's cos/sin row is
+loaded once and shared by every head. The cache row is [cos half | sin half] of R/2 values
 each; the first R dims of every head rotate (R = cache width, normally head_dim) and the rest
 pass through untouched (partial rotary). Styles:
 - neox: pairs (i, i + R/2) — the halves layout (Llama, Qwen).
@@ -23,40 +23,47 @@ __all__ = ["rotary", "rotary_ref"]
 
 @triton.jit
 def _rotate_heads(
-    base_ptr, head_stride, cos, sin, i, i_ok,
+    x_ptr, token_stride, head_stride, tok, tok_ok, cos, sin, i, i_ok,
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, IS_NEOX: tl.constexpr,
 ):
+    """Rotate heads [BLOCK_T, BLOCK_H, BLOCK_HALF] of BLOCK_T tokens; cos/sin are [BLOCK_T, BLOCK_HALF]."""
     h = tl.arange(0, BLOCK_H).to(tl.int64)
-    mask = (h < NUM_HEADS)[:, None] & i_ok[None, :]
+    mask = tok_ok[:, None, None] & (h < NUM_HEADS)[None, :, None] & i_ok[None, None, :]
     if IS_NEOX:
         first, second = i, i + HALF
     else:
         first, second = 2 * i, 2 * i + 1
-    p1 = base_ptr + h[:, None] * head_stride + first[None, :]
-    p2 = base_ptr + h[:, None] * head_stride + second[None, :]
+    base = x_ptr + tok[:, None, None] * token_stride + h[None, :, None] * head_stride
+    p1 = base + first[None, None, :]
+    p2 = base + second[None, None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-    o1 = x1 * cos[None, :] - x2 * sin[None, :]
-    o2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(p1, o1.to(base_ptr.dtype.element_ty), mask=mask)
-    tl.store(p2, o2.to(base_ptr.dtype.element_ty), mask=mask)
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    tl.store(p1, (x1 * c - x2 * s).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(p2, (x2 * c + x1 * s).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, pos_ptr, cache_ptr,
+    q_ptr, k_ptr, pos_ptr, cache_ptr, num_tokens,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, cache_stride,
-    NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr,
+    NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    tok_ok = tok < num_tokens
+    pos = tl.load(pos_ptr + tok, mask=tok_ok, other=0).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF).to(tl.int64)
     i_ok = i < HALF
-    cos = tl.load(cache_ptr + pos * cache_stride + i, mask=i_ok, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=i_ok, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr + t * q_stride_t, q_stride_h, cos, sin, i, i_ok, NUM_Q, BLOCK_HQ, HALF, IS_NEOX)
-    _rotate_heads(k_ptr + t * k_stride_t, k_stride_h, cos, sin, i, i_ok, NUM_K, BLOCK_HK, HALF, IS_NEOX)
+    cs_mask = tok_ok[:, None] & i_ok[None, :]
+    row = cache_ptr + pos[:, None] * cache_stride + i[None, :]
+    cos = tl.load(row, mask=cs_mask, other=0.0).to(tl.float32)
+    sin = tl.load(row + HALF, mask=cs_mask, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, q_stride_t, q_stride_h, tok, tok_ok, cos, sin, i, i_ok,
+                  NUM_Q, BLOCK_HQ, HALF, IS_NEOX)
+    _rotate_heads(k_ptr, k_stride_t, k_stride_h, tok, tok_ok, cos, sin, i, i_ok,
+                  NUM_K, BLOCK_HK, HALF, IS_NEOX)
 
 
 def _check(q, k, positions, cos_sin_cache) -> None:
@@ -94,11 +101,12 @@ def rotary(
     if num_tokens == 0:
         return
     half = cos_sin_cache.shape[1] // 2
-    _rotary_kernel[(num_tokens,)](
-        q, k, positions, cos_sin_cache,
+    block_hq, block_hk, block_half = v.next_pow2(q.shape[1]), v.next_pow2(k.shape[1]), v.next_pow2(half)
+    block_t = max(1, min(v.next_pow2(num_tokens), 4096 // (block_hq * block_half)))
+    _rotary_kernel[(triton.cdiv(num_tokens, block_t),)](
+        q, k, positions, cos_sin_cache, num_tokens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        NUM_Q=q.shape[1], NUM_K=k.shape[1], HALF=half,
-        BLOCK_HQ=v.next_pow2(q.shape[1]), BLOCK_HK=v.next_pow2(k.shape[1]),
-        BLOCK_HALF=v.next_pow2(half), IS_NEOX=bool(is_neox),
+        NUM_Q=q.shape[1], NUM_K=k.shape[1], HALF=half, BLOCK_T=block_t,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, IS_NEOX=bool(is_neox),
         num_warps=4,
     )
