@@ -47,7 +47,9 @@ def _text(v: Any) -> str:
 
 
 def _is_nogroup(exc: Exception) -> bool:
-    return isinstance(exc, redis.ResponseError) and "NOGROUP" in str(exc)
+    """NOGROUP, or Redis 7 unblocking a blocked read because the stream key was deleted."""
+    return isinstance(exc, redis.ResponseError) and (
+        "NOGROUP" in str(exc) or "no longer exists" in str(exc))
 
 
 class Intake:
@@ -108,7 +110,7 @@ class Intake:
             if not _is_nogroup(exc):
                 raise
             self._recreate_groups()
-            reply = self.client.xreadgroup(GROUP, self.worker_id, streams, count=count, block=block)
+            reply = self.client.xreadgroup(GROUP, self.worker_id, streams, count=count, block=None)
         return self._entries(reply, "new")
 
     def _entries(self, reply: Any, source: str) -> list[Entry]:

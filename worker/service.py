@@ -152,6 +152,7 @@ class Worker:
         self._need_pending = True
         self._next = defaultdict(float)     # housekeeping task -> next due (monotonic)
         self._engine_failures = 0
+        self._redis_errors = 0
         self._started_ms = now_ms()
 
     # ================================================================== lifecycle
@@ -183,10 +184,20 @@ class Worker:
 
     def _iteration_guarded(self) -> bool:
         try:
-            return self._iteration()
+            done = self._iteration()
+            self._redis_errors = 0
+            return done
         except REDIS_DOWN as exc:
             self.log.warning("redis connection lost", error=str(exc))
             return not self._connect_with_backoff()
+        except redis.RedisError as exc:  # e.g. a lane key of the wrong type: retry, never crash
+            self._redis_errors += 1
+            delay = min(5.0, 0.05 * 2 ** min(self._redis_errors, 7))
+            self.log.error("redis command failed; retrying", error=f"{type(exc).__name__}: {exc}",
+                           retry_in_s=delay)
+            self._need_pending = True
+            self._stop.wait(delay)
+            return False
 
     def _shutdown(self) -> None:
         self.metrics.close()
