@@ -86,11 +86,20 @@ class ParamsCache:
     def __init__(self, max_entries: int = 1024) -> None:
         self._cache: dict[Any, dict[str, Any]] = {}
         self._max = max_entries
+        self._last: tuple[Any, dict[str, Any]] = (None, {})
 
     def validate(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
         """Return the normalized params to send (only the fields given) or raise InvalidRequest."""
         if not sampling:
             return {}
+        last_in, last_out = self._last
+        if sampling == last_in:  # bulk submits repeat one dict: skip even the cache key
+            return last_out
+        out = self._lookup(sampling)
+        self._last = (dict(sampling), out)
+        return out
+
+    def _lookup(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
         try:
             key = _freeze(dict(sampling))
             hash(key)

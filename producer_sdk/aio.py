@@ -82,6 +82,7 @@ class AsyncClient:
         self._builder = PayloadBuilder(self.keys)
         self._script = EnqueueScript(self.keys, ENQUEUE_SHA, limit=self.config.max_queued_jobs,
                                      ttl_s=self.config.dedupe_ttl_s)
+        self._script_loaded = False
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -126,6 +127,9 @@ class AsyncClient:
                       block_timeout: Optional[float] = None) -> list[AsyncJob]:
         if not prepared:
             return []
+        if not self._script_loaded:
+            await self._call(self.redis.script_load, ENQUEUE_LUA)
+            self._script_loaded = True
         plan = EnqueuePlan(prepared, self._script, self.config.chunk_size)
         deadline = Deadline(block_timeout)
         pause = 0.02

@@ -78,6 +78,7 @@ class Client:
         self._builder = PayloadBuilder(self.keys)
         self._script = EnqueueScript(self.keys, ENQUEUE_SHA, limit=self.config.max_queued_jobs,
                                      ttl_s=self.config.dedupe_ttl_s)
+        self._script_loaded = False
 
     # -- lifecycle
     def close(self) -> None:
@@ -139,6 +140,10 @@ class Client:
         """Send prepared jobs; the core of submit/submit_many."""
         if not prepared:
             return []
+        if not self._script_loaded:
+            # Load once up front: a NOSCRIPT reply would make the first round travel twice.
+            self._call(self.redis.script_load, ENQUEUE_LUA)
+            self._script_loaded = True
         plan = EnqueuePlan(prepared, self._script, self.config.chunk_size)
         deadline = Deadline(block_timeout)
         pause = 0.02
