@@ -1,25 +1,16 @@
 """Triton kernels for the paged engine, each beside a plain-torch reference (tensors in, tensors out).
 
 The seven public ops match docs/contracts.md ("Ops behind attention_backend"); the engine's
-"triton" backend imports this package lazily. Without a GPU, set TRITON_INTERPRET=1 before
-importing it (tests/conftest.py does) to run the kernels in Triton's CPU interpreter.
+"triton" backend imports this package lazily. Without a GPU, set TRITON_INTERPRET=1 before the
+first op is touched (tests/conftest.py does; `python -m kernels.bench` does) to run the kernels in
+Triton's CPU interpreter. Exports resolve lazily so that importing the package (or running
+`python -m kernels.bench`) does not import any @triton.jit module before that choice is made.
 """
 
-from kernels.activation import silu_and_mul
-from kernels.decode_attention import paged_decode_attention
-from kernels.norm import fused_add_rms_norm, rms_norm
-from kernels.prefill_attention import paged_prefill_attention
-from kernels.reference import (
-    fused_add_rms_norm_ref,
-    paged_decode_attention_ref,
-    paged_prefill_attention_ref,
-    rms_norm_ref,
-    rotary_ref,
-    silu_and_mul_ref,
-    store_kv_ref,
-)
-from kernels.rotary import rotary
-from kernels.store_kv import store_kv
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 OPS = (
     "store_kv",
@@ -31,4 +22,27 @@ OPS = (
     "silu_and_mul",
 )
 
+_HOME = {
+    "store_kv": "kernels.store_kv",
+    "paged_decode_attention": "kernels.decode_attention",
+    "paged_prefill_attention": "kernels.prefill_attention",
+    "rms_norm": "kernels.norm",
+    "fused_add_rms_norm": "kernels.norm",
+    "rotary": "kernels.rotary",
+    "silu_and_mul": "kernels.activation",
+    **{f"{name}_ref": "kernels.reference" for name in OPS},
+}
+
 __all__ = [*OPS, *(f"{name}_ref" for name in OPS), "OPS"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOME[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
