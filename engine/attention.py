@@ -9,6 +9,7 @@ query-head group into the query length (``[B, Hkv, G*Lq, D]``), so K/V are never
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -41,12 +42,39 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     v_cache.view(num_blocks * block_size, hkv, d).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+class _Workspace(threading.local):
+    """Reused gather buffers. A fresh multi-MB tensor per layer per step costs more in page
+    faults than the copy itself on CPU (measured ~5x), so K and V gathers write into buffers
+    that only grow. Thread-local, so two engines on two threads never share a buffer."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (name, dtype, device)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self.buffers[key] = buf
+        return buf[:numel]
+
+
+_WORKSPACE = _Workspace()
+
+
+def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int,
+               name: str) -> torch.Tensor:
     """``[B, num_blocks*block_size, Hkv, D]``: each sequence's first ``num_blocks`` blocks."""
     _, block_size, hkv, d = cache.shape
-    tables = block_tables[:, :num_blocks].long()
-    b = tables.shape[0]
-    return cache[tables].view(b, num_blocks * block_size, hkv, d)
+    tables = block_tables[:, :num_blocks].reshape(-1).long()
+    b = block_tables.shape[0]
+    if cache.device.type != "cpu":
+        return cache.index_select(0, tables).view(b, num_blocks * block_size, hkv, d)
+    numel = tables.numel() * block_size * hkv * d
+    out = _WORKSPACE.get(name, numel, cache.dtype, cache.device).view(-1, block_size, hkv, d)
+    # index_select on the flat table is markedly faster on CPU than advanced indexing.
+    torch.index_select(cache, 0, tables, out=out)
+    return out.view(b, num_blocks * block_size, hkv, d)
 
 
 def _padded_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -63,8 +91,8 @@ def _padded_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_size = k_cache.shape[1]
     max_len = int(seq_lens.max())
     nblk = (max_len + block_size - 1) // block_size
-    k = _gather_kv(k_cache, block_tables, nblk).transpose(1, 2)   # [B, Hkv, L, D]
-    v = _gather_kv(v_cache, block_tables, nblk).transpose(1, 2)
+    k = _gather_kv(k_cache, block_tables, nblk, "k").transpose(1, 2)   # [B, Hkv, L, D]
+    v = _gather_kv(v_cache, block_tables, nblk, "v").transpose(1, 2)
     seq = seq_lens.long()
     ctx = seq - q_lens.long()                                      # [B]
     q_pos = ctx[:, None] + torch.arange(lq, device=q.device)[None, :]   # [B, Lq]
@@ -96,15 +124,44 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             cu_seqlens_q: torch.Tensor, scale: float) -> torch.Tensor:
     """Ragged causal attention for ``query[T, Hq, D]`` (new tokens of B sequences, concatenated)
     against the cache, which must already hold the new tokens' K/V; covers chunked prefill and
-    cached prefixes (context_len = seq_len - q_len)."""
+    cached prefixes (context_len = seq_len - q_len).
+
+    Sequences with a single new token (decodes batched with a prefill chunk) take the decode
+    path, so they are not padded to the chunk's length."""
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]
+    single = q_lens == 1
+    if bool(single.all()):
+        return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    if not bool(single.any()):
+        return _prefill_padded(query, k_cache, v_cache, block_tables, seq_lens, q_lens, scale)
+    out = torch.empty_like(query)
+    ones = single.nonzero().squeeze(1)
+    rows = cu[:-1][ones]
+    out[rows] = paged_decode_attention(query[rows], k_cache, v_cache, block_tables[ones],
+                                       seq_lens[ones], scale)
+    multi = (~single).nonzero().squeeze(1)
+    m_lens = q_lens[multi]
+    total = int(m_lens.sum())
+    starts = torch.repeat_interleave(cu[:-1][multi], m_lens, output_size=total)
+    offsets = torch.arange(total, device=query.device) - torch.repeat_interleave(
+        torch.cumsum(m_lens, 0) - m_lens, m_lens, output_size=total)
+    tokens = starts + offsets
+    out[tokens] = _prefill_padded(query[tokens], k_cache, v_cache, block_tables[multi],
+                                  seq_lens[multi], m_lens, scale)
+    return out
+
+
+def _prefill_padded(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Scatter ragged ``query[T]`` into ``[B, max q_len]``, attend, gather back to ``[T]``."""
     b = q_lens.shape[0]
     t, hq, d = query.shape
     lq = int(q_lens.max())
-    # Row index of each token inside its sequence, so we can scatter into [B, Lq] and back.
     seq_id = torch.repeat_interleave(torch.arange(b, device=query.device), q_lens, output_size=t)
-    row = torch.arange(t, device=query.device) - cu[:-1][seq_id]
+    first = torch.cumsum(q_lens, 0) - q_lens
+    row = torch.arange(t, device=query.device) - first[seq_id]
     padded = query.new_zeros(b, lq, hq, d)
     padded[seq_id, row] = query
     out = _padded_attention(padded, k_cache, v_cache, block_tables, seq_lens, q_lens, scale)
