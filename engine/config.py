@@ -50,6 +50,8 @@ class EngineConfig:
     max_num_batched_tokens: Optional[int] = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    # CUDA + triton backend: decode steps replay CUDA graphs (engine/cuda_graphs.py) unless True.
+    enforce_eager: bool = False
     seed: int = 0
     # Filled by resolve(): the checkpoint's config.json, parsed.
     hf_config: Optional[ModelConfig] = field(default=None, repr=False)

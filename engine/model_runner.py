@@ -37,6 +37,20 @@ class ModelRunner:
              torch.zeros(cache_shape, dtype=config.dtype, device=self.device))
             for _ in range(c.num_hidden_layers)
         ]
+        self.decode_graphs = self._maybe_capture_decode_graphs()
+
+    def _maybe_capture_decode_graphs(self) -> Optional[Any]:
+        """CUDA graphs for decode steps: CUDA, the triton backend, and not ``enforce_eager``."""
+        ops = getattr(self.model, "ops", None)
+        if (self.device.type != "cuda" or getattr(self.config, "enforce_eager", False)
+                or getattr(ops, "name", None) != "triton"):
+            return None
+        from engine.cuda_graphs import DecodeGraphRunner
+        max_blocks = -(-int(self.config.max_model_len) // self.block_size)
+        graphs = DecodeGraphRunner(self.model, self.kv_caches, self.config.max_num_seqs,
+                                   max_blocks, self.device)
+        graphs.capture()
+        return graphs
 
     def _free_bytes_for_kv(self) -> Optional[int]:
         """CUDA: what ``gpu_memory_utilization`` leaves after the weights; CPU: None."""
@@ -117,7 +131,11 @@ class ModelRunner:
                 ) -> tuple[Optional[torch.Tensor], list[int]]:
         """Run one forward pass. Returns (logits[N, vocab] float32 or None, sample_rows)."""
         ids, positions, meta, last, sample_rows = self.prepare(seqs, num_new_tokens)
-        hidden = self.model(ids, positions, meta, self.kv_caches)
+        hidden = None
+        if meta.is_decode and self.decode_graphs is not None:
+            hidden = self.decode_graphs.run(ids, positions, meta)
+        if hidden is None:
+            hidden = self.model(ids, positions, meta, self.kv_caches)
         if not sample_rows:
             return None, sample_rows
         logits = self.model.compute_logits(hidden[last])
