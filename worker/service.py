@@ -462,6 +462,11 @@ class Worker:
         params.seed = job.seed = seed
         job.want_logprobs = params.logprobs is not None
         job.params = params
+        if len(job.out_ids) >= params.max_tokens:  # taken over right after its last token
+            job.finish(FinishReason.LENGTH.value, completion_tokens=len(job.out_ids))
+            self.log.info("finished", finish_reason="length", tokens=len(job.out_ids),
+                          **job.log_fields())
+            return
         self._add_to_engine(job, resume=bool(job.out_ids))
         if job.terminal is None:
             job.queue_started()
@@ -477,7 +482,9 @@ class Worker:
             return req.prompt
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
-        return self.engine.render_chat([m.model_dump() for m in req.messages])
+        # As LLM.chat does: the rendered template already holds BOS and friends.
+        text = self.engine.render_chat([m.model_dump() for m in req.messages])
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
 
     def _add_to_engine(self, job: Job, resume: bool) -> None:
         """engine.add_request, mapping its refusals to error events; never raises."""

@@ -1,0 +1,98 @@
+"""``python -m worker`` as a real subprocess: flags, env vars, health, SIGTERM drain."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from producer_sdk.protocol import GROUP, Keys
+from tests.fixtures_redis import REPO_ROOT
+from worker.testing import fake_completion, read_events, submit, wait_for_terminal
+
+KEYS = Keys()
+
+
+def health(url: str, worker_id: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "worker", "health", "--redis-url", url,
+                           "--worker-id", worker_id, "--heartbeat-ms", "200", *extra],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_help_lists_every_flag():
+    out = subprocess.run([sys.executable, "-m", "worker", "--help"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for flag in ("--model", "--redis-url", "--namespace", "--queue", "--worker-id", "--device",
+                 "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
+                 "--kv-cache-memory", "--max-model-len", "--enable-prefix-caching",
+                 "--no-enable-prefix-caching", "--result-ttl", "--drain-timeout",
+                 "--metrics-port", "--lease-ms", "--max-deliveries", "TOKENRELAY_REDIS_URL"):
+        assert flag in out.stdout, flag
+
+
+def test_fake_engine_worker_health_and_sigterm_drain(redis_server, worker_process):
+    r = redis_server.client()
+    assert health(redis_server.url, "cli1").returncode == 1
+    wp = worker_process("--model", "fake:step_delay=0.02", "--heartbeat-ms", "200",
+                        "--block-ms", "50", "--drain-timeout", "20",
+                        env={"TOKENRELAY_REDIS_URL": redis_server.url,
+                             "TOKENRELAY_WORKER_ID": "cli1"})
+    wp.wait_for_log('"worker ready"', 60)
+    ok = health(redis_server.url, "cli1")
+    assert ok.returncode == 0, ok.stderr
+    assert health(redis_server.url, "someone-else").returncode == 1
+    submit(r, KEYS, {"job_id": "sig", "prompt": "term",
+                     "params": {"max_tokens": 60, "temperature": 0}})
+    deadline = time.monotonic() + 20
+    while len(read_events(r, KEYS, "sig")) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    wp.signal(signal.SIGTERM)
+    assert wp.wait(30) == 0
+    events = read_events(r, KEYS, "sig")
+    assert events[-1].type == "done" and events[-1].finish_reason == "length"
+    assert "".join(e.text for e in events if e.type == "token") == fake_completion("term", 60)
+    assert r.xpending(KEYS.lane("default"), GROUP)["pending"] == 0
+    assert health(redis_server.url, "cli1").returncode == 1
+    log = wp.log()
+    for event in ("received", "started", "first_token", "finished", "acked", "draining"):
+        assert f'"event": "{event}"' in log, event
+    assert "term" not in log.replace('"job_id": "sig"', "")  # no prompt text in the logs
+
+
+def test_sigterm_hands_back_unfinished_job(redis_server, worker_process):
+    r = redis_server.client()
+    wp = worker_process("--model", "fake:step_delay=0.02", "--redis-url", redis_server.url,
+                        "--worker-id", "cli2", "--drain-timeout", "0.1", "--block-ms", "50")
+    wp.wait_for_log('"worker ready"', 60)
+    submit(r, KEYS, {"job_id": "hb", "prompt": "x", "params": {"max_tokens": 1000}})
+    deadline = time.monotonic() + 20
+    while len(read_events(r, KEYS, "hb")) < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    wp.terminate()
+    assert wp.wait(30) == 0
+    pend = r.xpending_range(KEYS.lane("default"), GROUP, "-", "+", 10)
+    assert [p["consumer"] for p in pend] == [b"__parked__"]
+    assert '"handed back"' in wp.log()
+
+
+def test_real_model_subprocess(redis_server, worker_process, tiny_checkpoint):
+    pytest.importorskip("engine.llm_engine")
+    r = redis_server.client()
+    wp = worker_process("--model", str(tiny_checkpoint("llama")), "--redis-url",
+                        redis_server.url, "--worker-id", "real1", "--kv-cache-memory", "32MiB",
+                        "--max-num-seqs", "8", "--max-model-len", "256", "--block-ms", "50")
+    for i in range(4):
+        submit(r, KEYS, {"job_id": f"real{i}", "prompt": f"hello {i}",
+                         "params": {"max_tokens": 6, "temperature": 0}})
+    out = wait_for_terminal(r, KEYS, [f"real{i}" for i in range(4)], 120)
+    for events in out.values():
+        assert events[-1].type == "done" and events[-1].usage.completion_tokens == 6
+    assert health(redis_server.url, "real1").returncode == 0
+    wp.terminate()
+    assert wp.wait(30) == 0
