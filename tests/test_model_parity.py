@@ -214,3 +214,26 @@ def test_store_kv_skips_negative_slots():
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="torch"):
         get_ops("cuda-magic")
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rotary_matches_complex_rotation(is_neox):
+    from engine.layers import build_cos_sin_cache, rotary
+
+    torch.manual_seed(1)
+    d = 8
+    cache = build_cos_sin_cache(d, 32, 10000.0, None)
+    q, k = torch.randn(5, 3, d), torch.randn(5, 1, d)
+    pos = torch.tensor([0, 3, 7, 31, 2])
+    angles = torch.polar(torch.ones(5, d // 2), torch.atan2(cache[pos, d // 2:], cache[pos, :d // 2]))
+
+    def expected(x):
+        pairs = (x.view(5, -1, 2, d // 2).transpose(-1, -2) if is_neox
+                 else x.view(5, -1, d // 2, 2)).contiguous()
+        rotated = torch.view_as_real(torch.view_as_complex(pairs) * angles[:, None])
+        return rotated.transpose(-1, -2).reshape(x.shape) if is_neox else rotated.reshape(x.shape)
+
+    want_q, want_k = expected(q), expected(k)
+    rotary(q, k, pos, cache, is_neox)
+    torch.testing.assert_close(q, want_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, want_k, atol=1e-5, rtol=1e-5)
