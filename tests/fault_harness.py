@@ -142,3 +142,204 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+# --------------------------------------------------------------------------------------------
+# result streams as a client sees them
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class StreamReport:
+    """One job's result stream, decoded, with every violation of "each token exactly once"."""
+
+    job_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    terminal: Optional[object] = None          # the DoneEvent / ErrorEvent
+    started: list[object] = field(default_factory=list)
+    num_token_events: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ended(self) -> bool:
+        return self.terminal is not None
+
+    @property
+    def kind(self) -> str:
+        """``done:<finish_reason>``, ``error:<code>`` or ``open``."""
+        t = self.terminal
+        if t is None:
+            return "open"
+        return f"done:{t.finish_reason}" if t.type == "done" else f"error:{t.code}"
+
+
+def check_stream(r: redis.Redis, keys, job_id: str) -> StreamReport:
+    """Decode a result stream and list every duplicate, gap, misplaced index or extra terminal."""
+    from producer_sdk.protocol import EVENT_FIELD, decode_event
+    rep = StreamReport(job_id)
+    parts: list[str] = []
+    for entry_id, fields in r.xrange(keys.results(job_id)):
+        ev = decode_event(fields[EVENT_FIELD])
+        if rep.terminal is not None:
+            rep.problems.append(f"{ev.type} event after the terminal event")
+            continue
+        if ev.type == "started":
+            rep.started.append(ev)
+        elif ev.type == "token":
+            if ev.seq != rep.num_token_events:
+                rep.problems.append(f"token seq {ev.seq}, expected {rep.num_token_events}")
+            if ev.index != len(rep.token_ids):
+                rep.problems.append(f"token index {ev.index}, expected {len(rep.token_ids)}")
+            rep.num_token_events += 1
+            rep.token_ids.extend(ev.token_ids)
+            parts.append(ev.text)
+        else:
+            rep.terminal = ev
+    rep.text = "".join(parts)
+    if rep.terminal is not None and rep.terminal.type == "done" and rep.terminal.text is not None:
+        rep.text = rep.terminal.text                        # stream=False jobs
+        rep.token_ids = list(rep.terminal.token_ids or [])
+    return rep
+
+
+def wait_all_ended(r: redis.Redis, keys, job_ids: Sequence[str], timeout: float,
+                   procs: Sequence[object] = ()) -> dict[str, StreamReport]:
+    """Poll until every job's stream ended; on timeout say which are still open."""
+    deadline = time.monotonic() + timeout
+    open_ids = list(job_ids)
+    reports: dict[str, StreamReport] = {}
+    while True:
+        still = []
+        for job_id in open_ids:
+            rep = check_stream(r, keys, job_id)
+            if rep.ended:
+                reports[job_id] = rep
+            else:
+                still.append(job_id)
+        open_ids = still
+        if not open_ids:
+            return reports
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(open_ids)} of {len(job_ids)} jobs never ended, e.g. "
+                               f"{open_ids[:5]}; pending: {pending_summary(r, keys)}")
+        time.sleep(0.1)
+
+
+def pending_summary(r: redis.Redis, keys) -> list[tuple[str, str, int, int]]:
+    """(entry id, consumer, idle ms, deliveries) of every pending entry, for failure messages."""
+    out = []
+    for lane in keys.lanes():
+        try:
+            rows = r.xpending_range(lane, "workers", min="-", max="+", count=1000)
+        except redis.ResponseError:
+            continue
+        out.extend((row["message_id"].decode(), row["consumer"].decode(),
+                    row["time_since_delivered"], row["times_delivered"]) for row in rows)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# a Redis + worker processes + producer environment for kill tests
+# --------------------------------------------------------------------------------------------
+
+# The contract-shaped FakeEngine (worker/testing.py) behind the real service: process startup
+# without torch, tokens a pure function of (prompt, seed, position), so resumes are checkable.
+FAKE_MODEL = "fake:step_delay={delay}"
+FAST_FLAGS = {"lease-ms": 1000, "max-deliveries": 3, "heartbeat-ms": 200, "block-ms": 100,
+              "result-ttl": 120, "drain-timeout": 5, "device": "cpu", "log-level": "info"}
+
+
+class FaultEnv:
+    """One test's world: a redis-server, worker subprocesses, a producer client.
+
+    Workers are ``python -m worker`` children (tests/fixtures_redis.WorkerProcess, each in its
+    own process group); ``close`` SIGKILLs every one of them and the server, whatever happened.
+    """
+
+    def __init__(self, tmp_path: Path, namespace: str = "ft", queue: str = "q",
+                 redis_args: Sequence[str] = ()) -> None:
+        from producer_sdk.protocol import Keys
+        from tests.fixtures_redis import start_redis_server
+        self.tmp_path = tmp_path
+        self.keys = Keys(namespace, queue)
+        self.redis = start_redis_server(tmp_path / "redis", *redis_args)
+        self.r = self.redis.client(socket_timeout=10)
+        self.workers: list = []
+        self._clients: list = []
+
+    # -- workers
+    def worker(self, worker_id: str, model: Optional[str] = None, delay: float = 0.02,
+               env: Optional[dict[str, str]] = None, wait: bool = True, **flags: object):
+        """Start ``python -m worker``; ``flags`` override FAST_FLAGS (underscores -> dashes)."""
+        from tests.fixtures_redis import WorkerProcess
+        merged = {**FAST_FLAGS, **{k.replace("_", "-"): v for k, v in flags.items()}}
+        args = ["--model", model or FAKE_MODEL.format(delay=delay), "--redis-url", self.redis.url,
+                "--namespace", self.keys.namespace, "--queue", self.keys.queue,
+                "--worker-id", worker_id]
+        for k, v in merged.items():
+            args += [f"--{k}", str(v)]
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
+        full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
+        wp = WorkerProcess(args=tuple(args), env=full_env,
+                           log_path=self.tmp_path / f"{worker_id}-{len(self.workers)}.log")
+        self.workers.append(wp)
+        wp.start()
+        if wait:
+            wp.wait_for_log("worker ready", timeout=120)
+        return wp
+
+    def held_by(self, consumer: str) -> list[str]:
+        """Entry ids pending under ``consumer``."""
+        return [eid for eid, who, _, _ in pending_summary(self.r, self.keys) if who == consumer]
+
+    # -- producer side
+    def client(self, **settings: object):
+        from producer_sdk.client import Client
+        c = Client(self.redis.url, queue=self.keys.queue, namespace=self.keys.namespace,
+                   **settings)
+        self._clients.append(c)
+        return c
+
+    def submit(self, prompts: Sequence[str], prefix: str = "job", **sampling: object) -> list[str]:
+        """Submit one job per prompt (ids ``<prefix>-<i>``); returns the job ids."""
+        client = self._clients[0] if self._clients else self.client()
+        reqs = [{"prompt": p, "job_id": f"{prefix}-{i}"} for i, p in enumerate(prompts)]
+        client.submit_many(reqs, **sampling)
+        return [req["job_id"] for req in reqs]
+
+    def streams(self, job_ids: Sequence[str]) -> dict[str, StreamReport]:
+        return {j: check_stream(self.r, self.keys, j) for j in job_ids}
+
+    def tokens_streamed(self, job_ids: Sequence[str]) -> int:
+        return sum(len(rep.token_ids) for rep in self.streams(job_ids).values())
+
+    def wait_ended(self, job_ids: Sequence[str], timeout: float) -> dict[str, StreamReport]:
+        return wait_all_ended(self.r, self.keys, job_ids, timeout)
+
+    def assert_exactly_once(self, reports: dict[str, StreamReport]) -> None:
+        """Every stream: tokens contiguous from seq 0, each once, one terminal event, nothing
+        left pending in any lane."""
+        bad = {j: rep.problems for j, rep in reports.items() if rep.problems}
+        assert not bad, f"streams broken: {dict(list(bad.items())[:5])}"
+        wait_for(lambda: not pending_summary(self.r, self.keys), 10,
+                 what="every entry acknowledged")
+        assert all(self.r.xlen(lane) == 0 for lane in self.keys.lanes()), "acked jobs not deleted"
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {w.log_path.name}\n{w.log()[-4000:]}" for w in self.workers)
+
+    def close(self) -> None:
+        for wp in self.workers:
+            try:
+                if wp.proc is not None and wp.proc.poll() is None:
+                    os.killpg(wp.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            wp.kill()
+        for c in self._clients:
+            try:
+                c.close()
+            except Exception:  # teardown must go on
+                pass
+        self.r.close()
+        self.redis.kill()
