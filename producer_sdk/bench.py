@@ -18,13 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import msgpack
 import redis
 
 from producer_sdk.client import Client
-from producer_sdk.config import default_redis_url
 from producer_sdk.protocol import Keys, now_ms
 
 SAMPLING = {"max_tokens": 16, "temperature": 0.7}
