@@ -235,6 +235,45 @@ class PayloadBuilder:
         lane = "urgent" if priority < 0 else ("default" if priority == 0 else "bulk")
         return Prepared(job_id, lane, raw, bool(stream))
 
+    def build_many(self, requests: Iterable[Any], defaults: Mapping[str, Any],
+                   submitted_ms: int) -> list[Prepared]:
+        """``build_request`` for many requests. Plain prompt strings take a fast path: the
+        msgpack bytes shared by every job (params, priority, ...) are packed once and each
+        payload is that template with the job id and prompt spliced in."""
+        template = self._template(defaults, submitted_ms)
+        if template is None:
+            return [self.build_request(r, defaults, submitted_ms) for r in requests]
+        head, key_prompt, tail, lane, stream = template
+        pack = msgpack.Packer(use_bin_type=True).pack  # one per call: Packer is not thread-safe
+        new_id = self.new_id
+        out = []
+        for r in requests:
+            if type(r) is str:
+                jid = new_id()
+                out.append(Prepared(jid, lane, b"".join((head, pack(jid), key_prompt, pack(r),
+                                                         tail)), stream))
+            else:
+                out.append(self.build_request(r, defaults, submitted_ms))
+        return out
+
+    def _template(self, defaults: Mapping[str, Any],
+                  submitted_ms: int) -> Optional[tuple[bytes, bytes, bytes, str, bool]]:
+        """Constant payload parts for prompt-only requests, or None when defaults need the
+        general path (job ids, inputs or anything unusual in the defaults)."""
+        if not set(defaults) <= SAMPLING_FIELDS | {"priority", "stream", "metadata",
+                                                   "deadline_s"}:
+            return None
+        sampling = {k: v for k, v in defaults.items() if k in SAMPLING_FIELDS}
+        probe = self.build("x", job_id="x", submitted_ms=submitted_ms,
+                           **{k: v for k, v in defaults.items()})  # validates everything once
+        fields = msgpack.unpackb(probe.payload, raw=False)
+        fields["params"] = self.params.validate(sampling)
+        pack = msgpack.Packer(use_bin_type=True).pack
+        rest = [(k, v) for k, v in fields.items() if k not in ("v", "job_id", "prompt")]
+        head = bytes([0x80 | (3 + len(rest))]) + pack("v") + pack(PROTOCOL_VERSION) + pack("job_id")
+        tail = b"".join(pack(k) + pack(v) for k, v in rest)
+        return head, pack("prompt"), tail, probe.lane, probe.stream
+
     def build_request(self, request: Any, defaults: Mapping[str, Any],
                       submitted_ms: Optional[int] = None) -> Prepared:
         """``request`` is a prompt string or a dict of submit() keyword arguments."""

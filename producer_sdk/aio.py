@@ -28,13 +28,19 @@ from producer_sdk.protocol import Keys, now_ms, validate_job_id
 class AsyncJob:
     """A handle on one submitted job (asyncio)."""
 
-    __slots__ = ("client", "id", "state", "reattached")
+    __slots__ = ("client", "id", "_state", "reattached")
 
     def __init__(self, client: "AsyncClient", job_id: str, *, reattached: bool = False) -> None:
         self.client = client
         self.id = job_id
-        self.state = JobState(job_id, client.keys.results(job_id))
+        self._state: Optional[JobState] = None
         self.reattached = reattached
+
+    @property
+    def state(self) -> JobState:
+        if self._state is None:
+            self._state = JobState(self.id, self.client.keys.results(self.id))
+        return self._state
 
     def __repr__(self) -> str:
         return f"AsyncJob(id={self.id!r}, finished={self.state.finished})"
@@ -115,9 +121,7 @@ class AsyncClient:
 
     async def submit_many(self, requests: Iterable[Any], *, block: bool = True,
                           block_timeout: Optional[float] = None, **defaults: Any) -> list[AsyncJob]:
-        submitted = now_ms()
-        build = self._builder.build_request
-        prepared = [build(r, defaults, submitted) for r in requests]
+        prepared = self._builder.build_many(requests, defaults, now_ms())
         return await self.enqueue(prepared, block=block, block_timeout=block_timeout)
 
     def prepare(self, request: Any, **defaults: Any) -> Prepared:

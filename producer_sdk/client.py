@@ -126,9 +126,7 @@ class Client:
         them. Everything is validated before the first job is sent. Bulk default: ``block=True``
         waits for room; with ``block=False`` QueueFull carries the jobs that did go in.
         """
-        build = self._builder.build_request
-        submitted = now_ms()
-        prepared = [build(r, defaults, submitted) for r in requests]
+        prepared = self._builder.build_many(requests, defaults, now_ms())
         return self.enqueue(prepared, block=block, block_timeout=block_timeout)
 
     def prepare(self, request: Any, **defaults: Any) -> Prepared:

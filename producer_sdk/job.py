@@ -193,13 +193,19 @@ class Deadline:
 class Job:
     """A handle on one submitted job (sync). Cheap: holds ids and what was read so far."""
 
-    __slots__ = ("client", "id", "state", "reattached")
+    __slots__ = ("client", "id", "_state", "reattached")
 
     def __init__(self, client: "Client", job_id: str, *, reattached: bool = False) -> None:
         self.client = client
         self.id = job_id
-        self.state = JobState(job_id, client.keys.results(job_id))
+        self._state: Optional[JobState] = None  # created on first read: submit_many stays cheap
         self.reattached = reattached
+
+    @property
+    def state(self) -> JobState:
+        if self._state is None:
+            self._state = JobState(self.id, self.client.keys.results(self.id))
+        return self._state
 
     def __repr__(self) -> str:
         return f"Job(id={self.id!r}, finished={self.state.finished})"

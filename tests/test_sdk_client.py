@@ -259,3 +259,20 @@ def test_submit_is_thread_safe(client: Client, sdk_url: str):
     for t in threads:
         t.join()
     assert len(set(ids)) == 200 and len(entries(sdk_url)) == 200
+
+
+def test_bulk_fast_path_payloads_match_general_path(client: Client):
+    import msgpack
+    builder = client._builder
+    defaults = {"max_tokens": 4, "stop": "x", "priority": 2, "metadata": {"a": 1},
+                "deadline_s": 3, "stream": False}
+    fast = builder.build_many(["p0", {"prompt": "p1", "priority": 0}, "p2"], defaults, 1000)
+    for i, p in enumerate(fast):
+        slow = builder.build_request(["p0", {"prompt": "p1", "priority": 0}, "p2"][i], defaults,
+                                     1000)
+        a, b = msgpack.unpackb(p.payload), msgpack.unpackb(slow.payload)
+        a.pop("job_id"), b.pop("job_id")
+        assert a == b and p.lane == slow.lane and decode_job(p.payload).job_id == p.job_id
+    assert [p.lane for p in fast] == ["bulk", "default", "bulk"]
+    with pytest.raises(ValueError, match="max_tokens"):
+        builder.build_many(["a"], {"max_tokens": 0}, 1000)
