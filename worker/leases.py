@@ -18,6 +18,9 @@ and reports a deleted entry as ``[id, nil]`` that stays pending until someone ac
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
@@ -25,7 +28,7 @@ from typing import Any, Callable, Iterable, Optional
 import msgpack
 
 from producer_sdk.protocol import (
-    GROUP, PARKING_CONSUMER, PAYLOAD_FIELD, DeadLetter, ErrorCode, ErrorEvent, Keys, ProtocolError,
+    GROUP, PARKED_IDLE_MS, PARKING_CONSUMER, PAYLOAD_FIELD, DeadLetter, ErrorCode, ErrorEvent, Keys, ProtocolError,
     decode_job, encode_event,
 )
 
@@ -99,6 +102,28 @@ for i = 3, #ARGV do
   if #p == 1 and p[1][2] == me then
     n = n + redis.call('XACK', lane, group, id)
     redis.call('XDEL', lane, id)
+  end
+end
+return n
+"""
+
+# KEYS[1] lane; ARGV: group, me, idle_ms, then pairs (id, count); count "" keeps the count.
+# -> number of entries set. Sets idle time (and optionally the delivery count) of entries still
+# pending under me: a huge idle time hands an entry back counting a delivery (whoever takes it
+# next, XAUTOCLAIM or our own restart's pending re-read, raises the count by one).
+_SET_IDLE_MINE_LUA = """
+local lane, group, me = KEYS[1], ARGV[1], ARGV[2]
+local n = 0
+for i = 4, #ARGV, 2 do
+  local id, count = ARGV[i], ARGV[i + 1]
+  local p = redis.call('XPENDING', lane, group, id, id, 1)
+  if #p == 1 and p[1][2] == me then
+    if count == '' then
+      redis.call('XCLAIM', lane, group, me, 0, id, 'IDLE', ARGV[3], 'JUSTID')
+    else
+      redis.call('XCLAIM', lane, group, me, 0, id, 'IDLE', ARGV[3], 'RETRYCOUNT', count, 'JUSTID')
+    end
+    n = n + 1
   end
 end
 return n
@@ -181,6 +206,7 @@ class LeaseKeeper:
         self._renew = redis.register_script(_RENEW_LUA)
         self._autoclaim = redis.register_script(_AUTOCLAIM_LUA)
         self._ack_mine = redis.register_script(_ACK_MINE_LUA)
+        self._set_idle = redis.register_script(_SET_IDLE_MINE_LUA)
         self._last_renew = 0.0
 
     @property
@@ -291,6 +317,52 @@ class LeaseKeeper:
         log.warning("dropped %d pending entr%s of %s whose payload was deleted: %s",
                     len(ids), "y" if len(ids) == 1 else "ies", lane, ids[:10])
 
+    # -- handing back, undoing spurious counts, dead-lettering on demand --------------------
+
+    def release(self, entries: Iterable[tuple[str, str]]) -> int:
+        """Hand entries back *counting a delivery*: they stay pending under this worker but look
+        idle forever, so any worker's next reclaim (or our own restart) takes them at once.
+
+        For jobs that were running when the engine failed: if one of them is the cause, its
+        delivery count climbs to ``max_deliveries`` and it is dead-lettered instead of
+        crash-looping the fleet. (A drain hands back *without* counting: the parking consumer.)
+        """
+        return self._set_idle_many([(lane, x, "") for lane, x in entries], PARKED_IDLE_MS)
+
+    def restore_counts(self, entries: Iterable[tuple[str, str, int]]) -> int:
+        """Set the delivery count of entries we still hold (and renew them).
+
+        Re-reading our own pending list after a reconnect (``XREADGROUP ... 0``) raises the
+        count of every entry we never stopped working on; left alone, a few Redis blips would
+        make healthy long jobs look like poison.
+        """
+        return self._set_idle_many([(lane, x, str(max(1, n))) for lane, x, n in entries], 0)
+
+    def _set_idle_many(self, rows: list[tuple[str, str, str]], idle_ms: int) -> int:
+        by_lane: dict[str, list[str]] = {}
+        for lane, entry_id, count in rows:
+            by_lane.setdefault(lane, []).extend([_s(entry_id), count])
+        done = 0
+        for lane, flat in by_lane.items():
+            for i in range(0, len(flat), 2 * _RENEW_CHUNK):
+                done += int(self._set_idle(keys=[lane], args=[
+                    GROUP, self.worker_id, idle_ms, *flat[i:i + 2 * _RENEW_CHUNK]]))
+        return done
+
+    def dead_letter_entry(self, lane: str, entry_id: str, fields: dict[bytes, bytes],
+                          deliveries: int, reason: str) -> None:
+        """Dead-letter an entry this worker holds (e.g. re-read from its own pending list past
+        ``max_deliveries``, or the cause of an engine failure on its last allowed delivery)."""
+        entry = ClaimedEntry(lane, _s(entry_id), dict(fields or {}), int(deliveries))
+        log.error("dead-lettering %s %s: %s", lane, entry.entry_id, reason)
+        self.dead_letter(entry, reason)
+        self.ack([(lane, entry.entry_id)])
+        self.stats.dead_lettered += 1
+
+    def over_limit(self, deliveries: int) -> bool:
+        """True when an entry delivered ``deliveries`` times must not run again."""
+        return deliveries > self.max_deliveries
+
     # -- acknowledging ----------------------------------------------------------------------
 
     def ack(self, entries: Iterable[tuple[str, str]]) -> int:
@@ -351,3 +423,105 @@ def _job_id_of(entry: ClaimedEntry) -> Optional[str]:
             return None
         job_id = obj.get("job_id") if isinstance(obj, dict) else None
         return job_id if isinstance(job_id, str) else None
+
+
+# -- one live process per worker id ------------------------------------------------------------
+
+# KEYS[1] heartbeat hash; ARGV: instance, ttl_ms, force -> the instance holding the id now.
+_ID_CLAIM_LUA = """
+local cur = redis.call('HGET', KEYS[1], 'instance')
+if cur and cur ~= ARGV[1] and ARGV[3] ~= '1' then return cur end
+redis.call('HSET', KEYS[1], 'instance', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return ARGV[1]
+"""
+
+# KEYS[1] heartbeat hash; ARGV: instance -> 1 when deleted (it was ours).
+_ID_RELEASE_LUA = """
+if redis.call('HGET', KEYS[1], 'instance') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class WorkerIdInUse(RuntimeError):
+    """Another live process serves under this worker id (consumer name)."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class WorkerIdLease:
+    """Makes the worker id (the consumer name) a lease held by one process at a time.
+
+    Two live processes under one consumer name would see one pending list: each would re-read,
+    renew and ack the other's entries. The heartbeat hash carries an ``instance`` field
+    (``host:pid:token``); ``acquire`` takes it only when it is absent, expired, or left by a dead
+    process on this host (a supervisor restarting a crashed worker must not wait for the TTL);
+    ``still_mine`` is checked with every heartbeat so a process that stalled past the TTL and was
+    replaced learns it and exits instead of fighting its successor.
+    """
+
+    def __init__(self, redis: Any, keys: Keys, worker_id: str, ttl_ms: int) -> None:
+        self.redis = redis
+        self.key = keys.heartbeat(worker_id)
+        self.worker_id = worker_id
+        self.ttl_ms = ttl_ms
+        self.host = socket.gethostname()
+        self.instance = f"{self.host}:{os.getpid()}:{secrets.token_hex(4)}"
+        self._claim = redis.register_script(_ID_CLAIM_LUA)
+        self._release = redis.register_script(_ID_RELEASE_LUA)
+        self.held = False
+
+    def _try(self, force: bool = False) -> bool:
+        got = _s(self._claim(keys=[self.key], args=[self.instance, self.ttl_ms, int(force)]))
+        self.held = got == self.instance
+        return self.held
+
+    def _holder_is_dead_here(self) -> bool:
+        info = {_s(k): _s(v) for k, v in self.redis.hgetall(self.key).items()}
+        try:
+            pid = int(info.get("pid", "") or info.get("instance", "::").split(":")[1])
+        except (ValueError, IndexError):
+            return False
+        host = info.get("host") or info.get("instance", "").split(":")[0]
+        return host == self.host and (pid == os.getpid() or not _pid_alive(pid))
+
+    def acquire(self, wait_s: Optional[float] = None) -> None:
+        """Take the id, waiting up to ``wait_s`` (default: one TTL) for a holder on another host
+        to expire; raises WorkerIdInUse when a live holder keeps it."""
+        if self._try():
+            return
+        if self._holder_is_dead_here():
+            log.warning("worker id %s was held by a dead process on this host; taking it over",
+                        self.worker_id)
+            self._try(force=True)
+            return
+        deadline = time.monotonic() + (self.ttl_ms / 1000.0 + 0.5 if wait_s is None else wait_s)
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            if self._try():
+                return
+        info = {_s(k): _s(v) for k, v in self.redis.hgetall(self.key).items()}
+        raise WorkerIdInUse(
+            f"worker id {self.worker_id!r} is in use by a live worker (host={info.get('host')}, "
+            f"pid={info.get('pid')}, instance={info.get('instance')}); give each worker its own "
+            f"--worker-id, or stop the other one first")
+
+    def still_mine(self) -> bool:
+        """Refresh the claim; False when another process took the id (we stalled past the TTL)."""
+        if not self.held:
+            return False
+        return self._try()
+
+    def release(self) -> None:
+        """Delete the heartbeat only if it is still ours (never a successor's)."""
+        if self.held:
+            self._release(keys=[self.key], args=[self.instance])
+            self.held = False
