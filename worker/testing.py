@@ -172,6 +172,63 @@ class FakeEngine:
 
 
 # ------------------------------------------------------------------------------------------
+# Fault injection (a testing aid; F's fault-tolerance tests drive it through the environment)
+# ------------------------------------------------------------------------------------------
+
+FAULT_INJECT_ENV = "TOKENRELAY_FAULT_INJECT"
+
+
+class InjectedEngineFault(RuntimeError):
+    """What an engine step raises under fault injection. ``request_ids`` names the requests
+    that caused it, as a real engine error may; the worker hands those back counting a delivery."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"injected engine failure for {request_ids}")
+        self.request_ids = list(request_ids)
+
+
+class FaultInjectingEngine:
+    """Wraps any engine; ``step()`` raises while a request whose prompt contains the marker is
+    unfinished. Enabled only by ``TOKENRELAY_FAULT_INJECT="raise_on_prompt:<marker>"``: it lets
+    a test make one prompt kill every worker that runs it (poison) in a real worker process."""
+
+    def __init__(self, engine: Any, marker: str) -> None:
+        self._engine = engine
+        self._marker = marker
+        self._marked: set[str] = set()
+
+    def add_request(self, request_id: str, prompt: Any, *args: Any, **kwargs: Any) -> None:
+        self._engine.add_request(request_id, prompt, *args, **kwargs)
+        text = prompt if isinstance(prompt, str) else self._engine.tokenizer.decode(list(prompt))
+        if self._marker in text:
+            self._marked.add(request_id)
+
+    def abort_request(self, request_id: str) -> bool:
+        self._marked.discard(request_id)
+        return self._engine.abort_request(request_id)
+
+    def step(self) -> Any:
+        if self._marked:
+            raise InjectedEngineFault(sorted(self._marked))
+        return self._engine.step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def maybe_inject_faults(engine: Any, spec: Optional[str] = None) -> Any:
+    """The engine, wrapped when ``TOKENRELAY_FAULT_INJECT`` (or ``spec``) asks for it."""
+    import os
+    spec = os.environ.get(FAULT_INJECT_ENV, "") if spec is None else spec
+    if not spec:
+        return engine
+    kind, _, arg = spec.partition(":")
+    if kind != "raise_on_prompt" or not arg:
+        raise ValueError(f"{FAULT_INJECT_ENV}={spec!r}: expected 'raise_on_prompt:<marker>'")
+    return FaultInjectingEngine(engine, arg)
+
+
+# ------------------------------------------------------------------------------------------
 # Producer-side helpers for tests (the real producer SDK lives in producer_sdk/)
 # ------------------------------------------------------------------------------------------
 
