@@ -48,13 +48,13 @@ from worker.recovery import JobProgress, progress_from_entries
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 MAX_WRITE_FAILURES = 3
-MAX_ENGINE_FAILURES_PER_JOB = 2
-MAX_CONSECUTIVE_ENGINE_FAILURES = 5
 
 try:  # F's seams (worker/leases.py, worker/admin.py); the worker runs without them
-    from worker.leases import LeaseKeeper, make_dead_letter  # type: ignore
+    from worker.leases import (LeaseKeeper, WorkerIdInUse, WorkerIdLease,  # type: ignore
+                               make_dead_letter)
 except ImportError:  # pragma: no cover
-    LeaseKeeper = make_dead_letter = None  # type: ignore
+    LeaseKeeper = make_dead_letter = WorkerIdLease = None  # type: ignore
+    WorkerIdInUse = RuntimeError  # type: ignore
 try:
     from worker.admin import clear_drain, drain_key  # type: ignore
 except ImportError:  # pragma: no cover
@@ -152,6 +152,8 @@ class Worker:
         self._need_pending = True
         self._next = defaultdict(float)     # housekeeping task -> next due (monotonic)
         self._engine_failures = 0
+        self._engine_broken = False
+        self._id_lease: Any = None          # F's WorkerIdLease: one live process per worker id
         self._redis_errors = 0
         self._started_ms = now_ms()
 
@@ -167,9 +169,13 @@ class Worker:
             if self.engine is None:
                 self.log.info("engine loading", model=self.s.model)
                 self.engine = self._engine_factory(self.s)
+            from worker.testing import maybe_inject_faults  # TOKENRELAY_FAULT_INJECT (tests)
+            self.engine = maybe_inject_faults(self.engine)
             self.log.info("engine loaded")
             if not self._connect_with_backoff():
                 return 0
+            if not self._claim_worker_id():
+                return self.exit_code
             self.metrics.serve(self.s.metrics_port, self.s.metrics_host)
             self.ready.set()
             self.log.info("worker ready", lanes=self.keys.lanes(), metrics_port=self.s.metrics_port)
@@ -203,8 +209,12 @@ class Worker:
         self.metrics.close()
         if self.client is not None:
             try:
-                self.client.delete(self.keys.heartbeat(self.worker_id))
-                self.client.zrem(self.keys.workers, self.worker_id)
+                if self._id_lease is None:
+                    self.client.delete(self.keys.heartbeat(self.worker_id))
+                if self._id_lease is None or self._id_lease.held:
+                    self.client.zrem(self.keys.workers, self.worker_id)
+                if self._id_lease is not None:
+                    self._id_lease.release()  # only if still ours, never a successor's
             except REDIS_DOWN:
                 pass
             self.client.close()
@@ -292,12 +302,43 @@ class Worker:
                 self.metrics.stream_lag.labels(lane).set(lag)
                 self.metrics.stream_pending.labels(lane).set(pending)
 
+    def _claim_worker_id(self) -> bool:
+        """One live process per worker id: two under one consumer name would share one pending
+        list. False (exit code 3) when a live worker holds the id."""
+        if WorkerIdLease is None:
+            return True
+        self._id_lease = WorkerIdLease(self.client, self.keys, self.worker_id,
+                                       5 * self.s.heartbeat_ms)
+        try:
+            self._id_lease.acquire()
+        except WorkerIdInUse as exc:
+            self.log.error("worker id in use; exiting", error=str(exc))
+            self.exit_code = 3
+            return False
+        return True
+
+    def _lost_worker_id(self) -> None:
+        """We stalled past the heartbeat TTL and another process now serves under our id: what
+        we hold is its now. Abort everything and exit 3, writing and acknowledging nothing."""
+        self.log.error("worker id taken over by another process; exiting without touching jobs")
+        for job in self.jobs.values():
+            if job.in_engine:
+                self.engine.abort_request(job.job_id)
+        self.jobs.clear()
+        self.owed_acks.clear()
+        self.rejections.clear()
+        self.exit_code = 3
+        self.stop(force=True)
+
     def _heartbeat(self) -> None:
+        if self._id_lease is not None and not self._id_lease.still_mine():
+            self._lost_worker_id()
+            return
         stats = self._engine_stats()
         pipe = self.client.pipeline(transaction=False)
         key = self.keys.heartbeat(self.worker_id)
         pipe.hset(key, mapping={
-            "ts": now_ms(), "engine_loaded": 1, "pid": _pid(), "host": socket.gethostname(),
+            "ts": now_ms(), "engine_loaded": int(not self._engine_broken), "pid": _pid(), "host": socket.gethostname(),
             "queue": self.s.queue, "model": str(self.s.model), "started_ms": self._started_ms,
             "draining": int(self._draining), "held": len(self.jobs),
             "running": stats.get("num_running", 0), "waiting": stats.get("num_waiting", 0)})
@@ -379,27 +420,40 @@ class Worker:
     def _admit(self, entries: list[Entry]) -> None:
         held = set(self.held_entries())
         fresh: list[tuple[Entry, JobRequest]] = []
+        recount: list[tuple[str, str, int]] = []
         for e in entries:
             if (e.lane_key, e.entry_id) in held:
+                if e.source == "pending":  # our re-read after a reconnect counted a delivery
+                    recount.append((e.lane_key, e.entry_id, e.deliveries - 1))
                 continue
             held.add((e.lane_key, e.entry_id))
-            self.log.info("received", entry_id=e.entry_id, lane=e.lane, source=e.source,
-                          deliveries=e.deliveries)
             if e.fields is None:
                 self.log.warning("pending entry was deleted from the stream; acknowledging it",
                                  entry_id=e.entry_id, lane=e.lane)
                 self.owed_acks.append(OwedAck(e.lane_key, e.entry_id, None, "deleted"))
                 continue
+            if self.leases is not None and self.leases.over_limit(e.deliveries):
+                self.leases.dead_letter_entry(  # e.g. a same-id restart loop on a poison job
+                    e.lane_key, e.entry_id, e.fields, e.deliveries,
+                    f"delivered {e.deliveries} times, more than max_deliveries="
+                    f"{self.s.max_deliveries}; each holder died or failed before finishing it")
+                continue
             try:
                 req = self._decode(e)
             except ProtocolError as exc:
+                self.log.info("received", job_id=exc.job_id, entry_id=e.entry_id, lane=e.lane,
+                              source=e.source, deliveries=e.deliveries)
                 self._reject(e, exc)
                 continue
+            self.log.info("received", job_id=req.job_id, entry_id=e.entry_id, lane=e.lane,
+                          source=e.source, deliveries=e.deliveries)
             if req.job_id in self.jobs or any(j.job_id == req.job_id for _, j in fresh):
                 self._reject(e, ProtocolError(f"job_id {req.job_id!r} is already running on "
                                               f"this worker (entry submitted twice?)"))
                 continue
             fresh.append((e, req))
+        if recount and self.leases is not None:
+            self.leases.restore_counts(recount)
         if fresh:
             self._start_all(fresh)
 
@@ -536,28 +590,47 @@ class Worker:
                       **job.log_fields())
 
     def _engine_failed(self, exc: Exception) -> None:
-        """A step raised: no job can be blamed, so every running job is re-added with its
-        output so far; a job caught in a second failure ends with ``internal``."""
+        """A step raised. The engine may be unusable now (a CUDA error poisons the context), so
+        the worker gives up on it: jobs the exception names (``request_ids``; every running job
+        when it names none) are handed back counting a delivery, or dead-lettered (poison) when
+        that was their last allowed one; the others are parked without counting one. The
+        heartbeat reports the engine unloaded and the process exits 1 for its supervisor."""
         self._engine_failures += 1
-        self.log.exception("engine step failed", consecutive=self._engine_failures)
-        running = [j for j in self.jobs.values() if j.in_engine]
-        for job in running:
+        self.log.exception("engine step failed; handing jobs back and exiting")
+        named = set(getattr(exc, "request_ids", None) or ())
+        for job in [j for j in self.jobs.values() if j.in_engine]:
             try:
                 self.engine.abort_request(job.job_id)
             except Exception:
                 pass
             job.in_engine = False
-            job.engine_failures += 1
-        for job in running:
-            if job.engine_failures >= MAX_ENGINE_FAILURES_PER_JOB:
-                self._fail(job, ErrorCode.INTERNAL, f"the engine failed {job.engine_failures} "
-                           f"times while running this job ({type(exc).__name__}: {exc})")
+            if named and job.job_id not in named:
+                job.parking = True
             else:
-                self._add_to_engine(job, resume=bool(job.out_ids))
-        if self._engine_failures >= MAX_CONSECUTIVE_ENGINE_FAILURES:
-            self.log.error("engine keeps failing; handing jobs back and exiting")
-            self.exit_code = 1
-            self.stop(force=True)
+                self._hand_back_suspect(job, exc)
+        self._engine_broken = True
+        self.exit_code = 1
+        self.stop(force=True)
+
+    def _hand_back_suspect(self, job: Job, exc: Exception) -> None:
+        """Release a job that may have broken the engine. Each failure raises its delivery count
+        (whoever takes it next counts one), so a prompt that kills every worker is dead-lettered
+        after --max-deliveries instead of crash-looping the fleet."""
+        e = job.entry
+        self._drop(job, "engine failure: handed back counting a delivery", ack=False)
+        if self.leases is None:
+            return  # its lease expires and another worker reclaims it
+        try:
+            if e.deliveries >= self.s.max_deliveries:
+                self.leases.dead_letter_entry(
+                    e.lane_key, e.entry_id, e.fields, e.deliveries,
+                    f"the engine failed on each of its {e.deliveries} deliveries "
+                    f"({type(exc).__name__}: {exc})")
+            else:
+                self.leases.release([(e.lane_key, e.entry_id)])
+        except REDIS_DOWN as err:
+            self.log.warning("hand-back failed; the lease will expire instead", error=str(err),
+                             **job.log_fields())
 
     # ------------------------------------------------------------------ terminal helpers
     def _fail(self, job: Job, code: ErrorCode, message: str) -> None:
