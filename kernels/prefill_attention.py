@@ -35,10 +35,10 @@ def _prefill_kernel(
     q_stride_t, q_stride_h, bt_stride,
     cache_stride_blk, cache_stride_tok, cache_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_GP
+    # BLOCK_M = BLOCK_Q tokens x BLOCK_GP heads
     b = tl.program_id(0).to(tl.int64)
     q_tile = tl.program_id(1).to(tl.int64)
     kvh = tl.program_id(2).to(tl.int64)
@@ -152,14 +152,15 @@ def paged_prefill_attention(
     max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # a sync; prefill is never graph-captured
     if max_q <= 0:
         return out
-    grid = (batch, triton.cdiv(max_q, block_m // block_gp), num_kv_heads)
+    block_q = block_m // block_gp
+    grid = (batch, triton.cdiv(max_q, block_q), num_kv_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
         scale * LOG2E,
         query.stride(0), query.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_GP=block_gp, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_GP=block_gp, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )
