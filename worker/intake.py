@@ -101,7 +101,10 @@ class Intake:
             return out
         got = self._xreadgroup({key: ">" for _, key in self._lanes}, 1, block_ms)
         order = {key: i for i, (_, key) in enumerate(self._lanes)}
-        return sorted(got, key=lambda e: order[e.lane_key])
+        got.sort(key=lambda e: order[e.lane_key])
+        if got and len(got) < count:  # woken by a burst: take the rest of it before stepping
+            got += self.read_new(count - len(got), 0)
+        return got
 
     def _xreadgroup(self, streams: dict[str, str], count: int, block: Optional[int]) -> list[Entry]:
         try:

@@ -1,0 +1,219 @@
+"""``python -m worker.bench``: what does going through Redis cost?
+
+Runs one workload twice: in-process on ``LLMEngine`` (step until done) and through Redis (a
+private redis-server, one ``python -m worker`` subprocess, all jobs submitted at once, a reader
+following every result stream). Prints output tokens/s of both and their ratio (target >= 0.9),
+and the p50/p99 delay from the engine emitting a token (``ts`` of the token event, taken when the
+step returned) to the reader receiving it (target p99 < 5 ms on loopback).
+
+Workload (the engine benchmark's): 48 requests, prompt length uniform 16-384 (random token ids),
+output length uniform 16-192 with ``ignore_eos``, greedy, the ``bench``-size tiny checkpoint,
+float32 on CPU. Not a test: it takes a minute or two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import redis
+
+from producer_sdk.protocol import EVENT_FIELD, JobRequest, Keys, decode_event, encode_job
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Request:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def make_workload(n: int = 48, vocab: int = 32000, seed: int = 0, prompt_range=(16, 384),
+                  output_range=(16, 192)) -> list[Request]:
+    """The engine benchmark's workload; reuses engine/bench.py's generator when it exists."""
+    try:
+        from engine import bench as engine_bench  # type: ignore
+        gen = getattr(engine_bench, "make_workload", None)
+        if gen is not None:
+            return [Request(list(r.prompt_token_ids), int(r.max_tokens)) for r in gen(n=n)]
+    except ImportError:
+        pass
+    rng = random.Random(seed)
+    return [Request([rng.randrange(10, vocab) for _ in range(rng.randint(*prompt_range))],
+                    rng.randint(*output_range)) for _ in range(n)]
+
+
+def ensure_model(path: Optional[str]) -> str:
+    if path:
+        return path
+    out = REPO / ".tmp" / "bench-model"
+    if not (out / "config.json").exists():
+        from engine.tiny import write_checkpoint
+        write_checkpoint(out, size="bench")
+    return str(out)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(device="cpu", dtype="float32", max_num_seqs=args.max_num_seqs,
+                kv_cache_memory=args.kv_cache_memory)
+
+
+def params(req: Request) -> dict[str, Any]:
+    return {"max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+# ------------------------------------------------------------------------------------------
+# in-process
+# ------------------------------------------------------------------------------------------
+
+def run_in_process(model: str, work: list[Request], args: argparse.Namespace) -> float:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    eng = LLMEngine(EngineConfig(model=model, **engine_kwargs(args)))
+    _drive(eng, [Request([11, 12, 13, 14], 4)] * 2, SamplingParams)  # warm-up
+    t0 = time.perf_counter()
+    tokens = _drive(eng, work, SamplingParams)
+    return tokens / (time.perf_counter() - t0)
+
+
+def _drive(eng: Any, work: list[Request], SamplingParams: Any) -> int:
+    base = f"r{time.monotonic_ns()}-"
+    for i, req in enumerate(work):
+        eng.add_request(base + str(i), list(req.prompt_token_ids),
+                        SamplingParams(**params(req)))
+    tokens = 0
+    while eng.has_unfinished_requests():
+        tokens += sum(len(d.new_token_ids) for d in eng.step())
+    return tokens
+
+
+# ------------------------------------------------------------------------------------------
+# through Redis
+# ------------------------------------------------------------------------------------------
+
+class Reader(threading.Thread):
+    """Follows every result stream with one blocking XREAD; records (receive - emit) per token."""
+
+    def __init__(self, url: str, keys: Keys, job_ids: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.r = redis.Redis.from_url(url, socket_timeout=30)
+        self.keys = keys
+        self.last = {keys.results(j): "0-0" for j in job_ids}
+        self.open = set(self.last)
+        self.delays: list[float] = []
+        self.tokens = 0
+        self.finished_at = 0.0
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        try:
+            while self.open:
+                reply = self.r.xread({k: self.last[k] for k in self.open}, block=1000)
+                now = time.time()
+                for stream, entries in reply or []:
+                    key = stream.decode()
+                    for entry_id, fields in entries:
+                        self.last[key] = entry_id.decode()
+                        self._event(key, decode_event(fields[EVENT_FIELD]), now)
+            self.finished_at = time.perf_counter()
+        except BaseException as exc:  # reported by the main thread
+            self.error = exc
+
+    def _event(self, key: str, ev: Any, now: float) -> None:
+        if ev.type == "token":
+            self.tokens += len(ev.token_ids)
+            self.delays.append(now - ev.ts)
+        elif ev.type in ("done", "error"):
+            if ev.type == "error":
+                raise RuntimeError(f"{key}: {ev.code}: {ev.message}")
+            self.open.discard(key)
+
+
+def run_through_redis(model: str, work: list[Request], args: argparse.Namespace
+                      ) -> tuple[float, list[float]]:
+    from worker.redis_server import RedisServer
+    with RedisServer(args=["--appendonly", "no"]) as srv, tempfile.TemporaryDirectory() as tmp:
+        log = open(Path(tmp) / "worker.log", "wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "--model", model, "--redis-url", srv.url,
+             "--worker-id", "bench", "--device", "cpu", "--dtype", "float32",
+             "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory",
+             str(args.kv_cache_memory), "--log-level", "warning"],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            r = redis.Redis.from_url(srv.url)
+            keys = Keys()
+            _submit_and_read(r, srv.url, keys, "warm", [Request([11, 12, 13, 14], 4)] * 2,
+                             timeout=600)
+            return _submit_and_read(r, srv.url, keys, "job", work, timeout=1800)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+
+
+def _submit_and_read(r: redis.Redis, url: str, keys: Keys, tag: str, work: list[Request],
+                     timeout: float) -> tuple[float, list[float]]:
+    ids = [f"{tag}-{i}" for i in range(len(work))]
+    reader = Reader(url, keys, ids)
+    reader.start()
+    pipe = r.pipeline(transaction=False)
+    for jid, req in zip(ids, work):
+        job = JobRequest(job_id=jid, prompt_token_ids=req.prompt_token_ids, params=params(req))
+        pipe.xadd(keys.jobs_stream(0), {"data": encode_job(job)})
+    t0 = time.perf_counter()
+    pipe.execute()
+    reader.join(timeout)
+    if reader.error:
+        raise reader.error
+    if reader.is_alive():
+        raise TimeoutError(f"{len(reader.open)} jobs unfinished after {timeout}s")
+    return reader.tokens / (reader.finished_at - t0), reader.delays
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] * 1000.0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m worker.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="checkpoint (default: build the bench-size tiny one)")
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    p.add_argument("--skip-in-process", action="store_true")
+    args = p.parse_args(argv)
+    model = ensure_model(args.model)
+    work = make_workload(args.requests)
+    print(f"workload: {len(work)} requests, {sum(len(w.prompt_token_ids) for w in work)} prompt "
+          f"tokens, {sum(w.max_tokens for w in work)} output tokens; model {model}", flush=True)
+    base = None
+    if not args.skip_in_process:
+        base = run_in_process(model, work, args)
+        print(f"in-process engine : {base:8.1f} output tok/s", flush=True)
+    tps, delays = run_through_redis(model, work, args)
+    print(f"through Redis     : {tps:8.1f} output tok/s"
+          + (f"  ({tps / base:.3f} of in-process; target >= 0.9)" if base else ""))
+    print(f"token delivery    : p50 {pct(delays, 0.5):.2f} ms  p99 {pct(delays, 0.99):.2f} ms  "
+          f"max {max(delays) * 1000:.2f} ms over {len(delays)} token events (target p99 < 5 ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
