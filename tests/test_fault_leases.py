@@ -224,3 +224,65 @@ def test_constructor_rejects_nonsense():
         LeaseKeeper(None, Keys(), "w", 0, 3, lambda e, why: None)
     with pytest.raises(ValueError):
         LeaseKeeper(None, Keys(), "w", 1000, 0, lambda e, why: None)
+
+
+def test_release_hands_back_counting_one_delivery(r, keys):
+    lane = keys.lane("default")
+    eid = enqueue(r, keys, "j")
+    read_as(r, keys, "a")
+    assert keeper(r, keys, "a").release([(lane, eid)]) == 1
+    row = pending(r, lane, eid)
+    assert row["consumer"] == b"a" and row["times_delivered"] == 1
+    assert row["time_since_delivered"] > 10**9
+    (got,) = keeper(r, keys, "b").reclaim(10)
+    assert got.entry_id == eid and got.deliveries == 2
+    assert keeper(r, keys, "a").release([(lane, eid)]) == 0     # not ours any more
+
+
+def test_restore_counts_undoes_a_reconnect_re_read(r, keys):
+    lane = keys.lane("default")
+    eid = enqueue(r, keys, "j")
+    read_as(r, keys, "a")
+    r.xreadgroup(GROUP, "a", {lane: "0"})                         # re-read: count 2
+    assert pending(r, lane, eid)["times_delivered"] == 2
+    assert keeper(r, keys, "a").restore_counts([(lane, eid, 1)]) == 1
+    assert pending(r, lane, eid)["times_delivered"] == 1
+    assert keeper(r, keys, "b").restore_counts([(lane, eid, 1)]) == 0
+
+
+def test_dead_letter_entry_on_demand(r, keys):
+    lane = keys.lane("default")
+    eid = enqueue(r, keys, "own")
+    read_as(r, keys, "a")
+    fields = r.xrange(lane, eid, eid)[0][1]
+    k = keeper(r, keys, "a")
+    assert k.over_limit(4) and not k.over_limit(3)
+    k.dead_letter_entry(lane, eid, fields, 4, "crash loop")
+    assert pending(r, lane, eid) is None and r.xlen(keys.dead) == 1
+    events = [decode_event(f[PAYLOAD_FIELD]) for _, f in r.xrange(keys.results("own"))]
+    assert [(e.type, e.code) for e in events] == [("error", "poison")]
+
+
+def test_worker_id_lease_one_live_process_per_id(r, keys):
+    import socket
+    import subprocess
+    from worker.leases import WorkerIdInUse, WorkerIdLease
+    a = WorkerIdLease(r, keys, "w", ttl_ms=5000)
+    a.acquire()
+    assert a.still_mine()
+    r.hset(keys.heartbeat("w"), mapping={"host": "elsewhere", "pid": 1})
+    b = WorkerIdLease(r, keys, "w", ttl_ms=5000)
+    b.host = "another-host"
+    with pytest.raises(WorkerIdInUse, match="in use by a live worker"):
+        b.acquire(wait_s=0.3)
+    # A holder that died on this host (a supervisor restart) is taken over at once.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    r.hset(keys.heartbeat("w"), mapping={"host": socket.gethostname(), "pid": dead.pid})
+    c = WorkerIdLease(r, keys, "w", ttl_ms=5000)
+    c.acquire(wait_s=0)
+    assert not a.still_mine()                                     # a stalled, c replaced it
+    a.release()
+    assert r.exists(keys.heartbeat("w"))                          # a never deletes c's record
+    c.release()
+    assert not r.exists(keys.heartbeat("w"))

@@ -263,3 +263,41 @@ def test_sigterm_drain_timeout_hands_back_without_counting_a_delivery(env):
     assert all(r.started[-1].worker_id == "w2" and r.started[-1].resumed_tokens > 0
                for r in reports.values())
     assert {e["deliveries"] for e in log_events(w2, "received")} == {1}
+
+
+# 5 ---------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_poison_job_is_dead_lettered_after_max_deliveries_others_unaffected(env):
+    inject = {"TOKENRELAY_FAULT_INJECT": "raise_on_prompt:POISON"}
+    w = env.worker("w1", env=inject, max_deliveries=3)
+    texts = prompts(6, "fine")
+    fine = env.submit(texts[:3], prefix="fine-a", max_tokens=20, temperature=0.0)
+    (bad,) = env.submit(["this is POISON"], prefix="bad", max_tokens=20, temperature=0.0)
+    fine += env.submit(texts[3:], prefix="fine-b", max_tokens=20, temperature=0.0)
+    exits = []
+    deadline = time.monotonic() + 90
+    while not env.streams([bad])[bad].ended or len(exits) < 3:      # the supervisor
+        if w.proc.poll() is not None:
+            exits.append(w.proc.returncode)
+            w = env.worker("w1", env=inject, max_deliveries=3)
+        assert time.monotonic() < deadline, f"exits so far {exits}\n{env.logs()}"
+        time.sleep(0.1)
+    reports = env.wait_ended(fine + [bad], timeout=60)
+    env.assert_exactly_once(reports)
+    assert exits == [1, 1, 1]                   # one crash per allowed delivery, then no more
+    assert reports[bad].kind == "error:poison"
+    from worker.admin import list_dead
+    (letter,) = [d for _, d in list_dead(env.r, env.keys)]
+    assert letter.job_id == bad and letter.code == "poison" and letter.deliveries == 3
+    assert_fake_outputs(reports, {j: t for j, t in zip(fine, texts)}, 20)
+    assert w.proc.poll() is None                # the last worker lives on
+
+
+def test_second_live_worker_with_the_same_id_is_refused(env):
+    w = env.worker("w1")
+    dup = env.worker("w1", wait=False)
+    assert dup.wait(30) == 3
+    assert "worker id in use" in dup.log()
+    (job,) = env.submit(["still me"], prefix="one", max_tokens=5, temperature=0.0)
+    assert env.wait_ended([job], timeout=20)[job].kind == "done:length"
+    assert w.proc.poll() is None
