@@ -18,6 +18,7 @@ finished custom_id (a sorted array, not a set of strings).
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
 import time
@@ -247,6 +248,9 @@ def error_line(custom_id: Optional[str], line: int, code: str, message: str,
 # Resume index
 # --------------------------------------------------------------------------------------------
 
+_SORT_RUN = 65536
+
+
 def _digest(custom_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(custom_id.encode(), digest_size=8).digest(), "little")
 
@@ -270,14 +274,21 @@ class DoneIndex:
     def load(cls, *paths: Path) -> "DoneIndex":
         """Read earlier output/errors files, repairing a last line cut short by a kill."""
         idx = cls()
+        runs: list[array] = []
+        chunk: list[int] = []
         for path in paths:
             for obj in _read_complete_lines(path):
                 cid = obj.get("custom_id")
                 if isinstance(cid, str):
-                    idx._ids.append(_digest(cid))
+                    chunk.append(_digest(cid))
+                    if len(chunk) >= _SORT_RUN:
+                        runs.append(array("Q", sorted(chunk)))
+                        chunk = []
                 elif isinstance(obj.get("line"), int):
                     idx.lines.add(obj["line"])
-        idx._ids = array("Q", sorted(idx._ids))
+        runs.append(array("Q", sorted(chunk)))
+        # Sorted runs merged lazily: the peak stays near 16 bytes per id, not a list of ints.
+        idx._ids = array("Q", heapq.merge(*runs))
         return idx
 
 
@@ -384,57 +395,42 @@ class BatchRunner:
                 if not raw.strip():
                     bar.update(1)
                     continue
-                try:
-                    tag, kwargs = self._parse(raw, lineno)
-                except LineError as exc:
-                    cid = getattr(exc, "custom_id", None)
-                    if (cid is not None and cid in done) or (cid is None and lineno in done.lines):
-                        summary.skipped += 1
-                    else:
-                        writer.error(error_line(cid, lineno, exc.code, exc.message))
-                        summary.malformed += 1
+                item = self._line(raw, lineno, batch_id, done, writer, summary)
+                if item is not None:
+                    yield item
+                else:
                     bar.update(1)
-                    continue
-                if tag.custom_id in done:
-                    summary.skipped += 1
-                    bar.update(1)
-                    continue
-                job_id = job_id_for(batch_id, tag.custom_id)
-                try:
-                    prepared = self.client.prepare(kwargs, job_id=job_id, priority=self.priority,
-                                                   stream=tag.logprobs)
-                except InvalidRequest as exc:
-                    writer.error(error_line(tag.custom_id, lineno, "invalid_request", str(exc),
-                                            job_id))
-                    summary.malformed += 1
-                    bar.update(1)
-                    continue
-                yield tag, prepared
                 writer.maybe_flush()
 
-    @staticmethod
-    def _parse(raw: bytes, lineno: int) -> tuple[LineTag, dict[str, Any]]:
+    def _line(self, raw: bytes, lineno: int, batch_id: str, done: DoneIndex, writer: "_Writer",
+              summary: BatchSummary) -> Optional[tuple[LineTag, Any]]:
+        """One input line as (tag, prepared job), or None when skipped or written as an error.
+        Lines already answered are recognized before any validation: a rerun skips fast."""
+        cid: Optional[str] = None
         try:
-            obj = json.loads(raw)
-        except ValueError as exc:
-            raise LineError("invalid_json", f"line {lineno} is not valid JSON: {exc}") from None
-        if not isinstance(obj, dict):
-            raise LineError("invalid_request", f"line {lineno} is not a JSON object")
-        cid = obj.get("custom_id")
-        try:
-            if not isinstance(cid, str) or not cid:
-                raise LineError("invalid_request", "custom_id must be a non-empty string")
-            req = _validated(obj)
-            if req.method.upper() != "POST":
-                raise LineError("invalid_request", f"method must be POST, got {req.method!r}")
-            kwargs = body_to_request(req.url, req.body)
+            obj = _load_line(raw, lineno)
+            cid = obj.get("custom_id")
+            cid = cid if isinstance(cid, str) and cid else None
+            if cid is not None and cid in done:
+                summary.skipped += 1
+                return None
+            tag, kwargs = _parse(obj, lineno)
         except LineError as exc:
-            exc.custom_id = cid if isinstance(cid, str) and cid else None  # type: ignore[attr-defined]
-            raise
-        model = req.body.get("model")
-        tag = LineTag(cid, lineno, req.url, model if isinstance(model, str) else DEFAULT_MODEL,
-                      kwargs.get("logprobs") is not None)
-        return tag, kwargs
+            if cid is None and lineno in done.lines:
+                summary.skipped += 1
+            else:
+                writer.error(error_line(cid, lineno, exc.code, exc.message))
+                summary.malformed += 1
+            return None
+        job_id = job_id_for(batch_id, tag.custom_id)
+        try:
+            prepared = self.client.prepare(kwargs, job_id=job_id, priority=self.priority,
+                                           stream=tag.logprobs)
+        except InvalidRequest as exc:
+            writer.error(error_line(tag.custom_id, lineno, "invalid_request", str(exc), job_id))
+            summary.malformed += 1
+            return None
+        return tag, prepared
 
     def _write_result(self, tag: LineTag, job: Job, writer: "_Writer",
                       summary: BatchSummary) -> None:
@@ -451,6 +447,30 @@ class BatchRunner:
             return
         writer.output(response_line(tag, result))
         summary.succeeded += 1
+
+
+def _load_line(raw: bytes, lineno: int) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise LineError("invalid_json", f"line {lineno} is not valid UTF-8 JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise LineError("invalid_request", f"line {lineno} is not a JSON object")
+    return obj
+
+
+def _parse(obj: dict[str, Any], lineno: int) -> tuple[LineTag, dict[str, Any]]:
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        raise LineError("invalid_request", "custom_id must be a non-empty string")
+    req = _validated(obj)
+    if req.method.upper() != "POST":
+        raise LineError("invalid_request", f"method must be POST, got {req.method!r}")
+    kwargs = body_to_request(req.url, req.body)
+    model = req.body.get("model")
+    tag = LineTag(cid, lineno, req.url, model if isinstance(model, str) else DEFAULT_MODEL,
+                  kwargs.get("logprobs") is not None)
+    return tag, kwargs
 
 
 def _validated(obj: dict[str, Any]) -> BatchRequest:
