@@ -141,7 +141,12 @@ def cmd_batch(client: Client, args: argparse.Namespace) -> int:
     runner = BatchRunner(client, args.input, args.output, args.errors, batch_id=args.batch_id,
                          concurrency=args.concurrency, priority=args.priority,
                          progress=not args.no_progress)
-    summary = runner.run()
+    try:
+        summary = runner.run()
+    except KeyboardInterrupt:
+        print("\ninterrupted: jobs in flight keep running; rerun the same command to resume",
+              file=sys.stderr)
+        return 130
     print(json.dumps(summary.as_dict()), file=sys.stderr)
     return 0
 
@@ -174,13 +179,17 @@ def queue_stats(r: Any, keys: Keys, live_s: float) -> dict[str, Any]:
             if _s(g.get("name")) == GROUP:
                 info.update(lag=g.get("lag"), pending=g.get("pending", 0),
                             consumers=g.get("consumers", 0))
+        if info["lag"] is None:
+            # Redis reports no lag after some deletions; acknowledged entries are deleted, so
+            # what is in the stream and not pending has not been delivered yet.
+            info["lag"] = max(0, info["length"] - info["pending"])
         lanes[name] = info
     now_ms = int(time.time() * 1000)
     limit = r.hget(keys.config, "max_queued_jobs")
     return {
         "queue": keys.queue,
         "depth": sum(li["length"] for li in lanes.values()),
-        "lag": sum((li["lag"] or 0) for li in lanes.values()),
+        "lag": sum(li["lag"] for li in lanes.values()),
         "pending": sum(li["pending"] for li in lanes.values()),
         "lanes": lanes,
         "workers_live": r.zcount(keys.workers, now_ms - int(live_s * 1000), "+inf"),
