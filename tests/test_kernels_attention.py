@@ -82,9 +82,9 @@ def test_decode_matches_ref(dtype, heads):
     _run_decode(case, num_splits)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_decode_more_splits_than_tiles(dtype):
-    case = make_case([1, 16, 17, 90], None, 8, 2, 32, dtype=dtype, device=DEVICE)
+    case = make_case([1, 16, 17, 90], None, 8, 1, 32, dtype=dtype, device=DEVICE)
     _run_decode(case, 7)  # at most 2 tiles of 64 per sequence: most splits are empty
 
 
