@@ -88,7 +88,7 @@ class OwedAck:
 
 def resume_state(token_ids: list[int], text: str) -> Any:
     """The engine's ResumeState, wherever the engine defines it (duck-typed fallback)."""
-    for mod in ("engine.llm_engine", "engine.outputs", "engine"):
+    for mod in ("engine.outputs", "engine.llm_engine", "engine"):  # outputs: no torch import
         try:
             cls = getattr(__import__(mod, fromlist=["ResumeState"]), "ResumeState")
             return cls(output_token_ids=list(token_ids), output_text=text)
