@@ -22,19 +22,22 @@ def chat_line(i: int, **body) -> str:
                                 "max_tokens": 3, **body}})
 
 
-def completion_line(i: int) -> str:
+def completion_line(i: int, max_tokens: int = 2) -> str:
     return json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
-                       "body": {"prompt": f"p{i}", "max_completion_tokens": 2,
+                       "body": {"prompt": f"p{i}", "max_completion_tokens": max_tokens,
                                 "temperature": 0, "stop": ["\n"], "seed": 3, "n": 1}})
 
 
-def write_input(path: Path, n: int, malformed_at: dict[int, str]) -> None:
+def write_input(path: Path, n: int, malformed_at: dict[int, str], max_tokens: int = 0) -> None:
+    """Alternating completion/chat lines (3 and 2 tokens, or ``max_tokens`` for both)."""
     lines = []
     for i in range(n):
         if i in malformed_at:
             lines.append(malformed_at[i])
+        elif i % 2:
+            lines.append(chat_line(i, max_tokens=max_tokens) if max_tokens else chat_line(i))
         else:
-            lines.append(chat_line(i) if i % 2 else completion_line(i))
+            lines.append(completion_line(i, max_tokens or 2))
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -153,7 +153,8 @@ def test_batch_200_with_malformed_lines(sdk_url: str, worker: RealWorker, tmp_pa
 
 def test_batch_killed_and_rerun_exactly_once(sdk_url: str, worker: RealWorker, tmp_path: Path):
     inp, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
-    write_input(inp, 200, {20: "nope", 90: "{}", 150: "[]"})
+    # Longer jobs than the other batch test, so the kill lands while most are unanswered.
+    write_input(inp, 200, {20: "nope", 90: "{}", 150: "[]"}, max_tokens=24)
     proc = run_cli_batch(sdk_url, inp, out, err)
     try:
         deadline = time.monotonic() + 90
