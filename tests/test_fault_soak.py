@@ -1,0 +1,122 @@
+"""Soak: 2,000 jobs through two workers while one of them is SIGKILLed and restarted every few
+seconds. Every job must end exactly once with each token once, nothing may stay pending, and
+once the (short) result TTL lapses Redis must hold no per-job key and return to its baseline
+memory: nothing leaks, whatever the kills interrupted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import pytest
+
+from producer_sdk.protocol import EVENT_FIELD, decode_event
+from tests.fault_harness import FaultEnv, pending_summary, wait_for
+from worker.testing import fake_completion
+
+N_JOBS = 2000
+MAX_TOKENS = 8
+RESULT_TTL_S = 6
+KILL_AFTER_READY_S = 1.0
+
+
+@pytest.fixture
+def env(request, tmp_path):
+    e = FaultEnv(tmp_path)
+    request.addfinalizer(e.close)
+    return e
+
+
+class StreamFollower:
+    """Reads every job's result stream as a client would, from the last id seen, so events are
+    captured before the streams expire."""
+
+    def __init__(self, env: FaultEnv, job_ids: list[str]) -> None:
+        self.env = env
+        self.last = {j: "-" for j in job_ids}
+        self.events: dict[str, list] = defaultdict(list)
+        self.ended: set[str] = set()
+
+    def poll(self) -> None:
+        open_ids = [j for j in self.last if j not in self.ended]
+        pipe = self.env.r.pipeline(transaction=False)
+        for j in open_ids:
+            start = self.last[j]
+            pipe.xrange(self.env.keys.results(j), "-" if start == "-" else f"({start}")
+        for j, entries in zip(open_ids, pipe.execute()):
+            for eid, fields in entries:
+                self.last[j] = eid.decode()
+                ev = decode_event(fields[EVENT_FIELD])
+                self.events[j].append(ev)
+                if ev.type in ("done", "error"):
+                    self.ended.add(j)
+
+    def describe(self, job_id: str) -> list[tuple]:
+        """(type, worker, attempt, resumed tokens, seq) of each event, for failure messages."""
+        return [(e.type, getattr(e, "worker_id", None), getattr(e, "attempt", None),
+                 getattr(e, "resumed_tokens", None), getattr(e, "seq", None))
+                for e in self.events[job_id]]
+
+    def problems(self, job_id: str, prompt: str) -> list[str]:
+        evs = self.events[job_id]
+        out = []
+        terminals = [e for e in evs if e.type in ("done", "error")]
+        if len(terminals) != 1 or evs[-1] is not terminals[0]:
+            out.append(f"{len(terminals)} terminal events")
+        tokens = [e for e in evs if e.type == "token"]
+        if [e.seq for e in tokens] != list(range(len(tokens))):
+            out.append(f"seqs {[e.seq for e in tokens]}")
+        text = "".join(e.text for e in tokens)
+        if terminals and terminals[0].type == "done" and text != fake_completion(prompt,
+                                                                                 MAX_TOKENS):
+            out.append(f"text {text!r}")
+        return out
+
+
+def per_job_keys(env: FaultEnv) -> int:
+    ns = env.keys.namespace
+    return sum(1 for pattern in ("result", "job", "owner", "cancel")
+               for _ in env.r.scan_iter(f"{ns}:{pattern}:*", count=1000))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_soak_2000_jobs_with_a_worker_killed_every_few_seconds(env):
+    flags = dict(max_num_seqs=32, result_ttl=RESULT_TTL_S, max_deliveries=10, delay=0.02)
+    env.worker("w1", **flags)
+    victim = env.worker("w2", **flags)
+    env.r.config_set("hz", 50)              # expire lapsed keys promptly for the memory check
+    baseline = env.r.info("memory")["used_memory"]
+    prompts = [f"soak {i}" for i in range(N_JOBS)]
+    client = env.client(dedupe_ttl_s=RESULT_TTL_S)
+    jobs = [f"s{i}" for i in range(N_JOBS)]
+    client.submit_many([{"prompt": p, "job_id": j} for p, j in zip(prompts, jobs)],
+                       max_tokens=MAX_TOKENS, temperature=0.0)
+    follower = StreamFollower(env, jobs)
+    kills, ready_at = 0, time.monotonic()
+    deadline = time.monotonic() + 180
+    while len(follower.ended) < N_JOBS:
+        follower.poll()
+        if ready_at is None and "worker ready" in victim.log():
+            ready_at = time.monotonic()
+        if ready_at is not None and time.monotonic() > ready_at + KILL_AFTER_READY_S:
+            victim.kill()                   # SIGKILL, whatever it was doing
+            kills += 1
+            victim, ready_at = env.worker("w2", wait=False, **flags), None
+        assert time.monotonic() < deadline, (
+            f"{N_JOBS - len(follower.ended)} jobs open after {kills} kills; "
+            f"pending {pending_summary(env.r, env.keys)[:5]}")
+        time.sleep(0.2)
+    assert kills >= 3, f"the soak ended after only {kills} kills"
+    bad = {j: p for j, prompt in zip(jobs, prompts) if (p := follower.problems(j, prompt))}
+    assert not bad, (f"{len(bad)} broken streams, e.g. {dict(list(bad.items())[:3])}; first: "
+                     f"{follower.describe(next(iter(bad)))}" if bad else "")
+    assert all(follower.events[j][-1].type == "done" for j in jobs)
+    wait_for(lambda: not pending_summary(env.r, env.keys), 15, what="nothing pending")
+    assert all(env.r.xlen(lane) == 0 for lane in env.keys.lanes())
+    assert not env.r.exists(env.keys.dead), "a job was dead-lettered"
+    wait_for(lambda: per_job_keys(env) == 0, RESULT_TTL_S + 20, interval=0.5,
+             what="every result stream, dedupe record and owner record expired")
+    used = env.r.info("memory")["used_memory"]
+    assert used < baseline + 512 * 1024, f"used_memory {used} vs baseline {baseline}"
