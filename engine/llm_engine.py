@@ -70,6 +70,7 @@ class LLMEngine:
         self._num_generated_tokens = 0
         self._num_computed_tokens = 0
         self._peak_blocks_used = 0
+        self._num_running_peak = 0
         self._kv_utilization_peak = 0.0
         self._request_blocks_sum = 0
         self._request_count = 0
@@ -205,6 +206,7 @@ class LLMEngine:
         self._num_steps += 1
         self._num_computed_tokens += out.num_batched_tokens
         self._track_kv_utilization()
+        self._num_running_peak = max(self._num_running_peak, len(self.scheduler.running))
         if not rows:
             return []
         seqs = [out.seqs[i] for i in rows]
@@ -297,6 +299,7 @@ class LLMEngine:
             "prefix_cache_hit_tokens": bm.num_hit_tokens,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_running_peak": self._num_running_peak,
             "num_steps": self._num_steps,
             "num_generated_tokens": self._num_generated_tokens,
             "num_computed_tokens": self._num_computed_tokens,
