@@ -157,3 +157,19 @@ def test_engine_never_leaks_blocks(engine_path, ops):
         engine.step()
     assert bm.num_free_blocks == 12 and all(rc == 0 for rc in bm.ref_counts)
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_peak_kv_utilization_on_the_bench_workload(engine_path):
+    """The bench's workload shape and KV settings, on the tiny model: scheduling and block
+    accounting do not depend on the model's size, so the figure is the bench's own."""
+    from engine import LLM
+    from engine.bench import make_workload
+
+    work = make_workload(48, (16, 384), (16, 192), vocab=1024, seed=0)
+    llm = LLM(engine_path, max_model_len=1024, num_kv_blocks=1024, max_num_batched_tokens=2048)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
+    outs = llm.generate([p for p, _ in work], params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [m for _, m in work]
+    stats = llm.stats()
+    assert stats["num_running_peak"] == 48
+    assert stats["kv_utilization_peak"] >= 0.96
