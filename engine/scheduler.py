@@ -10,7 +10,9 @@ Each step (the vLLM v1 scheme):
 3. When a running sequence needs a block and none is free, the lowest-priority running
    sequence (highest priority number, then latest arrival) is preempted: its blocks are freed
    and it goes back to waiting, to be recomputed later (its prefix is often still cached).
-   No new sequence is admitted in a step that preempted, to avoid thrashing.
+   No new sequence is admitted in a step whose decodes had to preempt, to avoid thrashing.
+4. A waiting sequence that does not fit may preempt running ones of strictly lower priority
+   (a larger priority number), so priority holds under load too.
 """
 
 from __future__ import annotations
@@ -112,15 +114,24 @@ class Scheduler:
             scheduled[seq] = n
             budget -= n
 
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
+        decode_pressure = bool(preempted)
+        while not decode_pressure and self.waiting and budget > 0:
             seq = self.waiting[0]
             cached = bm.match_prefix(seq)
             num_cached_tokens = len(cached) * bm.block_size
             n = min(seq.num_tokens - num_cached_tokens, budget)
             reserve = self.watermark_blocks if self.running else 0
-            if bm.num_blocks_needed(seq, n, cached) + reserve > bm.num_free_blocks:
-                break
+            if (len(self.running) >= self.max_num_seqs
+                    or bm.num_blocks_needed(seq, n, cached) + reserve > bm.num_free_blocks):
+                # No room. A strictly lower-priority running sequence yields its place.
+                victim = self.running[-1] if self.running else None
+                if victim is None or victim.priority <= seq.priority:
+                    break
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim in scheduled:
+                    budget += scheduled.pop(victim)
+                continue
             self.waiting.pop(0)
             bm.allocate(seq, n, cached)
             bm.record_query(seq.num_tokens, num_cached_tokens)

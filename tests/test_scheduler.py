@@ -149,3 +149,24 @@ def test_prefix_cache_hit_skips_computing_shared_tokens():
     out = sim_step(sched)
     assert out.num_new_tokens[out.seqs.index(b)] == 14 - 12
     assert sched.block_manager.num_hit_tokens == 12
+
+
+def test_high_priority_arrival_preempts_lower_priority_running():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=8, prefix=False)
+    sched.watermark_blocks = 0
+    low = make_seq("low", 12, max_tokens=4, priority=3)       # 3 of the 4 blocks
+    sched.add(low)
+    sim_step(sched)
+    urgent = make_seq("urgent", 8, max_tokens=2, priority=0, first_token=50)
+    sched.add(urgent)
+    out = sim_step(sched)
+    assert low in out.preempted and urgent in out.seqs and low not in out.seqs
+    same = make_seq("same", 8, max_tokens=2, priority=0, first_token=90)
+    sched.add(same)
+    out = sim_step(sched)                   # equal priority never preempts
+    assert not out.preempted and same not in out.seqs
+    for _ in range(50):
+        if not sched.has_unfinished():
+            break
+        sim_step(sched)
+    assert low.num_output_tokens == 4 and sched.block_manager.num_free_blocks == 4
