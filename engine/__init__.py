@@ -19,6 +19,7 @@ _LAZY = {
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "RequestDelta": "engine.outputs",
+    "ResumeState": "engine.outputs",
 }
 
 __all__ = ["SamplingParams", "InvalidRequestError", "PromptTooLongError",

@@ -8,6 +8,7 @@ when to step. See docs/contracts.md for the contract this implements.
 from __future__ import annotations
 
 import itertools
+import numbers
 import random
 import time
 from typing import Any, Mapping, Optional, Union
@@ -100,7 +101,7 @@ class LLMEngine:
 
     def _check_token_ids(self, field: str, ids: Any) -> None:
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
                 raise InvalidRequestError(f"{field}: token ids must be integers, got {t!r}")
             if not 0 <= t < self.vocab_size:
                 raise InvalidRequestError(
