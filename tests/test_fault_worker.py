@@ -42,16 +42,17 @@ def prompts(n: int, tag: str = "p") -> list[str]:
 def test_sigkill_mid_stream_second_worker_resumes_exactly(env, tiny_checkpoint):
     model = str(tiny_checkpoint("llama"))
     real = {"max-num-seqs": 32, "dtype": "float32"}
-    w1 = env.worker("w1", model=model, wait=False, **real)
-    w2 = env.worker("w2", model=model, wait=False, **real)
-    w1.wait_for_log("worker ready", timeout=180)
+    workers = {wid: env.worker(wid, model=model, wait=False, **real) for wid in ("w1", "w2")}
+    for w in workers.values():                            # load both at once: saves a minute
+        w.wait_for_log("worker ready", timeout=180)
     texts = prompts(20)
     params = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
     jobs = env.submit(texts, **params)
     wait_for(lambda: env.tokens_streamed(jobs) >= 20 * 8, 60, what="tokens flowing")
-    held = env.held_by("w1")
-    w1.kill()                                             # SIGKILL, mid-generation
-    w2.wait_for_log("worker ready", timeout=180)
+    victim = max(workers, key=lambda wid: len(env.held_by(wid)))
+    survivor = "w2" if victim == "w1" else "w1"
+    held = env.held_by(victim)
+    workers[victim].kill()                                # SIGKILL, mid-generation
     reports = env.wait_ended(jobs, timeout=120)
     env.assert_exactly_once(reports)
     from engine.llm import LLM
@@ -63,8 +64,8 @@ def test_sigkill_mid_stream_second_worker_resumes_exactly(env, tiny_checkpoint):
         assert rep.token_ids == list(out.outputs[0].token_ids), job_id
         assert rep.text == out.outputs[0].text, job_id
     resumed = [r for r in reports.values() if len(r.started) > 1]
-    assert held and resumed, "w1 held nothing when killed: the test proved nothing"
-    assert all(r.started[-1].worker_id == "w2" for r in resumed)
+    assert held and resumed, "the victim held nothing when killed: the test proved nothing"
+    assert all(r.started[-1].worker_id == survivor for r in resumed)
     assert any(r.started[-1].resumed_tokens > 0 for r in resumed)
 
 
@@ -301,3 +302,22 @@ def test_second_live_worker_with_the_same_id_is_refused(env):
     (job,) = env.submit(["still me"], prefix="one", max_tokens=5, temperature=0.0)
     assert env.wait_ended([job], timeout=20)[job].kind == "done:length"
     assert w.proc.poll() is None
+
+
+@pytest.mark.timeout(60)
+def test_admin_drain_stops_a_worker_like_sigterm(env):
+    from producer_sdk.protocol import PARKING_CONSUMER
+    from worker import admin
+    w1 = env.worker("w1", drain_timeout=0.5, delay=0.05)
+    jobs = env.submit(prompts(2, "adm"), prefix="adm", max_tokens=200, temperature=0.0)
+    wait_for(lambda: all(len(r.token_ids) >= 2 for r in env.streams(jobs).values()), 30,
+             what="streaming")
+    assert admin.main(["--redis-url", env.redis.url, "--namespace", env.keys.namespace,
+                       "--queue", env.keys.queue, "drain", "w1"]) == 0
+    assert w1.wait(15) == 0
+    rows = admin.list_pending(env.r, env.keys)
+    assert {(p.job_id, p.consumer, p.deliveries) for p in rows} == {
+        (j, PARKING_CONSUMER, 1) for j in jobs}
+    env.worker("w1", delay=0.01)                 # the flag was for its predecessor only
+    reports = env.wait_ended(jobs, timeout=30)
+    env.assert_exactly_once(reports)
