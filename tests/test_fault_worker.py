@@ -152,8 +152,12 @@ def test_paused_worker_wakes_fenced_out_and_job_ends_once(env):
     wait_for(lambda: len(env.streams([job])[job].token_ids) >= 5, 30, what="w1 streaming")
     w2 = env.worker("w2", lease_ms=1000, delay=0.05, wait=False)
     w1.signal(signal.SIGSTOP)
+    paused_at = time.monotonic()
     w2.wait_for_log("worker ready", timeout=60)
-    wait_for(lambda: len(env.streams([job])[job].started) == 2, 30, what="w2 takes over")
+    time.sleep(max(0.0, 1.0 - (time.monotonic() - paused_at)))     # w1's lease runs out
+    # Reclaimed within about one lease period of the owner going silent (reclaim runs every
+    # lease/6, the lease is renewed every lease/3).
+    wait_for(lambda: len(env.streams([job])[job].started) == 2, 2.5, what="w2 takes over")
     wait_for(lambda: len(env.streams([job])[job].token_ids) >= 30, 30, what="w2 streaming")
     w1.signal(signal.SIGCONT)
     reports = env.wait_ended([job], timeout=60)
