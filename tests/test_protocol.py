@@ -151,6 +151,15 @@ def test_non_streaming_job_carries_text_only_in_done():
     assert evs[0].text == "xy" and evs[0].token_ids == [5, 6]
 
 
+def test_fast_token_encoding_matches_the_model():
+    from worker.jobs import encode_token_event
+    for lp in (None, [{5: -0.25, 7: -1.5}]):
+        fast = decode_event(encode_token_event(3, 9, "é", [5], lp, 12.5))
+        slow = decode_event(encode_event(TokenEvent(seq=3, index=9, text="é", token_ids=[5],
+                                                    logprobs=lp, ts=12.5)))
+        assert fast == slow
+
+
 def test_batch_id_is_unique_per_owner_and_batch():
     job = _job()
     first = job.batch_id

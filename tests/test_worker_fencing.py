@@ -6,7 +6,7 @@ import pytest
 
 from producer_sdk.protocol import GROUP, PARKING_CONSUMER, Keys
 from worker.fencing import (AckStatus, Fence, ScriptPipeline, WriteStatus, parse_ack_codes,
-                            parse_raw_entries, parse_write_status)
+                            parse_raw_entries, parse_step_reply, parse_write_status)
 
 K = Keys()
 LANE = K.lane("default")
@@ -123,3 +123,33 @@ def test_scripts_survive_a_script_cache_flush(r):
     run(r, lambda p: f.take_ownership(p, "j", "w1:a", 60_000))
     r.script_flush()
     assert write(r, f, "w1:a", "a.0", [b"x"]) is WriteStatus.OK
+
+
+def test_write_step_isolates_jobs_and_reads_cancel_flags(r):
+    f = Fence(K, "w1")
+    for j in ("a", "b", "c"):
+        run(r, lambda p, j=j: f.take_ownership(p, j, f"w1:{j}", 60_000))
+    r.set(K.results("b"), "not a stream")          # a broken key must not fail a or c
+    r.set(K.cancel("c"), 1)
+    (reply,) = run(r, lambda p: f.write_step(p, 60_000, [
+        ("a", "w1:a", "a.0", [b"a1", b"a2"], True),
+        ("b", "w1:b", "b.0", [b"b1"], True),
+        ("c", "w1:c", "c.0", [], True),
+        ("d", "w1:d", "d.0", [b"d1"], True)]))   # no owner record
+    got = [(st, cancel) for st, cancel, _ in parse_step_reply(reply)]
+    assert got == [(WriteStatus.OK, False), (WriteStatus.WRONGTYPE, False),
+                   (WriteStatus.SKIP, True), (WriteStatus.MISSING, False)]
+    assert [x[1][b"data"] for x in r.xrange(K.results("a"))] == [b"a1", b"a2"]
+    assert not r.exists(K.results("c")) and not r.exists(K.results("d"))
+
+
+def test_read_new_takes_urgent_first_up_to_count(r):
+    for name in K.LANES:
+        r.xgroup_create(K.lane(name), GROUP, id="0", mkstream=True) if name != "default" else None
+    for i in range(3):
+        r.xadd(K.lane("bulk"), {"data": f"b{i}".encode()})
+        r.xadd(LANE, {"data": f"d{i}".encode()})
+    r.xadd(K.lane("urgent"), {"data": b"u0"})
+    (rows,) = run(r, lambda p: Fence(K, "w1").read_new(p, K.lanes(), 4))
+    assert [(int(i), dict(zip(f[::2], f[1::2]))[b"data"]) for i, _, f in rows] == [
+        (1, b"u0"), (2, b"d0"), (2, b"d1"), (2, b"d2")]

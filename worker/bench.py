@@ -39,34 +39,42 @@ class Request:
     max_tokens: int
 
 
-def make_workload(n: int = 48, vocab: int = 32000, seed: int = 0, prompt_range=(16, 384),
-                  output_range=(16, 192)) -> list[Request]:
-    """The engine benchmark's workload; reuses engine/bench.py's generator when it exists."""
+def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                  vocab: int, seed: int = 0) -> list[Request]:
+    """The engine benchmark's workload (engine/bench.py's generator when it exists)."""
     try:
-        from engine import bench as engine_bench  # type: ignore
-        gen = getattr(engine_bench, "make_workload", None)
-        if gen is not None:
-            return [Request(list(r.prompt_token_ids), int(r.max_tokens)) for r in gen(n=n)]
+        from engine.bench import make_workload as engine_workload
+        return [Request(list(p), int(m))
+                for p, m in engine_workload(n, prompt_range, output_range, vocab, seed)]
     except ImportError:
-        pass
-    rng = random.Random(seed)
-    return [Request([rng.randrange(10, vocab) for _ in range(rng.randint(*prompt_range))],
-                    rng.randint(*output_range)) for _ in range(n)]
+        rng = random.Random(seed)
+        return [Request([rng.randrange(5, vocab) for _ in range(rng.randint(*prompt_range))],
+                        rng.randint(*output_range)) for _ in range(n)]
 
 
 def ensure_model(path: Optional[str]) -> str:
+    """The engine bench's checkpoint (.models/tiny-bench), written if missing."""
     if path:
         return path
-    out = REPO / ".tmp" / "bench-model"
+    out = REPO / ".models" / "tiny-bench"
     if not (out / "config.json").exists():
         from engine.tiny import write_checkpoint
-        write_checkpoint(out, size="bench")
+        write_checkpoint(out, arch="llama", size="bench")
     return str(out)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine bench's settings, as EngineConfig keywords."""
     return dict(device="cpu", dtype="float32", max_num_seqs=args.max_num_seqs,
-                kv_cache_memory=args.kv_cache_memory)
+                max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+                max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    out = []
+    for k, v in engine_kwargs(args).items():
+        out += ["--" + k.replace("_", "-"), str(v)]
+    return out
 
 
 def params(req: Request) -> dict[str, Any]:
@@ -148,10 +156,9 @@ def run_through_redis(model: str, work: list[Request], args: argparse.Namespace
         log = open(Path(tmp) / "worker.log", "wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "worker", "--model", model, "--redis-url", srv.url,
-             "--worker-id", "bench", "--device", "cpu", "--dtype", "float32",
-             "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory",
-             str(args.kv_cache_memory), "--log-level", "warning"],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+             "--worker-id", "bench", "--log-level", "warning", *worker_flags(args)],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})})
         try:
             r = redis.Redis.from_url(srv.url)
             keys = Keys()
@@ -194,13 +201,27 @@ def pct(values: list[float], q: float) -> float:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m worker.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="checkpoint (default: build the bench-size tiny one)")
-    p.add_argument("--requests", type=int, default=48)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--quick", action="store_true", help="16 requests, prompts 16-128, "
+                   "outputs 16-64 (as engine.bench --quick)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--num-kv-blocks", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--skip-in-process", action="store_true")
     args = p.parse_args(argv)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     model = ensure_model(args.model)
-    work = make_workload(args.requests)
+    from engine.model_config import ModelConfig
+    vocab = ModelConfig.from_pretrained(model).vocab_size
+    n, pr, orng = args.num_requests, (16, 384), (16, 192)
+    if args.quick:
+        n, pr, orng = min(n, 16), (16, 128), (16, 64)
+    work = make_workload(n, pr, orng, vocab, args.seed)
     print(f"workload: {len(work)} requests, {sum(len(w.prompt_token_ids) for w in work)} prompt "
           f"tokens, {sum(w.max_tokens for w in work)} output tokens; model {model}", flush=True)
     base = None

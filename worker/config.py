@@ -52,6 +52,8 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: Optional[int] = Field(None, ge=1, description="Token budget per step.")
     block_size: Optional[int] = Field(None, ge=1, description="KV cache block size in tokens.")
     kv_cache_memory: Optional[int] = Field(None, ge=1, description="KV pool size, e.g. 2GiB.")
+    num_kv_blocks: Optional[int] = Field(None, ge=1, description="KV pool size in blocks "
+                                         "(overrides --kv-cache-memory).")
     max_model_len: Optional[int] = Field(None, ge=1, description="Max prompt+output tokens.")
     enable_prefix_caching: Optional[bool] = Field(None, description="Reuse cached prompt prefixes.")
     attention_backend: Optional[str] = Field(None, description="torch, triton or auto.")
@@ -101,7 +103,7 @@ class WorkerSettings(BaseSettings):
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for EngineConfig; unset options keep the engine's defaults."""
         names = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                 "kv_cache_memory", "max_model_len", "enable_prefix_caching", "attention_backend")
+                 "kv_cache_memory", "num_kv_blocks", "max_model_len", "enable_prefix_caching", "attention_backend")
         out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         out["model"] = self.model
         return out

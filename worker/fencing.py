@@ -39,38 +39,72 @@ class LuaScript:
         return hashlib.sha1(self.source.encode()).hexdigest()
 
 
-# KEYS: owner, results. ARGV: owner value, ttl ms, create ("1"/"0"), batch id, events...
-# Each event entry gets field b = "<batch id>:<k>" (k = 1..n), so a retried batch (reply lost on a
-# broken connection, or a script that failed half way) writes only the events still missing.
-# Returns ok | dup (whole batch already there) | refused (another owner) | missing (no owner
-# record: it expired) | gone (result stream expired and create=0: never recreate it).
-WRITE_EVENTS = LuaScript("write_events", """
-local cur = redis.call('GET', KEYS[1])
-if not cur then return 'missing' end
-if cur ~= ARGV[1] then return 'refused' end
-local n = #ARGV - 4
-local done = 0
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-  if #last > 0 then
-    local f = last[1][2]
-    local prefix = ARGV[4] .. ':'
-    for i = 1, #f, 2 do
-      if f[i] == 'b' and string.sub(f[i + 1], 1, #prefix) == prefix then
-        done = tonumber(string.sub(f[i + 1], #prefix + 1)) or 0
+# The fenced append, shared by both write scripts. Each event entry gets field b =
+# "<batch id>:<k>" (k = 1..n), so a retried batch (reply lost on a broken connection, or a script
+# that failed half way) writes only the events still missing. Returns ok | dup (whole batch
+# already there) | refused (another owner) | missing (no owner record: it expired) | gone (result
+# stream expired and create=0: never recreate it) | wrongtype (the key is not a stream).
+_WRITE_FN = """
+local function write(ko, kr, owner, ttl, create, batch, first, n)
+  local cur = redis.call('GET', ko)
+  if not cur then return 'missing' end
+  if cur ~= owner then return 'refused' end
+  local t = redis.call('TYPE', kr)['ok']
+  local done = 0
+  if t == 'stream' then
+    local last = redis.call('XREVRANGE', kr, '+', '-', 'COUNT', 1)
+    if #last > 0 then
+      local f = last[1][2]
+      local prefix = batch .. ':'
+      for i = 1, #f, 2 do
+        if f[i] == 'b' and string.sub(f[i + 1], 1, #prefix) == prefix then
+          done = tonumber(string.sub(f[i + 1], #prefix + 1)) or 0
+        end
       end
     end
+  elseif t ~= 'none' then
+    return 'wrongtype'
+  elseif create ~= '1' then
+    return 'gone'
   end
-elseif ARGV[3] ~= '1' then
-  return 'gone'
+  for k = done + 1, n do
+    redis.call('XADD', kr, '*', 'data', ARGV[first + k - 1], 'b', batch .. ':' .. k)
+  end
+  redis.call('PEXPIRE', kr, ttl)
+  redis.call('PEXPIRE', ko, ttl)
+  if done >= n then return 'dup' end
+  return 'ok'
 end
-for k = done + 1, n do
-  redis.call('XADD', KEYS[2], '*', 'data', ARGV[4 + k], 'b', ARGV[4] .. ':' .. k)
+"""
+
+# KEYS: owner, results. ARGV: owner value, ttl ms, create ("1"/"0"), batch id, events...
+WRITE_EVENTS = LuaScript("write_events", _WRITE_FN + """
+local ok, res = pcall(write, KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 5, #ARGV - 4)
+if ok then return res end
+return 'error: ' .. tostring(res)
+""")
+
+# One call for every job of an engine step (the per-step Redis work is one round trip and one
+# command). KEYS: per job owner, results, cancel. ARGV: ttl ms, then per job: owner value,
+# create, batch id, n, then its n events. Returns per job {status, cancel flag}; status "skip"
+# when n = 0 (cancel check only). Each job is isolated (pcall): one job's broken key never fails
+# another job's write.
+WRITE_STEP = LuaScript("write_step", _WRITE_FN + """
+local out = {}
+local a = 2
+for j = 1, #KEYS / 3 do
+  local n = tonumber(ARGV[a + 3])
+  local status = 'skip'
+  if n > 0 then
+    local ok, res = pcall(write, KEYS[3 * j - 2], KEYS[3 * j - 1], ARGV[a], ARGV[1], ARGV[a + 1],
+                          ARGV[a + 2], a + 4, n)
+    if ok then status = res else status = 'error: ' .. tostring(res) end
+  end
+  out[#out + 1] = status
+  out[#out + 1] = redis.call('EXISTS', KEYS[3 * j])
+  a = a + 4 + n
 end
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-if done >= n then return 'dup' end
-return 'ok'
+return out
 """)
 
 # KEYS: lane. ARGV: group, consumer, ids... Returns one code per id:
@@ -121,6 +155,25 @@ end
 return out
 """)
 
+# KEYS: the lanes, most urgent first. ARGV: group, consumer, count. New entries (XREADGROUP >)
+# up to count in all, urgent lane first, in one round trip: {lane index, id, fields}.
+READ_NEW = LuaScript("read_new", """
+local out = {}
+local want = tonumber(ARGV[3])
+for i = 1, #KEYS do
+  if want <= 0 then break end
+  local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want, 'STREAMS',
+                       KEYS[i], '>')
+  if r and r[1] then
+    for _, e in ipairs(r[1][2]) do
+      out[#out + 1] = {i, e[1], e[2]}
+      want = want - 1
+    end
+  end
+end
+return out
+""")
+
 # KEYS: lane. ARGV: group, consumer, start id, count. This consumer's pending entries after
 # start id (XREADGROUP ... <id>), as {id, fields|false (deleted), deliveries}. In Lua so that the
 # nil body of a deleted entry survives client-side parsing.
@@ -158,7 +211,7 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """)
 
-ALL_SCRIPTS = (WRITE_EVENTS, ACK, PARK, CLAIM_PARKED, READ_OWN_PENDING, RENEW, RELEASE_OWNER)
+ALL_SCRIPTS = (WRITE_EVENTS, WRITE_STEP, READ_NEW, ACK, PARK, CLAIM_PARKED, READ_OWN_PENDING, RENEW, RELEASE_OWNER)
 
 
 class WriteStatus(str, Enum):
@@ -167,6 +220,9 @@ class WriteStatus(str, Enum):
     REFUSED = "refused"
     MISSING = "missing"
     GONE = "gone"
+    WRONGTYPE = "wrongtype"
+    SKIP = "skip"
+    ERROR = "error"
 
     @property
     def written(self) -> bool:
@@ -258,6 +314,17 @@ class Fence:
     def renew(self, pipe: ScriptPipeline, lane_key: str, entry_ids: Sequence[str]) -> int:
         return pipe.script(RENEW, [lane_key], [self.group, self.worker_id, *entry_ids])
 
+    def write_step(self, pipe: ScriptPipeline, ttl_ms: int,
+                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool]]) -> int:
+        """All jobs of a step in one script call: ``(job_id, owner, batch_id, events, create)``
+        each; also reads each job's cancel flag. Parse the reply with ``parse_step_reply``."""
+        keys: list[str] = []
+        args: list[Any] = [int(ttl_ms)]
+        for job_id, owner, batch_id, events, create in jobs:
+            keys += [self.keys.owner(job_id), self.keys.results(job_id), self.keys.cancel(job_id)]
+            args += [owner, "1" if create else "0", batch_id, len(events), *events]
+        return pipe.script(WRITE_STEP, keys, args)
+
     def release(self, pipe: ScriptPipeline, job_id: str, owner: str) -> int:
         return pipe.script(RELEASE_OWNER, [self.keys.owner(job_id)], [owner])
 
@@ -272,6 +339,9 @@ class Fence:
         return pipe.script(CLAIM_PARKED, [lane_key],
                            [self.group, self.worker_id, PARKING_CONSUMER, int(count)])
 
+    def read_new(self, pipe: ScriptPipeline, lanes: Sequence[str], count: int) -> int:
+        return pipe.script(READ_NEW, list(lanes), [self.group, self.worker_id, int(count)])
+
     def read_own_pending(self, pipe: ScriptPipeline, lane_key: str, start_id: str,
                          count: int) -> int:
         return pipe.script(READ_OWN_PENDING, [lane_key],
@@ -279,7 +349,15 @@ class Fence:
 
 
 def parse_write_status(reply: Any) -> WriteStatus:
-    return WriteStatus(_text(reply))
+    text = _text(reply)
+    return WriteStatus.ERROR if text.startswith("error") else WriteStatus(text)
+
+
+def parse_step_reply(reply: Any) -> list[tuple[WriteStatus, bool, str]]:
+    """Per job of a write_step call: (status, cancel flag set, raw status text)."""
+    flat = list(reply)
+    return [(parse_write_status(flat[i]), bool(int(flat[i + 1])), _text(flat[i]))
+            for i in range(0, len(flat), 2)]
 
 
 def parse_ack_codes(reply: Any) -> list[AckStatus]:
@@ -304,7 +382,7 @@ def fields_of(entry_fields: Any) -> dict[bytes, bytes]:
     return {(k if isinstance(k, bytes) else str(k).encode()): v for k, v in entry_fields.items()}
 
 
-__all__ = ["LuaScript", "WRITE_EVENTS", "ACK", "PARK", "CLAIM_PARKED", "READ_OWN_PENDING",
+__all__ = ["LuaScript", "WRITE_EVENTS", "WRITE_STEP", "parse_step_reply", "ACK", "PARK", "CLAIM_PARKED", "READ_OWN_PENDING",
            "RENEW", "RELEASE_OWNER", "ALL_SCRIPTS", "WriteStatus", "AckStatus", "ScriptPipeline", "Fence",
            "new_owner_value", "parse_write_status", "parse_ack_codes", "parse_raw_entries",
            "BATCH_FIELD"]

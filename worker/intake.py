@@ -46,6 +46,11 @@ def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def _pairs(flat: Any) -> dict[bytes, bytes]:
+    items = list(flat or [])
+    return fields_of(dict(zip(items[0::2], items[1::2])))
+
+
 def _is_nogroup(exc: Exception) -> bool:
     """NOGROUP, or Redis 7 unblocking a blocked read because the stream key was deleted."""
     return isinstance(exc, redis.ResponseError) and (
@@ -92,11 +97,10 @@ class Intake:
         every lane is empty; a blocking read takes at most one entry per lane."""
         if count <= 0:
             return []
-        out: list[Entry] = []
-        for name, key in self._lanes:
-            if len(out) >= count:
-                break
-            out.extend(self._xreadgroup({key: ">"}, count - len(out), None))
+        lanes = [key for _, key in self._lanes]
+        rows = self._script_reply(lambda p: self.fence.read_new(p, lanes, count))
+        out = [Entry(self._lanes[int(i) - 1][0], self._lanes[int(i) - 1][1], _text(eid),
+                     _pairs(fields), 1, "new") for i, eid, fields in rows]
         if out or block_ms <= 0:
             return out
         got = self._xreadgroup({key: ">" for _, key in self._lanes}, 1, block_ms)
@@ -156,6 +160,10 @@ class Intake:
         return out
 
     def _script_rows(self, add: Callable[[ScriptPipeline], int]) -> list:
+        return parse_raw_entries(self._script_reply(add))
+
+    def _script_reply(self, add: Callable[[ScriptPipeline], int]) -> Any:
+        """Run one script; on NOGROUP recreate the groups and run it once more."""
         for attempt in (0, 1):
             pipe = ScriptPipeline(self.client)
             add(pipe)
@@ -165,7 +173,7 @@ class Intake:
                     self._recreate_groups()
                     continue
                 raise reply
-            return parse_raw_entries(reply)
+            return reply
         return []
 
     # ---------------------------------------------------------------- metrics

@@ -10,11 +10,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
+import msgpack
 from typing import Any, Optional
 
 from producer_sdk.protocol import (DoneEvent, ErrorEvent, FinishReason, JobRequest, StartedEvent,
-                                   Timings, TokenEvent, Usage, encode_event)
+                                   Timings, Usage, encode_event)
 from worker.intake import Entry
+
+
+def encode_token_event(seq: int, index: int, text: str, token_ids: list[int],
+                       logprobs: Optional[list[dict[int, float]]], ts: float) -> bytes:
+    """``encode_event(TokenEvent(...))`` without pydantic: token events are the hot path (one per
+    running job per step) and this is 4x cheaper. Same bytes-level schema (test_protocol)."""
+    ev: dict[str, Any] = {"type": "token", "seq": seq, "index": index, "text": text,
+                          "token_ids": [int(t) for t in token_ids], "ts": ts}
+    if logprobs is not None:
+        ev["logprobs"] = [{int(k): float(v) for k, v in d.items()} for d in logprobs]
+    return msgpack.packb(ev, use_bin_type=True)
 
 
 @dataclass
@@ -82,10 +95,9 @@ class Job:
                 self.first_token_at, first = ts, True
             self.last_token_at = ts
             if self.request.stream:
-                self.pending.append(encode_event(TokenEvent(
-                    seq=self.next_seq, index=len(self.out_ids), text=delta.new_text,
-                    token_ids=list(delta.new_token_ids),
-                    logprobs=delta.logprobs if self.want_logprobs else None, ts=ts)))
+                self.pending.append(encode_token_event(
+                    self.next_seq, len(self.out_ids), delta.new_text, delta.new_token_ids,
+                    delta.logprobs if self.want_logprobs else None, ts))
                 self.next_seq += 1
             self.out_ids.extend(delta.new_token_ids)
             self.out_text.append(delta.new_text)

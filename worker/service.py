@@ -39,7 +39,7 @@ from producer_sdk.protocol import (DeadLetter, ErrorCode, ErrorEvent, FinishReas
                                    encode_event, now_ms)
 from worker.config import WorkerSettings
 from worker.fencing import (AckStatus, Fence, ScriptPipeline, WriteStatus, new_owner_value,
-                            parse_ack_codes, parse_write_status)
+                            parse_ack_codes, parse_step_reply, parse_write_status)
 from worker.intake import Entry, Intake
 from worker.jobs import Job
 from worker.logs import get_logger
@@ -48,6 +48,7 @@ from worker.recovery import JobProgress, progress_from_entries
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 MAX_WRITE_FAILURES = 3
+STEP_WRITE_CHUNK = 128   # jobs per write_step call: bounds how long one script holds Redis
 
 try:  # F's seams (worker/leases.py, worker/admin.py); the worker runs without them
     from worker.leases import (LeaseKeeper, WorkerIdInUse, WorkerIdLease,  # type: ignore
@@ -677,13 +678,15 @@ class Worker:
             ack_groups[a.lane_key].append(a)
         acks = [(items, self.fence.ack(pipe, lane, [a.entry_id for a in items]))
                 for lane, items in ack_groups.items()]
-        writes = [(j, len(j.pending), self.fence.write_events(
-            pipe, j.job_id, j.owner, self.ttl_ms, j.batch_id, j.pending, j.may_create))
-            for j in self.jobs.values() if j.pending]
+        step_jobs = [j for j in self.jobs.values() if j.pending or j.in_engine]
+        writes = []
+        for k in range(0, len(step_jobs), STEP_WRITE_CHUNK):
+            chunk = step_jobs[k:k + STEP_WRITE_CHUNK]
+            writes.append((chunk, [len(j.pending) for j in chunk], self.fence.write_step(
+                pipe, self.ttl_ms,
+                [(j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create) for j in chunk])))
         rejects = [(r, self._queue_rejection(pipe, r)) for r in self.rejections]
         parks = self._queue_parks(pipe)
-        cancels = [(j, pipe.command("EXISTS", self.keys.cancel(j.job_id)))
-                   for j in self.jobs.values() if j.in_engine]
         if not len(pipe):
             return
         t0 = time.perf_counter()
@@ -692,14 +695,23 @@ class Worker:
         self.owed_acks = []
         for items, i in acks:
             self._on_acks(items, res[i])
-        for job, n, i in writes:
-            self._on_write(job, n, res[i])
+        for chunk, counts, i in writes:
+            self._on_step_reply(chunk, counts, res[i])
         for rej, (i_write, i_dead) in rejects:
             self._on_rejection(rej, res, i_write, i_dead)
         for jobs, i in parks:
             self._on_park(jobs, res[i])
-        for job, i in cancels:
-            if res[i] == 1 and job.in_engine:
+
+    def _on_step_reply(self, jobs: list[Job], counts: list[int], reply: Any) -> None:
+        if isinstance(reply, Exception):  # the whole call failed: every write is retried
+            for job, n in zip(jobs, counts):
+                if n:
+                    self._on_write(job, n, WriteStatus.ERROR, str(reply))
+            return
+        for job, n, (status, cancel, text) in zip(jobs, counts, parse_step_reply(reply)):
+            if n:
+                self._on_write(job, n, status, text)
+            if cancel and job.in_engine:
                 self._cancel(job, "cancel flag")
 
     def _on_acks(self, items: list[OwedAck], reply: Any) -> None:
@@ -718,18 +730,17 @@ class Worker:
                 self.log.info("acked", job_id=a.job_id, entry_id=a.entry_id, reason=a.reason,
                               was_pending=code is AckStatus.ACKED)
 
-    def _on_write(self, job: Job, n: int, reply: Any) -> None:
-        if isinstance(reply, Exception):
+    def _on_write(self, job: Job, n: int, status: WriteStatus, detail: str) -> None:
+        if status in (WriteStatus.ERROR, WriteStatus.WRONGTYPE):
             job.write_failures += 1
-            self.log.error("result write failed", error=str(reply), attempt=job.write_failures,
+            self.log.error("result write failed", error=detail, attempt=job.write_failures,
                            **job.log_fields())
             if job.write_failures >= MAX_WRITE_FAILURES:
-                self._drop(job, f"result stream not writable: {reply}", ack=False)
+                self._drop(job, f"result stream not writable: {detail}", ack=False)
                 self._reject(job.entry, ProtocolError(
-                    f"the worker could not write the job's result stream: {reply}",
+                    f"the worker could not write the job's result stream: {detail}",
                     code=ErrorCode.INTERNAL))
             return
-        status = parse_write_status(reply)
         if status.written:
             del job.pending[:n]
             job.batch_no += 1
