@@ -132,14 +132,23 @@ def test_write_step_isolates_jobs_and_reads_cancel_flags(r):
     r.set(K.results("b"), "not a stream")          # a broken key must not fail a or c
     r.set(K.cancel("c"), 1)
     (reply,) = run(r, lambda p: f.write_step(p, 60_000, [
-        ("a", "w1:a", "a.0", [b"a1", b"a2"], True),
-        ("b", "w1:b", "b.0", [b"b1"], True),
-        ("c", "w1:c", "c.0", [], True),
-        ("d", "w1:d", "d.0", [b"d1"], True)]))   # no owner record
+        ("a", "w1:a", "a.0", [b"a1", b"a2"], True, False),
+        ("b", "w1:b", "b.0", [b"b1"], True, False),
+        ("c", "w1:c", "c.0", [], True, False),
+        ("d", "w1:d", "d.0", [b"d1"], True, False)]))   # no owner record
     got = [(st, cancel) for st, cancel, _ in parse_step_reply(reply)]
-    assert got == [(WriteStatus.OK, False), (WriteStatus.WRONGTYPE, False),
+    assert got == [(WriteStatus.OK, False), (WriteStatus.ERROR, False),
                    (WriteStatus.SKIP, True), (WriteStatus.MISSING, False)]
+    assert "WRONGTYPE" in parse_step_reply(reply)[1][2]
     assert [x[1][b"data"] for x in r.xrange(K.results("a"))] == [b"a1", b"a2"]
+    # a retry of a's batch after a lost reply (check=1) adds nothing; without create the
+    # expired stream of another job is not recreated
+    r.delete(K.results("c"))
+    (reply,) = run(r, lambda p: f.write_step(p, 60_000, [
+        ("a", "w1:a", "a.0", [b"a1", b"a2"], False, True),
+        ("c", "w1:c", "c.1", [b"c1"], False, False)]))
+    assert [st for st, _, _ in parse_step_reply(reply)] == [WriteStatus.DUP, WriteStatus.GONE]
+    assert r.xlen(K.results("a")) == 2 and not r.exists(K.results("c"))
     assert not r.exists(K.results("c")) and not r.exists(K.results("d"))
 
 

@@ -40,18 +40,19 @@ class LuaScript:
 
 
 # The fenced append, shared by both write scripts. Each event entry gets field b =
-# "<batch id>:<k>" (k = 1..n), so a retried batch (reply lost on a broken connection, or a script
-# that failed half way) writes only the events still missing. Returns ok | dup (whole batch
-# already there) | refused (another owner) | missing (no owner record: it expired) | gone (result
-# stream expired and create=0: never recreate it) | wrongtype (the key is not a stream).
+# "<batch id>:<k>" (k = 1..n). When ``check`` is 1 (a retry after a reply was lost) the last
+# entry's b tells how much of this batch already landed, and only the rest is written. After the
+# first write (create = 0) XADD runs with NOMKSTREAM: an expired stream is never recreated.
+# Returns ok | dup (whole batch already there) | refused (another owner) | missing (no owner
+# record: it expired) | gone (result stream expired). Redis errors (a key of the wrong type,
+# OOM) propagate to the caller's pcall.
 _WRITE_FN = """
-local function write(ko, kr, owner, ttl, create, batch, first, n)
+local function write(ko, kr, owner, ttl, create, batch, first, n, check)
   local cur = redis.call('GET', ko)
   if not cur then return 'missing' end
   if cur ~= owner then return 'refused' end
-  local t = redis.call('TYPE', kr)['ok']
   local done = 0
-  if t == 'stream' then
+  if check == '1' then
     local last = redis.call('XREVRANGE', kr, '+', '-', 'COUNT', 1)
     if #last > 0 then
       local f = last[1][2]
@@ -62,13 +63,16 @@ local function write(ko, kr, owner, ttl, create, batch, first, n)
         end
       end
     end
-  elseif t ~= 'none' then
-    return 'wrongtype'
-  elseif create ~= '1' then
-    return 'gone'
   end
   for k = done + 1, n do
-    redis.call('XADD', kr, '*', 'data', ARGV[first + k - 1], 'b', batch .. ':' .. k)
+    local id
+    if create == '1' then
+      id = redis.call('XADD', kr, '*', 'data', ARGV[first + k - 1], 'b', batch .. ':' .. k)
+    else
+      id = redis.call('XADD', kr, 'NOMKSTREAM', '*', 'data', ARGV[first + k - 1],
+                      'b', batch .. ':' .. k)
+    end
+    if not id then return 'gone' end
   end
   redis.call('PEXPIRE', kr, ttl)
   redis.call('PEXPIRE', ko, ttl)
@@ -78,31 +82,33 @@ end
 """
 
 # KEYS: owner, results. ARGV: owner value, ttl ms, create ("1"/"0"), batch id, events...
+# (always checks for an earlier partial attempt: used on the rare paths only)
 WRITE_EVENTS = LuaScript("write_events", _WRITE_FN + """
-local ok, res = pcall(write, KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 5, #ARGV - 4)
+local ok, res = pcall(write, KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 5,
+                      #ARGV - 4, '1')
 if ok then return res end
 return 'error: ' .. tostring(res)
 """)
 
 # One call for every job of an engine step (the per-step Redis work is one round trip and one
 # command). KEYS: per job owner, results, cancel. ARGV: ttl ms, then per job: owner value,
-# create, batch id, n, then its n events. Returns per job {status, cancel flag}; status "skip"
-# when n = 0 (cancel check only). Each job is isolated (pcall): one job's broken key never fails
-# another job's write.
+# create, batch id, check, n, then its n events. Returns per job {status, cancel flag}; status
+# "skip" when n = 0 (cancel check only). Each job is isolated (pcall): one job's broken key never
+# fails another job's write.
 WRITE_STEP = LuaScript("write_step", _WRITE_FN + """
 local out = {}
 local a = 2
 for j = 1, #KEYS / 3 do
-  local n = tonumber(ARGV[a + 3])
+  local n = tonumber(ARGV[a + 4])
   local status = 'skip'
   if n > 0 then
     local ok, res = pcall(write, KEYS[3 * j - 2], KEYS[3 * j - 1], ARGV[a], ARGV[1], ARGV[a + 1],
-                          ARGV[a + 2], a + 4, n)
+                          ARGV[a + 2], a + 5, n, ARGV[a + 3])
     if ok then status = res else status = 'error: ' .. tostring(res) end
   end
   out[#out + 1] = status
   out[#out + 1] = redis.call('EXISTS', KEYS[3 * j])
-  a = a + 4 + n
+  a = a + 5 + n
 end
 return out
 """)
@@ -220,7 +226,6 @@ class WriteStatus(str, Enum):
     REFUSED = "refused"
     MISSING = "missing"
     GONE = "gone"
-    WRONGTYPE = "wrongtype"
     SKIP = "skip"
     ERROR = "error"
 
@@ -315,14 +320,16 @@ class Fence:
         return pipe.script(RENEW, [lane_key], [self.group, self.worker_id, *entry_ids])
 
     def write_step(self, pipe: ScriptPipeline, ttl_ms: int,
-                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool]]) -> int:
-        """All jobs of a step in one script call: ``(job_id, owner, batch_id, events, create)``
-        each; also reads each job's cancel flag. Parse the reply with ``parse_step_reply``."""
+                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, bool]]) -> int:
+        """All jobs of a step in one script call: ``(job_id, owner, batch_id, events, create,
+        check)`` each (``check``: this batch may have landed already, a retry after a lost
+        reply); also reads each job's cancel flag. Parse the reply with ``parse_step_reply``."""
         keys: list[str] = []
         args: list[Any] = [int(ttl_ms)]
-        for job_id, owner, batch_id, events, create in jobs:
+        for job_id, owner, batch_id, events, create, check in jobs:
             keys += [self.keys.owner(job_id), self.keys.results(job_id), self.keys.cancel(job_id)]
-            args += [owner, "1" if create else "0", batch_id, len(events), *events]
+            args += [owner, "1" if create else "0", batch_id, "1" if check else "0", len(events),
+                     *events]
         return pipe.script(WRITE_STEP, keys, args)
 
     def release(self, pipe: ScriptPipeline, job_id: str, owner: str) -> int:

@@ -52,6 +52,7 @@ class Job:
     pending: list[bytes] = field(default_factory=list)  # encoded events not yet written
     batch_no: int = 0
     may_create: bool = True              # the stream may be created until the first write lands
+    unsure: bool = False                 # the last write's reply was lost: check before retrying
     terminal: Optional[str] = None       # "done"/"error" once the terminal event is queued
     finish_reason: Optional[str] = None
     error_code: Optional[str] = None

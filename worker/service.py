@@ -684,13 +684,19 @@ class Worker:
             chunk = step_jobs[k:k + STEP_WRITE_CHUNK]
             writes.append((chunk, [len(j.pending) for j in chunk], self.fence.write_step(
                 pipe, self.ttl_ms,
-                [(j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create) for j in chunk])))
+                [(j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create, j.unsure)
+                 for j in chunk])))
         rejects = [(r, self._queue_rejection(pipe, r)) for r in self.rejections]
         parks = self._queue_parks(pipe)
         if not len(pipe):
             return
         t0 = time.perf_counter()
-        res = pipe.execute()  # a connection error leaves all state as is: the retry is safe
+        try:
+            res = pipe.execute()
+        except REDIS_DOWN:  # all state stays as is; the retry must check what already landed
+            for job in step_jobs:
+                job.unsure = bool(job.pending)
+            raise
         self.metrics.step_redis.observe(time.perf_counter() - t0)
         self.owed_acks = []
         for items, i in acks:
@@ -731,7 +737,7 @@ class Worker:
                               was_pending=code is AckStatus.ACKED)
 
     def _on_write(self, job: Job, n: int, status: WriteStatus, detail: str) -> None:
-        if status in (WriteStatus.ERROR, WriteStatus.WRONGTYPE):
+        if status is WriteStatus.ERROR:
             job.write_failures += 1
             self.log.error("result write failed", error=detail, attempt=job.write_failures,
                            **job.log_fields())
@@ -745,6 +751,7 @@ class Worker:
             del job.pending[:n]
             job.batch_no += 1
             job.may_create = False
+            job.unsure = False
             job.write_failures = 0
             if job.terminal and not job.pending:
                 self._owe_ack(job, job.terminal)
