@@ -64,7 +64,7 @@ class WorkerSettings(BaseSettings):
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port; 0 disables.")
     metrics_host: str = Field("0.0.0.0", description="Address the metrics server binds.")
     lease_ms: int = Field(30000, ge=100, description="Lease on held jobs; renewed every lease/3.")
-    max_deliveries: int = Field(5, ge=1, description="Deliveries before a job is dead-lettered.")
+    max_deliveries: int = Field(3, ge=1, description="Deliveries before a job is dead-lettered.")
     heartbeat_ms: int = Field(1000, ge=50, description="Heartbeat interval.")
     block_ms: int = Field(500, ge=1, description="Max blocking read time while idle.")
     log_level: str = Field("info", description="debug, info, warning, error.")
