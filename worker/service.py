@@ -316,6 +316,7 @@ class Worker:
             self.log.error("worker id in use; exiting", error=str(exc))
             self.exit_code = 3
             return False
+        self._heartbeat()  # the claim created the hash: fill it in before anyone reads it
         return True
 
     def _lost_worker_id(self) -> None:
