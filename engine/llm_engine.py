@@ -13,8 +13,6 @@ import random
 import time
 from typing import Any, Mapping, Optional, Union
 
-import torch
-
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, detokenize_step
@@ -49,7 +47,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, model: Optional[Any] = None,
                  tokenizer: Optional[Any] = None) -> None:
         self.config = config.resolve()
-        torch.manual_seed(config.seed)
         if tokenizer is None:
             from engine.loader import load_tokenizer
             tokenizer = load_tokenizer(config.model)

@@ -45,7 +45,7 @@ class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: Seq[int]) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted({t for t in eos_token_ids if 0 <= t < vocab_size})
-        self._generator = torch.Generator()  # CPU: identical streams on every device
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
@@ -141,12 +141,21 @@ class Sampler:
             mp = torch.tensor(min_p, device=dev, dtype=probs.dtype)
             keep = probs >= mp[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs * keep
-        noise = torch.empty(probs.shape, dtype=torch.float32)
-        gen = self._generator
+        # Noise is drawn on the logits' device: a [rows, vocab] host-to-device copy per step
+        # would cost more than the sampling. (Streams differ between CPU and CUDA, so a resumed
+        # request reproduces exactly on the same device type.)
+        noise = torch.empty(probs.shape, dtype=torch.float32, device=dev)
+        gen = self._generator_for(dev)
         for j, seq in enumerate(seqs):
             gen.manual_seed(mix_seed(seq.seed, seq.num_output_tokens))
             noise[j].exponential_(generator=gen)
-        return (probs / noise.to(dev)).argmax(dim=-1)
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+        return gen
 
     def _top_k_top_p(self, logits: torch.Tensor, top_k: list[int],
                      top_p: list[float]) -> torch.Tensor:
