@@ -99,6 +99,9 @@ class BlockManager:
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int,
                           cached_blocks: Iterable[int] = ()) -> int:
         """Free-queue blocks an ``allocate`` call would consume (fresh plus revived cached)."""
+        if not cached_blocks:  # the per-step path of every running sequence
+            total = seq.num_computed_tokens + num_new_tokens
+            return max(0, -(-total // self.block_size) - len(seq.block_table))
         cached = list(cached_blocks)
         have = len(seq.block_table) + len(cached)
         total_tokens = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens

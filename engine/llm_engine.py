@@ -269,21 +269,19 @@ class LLMEngine:
 
     # -- statistics ------------------------------------------------------------------------
     def _track_kv_utilization(self) -> None:
-        """At the step with the most blocks in use, record tokens stored / slots allocated."""
+        """At the step with the most blocks in use, record tokens stored / slots allocated.
+
+        Shared blocks are always full prefix blocks, so a block held by r sequences is counted
+        r times in the sum of computed tokens: subtract the (r - 1) extra copies.
+        """
         bm = self.block_manager
         used = bm.num_used_blocks
         if used <= self._peak_blocks_used:
             return
         self._peak_blocks_used = used
-        bs = bm.block_size
-        fill: dict[int, int] = {}
-        for seq in self.scheduler.running:
-            c = seq.num_computed_tokens
-            for i, b in enumerate(seq.block_table):
-                f = min(bs, max(0, c - i * bs))
-                if f > fill.get(b, 0):
-                    fill[b] = f
-        self._kv_utilization_peak = sum(fill.values()) / (used * bs)
+        stored = sum(s.num_computed_tokens for s in self.scheduler.running)
+        stored -= bm.block_size * sum(rc - 1 for rc in bm.ref_counts if rc > 1)
+        self._kv_utilization_peak = stored / (used * bm.block_size)
 
     def stats(self) -> dict[str, Any]:
         bm = self.block_manager
