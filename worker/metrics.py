@@ -56,6 +56,8 @@ class WorkerMetrics:
         self.step_redis = Histogram("tokenrelay_step_redis_seconds",
                                     "Time of the per-step Redis pipeline.", buckets=_ITL,
                                     registry=r)
+        self.engine_step = Histogram("tokenrelay_engine_step_seconds",
+                                     "Duration of engine.step().", buckets=_ITL, registry=r)
         self._preemptions_seen = 0
         self._server: Any = None
 

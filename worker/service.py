@@ -559,6 +559,7 @@ class Worker:
 
     # ------------------------------------------------------------------ step
     def _step(self) -> None:
+        t0 = time.perf_counter()
         try:
             deltas = self.engine.step()
         except Exception as exc:
@@ -566,6 +567,7 @@ class Worker:
             return
         self._engine_failures = 0
         ts = time.time()
+        self.metrics.engine_step.observe(time.perf_counter() - t0)
         for d in deltas:
             job = self.jobs.get(d.request_id)
             if job is None or not job.in_engine:
