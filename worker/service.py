@@ -156,6 +156,7 @@ class Worker:
         self._engine_broken = False
         self._id_lease: Any = None          # F's WorkerIdLease: one live process per worker id
         self._redis_errors = 0
+        self._stepped: list[tuple] = []     # (job, delta, prev token time, first, ts) of a step
         self._started_ms = now_ms()
 
     # ================================================================== lifecycle
@@ -277,7 +278,10 @@ class Worker:
             self._intake(block=not busy and not self._owes_writes())
         if self.engine.has_unfinished_requests():
             self._step()
-        self._flush()
+        try:
+            self._flush()
+        finally:
+            self._account()
         return False
 
     def _owes_writes(self) -> bool:
@@ -559,6 +563,9 @@ class Worker:
 
     # ------------------------------------------------------------------ step
     def _step(self) -> None:
+        """One engine step; events are queued for the flush that follows at once, while the
+        step's logs and metrics wait until after it (``_account``): they are not on the path
+        from the engine to the reader."""
         t0 = time.perf_counter()
         try:
             deltas = self.engine.step()
@@ -573,7 +580,15 @@ class Worker:
             if job is None or not job.in_engine:
                 continue
             prev = job.last_token_at
-            if job.on_delta(d, ts):
+            first = job.on_delta(d, ts)
+            if d.finished:
+                job.in_engine = False
+            self._stepped.append((job, d, prev, first, ts))
+
+    def _account(self) -> None:
+        """Logs and metrics of the last step (after its flush)."""
+        for job, d, prev, first, ts in self._stepped:
+            if first:
                 self.metrics.ttft.observe(max(0.0, ts - job.enqueued_ms / 1000))
                 self.log.info("first_token", **job.log_fields())
             n = len(d.new_token_ids)
@@ -583,8 +598,8 @@ class Worker:
                     for _ in range(n):
                         self.metrics.itl.observe((ts - prev) / n)
             if d.finished:
-                job.in_engine = False
                 self._finished(job)
+        self._stepped.clear()
 
     def _finished(self, job: Job) -> None:
         self.metrics.prompt_tokens.inc(job.prompt_tokens)
