@@ -16,9 +16,9 @@ from worker.testing import fake_completion, read_events, submit, wait_for_termin
 KEYS = Keys()
 
 
-def health(url: str, worker_id: str, *extra: str) -> subprocess.CompletedProcess:
+def health(url: str, worker_id: str, heartbeat_ms: int = 200) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "worker", "health", "--redis-url", url,
-                           "--worker-id", worker_id, "--heartbeat-ms", "200", *extra],
+                           "--worker-id", worker_id, "--heartbeat-ms", str(heartbeat_ms)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
 
 
@@ -93,6 +93,6 @@ def test_real_model_subprocess(redis_server, worker_process, tiny_checkpoint):
     out = wait_for_terminal(r, KEYS, [f"real{i}" for i in range(4)], 120)
     for events in out.values():
         assert events[-1].type == "done" and events[-1].usage.completion_tokens == 6
-    assert health(redis_server.url, "real1").returncode == 0
+    assert health(redis_server.url, "real1", heartbeat_ms=1000).returncode == 0
     wp.terminate()
     assert wp.wait(30) == 0
