@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Optional, Sequence
 
+import msgpack
 import redis
 
 from producer_sdk.protocol import BATCH_FIELD, GROUP, PARKED_IDLE_MS, PARKING_CONSUMER, Keys
@@ -47,12 +48,13 @@ class LuaScript:
 # record: it expired) | gone (result stream expired). Redis errors (a key of the wrong type,
 # OOM) propagate to the caller's pcall.
 _WRITE_FN = """
-local function write(ko, kr, owner, ttl, create, batch, first, n, check)
+local function write(ko, kr, owner, ttl, create, batch, events, check)
   local cur = redis.call('GET', ko)
   if not cur then return 'missing' end
   if cur ~= owner then return 'refused' end
+  local n = #events
   local done = 0
-  if check == '1' then
+  if check == 1 then
     local last = redis.call('XREVRANGE', kr, '+', '-', 'COUNT', 1)
     if #last > 0 then
       local f = last[1][2]
@@ -66,11 +68,10 @@ local function write(ko, kr, owner, ttl, create, batch, first, n, check)
   end
   for k = done + 1, n do
     local id
-    if create == '1' then
-      id = redis.call('XADD', kr, '*', 'data', ARGV[first + k - 1], 'b', batch .. ':' .. k)
+    if create == 1 then
+      id = redis.call('XADD', kr, '*', 'data', events[k], 'b', batch .. ':' .. k)
     else
-      id = redis.call('XADD', kr, 'NOMKSTREAM', '*', 'data', ARGV[first + k - 1],
-                      'b', batch .. ':' .. k)
+      id = redis.call('XADD', kr, 'NOMKSTREAM', '*', 'data', events[k], 'b', batch .. ':' .. k)
     end
     if not id then return 'gone' end
   end
@@ -84,33 +85,41 @@ end
 # KEYS: owner, results. ARGV: owner value, ttl ms, create ("1"/"0"), batch id, events...
 # (always checks for an earlier partial attempt: used on the rare paths only)
 WRITE_EVENTS = LuaScript("write_events", _WRITE_FN + """
-local ok, res = pcall(write, KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 5,
-                      #ARGV - 4, '1')
+local events = {}
+for i = 5, #ARGV do events[#events + 1] = ARGV[i] end
+local ok, res = pcall(write, KEYS[1], KEYS[2], ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4],
+                      events, 1)
 if ok then return res end
 return 'error: ' .. tostring(res)
 """)
 
-# One call for every job of an engine step (the per-step Redis work is one round trip and one
-# command). KEYS: per job owner, results, cancel. ARGV: ttl ms, then per job: owner value,
-# create, batch id, check, n, then its n events. Returns per job {status, cancel flag}; status
-# "skip" when n = 0 (cancel check only). Each job is isolated (pcall): one job's broken key never
-# fails another job's write.
+# One call for every job of an engine step: the per-step Redis work is one round trip, one
+# command and a handful of arguments. KEYS: per job owner, results, cancel. ARGV[1]: ttl ms;
+# ARGV[2]: msgpack array, per job [owner value, create 0/1, batch id, check 0/1, [events]].
+# Returns {status letters, cancel flags ('0'/'1' per job), {job number, error, ...}} with one
+# letter per job: o ok, d dup, r refused, m missing, g gone, s skip (no events), e error. Each
+# job is isolated (pcall): one job's broken key never fails another job's write.
 WRITE_STEP = LuaScript("write_step", _WRITE_FN + """
-local out = {}
-local a = 2
-for j = 1, #KEYS / 3 do
-  local n = tonumber(ARGV[a + 4])
-  local status = 'skip'
-  if n > 0 then
-    local ok, res = pcall(write, KEYS[3 * j - 2], KEYS[3 * j - 1], ARGV[a], ARGV[1], ARGV[a + 1],
-                          ARGV[a + 2], a + 5, n, ARGV[a + 3])
-    if ok then status = res else status = 'error: ' .. tostring(res) end
+local jobs = cmsgpack.unpack(ARGV[2])
+local status, cancel, errors = {}, {}, {}
+for j = 1, #jobs do
+  local job = jobs[j]
+  local st = 's'
+  if #job[5] > 0 then
+    local ok, res = pcall(write, KEYS[3 * j - 2], KEYS[3 * j - 1], job[1], ARGV[1], job[2],
+                          job[3], job[5], job[4])
+    if ok then
+      st = string.sub(res, 1, 1)
+    else
+      st = 'e'
+      errors[#errors + 1] = j
+      errors[#errors + 1] = tostring(res)
+    end
   end
-  out[#out + 1] = status
-  out[#out + 1] = redis.call('EXISTS', KEYS[3 * j])
-  a = a + 5 + n
+  status[j] = st
+  cancel[j] = tostring(redis.call('EXISTS', KEYS[3 * j]))
 end
-return out
+return {table.concat(status), table.concat(cancel), errors}
 """)
 
 # KEYS: lane. ARGV: group, consumer, ids... Returns one code per id:
@@ -325,12 +334,12 @@ class Fence:
         check)`` each (``check``: this batch may have landed already, a retry after a lost
         reply); also reads each job's cancel flag. Parse the reply with ``parse_step_reply``."""
         keys: list[str] = []
-        args: list[Any] = [int(ttl_ms)]
+        spec = []
         for job_id, owner, batch_id, events, create, check in jobs:
             keys += [self.keys.owner(job_id), self.keys.results(job_id), self.keys.cancel(job_id)]
-            args += [owner, "1" if create else "0", batch_id, "1" if check else "0", len(events),
-                     *events]
-        return pipe.script(WRITE_STEP, keys, args)
+            spec.append([owner, int(create), batch_id, int(check), list(events)])
+        # Old-spec raw strings: Redis's cmsgpack does not read the bin types.
+        return pipe.script(WRITE_STEP, keys, [int(ttl_ms), msgpack.packb(spec, use_bin_type=False)])
 
     def release(self, pipe: ScriptPipeline, job_id: str, owner: str) -> int:
         return pipe.script(RELEASE_OWNER, [self.keys.owner(job_id)], [owner])
@@ -360,11 +369,20 @@ def parse_write_status(reply: Any) -> WriteStatus:
     return WriteStatus.ERROR if text.startswith("error") else WriteStatus(text)
 
 
+_STEP_CODES = {"o": WriteStatus.OK, "d": WriteStatus.DUP, "r": WriteStatus.REFUSED,
+               "m": WriteStatus.MISSING, "g": WriteStatus.GONE, "s": WriteStatus.SKIP,
+               "e": WriteStatus.ERROR}
+
+
 def parse_step_reply(reply: Any) -> list[tuple[WriteStatus, bool, str]]:
-    """Per job of a write_step call: (status, cancel flag set, raw status text)."""
-    flat = list(reply)
-    return [(parse_write_status(flat[i]), bool(int(flat[i + 1])), _text(flat[i]))
-            for i in range(0, len(flat), 2)]
+    """Per job of a write_step call: (status, cancel flag set, error text or status name)."""
+    codes, cancels, errors = _text(reply[0]), _text(reply[1]), list(reply[2] or [])
+    why = {int(errors[i]): _text(errors[i + 1]) for i in range(0, len(errors), 2)}
+    out = []
+    for j, (c, x) in enumerate(zip(codes, cancels), start=1):
+        status = _STEP_CODES[c]
+        out.append((status, x == "1", why.get(j, status.value)))
+    return out
 
 
 def parse_ack_codes(reply: Any) -> list[AckStatus]:
