@@ -97,10 +97,7 @@ class Intake:
         every lane is empty; a blocking read takes at most one entry per lane."""
         if count <= 0:
             return []
-        lanes = [key for _, key in self._lanes]
-        rows = self._script_reply(lambda p: self.fence.read_new(p, lanes, count))
-        out = [Entry(self._lanes[int(i) - 1][0], self._lanes[int(i) - 1][1], _text(eid),
-                     _pairs(fields), 1, "new") for i, eid, fields in rows]
+        out = self.new_entries(self._script_reply(lambda p: self.read_new_into(p, count)))
         if out or block_ms <= 0:
             return out
         got = self._xreadgroup({key: ">" for _, key in self._lanes}, 1, block_ms)
@@ -109,6 +106,21 @@ class Intake:
         if got and len(got) < count:  # woken by a burst: take the rest of it before stepping
             got += self.read_new(count - len(got), 0)
         return got
+
+    def read_new_into(self, pipe: ScriptPipeline, count: int) -> int:
+        """Queue a non-blocking read of up to ``count`` new entries (urgent first) on a pipeline,
+        so the service loop can ride it on its per-step flush; see ``new_entries``."""
+        return self.fence.read_new(pipe, [key for _, key in self._lanes], count)
+
+    def new_entries(self, reply: Any) -> list[Entry]:
+        """Entries of a READ_NEW reply; a NOGROUP reply recreates the groups (none read)."""
+        if isinstance(reply, Exception):
+            if not _is_nogroup(reply):
+                raise reply
+            self._recreate_groups()
+            return []
+        return [Entry(self._lanes[int(i) - 1][0], self._lanes[int(i) - 1][1], _text(eid),
+                      _pairs(fields), 1, "new") for i, eid, fields in reply or []]
 
     def _xreadgroup(self, streams: dict[str, str], count: int, block: Optional[int]) -> list[Entry]:
         try:

@@ -157,6 +157,7 @@ class Worker:
         self._id_lease: Any = None          # F's WorkerIdLease: one live process per worker id
         self._redis_errors = 0
         self._stepped: list[tuple] = []     # (job, delta, prev token time, first, ts) of a step
+        self._prefetched: Optional[list[Entry]] = None   # read along with the last flush
         self._started_ms = now_ms()
 
     # ================================================================== lifecycle
@@ -408,17 +409,18 @@ class Worker:
             if own:
                 self.log.info("re-reading own pending entries", count=len(own))
                 self._admit(own)
-        cap = self._capacity()
-        if cap <= 0:
-            return
-        entries: list[Entry] = []
-        if self.leases is not None and self._due("reclaim", max(0.2, self.s.lease_ms / 6000.0)):
+        prefetched, self._prefetched = self._prefetched, None
+        entries: list[Entry] = list(prefetched or [])
+        cap = self._capacity() - len(entries)
+        if cap > 0 and self.leases is not None and self._due(
+                "reclaim", max(0.2, self.s.lease_ms / 6000.0)):
             entries += [_entry_of(c, self.intake) for c in self.leases.reclaim(cap)]
-        if len(entries) < cap and (block or self._due("parked", self.s.heartbeat_ms / 1000.0)):
-            entries += self.intake.claim_parked(cap - len(entries))
-        if len(entries) < cap:
-            entries += self.intake.read_new(cap - len(entries),
-                                            self.s.block_ms if block and not entries else 0)
+        cap = self._capacity() - len(entries)
+        if cap > 0 and (block or self._due("parked", self.s.heartbeat_ms / 1000.0)):
+            entries += self.intake.claim_parked(cap)
+        cap = self._capacity() - len(entries)
+        if cap > 0 and (prefetched is None or (block and not entries)):
+            entries += self.intake.read_new(cap, self.s.block_ms if block and not entries else 0)
         if entries:
             self._admit(entries)
 
@@ -708,6 +710,11 @@ class Worker:
         parks = self._queue_parks(pipe)
         if not len(pipe):
             return
+        i_read = None
+        if not self._stop.is_set() and self.engine.has_unfinished_requests():
+            cap = self._capacity()  # ride the next iteration's read on this round trip
+            if cap > 0:
+                i_read = self.intake.read_new_into(pipe, cap)
         t0 = time.perf_counter()
         try:
             res = pipe.execute()
@@ -716,6 +723,8 @@ class Worker:
                 job.unsure = bool(job.pending)
             raise
         self.metrics.step_redis.observe(time.perf_counter() - t0)
+        if i_read is not None:
+            self._prefetched = self.intake.new_entries(res[i_read])
         self.owed_acks = []
         for items, i in acks:
             self._on_acks(items, res[i])
@@ -808,10 +817,28 @@ class Worker:
     # ------------------------------------------------------------------ drain
     def _begin_drain(self) -> None:
         self._draining = True
+        self._park_prefetched()
         timeout = 0.0 if self._force.is_set() else self.s.drain_timeout
         self._drain_deadline = time.monotonic() + timeout
         running = sum(1 for j in self.jobs.values() if j.in_engine)
         self.log.info("draining", running=running, drain_timeout_s=timeout)
+
+    def _park_prefetched(self) -> None:
+        """Entries read with the last flush but not admitted yet go back at once."""
+        entries, self._prefetched = self._prefetched or [], None
+        if not entries:
+            return
+        pipe = ScriptPipeline(self.client)
+        by_lane: dict[str, list[str]] = defaultdict(list)
+        for e in entries:
+            by_lane[e.lane_key].append(e.entry_id)
+        for lane, ids in by_lane.items():
+            self.fence.park(pipe, lane, ids)
+        try:
+            pipe.execute()
+            self.log.info("handed back unstarted entries", count=len(entries))
+        except REDIS_DOWN as exc:  # they stay pending here; our restart or a reclaim takes them
+            self.log.warning("could not hand back unstarted entries", error=str(exc))
 
     def _drain_step(self) -> bool:
         """While draining: True once nothing is held any more (exit)."""
