@@ -4,12 +4,15 @@ One thread does everything, in this order, each iteration::
 
     housekeeping   heartbeat, lease renewal, reclaim (F's LeaseKeeper), parked hand-backs
     intake         own pending list first after (re)connect, then up to engine.free_capacity()
-                   new entries, urgent lane first; block on Redis only when the engine is idle
+                   new entries, urgent lane first (read along with the previous flush while
+                   busy); block on Redis only when the engine is idle
     admit          one pipeline: take ownership, read cancel flag, read the result stream
                    (resume); validate; engine.add_request; queue the ``started`` event
     step           engine.step() -> one token event per job (plus done when it finished)
-    flush          ONE pipeline: every job's fenced event batch, dead letters, the acks owed by
-                   the previous flush, and the cancel flags of every running job
+    flush          ONE round trip: one script call writes every job's fenced event batch and
+                   reads every running job's cancel flag; plus dead letters, the acks owed by
+                   the previous flush, and the next read of new entries
+    account        the step's logs and metrics (kept off the engine-to-reader path)
 
 Acks ride one flush behind the terminal write they depend on, so an entry is never acknowledged
 unless its terminal event is known to be stored, at no extra round trip. Every write in a flush
