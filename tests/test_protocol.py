@@ -185,7 +185,7 @@ def test_read_progress_of_a_partial_stream():
                 StartedEvent(worker_id="b", attempt=2, seed=11, resumed_tokens=3),
                 TokenEvent(seq=2, index=3, text="!", token_ids=[4]))
     p = read_progress(r, Keys(), "j", page=2)  # paging across several XRANGE calls
-    assert (p.exists, p.attempts, p.seed, p.next_seq) == (True, 2, 11, 3)
+    assert (p.exists, p.attempts, p.seed, p.next_seq, p.last_seq) == (True, 2, 11, 3, 2)
     assert p.token_ids == [1, 2, 3, 4] and p.text == "hello!" and not p.finished
 
 

@@ -37,6 +37,11 @@ class JobProgress:
     def finished(self) -> bool:
         return self.terminal is not None
 
+    @property
+    def last_seq(self) -> int:
+        """seq of the last token event, -1 when there is none."""
+        return self.next_seq - 1
+
 
 def _field(fields: dict[Any, Any]) -> Optional[bytes]:
     return fields.get(EVENT_FIELD, fields.get(EVENT_FIELD.decode()))
