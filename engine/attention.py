@@ -48,10 +48,12 @@ class _Workspace(threading.local):
     that only grow. Thread-local, so two engines on two threads never share a buffer."""
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self.buffers: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}
 
     def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (name, dtype, device)
+        # Inference tensors cannot be written outside inference mode (and vice versa for
+        # autograd), so each mode gets its own buffers.
+        key = (name, dtype, device, torch.is_inference_mode_enabled())
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=dtype, device=device)
