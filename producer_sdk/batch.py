@@ -363,6 +363,9 @@ class BatchRunner:
         self.priority = priority
         self.progress = progress
         self.flush_every_s = flush_every_s
+        # Digests of the custom_ids submitted in this run: OpenAI requires them unique, and two
+        # lines with one id would map to one job and be answered twice.
+        self._seen: set[int] = set()
         if not self.input.is_file():
             raise FileNotFoundError(f"batch input {self.input} does not exist")
 
@@ -414,12 +417,17 @@ class BatchRunner:
             if cid is not None and cid in done:
                 summary.skipped += 1
                 return None
+            if cid is not None and _digest(cid) in self._seen:
+                raise LineError("duplicate_custom_id",
+                                f"line {lineno} repeats custom_id {cid!r}; custom_ids must be unique")
             tag, kwargs = _parse(obj, lineno)
         except LineError as exc:
-            if cid is None and lineno in done.lines:
+            # A duplicate's error is keyed by line, not id: the id is answered by its first line.
+            key = None if exc.code == "duplicate_custom_id" else cid
+            if key is None and lineno in done.lines:
                 summary.skipped += 1
             else:
-                writer.error(error_line(cid, lineno, exc.code, exc.message))
+                writer.error(error_line(key, lineno, exc.code, exc.message))
                 summary.malformed += 1
             return None
         job_id = job_id_for(batch_id, tag.custom_id)
@@ -430,6 +438,7 @@ class BatchRunner:
             writer.error(error_line(tag.custom_id, lineno, "invalid_request", str(exc), job_id))
             summary.malformed += 1
             return None
+        self._seen.add(_digest(tag.custom_id))
         return tag, prepared
 
     def _write_result(self, tag: LineTag, job: Job, writer: "_Writer",

@@ -108,6 +108,20 @@ def test_batch_200_lines_with_3_malformed(sdk_url: str, tmp_path: Path):
     assert again.skipped == 200 and len(read_jsonl(out)) == 197 and len(read_jsonl(err)) == 3
 
 
+def test_duplicate_custom_id_is_an_error_line_and_answered_once(sdk_url: str, tmp_path: Path):
+    inp, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    write_input(inp, 6, {4: completion_line(2)})  # line 5 repeats req-2
+    with FakeWorker(sdk_url), Client(sdk_url) as client:
+        summary = BatchRunner(client, inp, out, err, batch_id="dups", progress=False).run()
+        assert (summary.succeeded, summary.malformed) == (5, 1)
+        again = BatchRunner(client, inp, out, err, batch_id="dups", progress=False).run()
+    outputs, errors = read_jsonl(out), read_jsonl(err)
+    assert sorted(o["custom_id"] for o in outputs) == [f"req-{i}" for i in (0, 1, 2, 3, 5)]
+    assert [(e["line"], e["custom_id"], e["error"]["code"]) for e in errors] == [
+        (5, None, "duplicate_custom_id")]
+    assert again.skipped == 6 and len(read_jsonl(out)) == 5 and len(read_jsonl(err)) == 1
+
+
 def run_cli_batch(sdk_url: str, inp: Path, out: Path, err: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "producer_sdk", "batch", str(inp), str(out), "--errors", str(err),
