@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -122,3 +124,33 @@ def new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def check_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                          batch_from_query: bool) -> None:
+    """The checks decode and prefill attention share: query vs paged caches (dtype, head_dim, GQA
+    ratio, layout), int32 contiguous tables of one row per sequence, a finite scale, in-range
+    pages. Decode has one query row per sequence (``batch_from_query``); prefill is ragged."""
+    check_tensor("query", query, 3, FLOAT_DTYPES)
+    dev = query.device
+    check_kv_cache(k_cache, v_cache, dev)
+    check_tensor("block_tables", block_tables, 2, (torch.int32,), dev)
+    check_tensor("seq_lens", seq_lens, 1, (torch.int32,), dev)
+    num_heads, head_dim = query.shape[1:]
+    batch = query.shape[0] if batch_from_query else seq_lens.shape[0]
+    num_blocks, page, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}")
+    check_same_dtype("query and the caches", query, k_cache)
+    check_rows_contiguous("query", query)
+    check_contiguous("block_tables", block_tables)
+    check_contiguous("seq_lens", seq_lens)
+    if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} "
+                         f"disagree with batch {batch}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    check_block_tables(block_tables, seq_lens, num_blocks, page)

@@ -19,7 +19,6 @@ Design (why):
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -151,29 +150,10 @@ def _config(head_dim: int) -> tuple[int, int]:
 
 
 def _check(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits) -> None:
-    v.check_tensor("query", query, 3, v.FLOAT_DTYPES)
-    dev = query.device
-    v.check_kv_cache(k_cache, v_cache, dev)
-    v.check_tensor("block_tables", block_tables, 2, (torch.int32,), dev)
-    v.check_tensor("seq_lens", seq_lens, 1, (torch.int32,), dev)
-    batch, num_heads, head_dim = query.shape
-    num_blocks, page, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_dim}")
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}")
-    v.check_same_dtype("query and the caches", query, k_cache)
-    v.check_rows_contiguous("query", query)
-    v.check_contiguous("block_tables", block_tables)
-    v.check_contiguous("seq_lens", seq_lens)
-    if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
-        raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} "
-                         f"disagree with batch {batch}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
-    v.check_block_tables(block_tables, seq_lens, num_blocks, page)
+    v.check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
+                            batch_from_query=True)
 
 
 def paged_decode_attention(

@@ -15,7 +15,6 @@ Design (why):
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -91,29 +90,15 @@ def _prefill_kernel(
 
 
 def _check(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale) -> None:
-    v.check_tensor("query", query, 3, v.FLOAT_DTYPES)
-    dev = query.device
-    v.check_kv_cache(k_cache, v_cache, dev)
-    v.check_tensor("block_tables", block_tables, 2, (torch.int32,), dev)
-    v.check_tensor("seq_lens", seq_lens, 1, (torch.int32,), dev)
-    v.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,), dev)
-    num_tokens, num_heads, head_dim = query.shape
-    num_blocks, page, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_dim}")
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}")
-    v.check_same_dtype("query and the caches", query, k_cache)
-    v.check_rows_contiguous("query", query)
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
-        v.check_contiguous(name, t)
+    v.check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
+                            batch_from_query=False)
     batch = seq_lens.shape[0]
-    if block_tables.shape[0] != batch or cu_seqlens_q.shape[0] != batch + 1:
-        raise ValueError(f"block_tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)} and "
-                         f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} disagree on the batch")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    v.check_block_tables(block_tables, seq_lens, num_blocks, page)
+    v.check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,), query.device)
+    v.check_contiguous("cu_seqlens_q", cu_seqlens_q)
+    if cu_seqlens_q.shape[0] != batch + 1:
+        raise ValueError(f"seq_lens {tuple(seq_lens.shape)} and cu_seqlens_q "
+                         f"{tuple(cu_seqlens_q.shape)} disagree on the batch (need batch + 1 offsets)")
+    num_tokens = query.shape[0]
     if not v.value_checks_enabled():
         return
     cu = cu_seqlens_q.tolist()
