@@ -21,33 +21,14 @@ from producer_sdk.client import (ENQUEUE_SHA, NET_ERRORS, XREAD_COUNT, _len_or_n
                                  make_redis, map_defaults, progress_bar)
 from producer_sdk.config import ClientConfig
 from producer_sdk.errors import DUPLICATE, JobNotFound, QueueFull, RedisUnavailable
-from producer_sdk.job import Deadline, Delta, JobState, Result
+from producer_sdk.job import Deadline, Delta, JobHandle, JobState, Result
 from producer_sdk.protocol import Keys, now_ms, validate_job_id
 
 
-class AsyncJob:
+class AsyncJob(JobHandle):
     """A handle on one submitted job (asyncio)."""
 
-    __slots__ = ("client", "id", "_state", "reattached")
-
-    def __init__(self, client: "AsyncClient", job_id: str, *, reattached: bool = False) -> None:
-        self.client = client
-        self.id = job_id
-        self._state: Optional[JobState] = None
-        self.reattached = reattached
-
-    @property
-    def state(self) -> JobState:
-        if self._state is None:
-            self._state = JobState(self.id, self.client.keys.results(self.id))
-        return self._state
-
-    def __repr__(self) -> str:
-        return f"AsyncJob(id={self.id!r}, finished={self.state.finished})"
-
-    @property
-    def done(self) -> bool:
-        return self.state.finished
+    __slots__ = ()
 
     async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Delta]:
         """Yield deltas as they arrive; raises JobFailed on error, TimeoutError on timeout."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -18,9 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from producer_sdk.errors import LOST, JobFailed
 from producer_sdk.protocol import (DoneEvent, ErrorEvent, ProtocolError, Timings, Usage,
                                    describe_validation_error)
-
-if TYPE_CHECKING:
-    from producer_sdk.client import Client
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,12 +187,12 @@ class Deadline:
         return self.end is not None and time.monotonic() >= self.end
 
 
-class Job:
-    """A handle on one submitted job (sync). Cheap: holds ids and what was read so far."""
+class JobHandle:
+    """What the sync and async job handles share: ids and the state read so far (no I/O)."""
 
     __slots__ = ("client", "id", "_state", "reattached")
 
-    def __init__(self, client: "Client", job_id: str, *, reattached: bool = False) -> None:
+    def __init__(self, client: Any, job_id: str, *, reattached: bool = False) -> None:
         self.client = client
         self.id = job_id
         self._state: Optional[JobState] = None  # created on first read: submit_many stays cheap
@@ -208,12 +205,18 @@ class Job:
         return self._state
 
     def __repr__(self) -> str:
-        return f"Job(id={self.id!r}, finished={self.state.finished})"
+        return f"{type(self).__name__}(id={self.id!r}, finished={self.state.finished})"
 
     @property
     def done(self) -> bool:
         """True once a terminal event was read (does not poll Redis)."""
         return self.state.finished
+
+
+class Job(JobHandle):
+    """A handle on one submitted job (sync). Cheap: holds ids and what was read so far."""
+
+    __slots__ = ()
 
     def stream(self, timeout: Optional[float] = None) -> Iterator[Delta]:
         """Yield deltas as they arrive, from where this handle last read; JobFailed on error."""
