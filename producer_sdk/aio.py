@@ -18,7 +18,7 @@ from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
 from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, PayloadBuilder, Prepared,
                                 normalize_xread, redact_url)
 from producer_sdk.client import (ENQUEUE_SHA, NET_ERRORS, XREAD_COUNT, _len_or_none, _outcome,
-                                 make_redis, map_defaults, progress_bar)
+                                 make_redis, map_defaults, progress_bar, take_batch)
 from producer_sdk.config import ClientConfig
 from producer_sdk.errors import DUPLICATE, JobNotFound, QueueFull, RedisUnavailable
 from producer_sdk.job import Deadline, Delta, JobHandle, JobState, Result
@@ -263,13 +263,7 @@ class AsyncClient:
         try:
             while True:
                 if not exhausted and len(inflight) < concurrency:
-                    batch = []
-                    for pair in it:
-                        batch.append(pair)
-                        if len(inflight) + len(batch) >= concurrency:
-                            break
-                    else:
-                        exhausted = True
+                    batch, exhausted = take_batch(it, concurrency - len(inflight))
                     for pair in await self._start(batch, inflight, block):
                         yield pair
                 if not inflight:

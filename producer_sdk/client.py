@@ -63,6 +63,17 @@ def map_defaults(sampling: Mapping[str, Any], job_fields: Mapping[str, Any]) -> 
     return defaults
 
 
+def take_batch(it: Iterator[Any], room: int) -> tuple[list[Any], bool]:
+    """Up to ``room`` items from ``it`` (at least one when any is left), and whether ``it`` ran
+    out: the in-flight window of ``iter_completed`` refills from a lazy source with this."""
+    batch: list[Any] = []
+    for item in it:
+        batch.append(item)
+        if len(batch) >= room:
+            return batch, False
+    return batch, True
+
+
 class Client:
     """Producer client for one queue. Thread-safe for submit/cancel; each Job is for one thread."""
 
@@ -313,13 +324,7 @@ class Client:
         try:
             while True:
                 if not exhausted and len(inflight) < concurrency:
-                    batch = []
-                    for pair in it:
-                        batch.append(pair)
-                        if len(inflight) + len(batch) >= concurrency:
-                            break
-                    else:
-                        exhausted = True
+                    batch, exhausted = take_batch(it, concurrency - len(inflight))
                     yield from self._start(batch, inflight, block, on_submitted)
                 if not inflight:
                     if exhausted:
