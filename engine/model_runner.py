@@ -29,6 +29,9 @@ class ModelRunner:
             model = load_model(config.model, dtype=config.dtype, device=config.device,
                                backend=config.attention_backend)
         self.model = model
+        if (self.device.type == "cpu" and getattr(config, "cpu_prepack_weights", False)
+                and hasattr(model, "prepack_cpu_weights")):
+            model.prepack_cpu_weights()
         self.num_blocks = config.num_kv_blocks_for(self._free_bytes_for_kv())
         c = config.hf_config
         cache_shape = (self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)

@@ -1,0 +1,82 @@
+"""MKL-packed linears on CPU: same results as F.linear, safe fallbacks, wired into the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_gemm
+from engine.llm import LLM
+from engine.loader import load_model
+from engine.models.decoder import Linear
+from engine.sampling_params import SamplingParams
+
+needs_mkl = pytest.mark.skipif(not cpu_gemm.available(), reason="torch built without MKL")
+
+
+@needs_mkl
+@pytest.mark.parametrize("rows", [1, 3, 16, 48, 49, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear_at_every_batch_size(rows: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=gen)
+    b = torch.randn(96, generator=gen) if bias else None
+    packed = cpu_gemm.pack(weight)
+    assert packed is not None
+    x = torch.randn(rows, 64, generator=gen)
+    with torch.inference_mode():
+        got = cpu_gemm.linear(x, packed, weight, b)
+    torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_declines_what_it_cannot_serve() -> None:
+    assert cpu_gemm.pack(torch.randn(8, 8, dtype=torch.float16)) is None
+    assert cpu_gemm.pack(torch.randn(8, 8, dtype=torch.bfloat16)) is None
+    assert cpu_gemm.pack(torch.randn(8, 8).t()) is None      # not contiguous
+    assert cpu_gemm.pack(torch.randn(8)) is None
+
+
+@needs_mkl
+def test_pack_is_refused_when_it_does_not_reproduce_f_linear(monkeypatch) -> None:
+    """The layout check is what guards a different MKL: a wrong result means no pack."""
+    real = cpu_gemm.linear
+    monkeypatch.setattr(cpu_gemm, "linear",
+                        lambda x, p, w, b: real(x, p, w, b) * (1.0 if x.shape[0] != 7 else 1.01))
+    assert cpu_gemm.pack(torch.randn(32, 16)) is None
+    layer = Linear(16, 32, False, torch.float32, "cpu")
+    layer.weight.data.normal_()
+    assert layer.prepack() is False and layer.packed is None
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+
+
+@needs_mkl
+def test_prepacked_model_gives_the_same_logits(tiny_qwen2) -> None:
+    """Every projection (QKV bias included) and the LM head, packed vs plain."""
+    plain = load_model(tiny_qwen2, dtype="float32")
+    packed = load_model(tiny_qwen2, dtype="float32")
+    assert packed.prepack_cpu_weights() == 4 * len(packed.model.layers) + 1
+    hidden = torch.randn(11, plain.config.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed.compute_logits(hidden), plain.compute_logits(hidden),
+                                   rtol=1e-5, atol=1e-5)
+        layer_p, layer_q = packed.model.layers[0], plain.model.layers[0]
+        torch.testing.assert_close(layer_p.self_attn.qkv_proj(hidden),
+                                   layer_q.self_attn.qkv_proj(hidden), rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_engine_packs_on_cpu_unless_told_not_to(tiny_llama) -> None:
+    prompts = ["The quick brown fox", "Once upon a time there was"]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    on = LLM(str(tiny_llama), dtype="float32")
+    off = LLM(str(tiny_llama), dtype="float32", cpu_prepack_weights=False)
+    model_on = on.engine.model_runner.model
+    model_off = off.engine.model_runner.model
+    assert model_on.lm_head_packed is not None
+    assert model_off.lm_head_packed is None
+    assert all(m.packed is None for m in model_off.modules() if isinstance(m, Linear))
+    got = [o.outputs[0].token_ids for o in on.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in off.generate(prompts, params)]
+    assert got == want
