@@ -132,10 +132,10 @@ def test_write_step_isolates_jobs_and_reads_cancel_flags(r):
     r.set(K.results("b"), "not a stream")          # a broken key must not fail a or c
     r.set(K.cancel("c"), 1)
     (reply,) = run(r, lambda p: f.write_step(p, 60_000, [
-        ("a", "w1:a", "a.0", [b"a1", b"a2"], True, False),
-        ("b", "w1:b", "b.0", [b"b1"], True, False),
-        ("c", "w1:c", "c.0", [], True, False),
-        ("d", "w1:d", "d.0", [b"d1"], True, False)]))   # no owner record
+        ("a", "w1:a", "a.0", [b"a1", b"a2"], True, False, False),
+        ("b", "w1:b", "b.0", [b"b1"], True, False, False),
+        ("c", "w1:c", "c.0", [], True, False, False),
+        ("d", "w1:d", "d.0", [b"d1"], True, False, False)]))   # no owner record
     got = [(st, cancel) for st, cancel, _ in parse_step_reply(reply)]
     assert got == [(WriteStatus.OK, False), (WriteStatus.ERROR, False),
                    (WriteStatus.SKIP, True), (WriteStatus.MISSING, False)]
@@ -145,11 +145,27 @@ def test_write_step_isolates_jobs_and_reads_cancel_flags(r):
     # expired stream of another job is not recreated
     r.delete(K.results("c"))
     (reply,) = run(r, lambda p: f.write_step(p, 60_000, [
-        ("a", "w1:a", "a.0", [b"a1", b"a2"], False, True),
-        ("c", "w1:c", "c.1", [b"c1"], False, False)]))
+        ("a", "w1:a", "a.0", [b"a1", b"a2"], False, True, False),
+        ("c", "w1:c", "c.1", [b"c1"], False, False, False)]))
     assert [st for st, _, _ in parse_step_reply(reply)] == [WriteStatus.DUP, WriteStatus.GONE]
     assert r.xlen(K.results("a")) == 2 and not r.exists(K.results("c"))
     assert not r.exists(K.results("c")) and not r.exists(K.results("d"))
+
+
+def test_write_step_sets_ttls_on_create_and_refresh_only(r):
+    """Step writes leave the TTLs alone unless the stream is created or the worker asks for a
+    refresh; whichever way, a result stream never exists without a TTL."""
+    f = Fence(K, "w1")
+    run(r, lambda p: f.take_ownership(p, "a", "w1:a", 60_000))
+    run(r, lambda p: f.write_step(p, 60_000, [("a", "w1:a", "a.0", [b"a1"], True, False, False)]))
+    assert 0 < r.pttl(K.results("a")) <= 60_000
+    r.pexpire(K.results("a"), 5_000)
+    r.pexpire(K.owner("a"), 5_000)
+    run(r, lambda p: f.write_step(p, 60_000, [("a", "w1:a", "a.1", [b"a2"], False, False, False)]))
+    assert r.pttl(K.results("a")) <= 5_000 and r.pttl(K.owner("a")) <= 5_000
+    run(r, lambda p: f.write_step(p, 60_000, [("a", "w1:a", "a.2", [b"a3"], False, False, True)]))
+    assert r.pttl(K.results("a")) > 5_000 and r.pttl(K.owner("a")) > 5_000
+    assert r.xlen(K.results("a")) == 3
 
 
 def test_read_new_takes_urgent_first_up_to_count(r):

@@ -40,16 +40,19 @@ class LuaScript:
         return hashlib.sha1(self.source.encode()).hexdigest()
 
 
-# The fenced append, shared by both write scripts. Each event entry gets field b =
-# "<batch id>:<k>" (k = 1..n). When ``check`` is 1 (a retry after a reply was lost) the last
-# entry's b tells how much of this batch already landed, and only the rest is written. After the
-# first write (create = 0) XADD runs with NOMKSTREAM: an expired stream is never recreated.
+# The fenced append, shared by both write scripts; ``cur`` is the owner record's value as read by
+# the caller (false when absent). Each event entry gets field b = "<batch id>:<k>" (k = 1..n).
+# When ``check`` is 1 (a retry after a reply was lost) the last entry's b tells how much of this
+# batch already landed, and only the rest is written. After the first write (create = 0) XADD
+# runs with NOMKSTREAM: an expired stream is never recreated. The TTLs of the result stream and
+# the owner record are (re)set when the stream is created, on a checked retry and when
+# ``refresh`` is 1 (the worker asks for that when a TTL is due or the batch is terminal), not on
+# every step: two PEXPIREs per job per step were a third of the step script's time.
 # Returns ok | dup (whole batch already there) | refused (another owner) | missing (no owner
 # record: it expired) | gone (result stream expired). Redis errors (a key of the wrong type,
 # OOM) propagate to the caller's pcall.
 _WRITE_FN = """
-local function write(ko, kr, owner, ttl, create, batch, events, check)
-  local cur = redis.call('GET', ko)
+local function append(cur, ko, kr, owner, ttl, create, batch, events, check, refresh)
   if not cur then return 'missing' end
   if cur ~= owner then return 'refused' end
   local n = #events
@@ -75,10 +78,16 @@ local function write(ko, kr, owner, ttl, create, batch, events, check)
     end
     if not id then return 'gone' end
   end
-  redis.call('PEXPIRE', kr, ttl)
-  redis.call('PEXPIRE', ko, ttl)
+  if create == 1 or check == 1 or refresh == 1 then
+    redis.call('PEXPIRE', kr, ttl)
+    redis.call('PEXPIRE', ko, ttl)
+  end
   if done >= n then return 'dup' end
   return 'ok'
+end
+
+local function write(ko, kr, owner, ttl, create, batch, events, check)
+  return append(redis.call('GET', ko), ko, kr, owner, ttl, create, batch, events, check, 1)
 end
 """
 
@@ -95,19 +104,29 @@ return 'error: ' .. tostring(res)
 
 # One call for every job of an engine step: the per-step Redis work is one round trip, one
 # command and a handful of arguments. KEYS: per job owner, results, cancel. ARGV[1]: ttl ms;
-# ARGV[2]: msgpack array, per job [owner value, create 0/1, batch id, check 0/1, [events]].
-# Returns {status letters, cancel flags ('0'/'1' per job), {job number, error, ...}} with one
-# letter per job: o ok, d dup, r refused, m missing, g gone, s skip (no events), e error. Each
-# job is isolated (pcall): one job's broken key never fails another job's write.
+# ARGV[2]: msgpack array, per job [owner value, create 0/1, batch id, check 0/1, [events],
+# refresh 0/1]. Owners and cancel flags are read with one MGET each (a per-job GET and EXISTS
+# cost more in script overhead than in Redis). Returns {status letters, cancel flags ('0'/'1'
+# per job), {job number, error, ...}} with one letter per job: o ok, d dup, r refused,
+# m missing, g gone, s skip (no events), e error. Each job is isolated (pcall): one job's broken
+# key never fails another job's write (MGET reads a key of the wrong type as absent).
 WRITE_STEP = LuaScript("write_step", _WRITE_FN + """
 local jobs = cmsgpack.unpack(ARGV[2])
 local status, cancel, errors = {}, {}, {}
+local owner_keys, cancel_keys = {}, {}
+for j = 1, #jobs do
+  owner_keys[j] = KEYS[3 * j - 2]
+  cancel_keys[j] = KEYS[3 * j]
+end
+if #jobs == 0 then return {'', '', errors} end
+local owners = redis.call('MGET', unpack(owner_keys))
+local flags = redis.call('MGET', unpack(cancel_keys))
 for j = 1, #jobs do
   local job = jobs[j]
   local st = 's'
   if #job[5] > 0 then
-    local ok, res = pcall(write, KEYS[3 * j - 2], KEYS[3 * j - 1], job[1], ARGV[1], job[2],
-                          job[3], job[5], job[4])
+    local ok, res = pcall(append, owners[j], KEYS[3 * j - 2], KEYS[3 * j - 1], job[1],
+                          ARGV[1], job[2], job[3], job[5], job[4], job[6])
     if ok then
       st = string.sub(res, 1, 1)
     else
@@ -117,7 +136,7 @@ for j = 1, #jobs do
     end
   end
   status[j] = st
-  cancel[j] = tostring(redis.call('EXISTS', KEYS[3 * j]))
+  if flags[j] then cancel[j] = '1' else cancel[j] = '0' end
 end
 return {table.concat(status), table.concat(cancel), errors}
 """)
@@ -329,15 +348,17 @@ class Fence:
         return pipe.script(RENEW, [lane_key], [self.group, self.worker_id, *entry_ids])
 
     def write_step(self, pipe: ScriptPipeline, ttl_ms: int,
-                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, bool]]) -> int:
+                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, bool, bool]]
+                   ) -> int:
         """All jobs of a step in one script call: ``(job_id, owner, batch_id, events, create,
-        check)`` each (``check``: this batch may have landed already, a retry after a lost
-        reply); also reads each job's cancel flag. Parse the reply with ``parse_step_reply``."""
+        check, refresh)`` each (``check``: this batch may have landed already, a retry after a
+        lost reply; ``refresh``: reset the TTLs, see ``_WRITE_FN``); also reads each job's
+        cancel flag. Parse the reply with ``parse_step_reply``."""
         keys: list[str] = []
         spec = []
-        for job_id, owner, batch_id, events, create, check in jobs:
+        for job_id, owner, batch_id, events, create, check, refresh in jobs:
             keys += [self.keys.owner(job_id), self.keys.results(job_id), self.keys.cancel(job_id)]
-            spec.append([owner, int(create), batch_id, int(check), list(events)])
+            spec.append([owner, int(create), batch_id, int(check), list(events), int(refresh)])
         # Old-spec raw strings: Redis's cmsgpack does not read the bin types.
         return pipe.script(WRITE_STEP, keys, [int(ttl_ms), msgpack.packb(spec, use_bin_type=False)])
 

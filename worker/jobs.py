@@ -54,6 +54,7 @@ class Job:
     may_create: bool = True              # the stream may be created until the first write lands
     unsure: bool = False                 # the last write's reply was lost: check before retrying
     terminal: Optional[str] = None       # "done"/"error" once the terminal event is queued
+    ttl_set_at: float = 0.0              # monotonic time the stream/owner TTLs were last set
     finish_reason: Optional[str] = None
     error_code: Optional[str] = None
     in_engine: bool = False

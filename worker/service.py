@@ -703,12 +703,14 @@ class Worker:
                 for lane, items in ack_groups.items()]
         step_jobs = [j for j in self.jobs.values() if j.pending or j.in_engine]
         writes = []
+        now = time.monotonic()
         for k in range(0, len(step_jobs), STEP_WRITE_CHUNK):
             chunk = step_jobs[k:k + STEP_WRITE_CHUNK]
-            writes.append((chunk, [len(j.pending) for j in chunk], self.fence.write_step(
+            refresh = [self._ttl_due(j, now) for j in chunk]
+            writes.append((chunk, [len(j.pending) for j in chunk], refresh, self.fence.write_step(
                 pipe, self.ttl_ms,
-                [(j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create, j.unsure)
-                 for j in chunk])))
+                [(j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create, j.unsure, r)
+                 for j, r in zip(chunk, refresh)])))
         rejects = [(r, self._queue_rejection(pipe, r)) for r in self.rejections]
         parks = self._queue_parks(pipe)
         if not len(pipe):
@@ -731,12 +733,22 @@ class Worker:
         self.owed_acks = []
         for items, i in acks:
             self._on_acks(items, res[i])
-        for chunk, counts, i in writes:
+        for chunk, counts, refresh, i in writes:
+            batches = [j.batch_no for j in chunk]
             self._on_step_reply(chunk, counts, res[i])
+            for job, r, before in zip(chunk, refresh, batches):
+                if r and job.batch_no > before:     # written, so its TTLs were reset
+                    job.ttl_set_at = now
         for rej, (i_write, i_dead) in rejects:
             self._on_rejection(rej, res, i_write, i_dead)
         for jobs, i in parks:
             self._on_park(jobs, res[i])
+
+    def _ttl_due(self, job: Job, now: float) -> bool:
+        """Whether this step's write should reset the job's TTLs: with a terminal event (the
+        stream then lives result_ttl from its end) or once a tenth of the TTL has passed since
+        the last reset (creation and checked retries always set them; see fencing)."""
+        return bool(job.terminal) or now - job.ttl_set_at > self.ttl_ms / 10_000.0
 
     def _on_step_reply(self, jobs: list[Job], counts: list[int], reply: Any) -> None:
         if isinstance(reply, Exception):  # the whole call failed: every write is retried
