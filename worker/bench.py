@@ -178,6 +178,10 @@ class WorkerProcess:
         output tokens per CPU-second of the worker and redis-server together)."""
         before, cpu0 = self.step_seconds(), self.cpu_seconds()
         self.rounds += 1
+        # The reader thread shares this process with torch and the in-process run: keep full
+        # collections of that heap out of its measurements, as the worker does for itself.
+        from worker.service import freeze_heap
+        freeze_heap()
         tps, delays, wall = _submit_and_read(self.r, self.srv.url, Keys(), f"r{self.rounds}",
                                              work, timeout)
         cpu = self.cpu_seconds() - cpu0
