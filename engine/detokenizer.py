@@ -25,9 +25,13 @@ _PROMPT_WINDOW = 5  # prompt tokens that seed the decode window
 
 
 def _decode_batch(tokenizer: Any, batches: list[list[int]], skip_special_tokens: bool) -> list[str]:
+    """Decode many short windows. One ``decode`` call per window on the Rust tokenizer, not
+    its ``decode_batch``: that one hands the windows to a rayon thread pool, which has to fight
+    torch's compute threads for the cores; in the engine it took 1.6 ms per step for 48
+    sequences, the plain loop under 0.2 ms."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is not None and hasattr(backend, "decode_batch"):
-        return backend.decode_batch(batches, skip_special_tokens=skip_special_tokens)
+    if backend is not None and hasattr(backend, "decode"):
+        return [backend.decode(b, skip_special_tokens=skip_special_tokens) for b in batches]
     return tokenizer.batch_decode(batches, skip_special_tokens=skip_special_tokens,
                                   clean_up_tokenization_spaces=False)
 
