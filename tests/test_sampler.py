@@ -36,6 +36,16 @@ def test_greedy_is_argmax_and_logprob_is_log_softmax():
     assert out.top_logprobs == [None] * 4
 
 
+def test_greedy_ties_go_to_the_lowest_token_id():
+    """Same rule as argmax (and transformers): the first maximal id, in large and small rows."""
+    sampler = Sampler(32000, eos_token_ids=[])
+    lg = torch.zeros(3, 32000)
+    lg[0, [7, 31999]] = 5.0
+    lg[1, [20000, 20001, 3]] = 2.0
+    out = sampler(lg, [seq(SamplingParams(temperature=0)) for _ in range(3)])
+    assert out.token_ids == [7, 3, 0]
+
+
 def test_top_k_1_and_tiny_top_p_equal_greedy():
     sampler = Sampler(V, eos_token_ids=[])
     lg = logits(6, seed=1)
