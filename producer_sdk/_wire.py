@@ -14,6 +14,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import msgpack
 from pydantic import ValidationError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 from engine.sampling_params import SamplingParams
 from producer_sdk.errors import InvalidRequest
@@ -367,6 +368,29 @@ def normalize_xread(reply: Any) -> list[tuple[str, list[tuple[bytes, dict]]]]:
             out.append((_s(key), list(entries)))
         return out
     return [(_s(key), list(entries)) for key, entries in reply]
+
+
+def is_oom(reply: Any) -> bool:
+    """Redis refused a write for maxmemory. Redis 7 returns the OOM error itself; Redis 6.2
+    wraps it when it comes from inside a script ("Error running script ... -OOM command not
+    allowed ..."), which redis-py then raises as a plain ResponseError."""
+    return isinstance(reply, OutOfMemoryError) or (
+        isinstance(reply, ResponseError) and "OOM command not allowed" in str(reply))
+
+
+def merge_xreads(blocking: Any, follow_up: Any) -> list[tuple[str, list[tuple[bytes, dict]]]]:
+    """One answer from a blocking multi-stream XREAD and the non-blocking XREAD for the same ids
+    pipelined right behind it.
+
+    Why the pair: before Redis 7.2 a blocked multi-stream XREAD is answered with only the first
+    stream that got data, although a worker writes all its jobs' streams in one step; the
+    follow-up runs the moment the blocking read is answered and brings the others, without a
+    client round trip. Both start from the same ids, so per stream the longer list wins."""
+    merged = dict(normalize_xread(blocking))
+    for key, entries in normalize_xread(follow_up):
+        if len(entries) > len(merged.get(key, ())):
+            merged[key] = entries
+    return list(merged.items())
 
 
 def redact_url(url: str) -> str:

@@ -13,10 +13,10 @@ import time
 from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, PayloadBuilder, Prepared,
-                                normalize_xread, redact_url)
+                                is_oom, merge_xreads, normalize_xread, redact_url)
 from producer_sdk.client import (ENQUEUE_SHA, NET_ERRORS, XREAD_COUNT, _len_or_none, _outcome,
                                  make_redis, map_defaults, progress_bar, take_batch)
 from producer_sdk.config import ClientConfig
@@ -142,7 +142,7 @@ class AsyncClient:
             if isinstance(rep, NoScriptError):
                 plan.resend(idx)
                 load = True
-            elif isinstance(rep, OutOfMemoryError):
+            elif is_oom(rep):
                 plan.refuse_oom(idx)
             elif isinstance(rep, Exception):
                 raise rep
@@ -227,8 +227,13 @@ class AsyncClient:
         pause = 0.05
         while True:
             try:
-                return normalize_xread(
-                    await self.redis.xread(streams, count=XREAD_COUNT, block=block_ms))
+                if len(streams) == 1:
+                    return normalize_xread(
+                        await self.redis.xread(streams, count=XREAD_COUNT, block=block_ms))
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.xread(streams, count=XREAD_COUNT, block=block_ms)
+                pipe.xread(streams, count=XREAD_COUNT)
+                return merge_xreads(*await pipe.execute())
             except NET_ERRORS as exc:
                 if time.monotonic() >= give_up:
                     raise RedisUnavailable(self.url, exc) from exc

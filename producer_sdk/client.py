@@ -15,12 +15,12 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, OutOfMemoryError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, PayloadBuilder, Prepared,
-                                normalize_xread, redact_url)
+                                is_oom, merge_xreads, normalize_xread, redact_url)
 from producer_sdk.config import ClientConfig
 from producer_sdk.errors import DUPLICATE, JobFailed, JobNotFound, QueueFull, RedisUnavailable
 from producer_sdk.job import Deadline, Delta, Job, JobState, Result
@@ -183,7 +183,7 @@ class Client:
             if isinstance(rep, NoScriptError):
                 plan.resend(idx)
                 load = True
-            elif isinstance(rep, OutOfMemoryError):
+            elif is_oom(rep):
                 plan.refuse_oom(idx)
             elif isinstance(rep, Exception):
                 raise rep
@@ -283,7 +283,13 @@ class Client:
         pause = 0.05
         while True:
             try:
-                return normalize_xread(self.redis.xread(streams, count=XREAD_COUNT, block=block_ms))
+                if len(streams) == 1:
+                    return normalize_xread(
+                        self.redis.xread(streams, count=XREAD_COUNT, block=block_ms))
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.xread(streams, count=XREAD_COUNT, block=block_ms)
+                pipe.xread(streams, count=XREAD_COUNT)
+                return merge_xreads(*pipe.execute())
             except NET_ERRORS as exc:
                 if time.monotonic() >= give_up:
                     raise RedisUnavailable(self.url, exc) from exc

@@ -115,13 +115,20 @@ def _drive(eng: Any, work: list[Request], SamplingParams: Any) -> int:
 # through Redis
 # ------------------------------------------------------------------------------------------
 
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 class Reader(threading.Thread):
     """Follows every result stream with one blocking XREAD; records (receive - emit) per token.
 
-    XREAD goes out on a bare connection (hiredis-parsed replies, no client-side response
-    callbacks): redis-py's per-command machinery costs ~0.2 ms, which would be measured as
-    delivery delay twice per step (Redis 7.0 answers a blocked multi-stream XREAD with the first
-    stream that got data, so the others come with the next XREAD)."""
+    Before Redis 7.2 a blocked multi-stream XREAD is answered with only the first stream that
+    got data. So every blocking XREAD goes out pipelined with a non-blocking one for the same
+    ids: Redis runs the second as soon as the first is answered, and the other streams' entries
+    follow without a client round trip (entries already seen are skipped by id). Both go out on
+    a bare connection (hiredis-parsed replies, no client-side response callbacks): redis-py's
+    per-command machinery costs ~0.2 ms, which would be measured as delivery delay."""
 
     def __init__(self, url: str, keys: Keys, job_ids: list[str]) -> None:
         super().__init__(daemon=True)
@@ -139,22 +146,30 @@ class Reader(threading.Thread):
         try:
             while self.open:
                 keys = list(self.open)
-                self.conn.send_command("XREAD", "BLOCK", 1000, "STREAMS", *keys,
-                                       *(self.last[k] for k in keys))
-                reply = self.conn.read_response()
-                now = time.time()
-                streams = reply.items() if isinstance(reply, dict) else reply or []  # RESP3/2
-                for stream, entries in streams:
-                    key = stream.decode()
-                    for entry_id, flat in entries:
-                        self.last[key] = entry_id.decode()
-                        fields = dict(zip(flat[0::2], flat[1::2]))
-                        self._event(key, decode_event(fields[EVENT_FIELD]), now)
+                ids = [self.last[k] for k in keys]
+                self.conn.send_packed_command(self.conn.pack_commands([
+                    ("XREAD", "BLOCK", 1000, "STREAMS", *keys, *ids),
+                    ("XREAD", "STREAMS", *keys, *ids)]))
+                for _ in range(2):
+                    reply = self.conn.read_response()
+                    self._take(reply, time.time())
             self.finished_at = time.perf_counter()
         except BaseException as exc:  # reported by the main thread
             self.error = exc
         finally:
             self.conn.disconnect()
+
+    def _take(self, reply: Any, now: float) -> None:
+        streams = reply.items() if isinstance(reply, dict) else reply or []  # RESP3 / RESP2
+        for stream, entries in streams:
+            key = stream.decode()
+            for entry_id, flat in entries:
+                eid = entry_id.decode()
+                if _id_key(eid) <= _id_key(self.last[key]):
+                    continue                    # already taken from the blocking read's reply
+                self.last[key] = eid
+                fields = dict(zip(flat[0::2], flat[1::2]))
+                self._event(key, decode_event(fields[EVENT_FIELD]), now)
 
     def _event(self, key: str, ev: Any, now: float) -> None:
         if ev.type == "token":
