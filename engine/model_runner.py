@@ -29,8 +29,8 @@ class ModelRunner:
             model = load_model(config.model, dtype=config.dtype, device=config.device,
                                backend=config.attention_backend)
         self.model = model
-        if (self.device.type == "cpu" and getattr(config, "cpu_prepack_weights", False)
-                and hasattr(model, "prepack_cpu_weights")):
+        if (self.device.type == "cpu" and config.cpu_prepack_weights
+                and hasattr(model, "prepack_cpu_weights")):      # injected test models may not
             model.prepack_cpu_weights()
         self.num_blocks = config.num_kv_blocks_for(self._free_bytes_for_kv())
         c = config.hf_config

@@ -51,3 +51,16 @@ def tiny_qwen3(tiny_checkpoint: TinyCheckpointFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral(tiny_checkpoint: TinyCheckpointFactory) -> Path:
     return tiny_checkpoint("mistral")
+
+
+@pytest.fixture(scope="module")
+def single_thread() -> Any:
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's
+    spinning workers make them many times slower: a module that uses this runs on one thread
+    (``pytestmark = pytest.mark.usefixtures("single_thread")``)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

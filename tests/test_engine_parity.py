@@ -12,16 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's
-    spinning workers make them many times slower: run this module on one thread."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 PROMPTS = [
