@@ -52,9 +52,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     # CUDA + triton backend: decode steps replay CUDA graphs (engine/cuda_graphs.py) unless True.
     enforce_eager: bool = False
-    # CPU float32: keep MKL-packed copies of the projection weights (engine/cpu_gemm.py), 2-3x
+    # CPU float32: keep packed copies of the projection weights (engine/cpu_gemm.py), 2-3x
     # faster linears at decode batch sizes for about the weights' memory again.
     cpu_prepack_weights: bool = True
+    # Which packed GEMM: "onednn", "mkl", or "auto" (time both per weight shape at load).
+    cpu_gemm_backend: str = "auto"
     seed: int = 0
     # Filled by resolve(): the checkpoint's config.json, parsed.
     hf_config: Optional[ModelConfig] = field(default=None, repr=False)
@@ -71,6 +73,9 @@ class EngineConfig:
         if self.attention_backend not in ("torch", "triton", "auto"):
             raise ValueError(f"attention_backend must be 'torch', 'triton' or 'auto', "
                              f"got {self.attention_backend!r}")
+        if self.cpu_gemm_backend not in ("auto", "onednn", "mkl"):
+            raise ValueError(f"cpu_gemm_backend must be 'auto', 'onednn' or 'mkl', "
+                             f"got {self.cpu_gemm_backend!r}")
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
         for name in ("block_size", "max_num_seqs"):

@@ -31,7 +31,7 @@ class ModelRunner:
         self.model = model
         if (self.device.type == "cpu" and config.cpu_prepack_weights
                 and hasattr(model, "prepack_cpu_weights")):      # injected test models may not
-            model.prepack_cpu_weights()
+            model.prepack_cpu_weights(config.cpu_gemm_backend)
         self.num_blocks = config.num_kv_blocks_for(self._free_bytes_for_kv())
         c = config.hf_config
         cache_shape = (self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)

@@ -37,12 +37,12 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
-        self.packed: torch.Tensor | None = None     # see prepack()
+        self.packed: cpu_gemm.PackedWeight | None = None     # see prepack()
 
-    def prepack(self) -> bool:
-        """Keep an MKL-packed copy of the weight for CPU float32 (engine/cpu_gemm.py); the
-        weight itself stays, for other row layouts and for whoever else reads it."""
-        self.packed = cpu_gemm.pack(self.weight)
+    def prepack(self, backend: str = "auto") -> bool:
+        """Keep a packed copy of the weight for CPU float32 (engine/cpu_gemm.py); the weight
+        itself stays, for other row layouts and for whoever else reads it."""
+        self.packed = cpu_gemm.pack(self.weight, self.bias, backend)
         return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,14 +172,14 @@ class DecoderForCausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(
             config.head_dim, config.max_position_embeddings, config.rope_theta,
             config.rope_scaling, device), persistent=False)
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: cpu_gemm.PackedWeight | None = None
 
-    def prepack_cpu_weights(self) -> int:
-        """Pack every projection and the LM head for MKL's packed GEMM (CPU float32 only; a
-        no-op elsewhere). Call once the weights are loaded. Returns how many were packed."""
+    def prepack_cpu_weights(self, backend: str = "auto") -> int:
+        """Pack every projection and the LM head for a packed GEMM (CPU float32 only; a no-op
+        elsewhere). Call once the weights are loaded. Returns how many were packed."""
         linears = [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
-        count = sum(m.prepack() for m in linears)
-        self.lm_head_packed = cpu_gemm.pack(self.lm_head_weight)
+        count = sum(m.prepack(backend) for m in linears)
+        self.lm_head_packed = cpu_gemm.pack(self.lm_head_weight, None, backend)
         return count + (self.lm_head_packed is not None)
 
     @property
