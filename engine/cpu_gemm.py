@@ -13,8 +13,8 @@ PyTorch exposes two packed GEMMs, both what its CPU compiler uses for frozen flo
 Which is faster depends on the CPU, by a lot: on an AVX2 AMD EPYC, MKL ran the bench's 32000 x
 512 LM head at 48 rows in 31-43 ms and oneDNN in 13.5 ms (MKL does not pick its fast kernels on
 AMD); on an AVX-512 Intel host MKL ran it in 7.9 ms. So ``backend="auto"`` packs with each
-available backend and times them once per weight shape (about 0.3 s per model, most of it the
-LM head), keeping the faster. Either way the result is the same GEMM up to summation order.
+available backend and times them once per weight shape at a decode-sized batch (about 0.5 s
+per model, most of it the LM head), keeping the faster. Either way the result is the same GEMM up to summation order.
 
 A packed layout is requested for one row count but serves every row count; because that is a
 property of the libraries rather than a documented promise, :func:`pack` checks every packed
@@ -37,9 +37,11 @@ _PACK_ROWS = 48
 _CHECK_ROWS = (1, 7, 48, 257)
 # Reduction-order differences only: a wrong layout gives errors of the order of the values.
 _CHECK_RTOL = 1e-4
-# Row counts timed by "auto": a decode step and a prefill chunk.
-_TUNE_ROWS = (32, 256)
-_TUNE_REPEATS = 3
+# Row counts timed by "auto": a decode step (the calls that dominate serving; at prefill sizes
+# the backends measured within ~10% of each other).
+_TUNE_ROWS = (32,)
+_TUNE_ROUNDS = 5
+_TUNE_CALLS = 3
 
 # "auto" decisions per (out, in, bias, threads): the layers of a model share a few shapes.
 _CHOSEN: dict[tuple[int, int, bool, int], str | None] = {}
@@ -84,8 +86,7 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None,
     with torch.inference_mode():
         packs = [p for p in (_checked_pack(weight, bias, name) for name in names
                              if available(name)) if p is not None]
-        best = min(packs, key=lambda p: _time(p, weight, bias)) if len(packs) > 1 else (
-            packs[0] if packs else None)
+        best = _fastest(packs, weight, bias) if len(packs) > 1 else (packs[0] if packs else None)
     if backend == "auto":
         _CHOSEN[key] = None if best is None else best.backend
     return best
@@ -122,16 +123,27 @@ def _checked_pack(weight: torch.Tensor, bias: torch.Tensor | None,
     return packed
 
 
-def _time(packed: PackedWeight, weight: torch.Tensor, bias: torch.Tensor | None) -> float:
-    """Best-of-N seconds for one call at each tuning row count, summed."""
-    total = 0.0
+def _fastest(packs: list[PackedWeight], weight: torch.Tensor,
+             bias: torch.Tensor | None) -> PackedWeight:
+    """The pack with the least best-of-N time, summed over the tuning row counts.
+
+    Backends take turns call by call, so a slower moment of a shared host falls on both."""
+    total = [0.0] * len(packs)
     for rows in _TUNE_ROWS:
         x = torch.randn(rows, weight.shape[1])
-        linear(x, packed, weight, bias)             # first call: the library's own set-up
-        best = float("inf")
-        for _ in range(_TUNE_REPEATS):
-            start = time.perf_counter()
-            linear(x, packed, weight, bias)
-            best = min(best, time.perf_counter() - start)
-        total += best
-    return total
+        best = [float("inf")] * len(packs)
+        for p in packs:
+            linear(x, p, weight, bias)              # first call: the library's own set-up
+        for _ in range(_TUNE_ROUNDS):
+            for i, p in enumerate(packs):
+                best[i] = min(best[i], _time(p, x, weight, bias))
+        total = [t + b for t, b in zip(total, best)]
+    return packs[total.index(min(total))]
+
+
+def _time(packed: PackedWeight, x: torch.Tensor, weight: torch.Tensor,
+          bias: torch.Tensor | None) -> float:
+    start = time.perf_counter()
+    for _ in range(_TUNE_CALLS):
+        linear(x, packed, weight, bias)
+    return time.perf_counter() - start
