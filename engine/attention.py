@@ -79,10 +79,11 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, name: str) -> torc
 
 # Decode sequences are attended in groups of at most this many, sorted by length: padding to the
 # longest member of a group of similar lengths wastes little (one padded batch of 48 gathered ~2x
-# the needed KV and took ~2x longer, measured on the bench model). 4, 8, 16 and 24 ran the same
-# in-process; 16 means fewer parallel regions (3 ops per group per layer), which is ~8% more
-# tokens/s in the worker, whose OpenMP threads sleep between regions (OMP_WAIT_POLICY=PASSIVE).
-_DECODE_GROUP = 16
+# the needed KV and took ~2x longer, measured on the bench model). Whole-workload runs with fresh
+# prompts each (so the prefix cache cannot help): 8 gave 316-360 output tok/s against 280-319 for
+# 16, with OpenMP threads spinning or sleeping (OMP_WAIT_POLICY=PASSIVE) alike; 4 was close to 8.
+# Smaller groups keep each gathered K/V (~2.4 MB at 300 keys) nearer the cores' caches.
+_DECODE_GROUP = 8
 
 
 @dataclass
