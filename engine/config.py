@@ -15,6 +15,7 @@ from typing import Optional, Union
 
 import torch
 
+from engine import cpu_gemm
 from engine.model_config import ModelConfig
 
 _DTYPES = {
@@ -73,8 +74,8 @@ class EngineConfig:
         if self.attention_backend not in ("torch", "triton", "auto"):
             raise ValueError(f"attention_backend must be 'torch', 'triton' or 'auto', "
                              f"got {self.attention_backend!r}")
-        if self.cpu_gemm_backend not in ("auto", "onednn", "mkl"):
-            raise ValueError(f"cpu_gemm_backend must be 'auto', 'onednn' or 'mkl', "
+        if self.cpu_gemm_backend not in ("auto", *cpu_gemm.BACKENDS):
+            raise ValueError(f"cpu_gemm_backend must be 'auto' or one of {cpu_gemm.BACKENDS}, "
                              f"got {self.cpu_gemm_backend!r}")
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"

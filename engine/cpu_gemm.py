@@ -13,8 +13,9 @@ PyTorch exposes two packed GEMMs, both what its CPU compiler uses for frozen flo
 Which is faster depends on the CPU, by a lot: on an AVX2 AMD EPYC, MKL ran the bench's 32000 x
 512 LM head at 48 rows in 31-43 ms and oneDNN in 13.5 ms (MKL does not pick its fast kernels on
 AMD); on an AVX-512 Intel host MKL ran it in 7.9 ms. So ``backend="auto"`` packs with each
-available backend and times them once per weight shape at a decode-sized batch (about 0.5 s
-per model, most of it the LM head), keeping the faster. Either way the result is the same GEMM up to summation order.
+available backend and times them once per weight shape at a decode-sized batch (a few tenths of
+a second per model, most of it the LM head), keeping the faster. Either way the result is the
+same GEMM up to summation order.
 
 A packed layout is requested for one row count but serves every row count; because that is a
 property of the libraries rather than a documented promise, :func:`pack` checks every packed
@@ -37,9 +38,9 @@ _PACK_ROWS = 48
 _CHECK_ROWS = (1, 7, 48, 257)
 # Reduction-order differences only: a wrong layout gives errors of the order of the values.
 _CHECK_RTOL = 1e-4
-# Row counts timed by "auto": a decode step (the calls that dominate serving; at prefill sizes
-# the backends measured within ~10% of each other).
-_TUNE_ROWS = (32,)
+# Rows timed by "auto": a decode step (the calls that dominate serving; at prefill sizes the
+# backends measured within ~10% of each other).
+_TUNE_ROWS = 32
 _TUNE_ROUNDS = 5
 _TUNE_CALLS = 3
 
@@ -49,7 +50,8 @@ _CHOSEN: dict[tuple[int, int, bool, int], str | None] = {}
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight in one backend's blocked layout; ``weight`` is kept for the MKL call."""
+    """A weight in one backend's blocked layout (MKL's call also takes the original weight, which
+    the caller keeps)."""
 
     backend: str
     data: torch.Tensor
@@ -125,20 +127,17 @@ def _checked_pack(weight: torch.Tensor, bias: torch.Tensor | None,
 
 def _fastest(packs: list[PackedWeight], weight: torch.Tensor,
              bias: torch.Tensor | None) -> PackedWeight:
-    """The pack with the least best-of-N time, summed over the tuning row counts.
+    """The pack with the least best-of-N time at a decode-sized batch.
 
-    Backends take turns call by call, so a slower moment of a shared host falls on both."""
-    total = [0.0] * len(packs)
-    for rows in _TUNE_ROWS:
-        x = torch.randn(rows, weight.shape[1])
-        best = [float("inf")] * len(packs)
-        for p in packs:
-            linear(x, p, weight, bias)              # first call: the library's own set-up
-        for _ in range(_TUNE_ROUNDS):
-            for i, p in enumerate(packs):
-                best[i] = min(best[i], _time(p, x, weight, bias))
-        total = [t + b for t, b in zip(total, best)]
-    return packs[total.index(min(total))]
+    Backends take turns, so a slower moment of a shared host falls on both."""
+    x = torch.randn(_TUNE_ROWS, weight.shape[1])
+    for p in packs:
+        linear(x, p, weight, bias)                  # first call: the library's own set-up
+    best = [float("inf")] * len(packs)
+    for _ in range(_TUNE_ROUNDS):
+        for i, p in enumerate(packs):
+            best[i] = min(best[i], _time(p, x, weight, bias))
+    return packs[best.index(min(best))]
 
 
 def _time(packed: PackedWeight, x: torch.Tensor, weight: torch.Tensor,
