@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import compiled_decode
+
 
 @dataclass
 class AttentionMetadata:
@@ -120,6 +122,8 @@ class _Plan:
         self.decode_groups: list[_DecodeGroup] = []
         self.prefills: list[_PrefillSeq] = []
         decodes = sorted((i for i, q in enumerate(q_lens) if q == 1), key=lambda i: -lens[i])
+        self._decode_layout = (decodes, starts, lens, tables, block_size, dtype)
+        self._compiled_groups: list[compiled_decode.CompiledGroup] | None = None
         for g in range(0, len(decodes), _DECODE_GROUP):
             rows = decodes[g:g + _DECODE_GROUP]
             n = nblk[rows[0]]
@@ -136,6 +140,15 @@ class _Plan:
                                                    n * block_size, mask))
         self.prefills = [_PrefillSeq(starts[i], q, lens[i], tables[i, :nblk[i]])
                          for i, q in enumerate(q_lens) if q > 1]
+
+
+    def compiled_groups(self) -> list[compiled_decode.CompiledGroup]:
+        """The decodes as groups for the compiled kernel, built the first time a layer asks."""
+        if self._compiled_groups is None:
+            decodes, starts, lens, tables, block_size, dtype = self._decode_layout
+            self._compiled_groups = compiled_decode.build_groups(decodes, starts, lens, tables,
+                                                                 block_size, dtype)
+        return self._compiled_groups
 
 
 class _PlanCache(threading.local):
@@ -177,11 +190,34 @@ def _plan_for(block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: 
     return plan
 
 
-def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            groups: list[_DecodeGroup], out: torch.Tensor, scale: float) -> None:
-    """One query per sequence: writes the rows of ``out`` that the decode groups hold.
+def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Plan,
+            out: torch.Tensor, scale: float, compiled: bool) -> None:
+    """One query per sequence: writes the rows of ``out`` that the plan's decodes hold.
 
-    GQA is folded into the query length (``[m, Hkv, G, D]``), so K/V are never repeated."""
+    ``compiled`` (CPU float32 only): the inductor kernel of engine/compiled_decode.py, which
+    reads the blocks in place; this eager path is the fallback when it cannot be built."""
+    if not plan.decode_groups:
+        return
+    if compiled and query.dtype == torch.float32 and query.device.type == "cpu":
+        if _decode_compiled(query, k_cache, v_cache, plan, out, scale):
+            return
+    _decode_eager(query, k_cache, v_cache, plan.decode_groups, out, scale)
+
+
+def _decode_compiled(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     plan: _Plan, out: torch.Tensor, scale: float) -> bool:
+    for g in plan.compiled_groups():
+        o = compiled_decode.COMPILED(query.index_select(0, g.q_rows), k_cache, v_cache, g, scale)
+        if o is None:           # compiling is impossible here: the eager path redoes all rows
+            return False
+        out.index_copy_(0, g.q_rows, o)
+    return True
+
+
+def _decode_eager(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  groups: list[_DecodeGroup], out: torch.Tensor, scale: float) -> None:
+    """Gather each group's blocks, then one SDPA. GQA is folded into the query length
+    (``[m, Hkv, G, D]``), so K/V are never repeated."""
     _, hq, d = query.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
@@ -197,18 +233,20 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, *, compiled: bool = False
+                           ) -> torch.Tensor:
     """One new query per sequence, ``query[B, Hq, D]`` -> ``[B, Hq, D]``; ``num_splits`` is a
-    kernel tuning knob and is ignored here."""
+    kernel tuning knob and is ignored here. ``compiled``: see :func:`_decode`."""
     plan = _plan_for(block_tables, seq_lens, None, k_cache.shape[1], query.dtype)
     out = torch.empty_like(query)
-    _decode(query, k_cache, v_cache, plan.decode_groups, out, scale)
+    _decode(query, k_cache, v_cache, plan, out, scale, compiled)
     return out
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                            cu_seqlens_q: torch.Tensor, scale: float) -> torch.Tensor:
+                            cu_seqlens_q: torch.Tensor, scale: float, *,
+                            compiled: bool = False) -> torch.Tensor:
     """Ragged causal attention for ``query[T, Hq, D]`` (new tokens of B sequences, concatenated)
     against the cache, which must already hold the new tokens' K/V; covers chunked prefill and
     cached prefixes (context_len = seq_len - q_len).
@@ -221,7 +259,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     group = hq // hkv
     plan = _plan_for(block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1], query.dtype)
     out = torch.empty_like(query)
-    _decode(query, k_cache, v_cache, plan.decode_groups, out, scale)
+    _decode(query, k_cache, v_cache, plan, out, scale, compiled)
     for p in plan.prefills:
         k = _gather_blocks(k_cache, p.blocks, "k")[:p.seq_len].to(query.dtype)
         v = _gather_blocks(v_cache, p.blocks, "v")[:p.seq_len].to(query.dtype)

@@ -27,7 +27,8 @@ class ModelRunner:
         if model is None:
             from engine.loader import load_model
             model = load_model(config.model, dtype=config.dtype, device=config.device,
-                               backend=config.attention_backend)
+                               backend=config.attention_backend,
+                               compiled_decode=self._wants_compiled_decode())
         self.model = model
         if (self.device.type == "cpu" and config.cpu_prepack_weights
                 and hasattr(model, "prepack_cpu_weights")):      # injected test models may not
@@ -41,6 +42,28 @@ class ModelRunner:
             for _ in range(c.num_hidden_layers)
         ]
         self.decode_graphs = self._maybe_capture_decode_graphs()
+        with torch.inference_mode():
+            self._warm_up_compiled_decode()
+
+    def _wants_compiled_decode(self) -> bool:
+        """CPU float32 without ``enforce_eager``: decode attention through the inductor kernel
+        (engine/compiled_decode.py), compiled by the warm-up below rather than by a request."""
+        return (self.device.type == "cpu" and self.config.dtype == torch.float32
+                and not self.config.enforce_eager)
+
+    def _warm_up_compiled_decode(self) -> None:
+        """One decode step's attention on the real cache, so compiling (seconds, once per
+        process and head layout) happens at start-up. A host that cannot compile falls back to
+        the eager path here, with a warning, before any request is served."""
+        ops = getattr(self.model, "ops", None)
+        if getattr(ops, "name", None) != "torch-compiled":
+            return
+        c = self.config.hf_config
+        k_cache, v_cache = self.kv_caches[0]
+        query = torch.zeros(1, c.num_attention_heads, c.head_dim, dtype=k_cache.dtype)
+        tables = torch.zeros(1, 1, dtype=torch.int32)
+        ops.paged_decode_attention(query, k_cache, v_cache, tables,
+                                   torch.ones(1, dtype=torch.int32), c.head_dim ** -0.5)
 
     def _maybe_capture_decode_graphs(self) -> Optional[Any]:
         """CUDA graphs for decode steps: CUDA, the triton backend, and not ``enforce_eager``."""

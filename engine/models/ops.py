@@ -7,8 +7,9 @@ picks Triton only when CUDA is available and ``kernels`` provides every op.
 
 from __future__ import annotations
 
+import functools
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -61,10 +62,22 @@ def _triton_ops() -> Ops:
     return Ops(name="triton", **{n: getattr(kernels, n) for n in OP_NAMES})
 
 
-def get_ops(backend: str = "torch") -> Ops:
-    """Return the op table for ``backend`` ("torch" | "triton" | "auto")."""
+def _compiled_torch_ops() -> Ops:
+    """The torch ops with decode attention through the inductor-compiled kernel (CPU float32;
+    other dtypes and devices, and a host where compiling fails, keep the eager path)."""
+    ops = _torch_ops()
+    return replace(ops, name="torch-compiled",
+                   paged_decode_attention=functools.partial(attention.paged_decode_attention,
+                                                            compiled=True),
+                   paged_prefill_attention=functools.partial(attention.paged_prefill_attention,
+                                                             compiled=True))
+
+
+def get_ops(backend: str = "torch", compiled_decode: bool = False) -> Ops:
+    """Return the op table for ``backend`` ("torch" | "triton" | "auto"). ``compiled_decode``
+    asks for the compiled CPU decode attention wherever the torch ops are chosen."""
     if backend == "torch":
-        return _torch_ops()
+        return _compiled_torch_ops() if compiled_decode else _torch_ops()
     if backend == "triton":
         return _triton_ops()
     if backend == "auto":
@@ -73,6 +86,6 @@ def get_ops(backend: str = "torch") -> Ops:
                 return _triton_ops()
             except BackendUnavailableError:
                 pass
-        return _torch_ops()
+        return _compiled_torch_ops() if compiled_decode else _torch_ops()
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 

@@ -1,0 +1,134 @@
+"""Decode attention for CPU float32, compiled by torch.compile (inductor) to read the paged cache
+in place.
+
+The eager path (``engine.attention``) first copies each sequence's blocks into a contiguous
+buffer and then runs SDPA on it: the K/V bytes cross the memory bus three times (read, write,
+read again), and decode attention is memory-bound. :func:`decode_math` states the same
+attention as plain tensor algebra over ``k_cache[blocks]``; inductor fuses the indexing into
+the reductions, so each block is read once, where it lies. Measured on the bench model (2 cores,
+40 sequences of 200-560 tokens, 8 layers): 19-21 ms a step against 26-29 ms eager, and 30% less
+time in the engine's decode steps. Run eagerly, the same code would materialize a
+``[m, blocks, block_size, Hkv, G, D]`` product, so it must only ever run compiled.
+
+One compiled graph serves every batch: the number of sequences, blocks per sequence and pool
+blocks are marked dynamic, and groups are padded to at least two sequences of two blocks
+(dynamo specializes sizes 0 and 1, which would mean more compiles). A failed compile (no C++
+compiler, an inductor bug) is logged once and the eager path takes over for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Sequences per compiled call, sorted by length so a group pads little. A single call for the
+# whole batch was within noise of 16 on the bench; 16 bounds the padding when lengths are skewed.
+GROUP = 16
+_MIN = 2            # dynamo specializes sizes 0 and 1: pad groups to at least this many
+
+
+def decode_math(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                blocks: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q[m, Hq, D]`` attends to the blocks ``blocks[m, n]`` of its sequence; ``bias[m, n, bs]``
+    is 0 for a real key and -inf for a padded one. Returns ``[m, Hq, D]``.
+
+    GQA is a view (``[m, 1, 1, Hkv, G, D]`` against keys ``[m, n, bs, Hkv, 1, D]``), never a copy.
+    """
+    m, hq, d = q.shape
+    n = blocks.shape[1]
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    qq = q.view(m, 1, 1, hkv, group, d)
+    scores = (qq * k_cache[blocks].unsqueeze(-2)).sum(-1) * scale + bias[..., None, None]
+    scores = scores - scores.amax(dim=(1, 2), keepdim=True)        # [m, n, bs, Hkv, G]
+    weights = scores.exp()
+    out = (weights.unsqueeze(-1) * v_cache[blocks].unsqueeze(-2)).sum(dim=(1, 2))
+    out = out / weights.sum(dim=(1, 2)).unsqueeze(-1)              # [m, Hkv, G, D]
+    return out.reshape(m, hq, d)
+
+
+@dataclass
+class CompiledGroup:
+    q_rows: torch.Tensor        # [m] int64, the query rows this group holds
+    blocks: torch.Tensor        # [m_pad, n_pad] int64
+    bias: torch.Tensor          # [m_pad, n_pad, block_size] float, 0 or -inf
+
+
+def build_groups(rows: list[int], q_rows: list[int], lens: list[int], tables: torch.Tensor,
+                 block_size: int, dtype: torch.dtype) -> list[CompiledGroup]:
+    """Groups of :data:`GROUP` decode sequences. ``rows`` index ``tables``/``lens`` and are
+    sorted longest first; ``q_rows`` are their rows in the query. Padding repeats the group's
+    first sequence (its output is dropped) and pads blocks with block 0 under a -inf bias."""
+    device = tables.device
+    groups = []
+    for g in range(0, len(rows), GROUP):
+        members = rows[g:g + GROUP]
+        m = max(len(members), _MIN)
+        n = max(-(-lens[members[0]] // block_size), _MIN)
+        idx = torch.tensor(members + members[:1] * (m - len(members)), device=device)
+        blocks = torch.zeros(m, n, dtype=torch.int64, device=device)
+        width = min(n, tables.shape[1])
+        blocks[:, :width] = tables[idx, :width]
+        pos = torch.arange(n * block_size, device=device).view(1, n, block_size)
+        seq_lens = torch.tensor([lens[r] for r in members] + [lens[members[0]]] * (m - len(members)),
+                                device=device)
+        bias = torch.zeros(m, n, block_size, dtype=dtype, device=device)
+        bias.masked_fill_(pos >= seq_lens.view(m, 1, 1), float("-inf"))
+        for t in (blocks, bias):
+            torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(t, 1)
+        groups.append(CompiledGroup(torch.tensor([q_rows[r] for r in members], device=device),
+                                    blocks, bias))
+    return groups
+
+
+class _Compiled:
+    """The compiled :func:`decode_math`, built on first use; ``None`` once a compile failed."""
+
+    def __init__(self) -> None:
+        self._fn = None
+        self.failed: str | None = None
+        self.calls = 0                      # compiled calls that returned (tests read this)
+        self._lock = threading.Lock()
+
+    def _get(self):
+        with self._lock:
+            if self._fn is None:
+                import torch._dynamo
+                # One graph per (head layout, block size, dtype, scale); a process that serves
+                # several models (the test suite) must not fall back to running decode_math
+                # eagerly because dynamo's default limit of 8 graphs per function was reached.
+                cfg = torch._dynamo.config
+                cfg.recompile_limit = max(getattr(cfg, "recompile_limit", 8), 64)
+                self._fn = torch.compile(decode_math, dynamic=False, fullgraph=True)
+            return self._fn
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 group: CompiledGroup, scale: float) -> torch.Tensor | None:
+        """The group's output ``[m, Hq, D]``, or None when compiling is not possible here."""
+        if self.failed is not None:
+            return None
+        pad = group.blocks.shape[0] - q.shape[0]
+        if pad:
+            q = torch.cat([q, q[:1].expand(pad, *q.shape[1:])])
+        torch._dynamo.mark_dynamic(q, 0)
+        if k_cache.shape[0] >= _MIN:     # one graph whatever the pool size
+            torch._dynamo.mark_dynamic(k_cache, 0)
+            torch._dynamo.mark_dynamic(v_cache, 0)
+        try:
+            out = self._get()(q, k_cache, v_cache, group.blocks, group.bias, scale)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure means: stay eager
+            self.failed = f"{type(exc).__name__}: {exc}"
+            log.warning("compiled CPU decode attention unavailable, using the eager path: %s",
+                        self.failed.splitlines()[0][:300])
+            return None
+        self.calls += 1
+        return out[:q.shape[0] - pad] if pad else out
+
+
+COMPILED = _Compiled()

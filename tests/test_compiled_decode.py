@@ -1,0 +1,124 @@
+"""Compiled CPU decode attention (engine/compiled_decode.py): the same numbers as the eager
+gather + SDPA path on ragged paged batches, a safe fallback when compiling fails, and wiring
+through ``enforce_eager``."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from engine import attention, compiled_decode
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                    reason="inductor needs a C++ compiler")
+
+
+def _paged_batch(lens: list[int], hq: int, hkv: int, d: int, block_size: int, seed: int):
+    """Random caches with each sequence's blocks scattered over the pool (not in order)."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + 3
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = perm[start:start + n]
+        start += n
+    query = torch.randn(len(lens), hq, d, generator=gen)
+    return query, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def _fresh_plans() -> None:
+    attention._PLANS.key = None
+    attention._PLANS.plan = None
+
+
+@needs_compiler
+@pytest.mark.parametrize("lens,hq,hkv,d,block_size", [
+    ([37, 5, 16, 1, 130, 64, 17, 99], 8, 4, 64, 16),    # GQA 2, ragged, exact multiples, 1 token
+    ([3], 4, 4, 32, 16),                                # one sequence of one block (padded to 2)
+    ([40] * 20 + [7] * 15, 6, 2, 16, 8),                # 35 sequences: three groups, GQA 3
+    ([200, 1, 33], 4, 1, 64, 32),                       # MQA, larger blocks
+])
+def test_compiled_decode_matches_the_eager_path(lens, hq, hkv, d, block_size) -> None:
+    q, k_cache, v_cache, tables, seq_lens = _paged_batch(lens, hq, hkv, d, block_size, len(lens))
+    scale = d ** -0.5
+    before = compiled_decode.COMPILED.calls
+    with torch.inference_mode():
+        _fresh_plans()
+        eager = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale)
+        _fresh_plans()
+        compiled = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens,
+                                                    scale, compiled=True)
+    assert compiled_decode.COMPILED.failed is None
+    assert compiled_decode.COMPILED.calls > before       # the kernel ran, not the fallback
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+def test_decode_rows_of_a_mixed_step_take_the_compiled_kernel_too() -> None:
+    """A step that batches prefill chunks with decodes: the decode rows go through the compiled
+    kernel, the prefill rows through SDPA, and together they equal the eager step."""
+    lens = [12, 30, 9, 50]
+    q_lens = [1, 6, 1, 20]                               # rows 1 and 3 are prefill chunks
+    _, k_cache, v_cache, tables, seq_lens = _paged_batch(lens, 8, 4, 32, 16, 7)
+    query = torch.randn(sum(q_lens), 8, 32, generator=torch.Generator().manual_seed(1))
+    cu = torch.tensor([0, 1, 7, 8, 28], dtype=torch.int32)
+    before = compiled_decode.COMPILED.calls
+    with torch.inference_mode():
+        _fresh_plans()
+        eager = attention.paged_prefill_attention(query, k_cache, v_cache, tables, seq_lens, cu,
+                                                  32 ** -0.5)
+        _fresh_plans()
+        compiled = attention.paged_prefill_attention(query, k_cache, v_cache, tables, seq_lens,
+                                                     cu, 32 ** -0.5, compiled=True)
+    assert compiled_decode.COMPILED.calls > before
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_compile_falls_back_to_the_eager_path_for_good(monkeypatch, caplog) -> None:
+    state = compiled_decode._Compiled()
+
+    def broken():
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(state, "_get", broken)
+    monkeypatch.setattr(compiled_decode, "COMPILED", state)
+    q, k_cache, v_cache, tables, seq_lens = _paged_batch([20, 3, 41], 8, 4, 32, 16, 3)
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, "engine.compiled_decode"):
+        _fresh_plans()
+        eager = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.2)
+        _fresh_plans()
+        got = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.2,
+                                               compiled=True)
+        again = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.2,
+                                                 compiled=True)
+    torch.testing.assert_close(got, eager)
+    torch.testing.assert_close(again, eager)
+    assert state.failed is not None and "no C++ compiler" in state.failed
+    assert state.calls == 0
+    assert sum("using the eager path" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_enforce_eager_and_dtype_choose_the_decode_path(tiny_llama) -> None:
+    compiled = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=32)
+    eager = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=32, enforce_eager=True)
+    half = LLM(str(tiny_llama), dtype="bfloat16", num_kv_blocks=32)
+    assert compiled.engine.model_runner.model.ops.name == "torch-compiled"
+    assert eager.engine.model_runner.model.ops.name == "torch"
+    assert half.engine.model_runner.model.ops.name == "torch"
+    prompts = [[5, 6, 7, 8, 9] * 7, [11, 12, 13], [40 + i for i in range(20)]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    a = compiled.generate(prompts, params, use_tqdm=False)
+    b = eager.generate(prompts, params, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert x.outputs[0].cumulative_logprob == pytest.approx(y.outputs[0].cumulative_logprob,
+                                                                abs=1e-4)
