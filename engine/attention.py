@@ -207,7 +207,8 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
 def _decode_compiled(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      plan: _Plan, out: torch.Tensor, scale: float) -> bool:
     for g in plan.compiled_groups():
-        o = compiled_decode.COMPILED(query.index_select(0, g.q_rows), k_cache, v_cache, g, scale)
+        o = compiled_decode.run_group(query.index_select(0, g.q_rows), k_cache, v_cache, g,
+                                      scale)
         if o is None:           # compiling is impossible here: the eager path redoes all rows
             return False
         out.index_copy_(0, g.q_rows, o)

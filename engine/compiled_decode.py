@@ -12,19 +12,17 @@ time in the engine's decode steps. Run eagerly, the same code would materialize 
 
 One compiled graph serves every batch: the number of sequences, blocks per sequence and pool
 blocks are marked dynamic, and groups are padded to at least two sequences of two blocks
-(dynamo specializes sizes 0 and 1, which would mean more compiles). A failed compile (no C++
-compiler, an inductor bug) is logged once and the eager path takes over for good.
+(dynamo specializes sizes 0 and 1, which would mean more compiles). Compiling and its fallback:
+engine/compiled.py.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger(__name__)
+from engine.compiled import LazyCompiled, mark_dynamic
 
 # Sequences per compiled call, sorted by length so a group pads little. A single call for the
 # whole batch was within noise of 16 on the bench; 16 bounds the padding when lengths are skewed.
@@ -79,56 +77,27 @@ def build_groups(rows: list[int], q_rows: list[int], lens: list[int], tables: to
                                 device=device)
         bias = torch.zeros(m, n, block_size, dtype=dtype, device=device)
         bias.masked_fill_(pos >= seq_lens.view(m, 1, 1), float("-inf"))
-        for t in (blocks, bias):
-            torch._dynamo.mark_dynamic(t, 0)
-            torch._dynamo.mark_dynamic(t, 1)
+        mark_dynamic(blocks, 0, 1)
+        mark_dynamic(bias, 0, 1)
         groups.append(CompiledGroup(torch.tensor([q_rows[r] for r in members], device=device),
                                     blocks, bias))
     return groups
 
 
-class _Compiled:
-    """The compiled :func:`decode_math`, built on first use; ``None`` once a compile failed."""
-
-    def __init__(self) -> None:
-        self._fn = None
-        self.failed: str | None = None
-        self.calls = 0                      # compiled calls that returned (tests read this)
-        self._lock = threading.Lock()
-
-    def _get(self):
-        with self._lock:
-            if self._fn is None:
-                import torch._dynamo
-                # One graph per (head layout, block size, dtype, scale); a process that serves
-                # several models (the test suite) must not fall back to running decode_math
-                # eagerly because dynamo's default limit of 8 graphs per function was reached.
-                cfg = torch._dynamo.config
-                cfg.recompile_limit = max(getattr(cfg, "recompile_limit", 8), 64)
-                self._fn = torch.compile(decode_math, dynamic=False, fullgraph=True)
-            return self._fn
-
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 group: CompiledGroup, scale: float) -> torch.Tensor | None:
-        """The group's output ``[m, Hq, D]``, or None when compiling is not possible here."""
-        if self.failed is not None:
-            return None
-        pad = group.blocks.shape[0] - q.shape[0]
-        if pad:
-            q = torch.cat([q, q[:1].expand(pad, *q.shape[1:])])
-        torch._dynamo.mark_dynamic(q, 0)
-        if k_cache.shape[0] >= _MIN:     # one graph whatever the pool size
-            torch._dynamo.mark_dynamic(k_cache, 0)
-            torch._dynamo.mark_dynamic(v_cache, 0)
-        try:
-            out = self._get()(q, k_cache, v_cache, group.blocks, group.bias, scale)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure means: stay eager
-            self.failed = f"{type(exc).__name__}: {exc}"
-            log.warning("compiled CPU decode attention unavailable, using the eager path: %s",
-                        self.failed.splitlines()[0][:300])
-            return None
-        self.calls += 1
-        return out[:q.shape[0] - pad] if pad else out
+_KERNEL = LazyCompiled(decode_math, "CPU decode attention")
 
 
-COMPILED = _Compiled()
+def run_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              group: CompiledGroup, scale: float) -> torch.Tensor | None:
+    """The group's output ``[m, Hq, D]``, or None when compiling is not possible here."""
+    pad = group.blocks.shape[0] - q.shape[0]
+    if pad:
+        q = torch.cat([q, q[:1].expand(pad, *q.shape[1:])])
+    mark_dynamic(q, 0)
+    if k_cache.shape[0] >= _MIN:     # one graph whatever the pool size
+        mark_dynamic(k_cache, 0)
+        mark_dynamic(v_cache, 0)
+    out = _KERNEL(q, k_cache, v_cache, group.blocks, group.bias, scale)
+    if out is None or not pad:
+        return out
+    return out[:q.shape[0] - pad]

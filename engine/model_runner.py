@@ -43,27 +43,27 @@ class ModelRunner:
         ]
         self.decode_graphs = self._maybe_capture_decode_graphs()
         with torch.inference_mode():
-            self._warm_up_compiled_decode()
+            self._warm_up_compiled()
 
     def _wants_compiled_decode(self) -> bool:
-        """CPU float32 without ``enforce_eager``: decode attention through the inductor kernel
-        (engine/compiled_decode.py), compiled by the warm-up below rather than by a request."""
+        """CPU float32 without ``enforce_eager``: decode attention and Q/K norm + RoPE through
+        inductor kernels (engine/compiled_decode.py, engine/compiled_rope.py)."""
         return (self.device.type == "cpu" and self.config.dtype == torch.float32
                 and not self.config.enforce_eager)
 
-    def _warm_up_compiled_decode(self) -> None:
-        """One decode step's attention on the real cache, so compiling (seconds, once per
-        process and head layout) happens at start-up. A host that cannot compile falls back to
-        the eager path here, with a warning, before any request is served."""
-        ops = getattr(self.model, "ops", None)
-        if getattr(ops, "name", None) != "torch-compiled":
+    def _warm_up_compiled(self) -> None:
+        """A one-token decode forward that stores nothing (slot -1), so compiling (seconds, once
+        per process and model shape) happens at start-up and not in a request. A host that
+        cannot compile falls back to the eager path here, with a warning."""
+        if getattr(getattr(self.model, "ops", None), "name", None) != "torch-compiled":
             return
-        c = self.config.hf_config
-        k_cache, v_cache = self.kv_caches[0]
-        query = torch.zeros(1, c.num_attention_heads, c.head_dim, dtype=k_cache.dtype)
-        tables = torch.zeros(1, 1, dtype=torch.int32)
-        ops.paged_decode_attention(query, k_cache, v_cache, tables,
-                                   torch.ones(1, dtype=torch.int32), c.head_dim ** -0.5)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([-1]), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+            seq_lens=torch.ones(1, dtype=torch.int32), context_lens=torch.zeros(1, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), max_seqlen_q=1, max_seqlen_k=1,
+            is_decode=True)
+        self.model(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), meta,
+                   self.kv_caches)
 
     def _maybe_capture_decode_graphs(self) -> Optional[Any]:
         """CUDA graphs for decode steps: CUDA, the triton backend, and not ``enforce_eager``."""

@@ -1,6 +1,6 @@
-"""Compiled CPU decode attention (engine/compiled_decode.py): the same numbers as the eager
-gather + SDPA path on ragged paged batches, a safe fallback when compiling fails, and wiring
-through ``enforce_eager``."""
+"""Compiled CPU kernels (engine/compiled_decode.py, engine/compiled_rope.py): the same numbers
+as the eager paths (gather + SDPA; Q/K norm and RoPE op by op), a safe fallback when compiling
+fails, and wiring through ``enforce_eager``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import shutil
 import pytest
 import torch
 
-from engine import attention, compiled_decode
+from engine import attention, compiled_decode, compiled_rope
+from engine.compiled import LazyCompiled
 from engine.llm import LLM
+from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
@@ -50,15 +52,15 @@ def _fresh_plans() -> None:
 def test_compiled_decode_matches_the_eager_path(lens, hq, hkv, d, block_size) -> None:
     q, k_cache, v_cache, tables, seq_lens = _paged_batch(lens, hq, hkv, d, block_size, len(lens))
     scale = d ** -0.5
-    before = compiled_decode.COMPILED.calls
+    before = compiled_decode._KERNEL.calls
     with torch.inference_mode():
         _fresh_plans()
         eager = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale)
         _fresh_plans()
         compiled = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens,
                                                     scale, compiled=True)
-    assert compiled_decode.COMPILED.failed is None
-    assert compiled_decode.COMPILED.calls > before       # the kernel ran, not the fallback
+    assert compiled_decode._KERNEL.failed is None
+    assert compiled_decode._KERNEL.calls > before       # the kernel ran, not the fallback
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
@@ -71,7 +73,7 @@ def test_decode_rows_of_a_mixed_step_take_the_compiled_kernel_too() -> None:
     _, k_cache, v_cache, tables, seq_lens = _paged_batch(lens, 8, 4, 32, 16, 7)
     query = torch.randn(sum(q_lens), 8, 32, generator=torch.Generator().manual_seed(1))
     cu = torch.tensor([0, 1, 7, 8, 28], dtype=torch.int32)
-    before = compiled_decode.COMPILED.calls
+    before = compiled_decode._KERNEL.calls
     with torch.inference_mode():
         _fresh_plans()
         eager = attention.paged_prefill_attention(query, k_cache, v_cache, tables, seq_lens, cu,
@@ -79,20 +81,20 @@ def test_decode_rows_of_a_mixed_step_take_the_compiled_kernel_too() -> None:
         _fresh_plans()
         compiled = attention.paged_prefill_attention(query, k_cache, v_cache, tables, seq_lens,
                                                      cu, 32 ** -0.5, compiled=True)
-    assert compiled_decode.COMPILED.calls > before
+    assert compiled_decode._KERNEL.calls > before
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
 def test_a_failed_compile_falls_back_to_the_eager_path_for_good(monkeypatch, caplog) -> None:
-    state = compiled_decode._Compiled()
+    state = LazyCompiled(compiled_decode.decode_math, "CPU decode attention")
 
     def broken():
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(state, "_get", broken)
-    monkeypatch.setattr(compiled_decode, "COMPILED", state)
+    monkeypatch.setattr(compiled_decode, "_KERNEL", state)
     q, k_cache, v_cache, tables, seq_lens = _paged_batch([20, 3, 41], 8, 4, 32, 16, 3)
-    with torch.inference_mode(), caplog.at_level(logging.WARNING, "engine.compiled_decode"):
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, "engine.compiled"):
         _fresh_plans()
         eager = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.2)
         _fresh_plans()
@@ -122,3 +124,26 @@ def test_enforce_eager_and_dtype_choose_the_decode_path(tiny_llama) -> None:
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         assert x.outputs[0].cumulative_logprob == pytest.approx(y.outputs[0].cumulative_logprob,
                                                                 abs=1e-4)
+
+
+@needs_compiler
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])        # with and without Q/K RMSNorm
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_compiled_qk_norm_and_rope_match_the_eager_ops(tiny_checkpoint, arch, tokens) -> None:
+    model = load_model(tiny_checkpoint(arch), dtype="float32")
+    attn = model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, sum(attn.split), generator=gen)
+    positions = torch.randint(0, 500, (tokens,), generator=gen)
+    cos_sin = model.cos_sin_cache
+    before = compiled_rope._KERNEL.calls
+    with torch.inference_mode():
+        want = attn._qkv_eager(qkv.clone(), positions, cos_sin)
+        got = compiled_rope.run(qkv, positions, cos_sin,
+                                *((attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
+                                  if attn.q_norm is not None else (None, None, 0.0)),
+                                attn.num_heads, attn.num_kv_heads)
+    assert got is not None and compiled_rope._KERNEL.calls == before + 1
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.is_contiguous()
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

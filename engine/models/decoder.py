@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_gemm
+from engine import compiled_rope, cpu_gemm
 from engine.attention import AttentionMetadata
 from engine.layers import build_cos_sin_cache
 from engine.model_config import ModelConfig
@@ -79,7 +79,39 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache, cos_sin_cache: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
+        qkv = self.qkv_proj(hidden)
+        parts = self._qkv_compiled(qkv, positions, cos_sin_cache)
+        q, k, v = parts if parts is not None else self._qkv_eager(qkv, positions, cos_sin_cache)
+        k_cache, v_cache = kv_cache
+        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            out = self.ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                                  meta.seq_lens, self.scale)
+        else:
+            out = self.ops.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables,
+                                                   meta.seq_lens, meta.cu_seqlens_q, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _qkv_compiled(self, qkv: torch.Tensor, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Split, Q/K norm and RoPE as one compiled kernel (engine/compiled_rope.py) where the
+        compiled CPU path is on; None elsewhere, or when it cannot compile."""
+        if (self.ops.name != "torch-compiled" or qkv.dtype != torch.float32
+                or qkv.device.type != "cpu"):
+            return None
+        qw = kw = None
+        eps = 0.0
+        if self.q_norm is not None:
+            qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+            if self.k_norm.eps != eps:
+                return None
+        return compiled_rope.run(qkv, positions, cos_sin_cache, qw, kw, eps, self.num_heads,
+                                 self.num_kv_heads)
+
+    def _qkv_eager(self, qkv: torch.Tensor, positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = qkv.shape[0]
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
@@ -90,15 +122,7 @@ class Attention(nn.Module):
                                   self.k_norm.eps).view(t, self.num_kv_heads, self.head_dim)
         q, k = q.contiguous(), k.contiguous()
         self.ops.rotary(q, k, positions, cos_sin_cache, True)
-        k_cache, v_cache = kv_cache
-        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_decode:
-            out = self.ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                                  meta.seq_lens, self.scale)
-        else:
-            out = self.ops.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables,
-                                                   meta.seq_lens, meta.cu_seqlens_q, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return q, k, v
 
 
 class MLP(nn.Module):
