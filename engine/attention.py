@@ -1,9 +1,11 @@
 """Paged attention, torch backend: metadata, KV store and attention reading from the paged cache.
 
 The cache of a layer is ``k_cache, v_cache: [num_blocks, block_size, Hkv, D]``. On CPU decode
-attention is memory-bound: the cost is moving K/V. So decodes are sorted by length and attended
-in small groups (one gather of just the blocks they need into a reused buffer, padded only to the
-longest member, then one SDPA with an additive mask), and each prefill sequence runs its own
+attention is memory-bound: the cost is moving K/V. In float32 with ``compiled=True`` decodes run
+the inductor kernel of engine/compiled_decode.py, which reads each block once in place. The
+eager path (other dtypes, ``enforce_eager``, no compiler) sorts decodes by length and attends
+them in small groups: one gather of just the blocks they need into a reused buffer, padded only
+to the longest member, then one SDPA with an additive mask. Each prefill sequence runs its own
 unpadded causal SDPA. How a step's batch splits is computed once per step and shared by every
 layer (``_plan_for``).
 """
