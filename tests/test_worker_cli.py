@@ -30,8 +30,23 @@ def test_help_lists_every_flag():
                  "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
                  "--kv-cache-memory", "--max-model-len", "--enable-prefix-caching",
                  "--no-enable-prefix-caching", "--result-ttl", "--drain-timeout",
-                 "--metrics-port", "--lease-ms", "--max-deliveries", "TOKENRELAY_REDIS_URL"):
+                 "--metrics-port", "--lease-ms", "--max-deliveries", "--enforce-eager",
+                 "TOKENRELAY_REDIS_URL"):
         assert flag in out.stdout, flag
+
+
+def test_engine_options_reach_the_engine_config_only_when_set(monkeypatch):
+    """Unset engine flags keep the engine's defaults; a flag or its env var is passed through."""
+    from worker.config import build_parser, settings_from_args
+
+    monkeypatch.delenv("TOKENRELAY_ENFORCE_EAGER", raising=False)
+    base = settings_from_args(build_parser().parse_args(["--model", "m"])).engine_kwargs()
+    assert "enforce_eager" not in base and base["model"] == "m"
+    flag = settings_from_args(build_parser().parse_args(["--model", "m", "--enforce-eager"]))
+    assert flag.engine_kwargs()["enforce_eager"] is True
+    monkeypatch.setenv("TOKENRELAY_ENFORCE_EAGER", "false")
+    env = settings_from_args(build_parser().parse_args(["--model", "m"]))
+    assert env.engine_kwargs()["enforce_eager"] is False
 
 
 def test_fake_engine_worker_health_and_sigterm_drain(redis_server, worker_process):

@@ -57,6 +57,9 @@ class WorkerSettings(BaseSettings):
     max_model_len: Optional[int] = Field(None, ge=1, description="Max prompt+output tokens.")
     enable_prefix_caching: Optional[bool] = Field(None, description="Reuse cached prompt prefixes.")
     attention_backend: Optional[str] = Field(None, description="torch, triton or auto.")
+    enforce_eager: Optional[bool] = Field(
+        None, description="No CUDA graphs (GPU) and no compiled kernels (CPU float32): "
+                          "seconds less start-up, slower steps.")
     result_ttl: float = Field(3600.0, gt=0, description="Seconds a result stream lives after its "
                               "last write.")
     drain_timeout: float = Field(30.0, ge=0, description="Seconds running jobs get to finish on "
@@ -103,7 +106,8 @@ class WorkerSettings(BaseSettings):
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for EngineConfig; unset options keep the engine's defaults."""
         names = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                 "kv_cache_memory", "num_kv_blocks", "max_model_len", "enable_prefix_caching", "attention_backend")
+                 "kv_cache_memory", "num_kv_blocks", "max_model_len", "enable_prefix_caching", "attention_backend",
+                 "enforce_eager")
         out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         out["model"] = self.model
         return out
