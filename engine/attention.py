@@ -143,7 +143,6 @@ class _Plan:
         self.prefills = [_PrefillSeq(starts[i], q, lens[i], tables[i, :nblk[i]])
                          for i, q in enumerate(q_lens) if q > 1]
 
-
     def compiled_groups(self) -> list[compiled_decode.CompiledGroup]:
         """The decodes as groups for the compiled kernel, built the first time a layer asks."""
         if self._compiled_groups is None:

@@ -70,13 +70,13 @@ def build_groups(rows: list[int], q_rows: list[int], lens: list[int], tables: to
         members = rows[g:g + GROUP]
         m = max(len(members), _MIN)
         n = max(-(-lens[members[0]] // block_size), _MIN)
-        idx = torch.tensor(members + members[:1] * (m - len(members)), device=device)
+        padded = members + members[:1] * (m - len(members))
+        idx = torch.tensor(padded, device=device)
         blocks = torch.zeros(m, n, dtype=torch.int64, device=device)
         width = min(n, tables.shape[1])
         blocks[:, :width] = tables[idx, :width]
         pos = torch.arange(n * block_size, device=device).view(1, n, block_size)
-        seq_lens = torch.tensor([lens[r] for r in members] + [lens[members[0]]] * (m - len(members)),
-                                device=device)
+        seq_lens = torch.tensor([lens[r] for r in padded], device=device)
         bias = torch.zeros(m, n, block_size, dtype=dtype, device=device)
         bias.masked_fill_(pos >= seq_lens.view(m, 1, 1), float("-inf"))
         mark_dynamic(blocks, 0, 1)

@@ -52,8 +52,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     # Unless True: on CUDA with the triton backend decode steps replay CUDA graphs
-    # (engine/cuda_graphs.py); on CPU in float32 decode attention runs a kernel compiled by
-    # torch.compile at start-up (engine/compiled_decode.py; seconds, once per process).
+    # (engine/cuda_graphs.py); on CPU in float32 decode attention and Q/K norm + RoPE run
+    # kernels compiled by torch.compile at start-up (engine/compiled_decode.py,
+    # engine/compiled_rope.py; seconds, once per process).
     enforce_eager: bool = False
     # CPU float32: keep packed copies of the projection weights (engine/cpu_gemm.py), 2-3x
     # faster linears at decode batch sizes for about the weights' memory again.

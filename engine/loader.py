@@ -58,13 +58,14 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu", backend: str = "torch",
-               compiled_decode: bool = False) -> DecoderForCausalLM:
+               compiled: bool = False) -> DecoderForCausalLM:
     """Build the decoder for checkpoint folder ``path`` and fill it with its weights.
-    ``compiled_decode``: see ``engine.models.ops.get_ops``."""
+    ``compiled``: see ``engine.models.ops.get_ops``."""
     config = ModelConfig.from_pretrained(path)
     torch_dtype = resolve_dtype(dtype, config)
     files = checkpoint_files(path)
-    model = DecoderForCausalLM(config, dtype=torch_dtype, device=device, ops=get_ops(backend, compiled_decode))
+    model = DecoderForCausalLM(config, dtype=torch_dtype, device=device,
+                               ops=get_ops(backend, compiled))
     params = dict(model.named_parameters())
     # A fused parameter is complete only when all its shards arrived.
     pending: dict[str, set[int | None]] = {}

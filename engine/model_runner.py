@@ -28,7 +28,7 @@ class ModelRunner:
             from engine.loader import load_model
             model = load_model(config.model, dtype=config.dtype, device=config.device,
                                backend=config.attention_backend,
-                               compiled_decode=self._wants_compiled_decode())
+                               compiled=self._wants_compiled())
         self.model = model
         if (self.device.type == "cpu" and config.cpu_prepack_weights
                 and hasattr(model, "prepack_cpu_weights")):      # injected test models may not
@@ -45,7 +45,7 @@ class ModelRunner:
         with torch.inference_mode():
             self._warm_up_compiled()
 
-    def _wants_compiled_decode(self) -> bool:
+    def _wants_compiled(self) -> bool:
         """CPU float32 without ``enforce_eager``: decode attention and Q/K norm + RoPE through
         inductor kernels (engine/compiled_decode.py, engine/compiled_rope.py)."""
         return (self.device.type == "cpu" and self.config.dtype == torch.float32
@@ -59,7 +59,8 @@ class ModelRunner:
             return
         meta = AttentionMetadata(
             slot_mapping=torch.tensor([-1]), block_tables=torch.zeros(1, 1, dtype=torch.int32),
-            seq_lens=torch.ones(1, dtype=torch.int32), context_lens=torch.zeros(1, dtype=torch.int32),
+            seq_lens=torch.ones(1, dtype=torch.int32),
+            context_lens=torch.zeros(1, dtype=torch.int32),
             cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), max_seqlen_q=1, max_seqlen_k=1,
             is_decode=True)
         self.model(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), meta,

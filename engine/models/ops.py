@@ -63,8 +63,9 @@ def _triton_ops() -> Ops:
 
 
 def _compiled_torch_ops() -> Ops:
-    """The torch ops with decode attention through the inductor-compiled kernel (CPU float32;
-    other dtypes and devices, and a host where compiling fails, keep the eager path)."""
+    """The torch ops, named "torch-compiled": decode attention through the inductor kernel, and
+    the decoder does Q/K norm + RoPE in one compiled kernel (CPU float32; other dtypes and
+    devices, and a host where compiling fails, keep the eager path)."""
     ops = _torch_ops()
     return replace(ops, name="torch-compiled",
                    paged_decode_attention=functools.partial(attention.paged_decode_attention,
@@ -73,11 +74,11 @@ def _compiled_torch_ops() -> Ops:
                                                              compiled=True))
 
 
-def get_ops(backend: str = "torch", compiled_decode: bool = False) -> Ops:
-    """Return the op table for ``backend`` ("torch" | "triton" | "auto"). ``compiled_decode``
-    asks for the compiled CPU decode attention wherever the torch ops are chosen."""
+def get_ops(backend: str = "torch", compiled: bool = False) -> Ops:
+    """Return the op table for ``backend`` ("torch" | "triton" | "auto"). ``compiled`` asks for
+    the compiled CPU kernels wherever the torch ops are chosen."""
     if backend == "torch":
-        return _compiled_torch_ops() if compiled_decode else _torch_ops()
+        return _compiled_torch_ops() if compiled else _torch_ops()
     if backend == "triton":
         return _triton_ops()
     if backend == "auto":
@@ -86,6 +87,6 @@ def get_ops(backend: str = "torch", compiled_decode: bool = False) -> Ops:
                 return _triton_ops()
             except BackendUnavailableError:
                 pass
-        return _compiled_torch_ops() if compiled_decode else _torch_ops()
+        return _compiled_torch_ops() if compiled else _torch_ops()
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
