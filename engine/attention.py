@@ -114,41 +114,47 @@ class _Plan:
 
     def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  q_lens: list[int], block_size: int, dtype: torch.dtype) -> None:
-        device = block_tables.device
         lens = seq_lens.tolist()
         starts = [0] * len(q_lens)          # first query row of each sequence
         for i in range(1, len(q_lens)):
             starts[i] = starts[i - 1] + q_lens[i - 1]
         tables = block_tables.long()
-        nblk = [(n + block_size - 1) // block_size for n in lens]
-        self.decode_groups: list[_DecodeGroup] = []
-        self.prefills: list[_PrefillSeq] = []
-        decodes = sorted((i for i, q in enumerate(q_lens) if q == 1), key=lambda i: -lens[i])
-        self._decode_layout = (decodes, starts, lens, tables, block_size, dtype)
+        self.block_size = block_size
+        self.dtype = dtype
+        self.lens, self.starts, self.tables = lens, starts, tables
+        # Decodes longest first; their groups are built for whichever path asks (one does).
+        self.decodes = sorted((i for i, q in enumerate(q_lens) if q == 1), key=lambda i: -lens[i])
+        self._eager_groups: list[_DecodeGroup] | None = None
         self._compiled_groups: list[compiled_decode.CompiledGroup] | None = None
-        for g in range(0, len(decodes), _DECODE_GROUP):
-            rows = decodes[g:g + _DECODE_GROUP]
-            n = nblk[rows[0]]
-            rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-            mask = None
-            if any(lens[r] != n * block_size for r in rows):
-                keys = torch.arange(n * block_size, device=device)
-                invalid = keys[None, :] >= seq_lens[rows_t].long()[:, None]
-                mask = torch.zeros(invalid.shape, dtype=dtype, device=device)
-                mask.masked_fill_(invalid, float("-inf"))
-                mask = mask[:, None, None, :]
-            q_rows = torch.tensor([starts[r] for r in rows], dtype=torch.int64, device=device)
-            self.decode_groups.append(_DecodeGroup(q_rows, tables[rows_t, :n].reshape(-1),
-                                                   n * block_size, mask))
-        self.prefills = [_PrefillSeq(starts[i], q, lens[i], tables[i, :nblk[i]])
+        self.prefills = [_PrefillSeq(starts[i], q, lens[i], tables[i, :-(-lens[i] // block_size)])
                          for i, q in enumerate(q_lens) if q > 1]
 
+    def eager_groups(self) -> list[_DecodeGroup]:
+        """Groups of :data:`_DECODE_GROUP` decodes for gather + SDPA (built on first use)."""
+        if self._eager_groups is None:
+            self._eager_groups = [self._eager_group(self.decodes[g:g + _DECODE_GROUP])
+                                  for g in range(0, len(self.decodes), _DECODE_GROUP)]
+        return self._eager_groups
+
+    def _eager_group(self, rows: list[int]) -> _DecodeGroup:
+        bs, lens, device = self.block_size, self.lens, self.tables.device
+        n = -(-lens[rows[0]] // bs)
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+        mask = None
+        if any(lens[r] != n * bs for r in rows):
+            keys = torch.arange(n * bs, device=device)
+            row_lens = torch.tensor([lens[r] for r in rows], device=device)
+            mask = torch.zeros(len(rows), n * bs, dtype=self.dtype, device=device)
+            mask.masked_fill_(keys[None, :] >= row_lens[:, None], float("-inf"))
+            mask = mask[:, None, None, :]
+        q_rows = torch.tensor([self.starts[r] for r in rows], dtype=torch.int64, device=device)
+        return _DecodeGroup(q_rows, self.tables[rows_t, :n].reshape(-1), n * bs, mask)
+
     def compiled_groups(self) -> list[compiled_decode.CompiledGroup]:
-        """The decodes as groups for the compiled kernel, built the first time a layer asks."""
+        """The decodes as groups for the compiled kernel (built on first use)."""
         if self._compiled_groups is None:
-            decodes, starts, lens, tables, block_size, dtype = self._decode_layout
-            self._compiled_groups = compiled_decode.build_groups(decodes, starts, lens, tables,
-                                                                 block_size, dtype)
+            self._compiled_groups = compiled_decode.build_groups(
+                self.decodes, self.starts, self.lens, self.tables, self.block_size, self.dtype)
         return self._compiled_groups
 
 
@@ -197,12 +203,12 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
 
     ``compiled`` (CPU float32 only): the inductor kernel of engine/compiled_decode.py, which
     reads the blocks in place; this eager path is the fallback when it cannot be built."""
-    if not plan.decode_groups:
+    if not plan.decodes:
         return
     if compiled and query.dtype == torch.float32 and query.device.type == "cpu":
         if _decode_compiled(query, k_cache, v_cache, plan, out, scale):
             return
-    _decode_eager(query, k_cache, v_cache, plan.decode_groups, out, scale)
+    _decode_eager(query, k_cache, v_cache, plan.eager_groups(), out, scale)
 
 
 def _decode_compiled(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
