@@ -193,8 +193,11 @@ def test_fastapi_example_streams_and_cancels(sdk_url: str, worker: RealWorker):
             events = list(parse_sse(resp.iter_lines()))
         assert events[-1][0] == "done" and events[-1][1]["usage"]["completion_tokens"] == 5
         assert "".join(d["text"] for e, d in events if e == "message") == events[-1][1]["text"]
+        # Greedy, so the job cannot sample an end-of-sequence token before the cancel (a random
+        # draw did, once in CI: finish_reason "stop" after one token).
         with httpx.stream("POST", f"{base}/v1/generate", timeout=60,
-                          json={"prompt": "Go on and on", "max_tokens": 200}) as resp:
+                          json={"prompt": "Go on and on", "max_tokens": 200,
+                                "temperature": 0}) as resp:
             it = parse_sse(resp.iter_lines())
             job_id = next(it)[1]["job_id"]
             next(it)
