@@ -109,7 +109,7 @@ def test_async_submit_stream_result_cancel(sdk_url: str, worker: RealWorker):
             text = "".join([d.text async for d in job.stream(timeout=60)])
             res = await job.result()
             assert text == res.text and res.usage.completion_tokens == 6
-            long = await c.submit("Another long story", max_tokens=200)
+            long = await c.submit("Another long story", max_tokens=200, temperature=0)
             async for _ in long.stream(timeout=60):
                 break
             await long.cancel()
