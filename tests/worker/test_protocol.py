@@ -1,7 +1,7 @@
 """Protocol v1 unit tests: keys, payload validation, events, dead letters, resume-read, settings.
 
 Fast: no redis-server (fakeredis where a client is needed; it has no Lua, so the fenced scripts
-are tested against a real server in test_worker_fencing.py).
+are tested against a real server in tests/worker/test_fencing.py).
 """
 
 from __future__ import annotations

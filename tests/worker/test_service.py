@@ -1,5 +1,5 @@
 """The worker's promises, in-process against a real redis-server, with the contract-shaped
-FakeEngine (tests of the real engine are in test_worker_real_engine.py).
+FakeEngine (tests of the real engine are in tests/worker/test_real_engine.py).
 
 Each promise has a test that breaks something: bad payloads, cancels, expired deadlines, a stop
 in the middle of generation, a Redis restart, a stalled worker whose job was taken over.

@@ -24,8 +24,8 @@ from producer_sdk import AsyncClient, Client, QueueFull
 from producer_sdk.batch import BatchRunner
 from producer_sdk.protocol import Keys
 from tests.sdk_helpers import free_port, sdk_redis, sdk_url, wait_until  # noqa: F401
-from tests.test_batch_runner import read_jsonl, run_cli_batch, write_input
-from tests.test_example_fastapi import parse_sse
+from tests.sdk.test_batch_runner import read_jsonl, run_cli_batch, write_input
+from tests.e2e.test_example_fastapi import parse_sse
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("engine.llm_engine") is None
