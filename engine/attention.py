@@ -6,8 +6,9 @@ the inductor kernel of engine/compiled_decode.py, which reads each block once in
 eager path (other dtypes, ``enforce_eager``, no compiler) sorts decodes by length and attends
 them in small groups: one gather of just the blocks they need into a reused buffer, padded only
 to the longest member, then one SDPA with an additive mask. Each prefill sequence runs its own
-unpadded causal SDPA. How a step's batch splits is computed once per step and shared by every
-layer (``_plan_for``).
+unpadded causal SDPA. How a step's batch splits is the step's :class:`AttentionPlan`
+(engine/attention_plan.py): the ModelRunner builds it once per step and passes it down in the
+metadata, so every layer reuses it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import compiled_decode
+from engine.attention_plan import AttentionPlan, DecodeGroup
 
 
 @dataclass
@@ -33,6 +35,9 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     is_decode: bool                 # every sequence has exactly one new token
+    # The step's attention plan (engine/attention_plan.py), built once by the ModelRunner for
+    # the torch backends and read by every layer; None for the triton kernels, which need none.
+    plan: AttentionPlan | None = None
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -81,123 +86,21 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, name: str) -> torc
     return out.view(-1, hkv, d)
 
 
-# Decode sequences are attended in groups of at most this many, sorted by length: padding to the
-# longest member of a group of similar lengths wastes little (one padded batch of 48 gathered ~2x
-# the needed KV and took ~2x longer, measured on the bench model). Whole-workload runs with fresh
-# prompts each (so the prefix cache cannot help): 8 gave 316-360 output tok/s against 280-319 for
-# 16, with OpenMP threads spinning or sleeping (OMP_WAIT_POLICY=PASSIVE) alike; 4 was close to 8.
-# Smaller groups keep each gathered K/V (~2.4 MB at 300 keys) nearer the cores' caches.
-_DECODE_GROUP = 8
-
-
-@dataclass
-class _DecodeGroup:
-    q_rows: torch.Tensor            # [m] int64, the query rows (tokens) this group holds
-    blocks: torch.Tensor            # [m * nblk] int64, their first nblk blocks, row by row
-    num_keys: int                   # nblk * block_size
-    mask: torch.Tensor | None       # [m, 1, 1, num_keys] additive float mask, None if all full
-
-
-@dataclass
-class _PrefillSeq:
-    start: int                      # first row of this sequence in the ragged query
-    q_len: int
-    seq_len: int
-    blocks: torch.Tensor            # [nblk] int64
-
-
-class _Plan:
-    """How a step's batch is split for attention: decode groups and per-sequence prefills.
-
-    It depends only on block tables and lengths, which every layer shares, so it is built once
-    per step (the first layer) and reused by the others; see :func:`_plan_for`."""
-
-    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 q_lens: list[int], block_size: int, dtype: torch.dtype) -> None:
-        lens = seq_lens.tolist()
-        starts = [0] * len(q_lens)          # first query row of each sequence
-        for i in range(1, len(q_lens)):
-            starts[i] = starts[i - 1] + q_lens[i - 1]
-        tables = block_tables.long()
-        self.block_size = block_size
-        self.dtype = dtype
-        self.lens, self.starts, self.tables = lens, starts, tables
-        # Decodes longest first; their groups are built for whichever path asks (one does).
-        self.decodes = sorted((i for i, q in enumerate(q_lens) if q == 1), key=lambda i: -lens[i])
-        self._eager_groups: list[_DecodeGroup] | None = None
-        self._compiled_groups: list[compiled_decode.CompiledGroup] | None = None
-        self.prefills = [_PrefillSeq(starts[i], q, lens[i], tables[i, :-(-lens[i] // block_size)])
-                         for i, q in enumerate(q_lens) if q > 1]
-
-    def eager_groups(self) -> list[_DecodeGroup]:
-        """Groups of :data:`_DECODE_GROUP` decodes for gather + SDPA (built on first use)."""
-        if self._eager_groups is None:
-            self._eager_groups = [self._eager_group(self.decodes[g:g + _DECODE_GROUP])
-                                  for g in range(0, len(self.decodes), _DECODE_GROUP)]
-        return self._eager_groups
-
-    def _eager_group(self, rows: list[int]) -> _DecodeGroup:
-        bs, lens, device = self.block_size, self.lens, self.tables.device
-        n = -(-lens[rows[0]] // bs)
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
-        mask = None
-        if any(lens[r] != n * bs for r in rows):
-            keys = torch.arange(n * bs, device=device)
-            row_lens = torch.tensor([lens[r] for r in rows], device=device)
-            mask = torch.zeros(len(rows), n * bs, dtype=self.dtype, device=device)
-            mask.masked_fill_(keys[None, :] >= row_lens[:, None], float("-inf"))
-            mask = mask[:, None, None, :]
-        q_rows = torch.tensor([self.starts[r] for r in rows], dtype=torch.int64, device=device)
-        return _DecodeGroup(q_rows, self.tables[rows_t, :n].reshape(-1), n * bs, mask)
-
-    def compiled_groups(self) -> list[compiled_decode.CompiledGroup]:
-        """The decodes as groups for the compiled kernel (built on first use)."""
-        if self._compiled_groups is None:
-            self._compiled_groups = compiled_decode.build_groups(
-                self.decodes, self.starts, self.lens, self.tables, self.block_size, self.dtype)
-        return self._compiled_groups
-
-
-class _PlanCache(threading.local):
-    """The plan of the last step and copies of the metadata it was built from."""
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.plan: _Plan | None = None
-
-
-_PLANS = _PlanCache()
-
-
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return a.shape == b.shape and a.device == b.device and bool(torch.equal(a, b))
-
-
-def _plan_for(block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
-              block_size: int, dtype: torch.dtype) -> _Plan:
-    """The step's plan, built at the first layer and reused while equal metadata comes back.
-
-    Compared by value (a few hundred ints, microseconds), not identity: a caller may refill
-    the same tensors in place between steps."""
-    key = (block_tables, seq_lens, cu_seqlens_q)
-    cached = _PLANS.key
-    if (cached is not None and cached[3:] == (block_size, dtype)
-            and all(_same(a, b) for a, b in zip(cached[:3], key))):
-        return _PLANS.plan
-    if cu_seqlens_q is None:
-        q_lens = [1] * seq_lens.shape[0]
-    else:
-        cu = cu_seqlens_q.tolist()
-        q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    plan = _Plan(block_tables, seq_lens, q_lens, block_size, dtype)
-    _PLANS.key = tuple(None if t is None else t.clone() for t in key) + (block_size, dtype)
-    _PLANS.plan = plan
+def _step_plan(plan: AttentionPlan | None, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               cu_seqlens_q: torch.Tensor | None, block_size: int,
+               dtype: torch.dtype) -> AttentionPlan:
+    """The plan the caller passed (the ModelRunner's, built once per step), checked against
+    this call's shapes; without one, a plan for this call alone."""
+    if plan is None:
+        return AttentionPlan.for_step(block_tables, seq_lens, cu_seqlens_q, block_size, dtype)
+    if plan.num_seqs != seq_lens.shape[0] or plan.block_size != block_size:
+        raise ValueError(f"the attention plan is for {plan.num_seqs} sequences in blocks of "
+                         f"{plan.block_size}, this call has {seq_lens.shape[0]} in blocks of "
+                         f"{block_size}: pass the plan built for this step's metadata")
     return plan
 
 
-def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Plan,
+def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
             out: torch.Tensor, scale: float, compiled: bool) -> None:
     """One query per sequence: writes the rows of ``out`` that the plan's decodes hold.
 
@@ -212,7 +115,7 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
 
 
 def _decode_compiled(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     plan: _Plan, out: torch.Tensor, scale: float) -> bool:
+                     plan: AttentionPlan, out: torch.Tensor, scale: float) -> bool:
     for g in plan.compiled_groups():
         o = compiled_decode.run_group(query.index_select(0, g.q_rows), k_cache, v_cache, g,
                                       scale)
@@ -223,7 +126,7 @@ def _decode_compiled(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 def _decode_eager(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  groups: list[_DecodeGroup], out: torch.Tensor, scale: float) -> None:
+                  groups: list[DecodeGroup], out: torch.Tensor, scale: float) -> None:
     """Gather each group's blocks, then one SDPA. GQA is folded into the query length
     (``[m, Hkv, G, D]``), so K/V are never repeated."""
     _, hq, d = query.shape
@@ -241,11 +144,12 @@ def _decode_eager(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None, *, compiled: bool = False
-                           ) -> torch.Tensor:
+                           num_splits: int | None = None, *, compiled: bool = False,
+                           plan: AttentionPlan | None = None) -> torch.Tensor:
     """One new query per sequence, ``query[B, Hq, D]`` -> ``[B, Hq, D]``; ``num_splits`` is a
-    kernel tuning knob and is ignored here. ``compiled``: see :func:`_decode`."""
-    plan = _plan_for(block_tables, seq_lens, None, k_cache.shape[1], query.dtype)
+    kernel tuning knob and is ignored here. ``compiled``: see :func:`_decode`; ``plan``: the
+    step's plan (see :class:`AttentionMetadata`), built here when not given."""
+    plan = _step_plan(plan, block_tables, seq_lens, None, k_cache.shape[1], query.dtype)
     out = torch.empty_like(query)
     _decode(query, k_cache, v_cache, plan, out, scale, compiled)
     return out
@@ -254,7 +158,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, scale: float, *,
-                            compiled: bool = False) -> torch.Tensor:
+                            compiled: bool = False,
+                            plan: AttentionPlan | None = None) -> torch.Tensor:
     """Ragged causal attention for ``query[T, Hq, D]`` (new tokens of B sequences, concatenated)
     against the cache, which must already hold the new tokens' K/V; covers chunked prefill and
     cached prefixes (context_len = seq_len - q_len).
@@ -265,7 +170,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     _, hq, d = query.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
-    plan = _plan_for(block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1], query.dtype)
+    plan = _step_plan(plan, block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1], query.dtype)
     out = torch.empty_like(query)
     _decode(query, k_cache, v_cache, plan, out, scale, compiled)
     for p in plan.prefills:

@@ -5,7 +5,8 @@ are concatenated into ``input_ids[T]``/``positions[T]``; ``cu_seqlens_q`` marks 
 sequence's span starts; ``slot_mapping[T]`` says where each new token's K/V goes in the cache
 (``block_table[pos // block_size] * block_size + pos % block_size``). Only the last position of
 each sequence that completes its tokens this step reaches the LM head; chunked-prefill pieces
-that do not finish their prompt skip it.
+that do not finish their prompt skip it. How the batch splits for attention (decode groups,
+prefill sequences) is planned once here per step and carried to every layer in the metadata.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ class ModelRunner:
             context_lens=torch.zeros(1, dtype=torch.int32),
             cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), max_seqlen_q=1, max_seqlen_k=1,
             is_decode=True)
-        self.model(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), meta,
-                   self.kv_caches)
+        self.model(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                   self._with_plan(meta), self.kv_caches)
 
     def _maybe_capture_decode_graphs(self) -> Optional[Any]:
         """CUDA graphs for decode steps: CUDA, the triton backend, and not ``enforce_eager``."""
@@ -89,9 +90,18 @@ class ModelRunner:
         activations = self.config.max_num_batched_tokens * 64 * 1024
         return int(total * self.config.gpu_memory_utilization - (total - free) - activations)
 
+    def _with_plan(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Build the step's attention plan once, here, for every layer to read from ``meta``
+        (None for ops that take none, and for injected models without an op table)."""
+        ops = getattr(self.model, "ops", None)
+        if ops is not None:
+            meta.plan = ops.plan_step(meta, self.block_size, self.config.dtype)
+        return meta
+
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
-        """Build the flattened inputs. Returns (input_ids, positions, meta, last_token_indices,
-        sample_rows) where ``sample_rows`` indexes ``seqs`` that get a token this step."""
+        """Build the flattened inputs and the step's attention plan. Returns (input_ids,
+        positions, meta, last_token_indices, sample_rows) where ``sample_rows`` indexes ``seqs``
+        that get a token this step."""
         bs = self.block_size
         dev = self.device
         is_decode = all(n == 1 for n in num_new_tokens)
@@ -140,7 +150,7 @@ class ModelRunner:
             cu = cu64.to(torch.int32)
             last = torch.tensor(last_idx, dtype=torch.int64)
             max_q = max(num_new_tokens)
-        meta = AttentionMetadata(
+        meta = self._with_plan(AttentionMetadata(
             slot_mapping=slot_mapping.to(dev, non_blocking=True),
             block_tables=block_tables.to(dev, non_blocking=True),
             seq_lens=seq_lens_t.to(dev, non_blocking=True),
@@ -149,7 +159,7 @@ class ModelRunner:
             max_seqlen_q=max_q,
             max_seqlen_k=max(seq_lens),
             is_decode=is_decode,
-        )
+        ))
         ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
         return ids, positions.to(dev, non_blocking=True), meta, last.to(dev), sample_rows
 

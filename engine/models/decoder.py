@@ -3,7 +3,8 @@
 The families differ only by switches read from :class:`ModelConfig`: QKV bias (Qwen2), per-head
 Q/K RMSNorm (Qwen3), output-projection bias (Llama ``attention_bias``) and tied embeddings.
 Tokens of all sequences are concatenated (``input_ids[T]``, no padding); the attention layer
-learns the layout from :class:`AttentionMetadata` and reads K/V from the paged cache.
+learns the layout from :class:`AttentionMetadata`, whose ``plan`` (the ModelRunner's, one per
+step) says how the batch splits, and reads K/V from the paged cache.
 
 Parameter names mirror Hugging Face's, except that q/k/v are fused into ``qkv_proj`` and
 gate/up into ``gate_up_proj``; :meth:`DecoderForCausalLM.hf_weight_target` maps HF names.
@@ -84,12 +85,7 @@ class Attention(nn.Module):
         q, k, v = parts if parts is not None else self._qkv_eager(qkv, positions, cos_sin_cache)
         k_cache, v_cache = kv_cache
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_decode:
-            out = self.ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                                  meta.seq_lens, self.scale)
-        else:
-            out = self.ops.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables,
-                                                   meta.seq_lens, meta.cu_seqlens_q, self.scale)
+        out = self.ops.attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
     def _qkv_compiled(self, qkv: torch.Tensor, positions: torch.Tensor,

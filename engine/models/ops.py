@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 
 from engine import attention, layers
+from engine.attention import AttentionMetadata
+from engine.attention_plan import AttentionPlan
 
 OP_NAMES = ("store_kv", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
             "fused_add_rms_norm", "rotary", "silu_and_mul")
@@ -27,7 +29,7 @@ class BackendUnavailableError(RuntimeError):
 
 @dataclass(frozen=True)
 class Ops:
-    """Callables with the contract's signatures."""
+    """Callables with the contract's signatures, and how a step's attention reaches them."""
 
     name: str
     store_kv: Callable
@@ -37,6 +39,29 @@ class Ops:
     fused_add_rms_norm: Callable
     rotary: Callable
     silu_and_mul: Callable
+    # The torch attention functions split each step's batch by an AttentionPlan (``plan=``);
+    # the triton kernels read the block tables on the device and take none.
+    uses_plan: bool = False
+
+    def plan_step(self, meta: AttentionMetadata, block_size: int,
+                  dtype: torch.dtype) -> AttentionPlan | None:
+        """The step's attention plan for these ops (None where they need none). The
+        ModelRunner calls this once per step and stores the result in ``meta.plan``."""
+        if not self.uses_plan:
+            return None
+        cu = None if meta.is_decode else meta.cu_seqlens_q
+        return AttentionPlan.for_step(meta.block_tables, meta.seq_lens, cu, block_size, dtype)
+
+    def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A layer's attention over the step: the decode op when every sequence has one new
+        token, the prefill op otherwise, given the step's plan where these ops use one."""
+        plan = {"plan": meta.plan} if self.uses_plan else {}
+        if meta.is_decode:
+            return self.paged_decode_attention(query, k_cache, v_cache, meta.block_tables,
+                                               meta.seq_lens, scale, **plan)
+        return self.paged_prefill_attention(query, k_cache, v_cache, meta.block_tables,
+                                            meta.seq_lens, meta.cu_seqlens_q, scale, **plan)
 
 
 def _torch_ops() -> Ops:
@@ -44,7 +69,7 @@ def _torch_ops() -> Ops:
                paged_decode_attention=attention.paged_decode_attention,
                paged_prefill_attention=attention.paged_prefill_attention,
                rms_norm=layers.rms_norm, fused_add_rms_norm=layers.fused_add_rms_norm,
-               rotary=layers.rotary, silu_and_mul=layers.silu_and_mul)
+               rotary=layers.rotary, silu_and_mul=layers.silu_and_mul, uses_plan=True)
 
 
 def _triton_ops() -> Ops:

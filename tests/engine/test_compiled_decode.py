@@ -37,11 +37,6 @@ def _paged_batch(lens: list[int], hq: int, hkv: int, d: int, block_size: int, se
     return query, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
 
 
-def _fresh_plans() -> None:
-    attention._PLANS.key = None
-    attention._PLANS.plan = None
-
-
 @needs_compiler
 @pytest.mark.parametrize("lens,hq,hkv,d,block_size", [
     ([37, 5, 16, 1, 130, 64, 17, 99], 8, 4, 64, 16),    # GQA 2, ragged, exact multiples, 1 token
@@ -54,9 +49,7 @@ def test_compiled_decode_matches_the_eager_path(lens, hq, hkv, d, block_size) ->
     scale = d ** -0.5
     before = compiled_decode._KERNEL.calls
     with torch.inference_mode():
-        _fresh_plans()
         eager = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale)
-        _fresh_plans()
         compiled = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens,
                                                     scale, compiled=True)
     assert compiled_decode._KERNEL.failed is None
@@ -75,10 +68,8 @@ def test_decode_rows_of_a_mixed_step_take_the_compiled_kernel_too() -> None:
     cu = torch.tensor([0, 1, 7, 8, 28], dtype=torch.int32)
     before = compiled_decode._KERNEL.calls
     with torch.inference_mode():
-        _fresh_plans()
         eager = attention.paged_prefill_attention(query, k_cache, v_cache, tables, seq_lens, cu,
                                                   32 ** -0.5)
-        _fresh_plans()
         compiled = attention.paged_prefill_attention(query, k_cache, v_cache, tables, seq_lens,
                                                      cu, 32 ** -0.5, compiled=True)
     assert compiled_decode._KERNEL.calls > before
@@ -95,9 +86,7 @@ def test_a_failed_compile_falls_back_to_the_eager_path_for_good(monkeypatch, cap
     monkeypatch.setattr(compiled_decode, "_KERNEL", state)
     q, k_cache, v_cache, tables, seq_lens = _paged_batch([20, 3, 41], 8, 4, 32, 16, 3)
     with torch.inference_mode(), caplog.at_level(logging.WARNING, "engine.compiled"):
-        _fresh_plans()
         eager = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.2)
-        _fresh_plans()
         got = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.2,
                                                compiled=True)
         again = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.2,

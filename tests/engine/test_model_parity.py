@@ -63,6 +63,7 @@ class Paged:
             max_seqlen_k=max(seq_lens),
             is_decode=all(len(new) == 1 for _, new in batch),
         )
+        meta.plan = self.model.ops.plan_step(meta, BLOCK, self.model.dtype)   # as the runner does
         with torch.no_grad():
             hidden = self.model(torch.tensor(ids), torch.tensor(pos), meta, self.caches)
             logits = self.model.compute_logits(hidden)
