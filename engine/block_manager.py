@@ -14,9 +14,21 @@ fresh allocation evicts them, least recently freed first.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """The pool as it stands (the engine publishes these in ``stats()``)."""
+
+    blocks_total: int
+    blocks_used: int
+    block_size: int
+    prefix_cache_hit_rate: float        # cached tokens / prompt tokens admitted
+    prefix_cache_hit_tokens: int
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -56,6 +68,24 @@ class BlockManager:
 
     def prefix_cache_hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(self.num_blocks, self.num_used_blocks, self.block_size,
+                            self.prefix_cache_hit_rate(), self.num_hit_tokens)
+
+    def pool_shortfall(self, num_tokens: int) -> Optional[str]:
+        """None if a sequence of ``num_tokens`` tokens fits in the whole pool; otherwise why
+        not, with the numbers (for the error its request gets)."""
+        need = self.blocks_for(num_tokens)
+        if need <= self.num_blocks:
+            return None
+        return (f"needs {need} KV blocks of {self.block_size} tokens, the pool has "
+                f"{self.num_blocks}")
+
+    def num_shared_token_copies(self) -> int:
+        """Token slots that a sum over sequences counts more than once: shared blocks are full
+        prefix blocks, so a block held by r sequences adds ``(r - 1) * block_size``."""
+        return self.block_size * sum(rc - 1 for rc in self.ref_counts if rc > 1)
 
     # -- prefix cache ----------------------------------------------------------------------
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:

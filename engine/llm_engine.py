@@ -57,21 +57,17 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   typical_request_tokens=min(self.max_model_len, 512))
         self.eos_token_ids = _eos_ids(config, tokenizer)
         self.sampler = Sampler(self.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Sequence] = {}
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
-        # Statistics:
+        # Statistics of the steps (the scheduler keeps those of its queues and the KV pool):
         self._num_steps = 0
         self._num_generated_tokens = 0
         self._num_computed_tokens = 0
-        self._peak_blocks_used = 0
-        self._num_running_peak = 0
-        self._kv_utilization_peak = 0.0
-        self._request_blocks_sum = 0
-        self._request_count = 0
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "LLMEngine":
@@ -137,11 +133,9 @@ class LLMEngine:
                 f"prompt ({p} tokens) + max_tokens ({m}) = {p + m} exceeds max_model_len "
                 f"({self.max_model_len})")
         # The last sampled token never needs KV, hence the -1.
-        need = self.block_manager.blocks_for(p + m - 1)
-        if need > self.block_manager.num_blocks:
-            raise PromptTooLongError(
-                f"prompt ({p} tokens) + max_tokens ({m}) needs {need} KV blocks of "
-                f"{self.config.block_size} tokens, the pool has {self.block_manager.num_blocks}")
+        shortfall = self.block_manager.pool_shortfall(p + m - 1)
+        if shortfall is not None:
+            raise PromptTooLongError(f"prompt ({p} tokens) + max_tokens ({m}) {shortfall}")
 
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seq = Sequence(request_id, prompt_ids, params, priority=priority,
@@ -153,8 +147,6 @@ class LLMEngine:
             seq.detokenizer.replay(resumed, resume.output_text)  # type: ignore[union-attr]
         self.requests[request_id] = seq
         self.scheduler.add(seq)
-        self._request_blocks_sum += self.block_manager.blocks_for(p + m)
-        self._request_count += 1
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request in any state and free its blocks at once. Silent: no delta follows."""
@@ -179,17 +171,8 @@ class LLMEngine:
         return self.scheduler.num_unfinished()
 
     def free_capacity(self) -> int:
-        """How many more requests could start soon: free sequence slots, bounded by the free
-        KV blocks left after the waiting prompts, divided by the average request's blocks."""
-        slots = self.config.max_num_seqs - self.scheduler.num_unfinished()
-        bm = self.block_manager
-        pending = sum(bm.blocks_for(s.num_tokens) for s in self.scheduler.waiting)
-        headroom = bm.num_free_blocks - pending
-        if self._request_count:
-            per_request = max(1, self._request_blocks_sum // self._request_count)
-        else:
-            per_request = bm.blocks_for(min(self.max_model_len, 512))
-        return max(0, min(slots, headroom // per_request))
+        """How many more requests could start soon (see Scheduler.free_capacity)."""
+        return self.scheduler.free_capacity()
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
@@ -203,8 +186,6 @@ class LLMEngine:
         self.scheduler.update(out)
         self._num_steps += 1
         self._num_computed_tokens += out.num_batched_tokens
-        self._track_kv_utilization()
-        self._num_running_peak = max(self._num_running_peak, len(self.scheduler.running))
         if not rows:
             return []
         seqs = [out.seqs[i] for i in rows]
@@ -268,38 +249,25 @@ class LLMEngine:
         return deltas
 
     # -- statistics ------------------------------------------------------------------------
-    def _track_kv_utilization(self) -> None:
-        """At the step with the most blocks in use, record tokens stored / slots allocated.
-
-        Shared blocks are always full prefix blocks, so a block held by r sequences is counted
-        r times in the sum of computed tokens: subtract the (r - 1) extra copies.
-        """
-        bm = self.block_manager
-        used = bm.num_used_blocks
-        if used <= self._peak_blocks_used:
-            return
-        self._peak_blocks_used = used
-        stored = sum(s.num_computed_tokens for s in self.scheduler.running)
-        stored -= bm.block_size * sum(rc - 1 for rc in bm.ref_counts if rc > 1)
-        self._kv_utilization_peak = stored / (used * bm.block_size)
-
     def stats(self) -> dict[str, Any]:
-        bm = self.block_manager
+        """Counters for metrics and benches; the queue and KV figures are the scheduler's."""
+        sched = self.scheduler.stats()
+        kv = sched.kv
         return {
-            "num_preemptions": self.scheduler.num_preemptions,
-            "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_used": bm.num_used_blocks,
-            "kv_blocks_peak": self._peak_blocks_used,
-            "kv_utilization_peak": self._kv_utilization_peak,
-            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate(),
-            "prefix_cache_hit_tokens": bm.num_hit_tokens,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_running_peak": self._num_running_peak,
+            "num_preemptions": sched.num_preemptions,
+            "kv_blocks_total": kv.blocks_total,
+            "kv_blocks_used": kv.blocks_used,
+            "kv_blocks_peak": sched.kv_blocks_peak,
+            "kv_utilization_peak": sched.kv_utilization_peak,
+            "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+            "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
+            "num_running": sched.num_running,
+            "num_waiting": sched.num_waiting,
+            "num_running_peak": sched.num_running_peak,
             "num_steps": self._num_steps,
             "num_generated_tokens": self._num_generated_tokens,
             "num_computed_tokens": self._num_computed_tokens,
-            "block_size": bm.block_size,
+            "block_size": kv.block_size,
             "max_model_len": self.max_model_len,
         }
 

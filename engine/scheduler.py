@@ -21,7 +21,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, KVCacheStats
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -42,23 +42,47 @@ class SchedulerOutput:
         return sum(self.num_new_tokens)
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Queues now, peaks since start, and the KV pool (the engine publishes these)."""
+
+    num_running: int
+    num_waiting: int
+    num_running_peak: int
+    num_preemptions: int
+    kv_blocks_peak: int                 # most blocks in use after any step
+    kv_utilization_peak: float          # tokens stored / slots allocated, at that step
+    kv: KVCacheStats
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, typical_request_tokens: int = 512) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # The request size free_capacity() assumes until requests have arrived.
+        self.typical_request_tokens = typical_request_tokens
         # Keep a few blocks free when admitting new prompts, so running decodes do not need
         # to preempt the prompt we just spent a step prefilling.
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
         self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
         self.running: list[Sequence] = []   # sorted by Sequence.sort_key
         self.num_preemptions = 0
+        # Statistics: requests' full sizes (prompt + max_tokens) in blocks, and peaks.
+        self._request_blocks_sum = 0
+        self._request_count = 0
+        self._num_running_peak = 0
+        self._kv_blocks_peak = 0
+        self._kv_utilization_peak = 0.0
 
     # -- queue management ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+        self._request_blocks_sum += self.block_manager.blocks_for(
+            seq.num_prompt_tokens + seq.params.max_tokens)
+        self._request_count += 1
 
     def finish(self, seq: Sequence, reason: Optional[str] = None) -> None:
         """Remove a sequence from whichever queue holds it and free its blocks at once."""
@@ -76,6 +100,19 @@ class Scheduler:
 
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def free_capacity(self) -> int:
+        """How many more requests could start soon: free sequence slots, bounded by the free
+        KV blocks left after the waiting prompts, divided by the average request's blocks."""
+        bm = self.block_manager
+        slots = self.max_num_seqs - self.num_unfinished()
+        pending = sum(bm.blocks_for(s.num_tokens) for s in self.waiting)
+        headroom = bm.num_free_blocks - pending
+        if self._request_count:
+            per_request = max(1, self._request_blocks_sum // self._request_count)
+        else:
+            per_request = bm.blocks_for(self.typical_request_tokens)
+        return max(0, min(slots, headroom // per_request))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -149,3 +186,24 @@ class Scheduler:
         for seq, n in zip(out.seqs, out.num_new_tokens):
             seq.num_computed_tokens += n
             bm.cache_full_blocks(seq)
+        self._record_peaks()
+
+    # -- statistics ------------------------------------------------------------------------
+    def _record_peaks(self) -> None:
+        """Most sequences running, and, at the step with the most blocks in use, the share of
+        allocated slots that hold tokens (each shared prefix block counted once)."""
+        bm = self.block_manager
+        self._num_running_peak = max(self._num_running_peak, len(self.running))
+        used = bm.num_used_blocks
+        if used <= self._kv_blocks_peak:
+            return
+        self._kv_blocks_peak = used
+        stored = sum(s.num_computed_tokens for s in self.running) - bm.num_shared_token_copies()
+        self._kv_utilization_peak = stored / (used * bm.block_size)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_running_peak=self._num_running_peak, num_preemptions=self.num_preemptions,
+            kv_blocks_peak=self._kv_blocks_peak, kv_utilization_peak=self._kv_utilization_peak,
+            kv=self.block_manager.stats())

@@ -170,3 +170,32 @@ def test_high_priority_arrival_preempts_lower_priority_running():
             break
         sim_step(sched)
     assert low.num_output_tokens == 4 and sched.block_manager.num_free_blocks == 4
+
+
+def test_free_capacity_is_slots_bounded_by_blocks_after_waiting_prompts():
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64)
+    # Before any request: the typical request (512 tokens = 128 blocks) does not fit 64 blocks.
+    assert sched.free_capacity() == 0
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64,
+                      typical_request_tokens=16)
+    assert sched.free_capacity() == 8                   # 64 free / 4 each = 16, 8 slots
+    sched.add(make_seq("a", 20, max_tokens=12))         # 32 tokens = 8 blocks a request
+    # 7 slots left; 64 free - 5 for the waiting prompt = 59 blocks / 8 = 7.
+    assert sched.free_capacity() == 7
+    sched.add(make_seq("b", 20, max_tokens=12))
+    sched.add(make_seq("c", 20, max_tokens=12))
+    assert sched.free_capacity() == min(5, (64 - 15) // 8)
+
+
+def test_stats_count_a_shared_prefix_block_once_in_kv_utilization():
+    sched = make_scheduler(num_blocks=64, block_size=4, budget=64)
+    sched.add(make_seq("a", 9, max_tokens=4))
+    sim_step(sched)                                     # a: 9 tokens, 3 blocks, 2 full
+    sched.add(make_seq("b", 9, max_tokens=4))           # the same prompt: 2 blocks shared
+    sim_step(sched)
+    s = sched.stats()
+    assert (s.num_running, s.num_waiting, s.num_running_peak) == (2, 0, 2)
+    assert s.kv.blocks_used == 4 and s.kv_blocks_peak == 4
+    assert s.kv.prefix_cache_hit_tokens == 8
+    # Stored: a's 10 tokens + b's 9, less the 8 slots b shares with a = 11 tokens in 16 slots.
+    assert s.kv_utilization_peak == 11 / 16
