@@ -1,6 +1,8 @@
 """Benchmark: our engine vs transformers static and continuous batching, on one mixed workload.
 
 ``python -m engine.bench [--model PATH] [--quick] [--skip-hf]``
+``python -m engine.bench --cuda-graphs [--model PATH]``: decode tokens/s on the triton backend,
+CUDA graphs off and on (CUDA only; engine/bench_graphs.py).
 
 Workload: 48 requests, prompt lengths uniform in [16, 384], output lengths uniform in [16, 192]
 (ignore_eos, greedy), random token ids; float32 on CPU by default. Reported:
@@ -149,6 +151,16 @@ def bench_ttft(model: str, args: argparse.Namespace, vocab: int) -> dict[str, fl
     return result
 
 
+def _bench_checkpoint() -> str:
+    """The bench-size tiny checkpoint, written to ``.models/tiny-bench`` on first use."""
+    from engine.tiny import write_checkpoint
+    out = Path(".models/tiny-bench")
+    if not (out / "config.json").is_file():
+        print(f"writing the bench-size tiny checkpoint to {out} ...")
+        write_checkpoint(out, arch="llama", size="bench")
+    return str(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="checkpoint folder (default: build .models/tiny-bench)")
@@ -167,18 +179,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-hf", action="store_true", help="only our engine (no comparison)")
     ap.add_argument("--skip-hf-cb", action="store_true",
                     help="skip transformers' continuous batching")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="instead: decode tokens/s on the triton backend, CUDA graphs off/on")
+    ap.add_argument("--graphs-batch", type=int, default=32, help="requests (--cuda-graphs)")
+    ap.add_argument("--graphs-tokens", type=int, default=128,
+                    help="new tokens per request (--cuda-graphs)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model = args.model
-    if model is None:
-        from engine.tiny import write_checkpoint
-        out = Path(".models/tiny-bench")
-        if not (out / "config.json").is_file():
-            print(f"writing the bench-size tiny checkpoint to {out} ...")
-            write_checkpoint(out, arch="llama", size="bench")
-        model = str(out)
+    model = args.model or _bench_checkpoint()
+    if args.cuda_graphs:
+        from engine import bench_graphs
+        raise SystemExit(bench_graphs.run(model, args.graphs_batch, args.graphs_tokens))
     from engine.model_config import ModelConfig
     vocab = ModelConfig.from_pretrained(model).vocab_size
 

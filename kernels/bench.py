@@ -2,13 +2,12 @@
 
     python -m kernels.bench                       # CUDA: bf16 checks + timings at Llama-3-8B sizes
     python -m kernels.bench --check-only --small  # anywhere (CPU: Triton interpreter), tiny sizes
-    python -m kernels.bench --engine PATH         # + engine decode tokens/s, CUDA graphs on/off
-                                                  #   (PATH from `python -m engine.tiny OUT --size bench`)
 
 Timings are medians of triton.testing.do_bench; GB/s counts the minimum bytes a call must move
 and is compared with a measured device-to-device copy (read + write), the practical roofline for
 these memory-bound kernels. The target is decode attention >= 70% of copy bandwidth at 4k
-context with batch >= 32.
+context with batch >= 32. Kernels only: the engine's decode tokens/s with CUDA graphs off and on
+is `python -m engine.bench --cuda-graphs` (`kernels` imports nothing of the engine).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -106,32 +104,6 @@ def time_cases(cases, copy_gbs: float) -> list[dict]:
     return rows
 
 
-def engine_decode_tps(path: str, batch: int, new_tokens: int, eager: bool) -> float:
-    """Decode tokens/s of the engine on the triton backend (prefill excluded from the clock)."""
-    from engine import SamplingParams
-    from engine.llm_engine import LLMEngine
-
-    prompt_len = 64
-    # An explicit pool size: memory of earlier runs stays in torch's cache, so "free memory"
-    # would shrink from one engine to the next.
-    blocks = batch * -(-(prompt_len + new_tokens + 16) // 16) + 64
-    engine = LLMEngine.from_kwargs(model=path, dtype="bfloat16", attention_backend="triton",
-                                   max_num_seqs=batch, enforce_eager=eager,
-                                   num_kv_blocks=blocks, block_size=16)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens + 1, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"r{i}", [1 + (7 * i + j) % 500 for j in range(prompt_len)], params)
-    started: set[str] = set()
-    while len(started) < batch:                      # prefill: every request has its first token
-        started |= {d.request_id for d in engine.step() if d.new_token_ids}
-    torch.cuda.synchronize()
-    t0, tokens = time.perf_counter(), 0
-    while engine.has_unfinished_requests():
-        tokens += sum(len(d.new_token_ids) for d in engine.step())
-    torch.cuda.synchronize()
-    return tokens / (time.perf_counter() - t0)
-
-
 def _print_checks(results: list[CheckResult]) -> None:
     print(f"{'kernel':26} {'case':34} {'max err':>10}  ok")
     for r in results:
@@ -156,9 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-only", action="store_true", help="correctness only, no timings")
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU interpreter friendly)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--engine", metavar="PATH", help="also time engine decode on this checkpoint")
-    ap.add_argument("--engine-batch", type=int, default=32)
-    ap.add_argument("--engine-tokens", type=int, default=128)
     args = ap.parse_args(argv)
     if _on_cpu_without_interpreter():
         os.environ["TRITON_INTERPRET"] = "1"  # before kernels (any @triton.jit module) is imported
@@ -177,12 +146,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(1)
     copy_gbs = copy_bandwidth_gbs()
     _print_timings(time_cases(all_cases(args.small, dtype, "cuda"), copy_gbs), copy_gbs)
-    torch.cuda.empty_cache()  # the timing cases' KV pool is gone; give its memory back
-    if args.engine:
-        for eager in (True, False):
-            tps = engine_decode_tps(args.engine, args.engine_batch, args.engine_tokens, eager)
-            print(f"engine decode, batch {args.engine_batch}, CUDA graphs {'off' if eager else 'on '}: "
-                  f"{tps:8.0f} tokens/s")
     return 0 if ok else 1
 
 
