@@ -5,15 +5,46 @@
     job = client.submit("Hello", max_tokens=32, temperature=0)
     for delta in job.stream():
         print(delta.text, end="", flush=True)
+
+Names are imported lazily: ``producer_sdk.protocol`` and ``producer_sdk.sampling_params`` are the
+wire contract the worker and the engine import too, and importing them must not pull in redis.
 """
 
-from producer_sdk.aio import AsyncClient, AsyncJob
-from producer_sdk.client import Client
-from producer_sdk.config import ClientConfig
-from producer_sdk.errors import (InvalidRequest, JobFailed, JobNotFound, QueueFull,
-                                 RedisUnavailable, SDKError)
-from producer_sdk.job import Delta, Job, Result
+from __future__ import annotations
 
-__all__ = ["Client", "AsyncClient", "Job", "AsyncJob", "Result", "Delta", "ClientConfig",
-           "JobFailed", "QueueFull", "JobNotFound", "InvalidRequest", "RedisUnavailable",
-           "SDKError"]
+import importlib
+from typing import Any
+
+_LAZY = {
+    "Client": "producer_sdk.client",
+    "AsyncClient": "producer_sdk.aio",
+    "AsyncJob": "producer_sdk.aio",
+    "Job": "producer_sdk.job",
+    "Result": "producer_sdk.job",
+    "Delta": "producer_sdk.job",
+    "ClientConfig": "producer_sdk.config",
+    "SamplingParams": "producer_sdk.sampling_params",
+    "Limits": "producer_sdk.protocol",
+    "DEFAULT_LIMITS": "producer_sdk.protocol",
+    "InvalidRequest": "producer_sdk.errors",
+    "JobFailed": "producer_sdk.errors",
+    "JobNotFound": "producer_sdk.errors",
+    "QueueFull": "producer_sdk.errors",
+    "RedisUnavailable": "producer_sdk.errors",
+    "SDKError": "producer_sdk.errors",
+    "ClientClosed": "producer_sdk.errors",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'producer_sdk' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

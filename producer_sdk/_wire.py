@@ -16,16 +16,16 @@ import msgpack
 from pydantic import ValidationError
 from redis.exceptions import OutOfMemoryError, ResponseError
 
-from engine.sampling_params import SamplingParams
 from producer_sdk.errors import InvalidRequest
-from producer_sdk.protocol import PROTOCOL_VERSION, Keys, now_ms, validate_job_id
+from producer_sdk.protocol import (DEDUPE_SEPARATOR, DEFAULT_LIMITS, PAYLOAD_FIELD,
+                                   PROTOCOL_VERSION, Keys, Limits, ProtocolError, now_ms,
+                                   parse_dedupe_record, validate_job)
+from producer_sdk.sampling_params import SAMPLING_FIELDS, SamplingParams
 
-SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 # Keyword arguments of submit() that are job fields rather than sampling fields.
 JOB_FIELDS = frozenset({"prompt", "messages", "prompt_token_ids", "job_id", "priority",
                         "deadline_s", "stream", "metadata"})
 DEFAULT_MAX_QUEUED_JOBS = 100_000
-LANE_INDEX = {"urgent": 0, "default": 1, "bulk": 2}
 
 # One script call enqueues a whole chunk: per job, SET-if-absent of the dedupe record and XADD
 # happen atomically, so a retried call (redis-py retries on timeouts) never enqueues twice.
@@ -33,7 +33,7 @@ LANE_INDEX = {"urgent": 0, "default": 1, "bulk": 2}
 # ARGV: explicit limit ('' = config hash or default), dedupe TTL, default limit, payloads.
 # Reply: {depth when the queue filled up or -1, limit, then per accepted/known job either the new
 # entry id or '=' .. the existing dedupe record}. Jobs past the reply's end were refused (full).
-ENQUEUE_LUA = """
+ENQUEUE_LUA_TEMPLATE = """
 local limit = tonumber(ARGV[1])
 if not limit then
   limit = tonumber(redis.call('HGET', KEYS[5], 'max_queued_jobs')) or tonumber(ARGV[3])
@@ -52,14 +52,18 @@ for i = 1, #KEYS - 5 do
       out[1] = depth
       return out
     end
-    local id = redis.call('XADD', lane, '*', 'data', ARGV[3 + i])
-    redis.call('SET', dk, lane .. ' ' .. id, 'EX', ttl)
+    local id = redis.call('XADD', lane, '*', '@FIELD@', ARGV[3 + i])
+    redis.call('SET', dk, lane .. '@SEP@' .. id, 'EX', ttl)
     depth = depth + 1
     out[#out + 1] = id
   end
 end
 return out
 """
+# The protocol's constants, not literals: the payload field and the dedupe record's separator
+# (``protocol.dedupe_record`` builds and parses the same record in Python).
+ENQUEUE_LUA = (ENQUEUE_LUA_TEMPLATE.replace("@FIELD@", PAYLOAD_FIELD.decode())
+               .replace("@SEP@", DEDUPE_SEPARATOR))
 
 
 def pack_command(args: Sequence[bytes]) -> bytes:
@@ -142,24 +146,11 @@ class JobIds:
         return f"{self._prefix}{next(self._count):x}"
 
 
-def _check_messages(messages: Any) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty list of {'role', 'content'} dicts",
-                             field="messages")
-    for i, m in enumerate(messages):
-        if (not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not m.get("role")
-                or not isinstance(m.get("content"), str)):
-            raise InvalidRequest(f"messages[{i}] must be a dict with a non-empty string 'role' and "
-                                 f"a string 'content'; got {m!r:.80}", field="messages")
-    return messages if all(type(m) is dict for m in messages) else [dict(m) for m in messages]
-
-
-def _check_token_ids(ids: Any) -> list[int]:
-    if (not isinstance(ids, list) or not ids
-            or any(type(t) is not int or t < 0 for t in ids)):
-        raise InvalidRequest("prompt_token_ids must be a non-empty list of non-negative ints",
-                             field="prompt_token_ids")
-    return ids
+def _as_dicts(messages: Any) -> Any:
+    """Chat messages given as any Mapping become dicts (msgpack packs dicts only)."""
+    if isinstance(messages, list) and not all(type(m) is dict for m in messages):
+        return [dict(m) if isinstance(m, Mapping) else m for m in messages]
+    return messages
 
 
 @dataclass(slots=True)
@@ -173,10 +164,19 @@ class Prepared:
 
 
 class PayloadBuilder:
-    """Turns submit() arguments into protocol v1 JobRequest payloads without pydantic per job."""
+    """Turns submit() arguments into protocol v1 payloads.
 
-    def __init__(self, keys: Keys, job_ids: Optional[JobIds] = None) -> None:
+    Every payload is checked by ``protocol.validate_job`` (the worker's own validation, limits
+    included), so a producer gets InvalidRequest before enqueue for exactly what a worker would
+    reject. ``build_many`` validates its template once and then only splices job ids and prompt
+    strings into it (checking each prompt's size); tests/sdk prove the spliced bytes decode to the
+    same JobRequest that validation builds.
+    """
+
+    def __init__(self, keys: Keys, job_ids: Optional[JobIds] = None,
+                 limits: Limits = DEFAULT_LIMITS) -> None:
         self.keys = keys
+        self.limits = limits
         self.params = ParamsCache()
         self.new_id = job_ids or JobIds()
 
@@ -187,35 +187,15 @@ class PayloadBuilder:
               **sampling: Any) -> Prepared:
         """Validate and encode one job. Raises InvalidRequest naming the bad field."""
         params = self.params.validate(sampling)
-        if job_id is None:
-            job_id = self.new_id()
-        else:
-            try:
-                validate_job_id(job_id)
-            except ValueError as exc:
-                raise InvalidRequest(str(exc), field="job_id") from None
-        payload: dict[str, Any] = {"v": PROTOCOL_VERSION, "job_id": job_id}
-        given = 0
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise InvalidRequest(f"prompt must be a str, got {type(prompt).__name__}",
-                                     field="prompt")
-            payload["prompt"] = prompt
-            given += 1
-        if messages is not None:
-            payload["messages"] = _check_messages(messages)
-            given += 1
-        if prompt_token_ids is not None:
-            payload["prompt_token_ids"] = _check_token_ids(prompt_token_ids)
-            given += 1
-        if given != 1:
-            raise InvalidRequest("exactly one of prompt, messages or prompt_token_ids is required",
-                                 field="prompt")
-        if type(priority) is not int or not -(2**31) <= priority < 2**31:
-            raise InvalidRequest(f"priority must be an int32, got {priority!r}", field="priority")
+        payload: dict[str, Any] = {"v": PROTOCOL_VERSION,
+                                   "job_id": self.new_id() if job_id is None else job_id}
+        for name, value in (("prompt", prompt), ("messages", _as_dicts(messages)),
+                            ("prompt_token_ids", prompt_token_ids)):
+            if value is not None:
+                payload[name] = value
         payload["params"] = params
         payload["priority"] = priority
-        payload["stream"] = bool(stream)
+        payload["stream"] = stream
         if metadata:
             if not isinstance(metadata, Mapping):
                 raise InvalidRequest("metadata must be a dict", field="metadata")
@@ -223,18 +203,25 @@ class PayloadBuilder:
         submitted = submitted_ms if submitted_ms is not None else now_ms()
         payload["submitted_ms"] = submitted
         if deadline_s is not None:
-            if not deadline_s > 0:
+            if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) \
+                    or not deadline_s > 0:
                 raise InvalidRequest(f"deadline_s must be > 0 seconds, got {deadline_s!r}",
                                      field="deadline_s")
             payload["deadline_ms"] = submitted + int(deadline_s * 1000)
         try:
+            validate_job(payload, self.limits)
+        except ProtocolError as exc:
+            raise InvalidRequest(str(exc), field=exc.field) from None
+        try:
             raw = msgpack.packb(payload, use_bin_type=True)
         except (TypeError, ValueError, OverflowError) as exc:
-            raise InvalidRequest(f"job {job_id}: payload is not msgpack-serializable ({exc}); "
-                                 f"metadata values must be plain JSON-like types",
+            raise InvalidRequest(f"job {payload['job_id']}: payload is not msgpack-serializable "
+                                 f"({exc}); metadata values must be plain JSON-like types",
                                  field="metadata") from None
-        lane = "urgent" if priority < 0 else ("default" if priority == 0 else "bulk")
-        return Prepared(job_id, lane, raw, bool(stream))
+        if len(raw) > self.limits.max_payload_bytes:
+            raise InvalidRequest(f"payload is {len(raw)} bytes, over the limit of "
+                                 f"{self.limits.max_payload_bytes} (max_payload_bytes)")
+        return Prepared(payload["job_id"], Keys.lane_for_priority(priority), raw, stream)
 
     def build_many(self, requests: Iterable[Any], defaults: Mapping[str, Any],
                    submitted_ms: int) -> list[Prepared]:
@@ -247,9 +234,14 @@ class PayloadBuilder:
         head, key_prompt, tail, lane, stream = template
         pack = msgpack.Packer(use_bin_type=True).pack  # one per call: Packer is not thread-safe
         new_id = self.new_id
+        # A prompt of at most this many characters is within max_prompt_bytes whatever it holds
+        # (4 UTF-8 bytes per character at most; the template leaves room for the id and prompt
+        # header in max_payload_bytes); longer ones take the general path, which measures.
+        short = min(self.limits.max_prompt_bytes,
+                    self.limits.max_payload_bytes - len(head) - len(tail) - 256) // 4
         out = []
         for r in requests:
-            if type(r) is str:
+            if type(r) is str and len(r) <= short:
                 jid = new_id()
                 out.append(Prepared(jid, lane, b"".join((head, pack(jid), key_prompt, pack(r),
                                                          tail)), stream))
@@ -324,18 +316,16 @@ class EnqueueScript:
                  default_limit: int = DEFAULT_MAX_QUEUED_JOBS) -> None:
         self.keys = keys
         self.sha = sha.encode()
-        lanes = keys.lanes()
-        self._lanes = {name: lanes[i].encode() for name, i in LANE_INDEX.items()}
-        self._head = [k.encode() for k in lanes] + [keys.config.encode()]
+        self._lanes = {name: keys.lane(name).encode() for name in keys.LANES}
+        self._head = [k.encode() for k in keys.lanes()] + [keys.config.encode()]
         self._limit = b"" if limit is None else str(int(limit)).encode()
         self._ttl = str(int(ttl_s)).encode()
         self._default = str(int(default_limit)).encode()
-        self._dedupe_prefix = f"{keys.namespace}:job:{{".encode()
 
     def command(self, jobs: Sequence[Prepared]) -> bytes:
         """One EVALSHA for jobs that all go to the same lane."""
-        pre = self._dedupe_prefix
-        dkeys = [pre + j.job_id.encode() + b"}" for j in jobs]
+        dedupe = self.keys.dedupe
+        dkeys = [dedupe(j.job_id).encode() for j in jobs]
         args = [b"EVALSHA", self.sha, b"%d" % (5 + len(jobs)), self._lanes[jobs[0].lane],
                 *self._head, *dkeys, self._limit, self._ttl, self._default,
                 *[j.payload for j in jobs]]
@@ -349,10 +339,21 @@ def chunk_by_lane(indexes: Iterable[int], jobs: Sequence[Prepared],
     for i in indexes:
         by_lane.setdefault(jobs[i].lane, []).append(i)
     chunks: list[list[int]] = []
-    for lane in ("urgent", "default", "bulk"):
+    for lane in Keys.LANES:
         idx = by_lane.get(lane, [])
         chunks.extend(idx[s:s + size] for s in range(0, len(idx), size))
     return chunks
+
+
+def record_location(keys: Keys, record: Any) -> tuple[str, str]:
+    """(lane key, entry id) a job's dedupe record names, for an XRANGE that finds nothing when
+    there is no record (or it is unreadable)."""
+    if record:
+        try:
+            return parse_dedupe_record(record)
+        except ProtocolError:
+            pass
+    return keys.lane("default"), "0-0"
 
 
 def normalize_xread(reply: Any) -> list[tuple[str, list[tuple[bytes, dict]]]]:

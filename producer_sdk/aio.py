@@ -16,13 +16,15 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
 from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, PayloadBuilder, Prepared,
-                                is_oom, merge_xreads, normalize_xread, redact_url)
+                                is_oom, merge_xreads, normalize_xread, record_location,
+                                redact_url)
 from producer_sdk.client import (ENQUEUE_SHA, NET_ERRORS, XREAD_COUNT, _len_or_none, _outcome,
+                                 feed_states,
                                  make_redis, map_defaults, progress_bar, take_batch)
 from producer_sdk.config import ClientConfig
-from producer_sdk.errors import DUPLICATE, JobNotFound, QueueFull, RedisUnavailable
-from producer_sdk.job import Deadline, Delta, JobHandle, JobState, Result
-from producer_sdk.protocol import Keys, now_ms, validate_job_id
+from producer_sdk.errors import DUPLICATE, ClientClosed, JobNotFound, QueueFull, RedisUnavailable
+from producer_sdk.job import Deadline, Delta, JobHandle, JobState, Result, timeout_error
+from producer_sdk.protocol import DEFAULT_LIMITS, Keys, Limits, now_ms, validate_job_id
 
 
 class AsyncJob(JobHandle):
@@ -31,23 +33,34 @@ class AsyncJob(JobHandle):
     __slots__ = ()
 
     async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Delta]:
-        """Yield deltas as they arrive; raises JobFailed on error, TimeoutError on timeout."""
+        """Yield deltas as they arrive; raises JobFailed on error, TimeoutError on timeout.
+        Several tasks may stream one job: each sees every delta from its start once."""
         deadline = Deadline(timeout)
-        while not self.state.finished:
-            if deadline.expired:
-                raise TimeoutError(f"job {self.id}: no terminal event within {timeout}s")
-            for delta in await self.client._pump_one(self.state, deadline):
-                yield delta
-        if self.state.failure is not None or self.state.terminal.type == "error":
-            self.state.result()
+        state = self.state
+        cursor = state.open_stream()
+        try:
+            while True:
+                for delta in state.read_log(cursor):
+                    cursor += 1
+                    yield delta
+                if state.finished and cursor >= state.delta_count:
+                    break
+                if state.finished:
+                    continue
+                await self.client._pump_one(state, deadline)
+                if not state.finished and self._timed_out(deadline):
+                    raise timeout_error(self.id, timeout, streaming=True)
+        finally:
+            state.close_stream()
+        self._raise_if_failed()
 
     async def result(self, timeout: Optional[float] = None) -> Result:
+        """Reads Redis at least once, so ``timeout=0`` returns a finished job's result."""
         deadline = Deadline(timeout)
         while not self.state.finished:
-            if deadline.expired:
-                raise TimeoutError(f"job {self.id}: not finished within {timeout}s "
-                                   f"(it keeps running; call job.cancel() to stop it)")
             await self.client._pump_one(self.state, deadline)
+            if not self.state.finished and self._timed_out(deadline):
+                raise timeout_error(self.id, timeout, streaming=False)
         return self.state.result()
 
     async def cancel(self) -> None:
@@ -59,20 +72,35 @@ class AsyncClient:
 
     def __init__(self, redis_url: Optional[str] = None, queue: str = "default",
                  namespace: str = "tokenrelay", *, redis_client: Optional[aioredis.Redis] = None,
-                 **settings: Any) -> None:
+                 limits: Limits = DEFAULT_LIMITS, **settings: Any) -> None:
         if redis_url is not None:
             settings["redis_url"] = redis_url
         self.config = ClientConfig(queue=queue, namespace=namespace, **settings)
         self.keys = Keys(namespace, queue)
         self.url = redact_url(self.config.redis_url)
-        self.redis = redis_client if redis_client is not None else make_redis(self.config, aioredis)
-        self._builder = PayloadBuilder(self.keys)
+        self._redis = redis_client if redis_client is not None else make_redis(self.config, aioredis)
+        self._closed = False
+        self._builder = PayloadBuilder(self.keys, limits=limits)
         self._script = EnqueueScript(self.keys, ENQUEUE_SHA, limit=self.config.max_queued_jobs,
                                      ttl_s=self.config.dedupe_ttl_s)
         self._script_loaded = False
 
+    @property
+    def redis(self) -> aioredis.Redis:
+        """The Redis client; ClientClosed after ``close()`` (never a silent reconnect)."""
+        if self._closed:
+            raise ClientClosed(type(self).__name__)
+        return self._redis
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def close(self) -> None:
-        await self.redis.aclose()
+        """Close the connections. Any later use raises ClientClosed; closing twice is fine."""
+        if not self._closed:
+            self._closed = True
+            await self._redis.aclose()
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -195,9 +223,9 @@ class AsyncClient:
         records = await self._call(pipe.execute)
         pipe = self.redis.pipeline(transaction=True)
         for j, rec in zip(jobs, records):
-            lane, _, entry = (rec or b"").decode().partition(" ")
+            lane, entry = record_location(self.keys, rec)
             pipe.exists(self.keys.results(j.id))
-            pipe.xrange(lane or self.keys.lane("default"), entry or "0-0", entry or "0-0", count=1)
+            pipe.xrange(lane, entry, entry, count=1)
         replies = await self._call(pipe.execute)
         out = []
         for k, (j, rec) in enumerate(zip(jobs, records)):
@@ -245,12 +273,8 @@ class AsyncClient:
         by_key = {s.key: s for s in states if not s.finished}
         if not by_key:
             return []
-        out = []
-        for key, entries in await self._xread({k: s.last_id for k, s in by_key.items()},
-                                              block_ms):
-            state = by_key[key]
-            out.append((state, state.feed(entries)))
-        return out
+        return feed_states(by_key, await self._xread({k: s.last_id for k, s in by_key.items()},
+                                                     block_ms))
 
     async def _pump_one(self, state: JobState, deadline: Deadline) -> list[Delta]:
         got = await self._pump([state], deadline.block_ms(self.config.poll_ms))

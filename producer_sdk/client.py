@@ -20,11 +20,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, PayloadBuilder, Prepared,
-                                is_oom, merge_xreads, normalize_xread, redact_url)
+                                is_oom, merge_xreads, normalize_xread, record_location,
+                                redact_url)
 from producer_sdk.config import ClientConfig
-from producer_sdk.errors import DUPLICATE, JobFailed, JobNotFound, QueueFull, RedisUnavailable
+from producer_sdk.errors import (DUPLICATE, ClientClosed, JobFailed, JobNotFound, QueueFull,
+                                 RedisUnavailable)
 from producer_sdk.job import Deadline, Delta, Job, JobState, Result
-from producer_sdk.protocol import Keys, now_ms, validate_job_id
+from producer_sdk.protocol import DEFAULT_LIMITS, Keys, Limits, now_ms, validate_job_id
 
 ENQUEUE_SHA = hashlib.sha1(ENQUEUE_LUA.encode()).hexdigest()
 NET_ERRORS = (RedisConnectionError, RedisTimeoutError)
@@ -79,21 +81,36 @@ class Client:
 
     def __init__(self, redis_url: Optional[str] = None, queue: str = "default",
                  namespace: str = "tokenrelay", *, redis_client: Optional[redis.Redis] = None,
-                 **settings: Any) -> None:
+                 limits: Limits = DEFAULT_LIMITS, **settings: Any) -> None:
         if redis_url is not None:
             settings["redis_url"] = redis_url
         self.config = ClientConfig(queue=queue, namespace=namespace, **settings)
         self.keys = Keys(namespace, queue)
         self.url = redact_url(self.config.redis_url)
-        self.redis = redis_client if redis_client is not None else make_redis(self.config)
-        self._builder = PayloadBuilder(self.keys)
+        self._redis = redis_client if redis_client is not None else make_redis(self.config)
+        self._closed = False
+        self._builder = PayloadBuilder(self.keys, limits=limits)
         self._script = EnqueueScript(self.keys, ENQUEUE_SHA, limit=self.config.max_queued_jobs,
                                      ttl_s=self.config.dedupe_ttl_s)
         self._script_loaded = False
 
     # -- lifecycle
+    @property
+    def redis(self) -> redis.Redis:
+        """The Redis client; ClientClosed after ``close()`` (never a silent reconnect)."""
+        if self._closed:
+            raise ClientClosed(type(self).__name__)
+        return self._redis
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        self.redis.close()
+        """Close the connections. Any later use raises ClientClosed; closing twice is fine."""
+        if not self._closed:
+            self._closed = True
+            self._redis.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -248,9 +265,9 @@ class Client:
         records = self._call(pipe.execute)
         pipe = self.redis.pipeline(transaction=True)
         for j, rec in zip(jobs, records):
-            lane, _, entry = (rec or b"").decode().partition(" ")
+            lane, entry = record_location(self.keys, rec)
             pipe.exists(self.keys.results(j.id))
-            pipe.xrange(lane or self.keys.lane("default"), entry or "0-0", entry or "0-0", count=1)
+            pipe.xrange(lane, entry, entry, count=1)
         replies = self._call(pipe.execute)
         out = []
         for k, (j, rec) in enumerate(zip(jobs, records)):
@@ -301,11 +318,8 @@ class Client:
         by_key = {s.key: s for s in states if not s.finished}
         if not by_key:
             return []
-        out = []
-        for key, entries in self._xread({k: s.last_id for k, s in by_key.items()}, block_ms):
-            state = by_key[key]
-            out.append((state, state.feed(entries)))
-        return out
+        return feed_states(by_key, self._xread({k: s.last_id for k, s in by_key.items()},
+                                               block_ms))
 
     def _pump_one(self, state: JobState, deadline: Deadline) -> list[Delta]:
         got = self._pump([state], deadline.block_ms(self.config.poll_ms))
@@ -398,6 +412,20 @@ class Client:
         finally:
             bar.close()
         return results
+
+
+def feed_states(by_key: dict[str, JobState],
+                read: list[tuple[str, list]]) -> list[tuple[JobState, list[Delta]]]:
+    """Feed each job the entries one XREAD brought for it. A job whose read came back full
+    (XREAD_COUNT entries) is not caught up: its waiters read again before timing out."""
+    for state in by_key.values():
+        state.caught_up = True
+    out = []
+    for key, entries in read:
+        state = by_key[key]
+        state.caught_up = len(entries) < XREAD_COUNT
+        out.append((state, state.feed(entries)))
+    return out
 
 
 def _read_reply(conn: Any) -> Any:

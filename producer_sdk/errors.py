@@ -68,6 +68,13 @@ class JobFailed(SDKError):
         self.message = message
 
 
+class ClientClosed(SDKError, RuntimeError):
+    """The client was closed; it does not reconnect behind your back. Create a new one."""
+
+    def __init__(self, what: str = "Client") -> None:
+        super().__init__(f"this {what} was closed; create a new {what} to talk to Redis again")
+
+
 class JobNotFound(SDKError, LookupError):
     """No job with this id is known to Redis (never submitted, or its records expired)."""
 

@@ -1,34 +1,25 @@
 """Jobs as the producer sees them: deltas while streaming, one Result at the end.
 
-``JobState`` folds a job's result-stream entries into text and a final Result. It holds the last
-entry id seen, so any reader (sync, async, one job or a thousand multiplexed on one XREAD) resumes
-from exactly there after a dropped connection, and the highest token ``seq`` seen, so a job that a
-second worker resumed after a crash never repeats text.
+``JobState`` wraps the protocol's ``ResultFold`` (the one reading of a result stream, shared with
+the worker's resume-read) with what a reader needs on top: the last entry id seen, so any reader
+(sync, async, one job or a thousand multiplexed on one XREAD) resumes from exactly there after a
+dropped connection, and a lock plus a log of deltas, so one Job read from two threads at once
+(``stream()`` in one, ``result()`` in another) gives each reader every delta exactly once.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Union
 
-import msgpack
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from producer_sdk.errors import LOST, JobFailed
-from producer_sdk.protocol import (DoneEvent, ErrorEvent, ProtocolError, Timings, Usage,
-                                   describe_validation_error)
+from producer_sdk.fold import Delta, ResultFold
+from producer_sdk.protocol import EVENT_FIELD, DoneEvent, ErrorEvent, Timings, Usage
 
-
-@dataclass(frozen=True, slots=True)
-class Delta:
-    """New output of one engine step: ``text`` to append, its ``token_ids`` (and logprobs)."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: Optional[list[dict[int, float]]] = None
-    index: int = 0
-    seq: int = 0
+_EVENT_KEY = EVENT_FIELD.decode()
 
 
 class Result(BaseModel):
@@ -48,92 +39,95 @@ class Result(BaseModel):
     attempts: int = 0
 
 
-class JobState:
-    """Everything read so far from one job's result stream (sans-IO, shared by sync and async)."""
+def _entry_key(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
 
-    __slots__ = ("job_id", "key", "last_id", "max_seq", "parts", "token_ids", "logprobs",
-                 "attempts", "seed", "terminal", "failure")
+
+class JobState:
+    """Everything read so far from one job's result stream (sans-IO, shared by sync and async).
+
+    ``feed`` is serialized by a lock and ignores entries at or before ``last_id``, so two readers
+    whose XREADs overlap fold each entry once, in order. While a ``stream()`` reads, the deltas
+    are also kept in a log that each reader walks with its own cursor.
+    """
+
+    __slots__ = ("job_id", "key", "last_id", "fold", "failure", "lock", "delta_count", "log",
+                 "log_start", "streamers", "caught_up")
 
     def __init__(self, job_id: str, key: str) -> None:
         self.job_id = job_id
         self.key = key
         self.last_id: bytes = b"0-0"
-        self.max_seq = -1
-        self.parts: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: Optional[list[dict[int, float]]] = None
-        self.attempts = 0
-        self.seed: Optional[int] = None
-        self.terminal: Optional[Union[DoneEvent, ErrorEvent]] = None
+        self.fold = ResultFold(job_id)
         self.failure: Optional[JobFailed] = None  # ended without a terminal event (see fail())
+        self.lock = threading.Lock()
+        self.delta_count = 0          # deltas folded so far
+        self.log: list[Delta] = []    # deltas[log_start:], kept while a stream() reads
+        self.log_start = 0
+        self.streamers = 0
+        self.caught_up = True         # the last read returned everything there was
+
+    @property
+    def terminal(self) -> Optional[Union[DoneEvent, ErrorEvent]]:
+        return self.fold.terminal
+
+    @property
+    def attempts(self) -> int:
+        return self.fold.attempts
+
+    @property
+    def seed(self) -> Optional[int]:
+        return self.fold.seed
 
     @property
     def finished(self) -> bool:
-        return self.terminal is not None or self.failure is not None
+        return self.fold.terminal is not None or self.failure is not None
 
     def feed(self, entries: list[tuple[Any, dict]]) -> list[Delta]:
         """Apply result-stream entries in order; return the new deltas (duplicates skipped)."""
         deltas: list[Delta] = []
-        for entry_id, fields in entries:
-            self.last_id = entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
-            if self.terminal is not None:
-                continue  # nothing after a terminal event counts (a late, fenced-out writer)
-            raw = fields.get(b"data", fields.get("data")) if fields else None
-            if raw is None:
-                continue
-            d = self._apply(_unpack(raw, self.job_id))
-            if d is not None:
-                deltas.append(d)
+        with self.lock:
+            last = _entry_key(self.last_id)
+            for entry_id, fields in entries:
+                eid = entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
+                key = _entry_key(eid)
+                if key <= last:
+                    continue  # another reader already folded this entry
+                self.last_id, last = eid, key
+                raw = fields.get(EVENT_FIELD, fields.get(_EVENT_KEY)) if fields else None
+                if raw is not None:
+                    d = self.fold.apply_raw(raw)
+                    if d is not None:
+                        deltas.append(d)
+            self.delta_count += len(deltas)
+            if self.streamers:
+                self.log.extend(deltas)
+            else:
+                self.log_start = self.delta_count
         return deltas
 
-    def _apply(self, ev: dict) -> Optional[Delta]:
-        kind = ev.get("type")
-        if kind == "token":
-            return self._token(ev)
-        if kind == "started":
-            self.attempts = max(self.attempts + 1, int(ev.get("attempt", 1) or 1))
-            self.seed = ev.get("seed", self.seed)
-            return None
-        if kind in ("done", "error"):
-            return self._finish(ev)
-        return None  # unknown event types are additive protocol changes: ignore them
+    def open_stream(self) -> int:
+        """Register a stream() reader; its cursor (deltas before it are not its business)."""
+        with self.lock:
+            self.streamers += 1
+            return self.delta_count
 
-    def _token(self, ev: dict) -> Optional[Delta]:
-        try:
-            seq = int(ev["seq"])
-            text = ev["text"]
-            ids = list(ev["token_ids"])
-        except (KeyError, TypeError, ValueError):
-            raise ProtocolError(f"job {self.job_id}: malformed token event {ev!r:.120}",
-                                job_id=self.job_id) from None
-        if seq <= self.max_seq:
-            return None  # already seen: a resumed job re-emitting, or a replayed entry
-        self.max_seq = seq
-        self.parts.append(text)
-        self.token_ids.extend(ids)
-        lp = ev.get("logprobs")
-        if lp is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(lp)
-        return Delta(text, ids, lp, int(ev.get("index", 0)), seq)
+    def read_log(self, cursor: int) -> list[Delta]:
+        """Deltas from ``cursor`` on that this reader has not seen yet."""
+        with self.lock:
+            return self.log[cursor - self.log_start:]
 
-    def _finish(self, ev: dict) -> Optional[Delta]:
-        model = DoneEvent if ev["type"] == "done" else ErrorEvent
-        try:
-            self.terminal = model.model_validate(ev)
-        except ValidationError as exc:
-            raise ProtocolError(f"job {self.job_id}: malformed {ev['type']} event: "
-                                f"{describe_validation_error(exc)}", job_id=self.job_id) from None
-        t = self.terminal
-        if isinstance(t, DoneEvent) and t.text and self.max_seq < 0:
-            # stream=False jobs deliver the whole output with done: surface it as one delta.
-            return Delta(t.text, list(t.token_ids or []), None, 0, 0)
-        return None
+    def close_stream(self) -> None:
+        with self.lock:
+            self.streamers -= 1
+            if not self.streamers:
+                self.log = []
+                self.log_start = self.delta_count
 
     def fail(self, code: str, message: str) -> None:
         """End the job on the producer side (e.g. its results expired): result() raises this."""
-        if self.terminal is None:
+        if self.fold.terminal is None:
             self.failure = JobFailed(self.job_id, code, message)
 
     def mark_lost(self) -> None:
@@ -142,30 +136,20 @@ class JobState:
 
     def result(self) -> Result:
         """The final Result; raises JobFailed for error events and lost jobs."""
-        t = self.terminal
+        t = self.fold.terminal
         if t is None and self.failure is not None:
             raise self.failure
         if t is None:
             raise RuntimeError(f"job {self.job_id} has not finished yet")
         if isinstance(t, ErrorEvent):
             raise JobFailed(self.job_id, t.code, t.message)
-        text = t.text if t.text is not None else "".join(self.parts)
-        ids = list(t.token_ids) if t.token_ids is not None else self.token_ids
-        logprobs = self.logprobs if self.logprobs is not None else getattr(t, "logprobs", None)
+        fold = self.fold
+        text = t.text if t.text is not None else fold.text
+        ids = list(t.token_ids) if t.token_ids is not None else fold.token_ids
+        logprobs = fold.logprobs if fold.logprobs is not None else getattr(t, "logprobs", None)
         return Result(job_id=self.job_id, text=text, token_ids=ids, finish_reason=t.finish_reason,
                       usage=t.usage, timings=t.timings, metadata=t.metadata, logprobs=logprobs,
-                      stop_reason=t.stop_reason, attempts=self.attempts)
-
-
-def _unpack(raw: Any, job_id: str) -> dict:
-    try:
-        ev = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated exception types
-        raise ProtocolError(f"job {job_id}: result event is not msgpack ({exc})",
-                            job_id=job_id) from None
-    if not isinstance(ev, dict):
-        raise ProtocolError(f"job {job_id}: result event is not a map: {ev!r:.80}", job_id=job_id)
-    return ev
+                      stop_reason=t.stop_reason, attempts=fold.attempts)
 
 
 class Deadline:
@@ -187,6 +171,9 @@ class Deadline:
         return self.end is not None and time.monotonic() >= self.end
 
 
+_STATE_LOCK = threading.Lock()  # two threads touching a fresh handle must share one JobState
+
+
 class JobHandle:
     """What the sync and async job handles share: ids and the state read so far (no I/O)."""
 
@@ -201,7 +188,9 @@ class JobHandle:
     @property
     def state(self) -> JobState:
         if self._state is None:
-            self._state = JobState(self.id, self.client.keys.results(self.id))
+            with _STATE_LOCK:
+                if self._state is None:
+                    self._state = JobState(self.id, self.client.keys.results(self.id))
         return self._state
 
     def __repr__(self) -> str:
@@ -212,31 +201,63 @@ class JobHandle:
         """True once a terminal event was read (does not poll Redis)."""
         return self.state.finished
 
+    def _raise_if_failed(self) -> None:
+        state = self.state
+        if state.failure is not None or isinstance(state.terminal, ErrorEvent):
+            state.result()  # raises JobFailed
+
+    def _timed_out(self, deadline: "Deadline") -> bool:
+        """True (caller raises) once the deadline passed and the last read found nothing left
+        unread: ``timeout=0`` still reads everything a finished job already wrote."""
+        return deadline.expired and self.state.caught_up
+
+
+def timeout_error(job_id: str, timeout: Optional[float], streaming: bool) -> TimeoutError:
+    if streaming:
+        return TimeoutError(f"job {job_id}: no terminal event within {timeout}s")
+    return TimeoutError(f"job {job_id}: not finished within {timeout}s "
+                        f"(it keeps running; call job.cancel() to stop it)")
+
 
 class Job(JobHandle):
-    """A handle on one submitted job (sync). Cheap: holds ids and what was read so far."""
+    """A handle on one submitted job (sync). Cheap: holds ids and what was read so far.
+
+    Safe to read from several threads: each ``stream()`` sees every delta from its start exactly
+    once, in order, while ``result()`` waits in another thread.
+    """
 
     __slots__ = ()
 
     def stream(self, timeout: Optional[float] = None) -> Iterator[Delta]:
-        """Yield deltas as they arrive, from where this handle last read; JobFailed on error."""
+        """Yield deltas as they arrive, from when this call starts; JobFailed on error."""
         deadline = Deadline(timeout)
-        while not self.state.finished:
-            if deadline.expired:
-                raise TimeoutError(f"job {self.id}: no terminal event within {timeout}s")
-            for delta in self.client._pump_one(self.state, deadline):
-                yield delta
-        if self.state.failure is not None or isinstance(self.state.terminal, ErrorEvent):
-            self.state.result()  # raises JobFailed
+        state = self.state
+        cursor = state.open_stream()
+        try:
+            while True:
+                for delta in state.read_log(cursor):
+                    cursor += 1
+                    yield delta
+                if state.finished and cursor >= state.delta_count:
+                    break
+                if state.finished:
+                    continue
+                self.client._pump_one(state, deadline)
+                if not state.finished and self._timed_out(deadline):
+                    raise timeout_error(self.id, timeout, streaming=True)
+        finally:
+            state.close_stream()
+        self._raise_if_failed()
 
     def result(self, timeout: Optional[float] = None) -> Result:
-        """Wait for the job to finish. Raises JobFailed, or TimeoutError after ``timeout`` s."""
+        """Wait for the job to finish. Raises JobFailed, or TimeoutError after ``timeout`` s.
+
+        Reads Redis at least once, so ``timeout=0`` returns a finished job's result."""
         deadline = Deadline(timeout)
         while not self.state.finished:
-            if deadline.expired:
-                raise TimeoutError(f"job {self.id}: not finished within {timeout}s "
-                                   f"(it keeps running; call job.cancel() to stop it)")
             self.client._pump_one(self.state, deadline)
+            if not self.state.finished and self._timed_out(deadline):
+                raise timeout_error(self.id, timeout, streaming=False)
         return self.state.result()
 
     def cancel(self) -> None:

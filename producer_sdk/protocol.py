@@ -1,8 +1,11 @@
 """The tokenrelay wire format (protocol v1), shared by the worker and the producer SDK.
 
-Everything that crosses Redis is defined here and nowhere else: key names, the job payload, the
-result events and the error codes. Payloads are msgpack maps validated with pydantic; the human
-description lives in ``docs/protocol.md`` and must change together with this module.
+Everything that crosses Redis is defined here and nowhere else: key names, the dedupe record,
+the job payload and its limits, the result events, the one way to fold a result stream, and the
+error codes. Payloads are msgpack maps validated with pydantic; the human description lives in
+``docs/protocol.md`` and must change together with this module. Helpers too long to sit here live
+beside it and are re-exported: ``limits`` (Limits, the job id scan), ``sampling_params``
+(the ``params`` schema) and ``fold`` (ResultFold).
 
 This module imports no torch: web backends install the SDK without the engine.
 """
@@ -17,6 +20,10 @@ from typing import Any, Literal, Optional, Union
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from producer_sdk.limits import (DEFAULT_LIMITS, LimitExceeded, Limits, check_job_limits,
+                                 check_payload_size, scan_job_id)
+from producer_sdk.sampling_params import SamplingParams
+
 PROTOCOL_VERSION = 1
 GROUP = "workers"
 PAYLOAD_FIELD = b"data"
@@ -29,6 +36,9 @@ BATCH_FIELD = b"b"
 # entries are parked with an idle time of PARKED_IDLE_MS so any reclaimer takes them at once.
 PARKING_CONSUMER = "__parked__"
 PARKED_IDLE_MS = 10**12
+# The dedupe record ``Keys.dedupe(job_id)`` holds "<lane key><DEDUPE_SEPARATOR><entry id>": the
+# one entry that is this job. Lane keys and entry ids never contain a space.
+DEDUPE_SEPARATOR = " "
 # Job ids go inside a Redis Cluster hash tag ``{...}``, so braces are not allowed; whitespace and
 # control characters would make keys and logs ambiguous.
 _JOB_ID_RE = re.compile(r"^[^\s{}\x00-\x1f\x7f]{1,128}$")
@@ -43,6 +53,7 @@ class ErrorCode(str, Enum):
     CANCELLED = "cancelled"                  # reserved: cancellation ends with done/cancelled
     POISON = "poison"                        # delivered more than max_deliveries times
     INTERNAL = "internal"                    # engine failure that retrying will not fix
+    DUPLICATE_JOB_ID = "duplicate_job_id"    # the job id names another live/known job's entry
 
 
 class FinishReason(str, Enum):
@@ -52,13 +63,21 @@ class FinishReason(str, Enum):
 
 
 class ProtocolError(ValueError):
-    """A payload that does not follow protocol v1. Carries the job id when one could be read."""
+    """A payload that does not follow protocol v1. Carries the job id when one could be read, and
+    ``field``: the dotted name of the offending field (``"params.stop"``), None for the payload
+    as a whole."""
 
     def __init__(self, message: str, job_id: Optional[str] = None,
-                 code: ErrorCode = ErrorCode.INVALID_REQUEST) -> None:
+                 code: ErrorCode = ErrorCode.INVALID_REQUEST, field: Optional[str] = None) -> None:
         super().__init__(message)
         self.job_id = job_id
         self.code = code
+        self.field = field
+
+
+def readable_job_id(value: Any) -> Optional[str]:
+    """``value`` if it is a valid job id, else None (never raises)."""
+    return value if isinstance(value, str) and _JOB_ID_RE.match(value) else None
 
 
 def validate_job_id(job_id: str) -> str:
@@ -88,7 +107,7 @@ class Keys:
     integer priority.
     """
 
-    LANES = ("urgent", "default", "bulk")
+    LANES = ("urgent", "default", "bulk")  # read order, most urgent first
 
     def __init__(self, namespace: str = "tokenrelay", queue: str = "default") -> None:
         for name, value in (("namespace", namespace), ("queue", queue)):
@@ -135,6 +154,11 @@ class Keys:
     def heartbeat(self, worker_id: str) -> str:
         return f"{self.namespace}:worker:{worker_id}"
 
+    def drain(self, worker_id: str) -> str:
+        """Drain request for one worker (set by ``worker admin drain``, with a TTL): while it
+        exists the worker drains as on SIGTERM, then exits 0."""
+        return f"{self.namespace}:drain:{self.queue}:{worker_id}"
+
     # -- per-job keys (hash-tagged by job id)
     def results(self, job_id: str) -> str:
         return f"{self.namespace}:result:{{{job_id}}}"
@@ -143,7 +167,8 @@ class Keys:
         return f"{self.namespace}:cancel:{{{job_id}}}"
 
     def dedupe(self, job_id: str) -> str:
-        """Set with the XADD: holds ``<lane key> <entry id>``; its presence means 'job known'."""
+        """Set with the XADD: holds ``dedupe_record(lane key, entry id)``; its presence means
+        'job known', and its value names the one entry that is this job."""
         return f"{self.namespace}:job:{{{job_id}}}"
 
     def owner(self, job_id: str) -> str:
@@ -151,26 +176,44 @@ class Keys:
         return f"{self.namespace}:owner:{{{job_id}}}"
 
 
+def dedupe_record(lane_key: str, entry_id: str) -> str:
+    """The value of ``Keys.dedupe(job_id)``: which entry of which lane is this job."""
+    return f"{lane_key}{DEDUPE_SEPARATOR}{entry_id}"
+
+
+def parse_dedupe_record(value: Union[str, bytes]) -> tuple[str, str]:
+    """(lane key, entry id) of a dedupe record; ProtocolError when it is not one."""
+    text = value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else value
+    lane, sep, entry_id = text.partition(DEDUPE_SEPARATOR) if isinstance(text, str) else ("", "", "")
+    if not sep or not lane or not entry_id:
+        raise ProtocolError(f"not a dedupe record (want '<lane key> <entry id>'): {value!r:.80}")
+    return lane, entry_id
+
+
 # --------------------------------------------------------------------------------------------
 # Job payload
 # --------------------------------------------------------------------------------------------
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str = Field(min_length=1)
     content: str
 
 
 class JobRequest(BaseModel):
-    """One job as carried in the ``data`` field of a job stream entry."""
+    """One job as carried in the ``data`` field of a job stream entry.
 
-    model_config = ConfigDict(extra="forbid")
+    Types are strict, as the protocol documents them: ``"stream": "yes"`` or ``"priority": "1"``
+    are errors. ``params`` is checked against SamplingParams by ``decode_job``.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     v: Literal[1] = PROTOCOL_VERSION
     job_id: str
     prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
-    prompt_token_ids: Optional[list[int]] = None
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
+    prompt_token_ids: Optional[list[int]] = Field(default=None, min_length=1)
     params: dict[str, Any] = Field(default_factory=dict)
     priority: int = Field(default=0, ge=-(2**31), lt=2**31)
     deadline_ms: Optional[int] = Field(default=None, ge=0)
@@ -198,9 +241,11 @@ class JobRequest(BaseModel):
                              f"got {given or 'none'}")
         return self
 
-    def sampling_params(self):
-        """The params as the engine's SamplingParams; raises pydantic's ValidationError."""
-        from engine.sampling_params import SamplingParams
+    def sampling_params(self) -> SamplingParams:
+        """The params as SamplingParams, a fresh copy per call (the worker fills in the seed).
+
+        Cannot fail after ``decode_job``, which validated them; a JobRequest built by hand is
+        validated here (pydantic's ValidationError)."""
         return SamplingParams.model_validate(self.params)
 
 
@@ -208,36 +253,95 @@ def encode_job(job: JobRequest) -> bytes:
     return msgpack.packb(job.model_dump(exclude_none=True), use_bin_type=True)
 
 
-def decode_job(raw: Any) -> JobRequest:
-    """Decode and validate a job entry's ``data`` field.
+def decode_job(raw: Any, limits: Limits = DEFAULT_LIMITS) -> JobRequest:
+    """Decode and validate a job entry's ``data`` field, ``params`` included.
 
-    Raises ``ProtocolError`` (with ``job_id`` set when one could be read) for bytes that are not
-    msgpack, a payload that is not a map, an unknown ``v`` or missing and mistyped fields.
+    Raises ``ProtocolError`` and nothing else, for any input: bytes that are not msgpack (also
+    nested past msgpack's depth limit), a payload over ``limits``, not a map, an unknown ``v``,
+    missing, mistyped or out-of-range fields. The error carries ``job_id`` whenever the top-level
+    ``job_id`` is a valid id (read by an iterative scan when msgpack fails) and ``field``, the
+    dotted name its message starts with. Afterwards ``sampling_params()`` cannot fail.
     """
+    job_id: Optional[str] = None
     try:
-        obj = msgpack.unpackb(raw, raw=False, strict_map_key=False) if isinstance(raw, bytes) else raw
+        obj = _unpack_job(raw, limits)
+        if not isinstance(obj, dict):
+            raise ProtocolError(f"payload must be a msgpack map, got {type(obj).__name__}")
+        job_id = readable_job_id(obj.get("job_id"))
+        if obj.get("v") != PROTOCOL_VERSION or type(obj.get("v")) is not int:
+            raise ProtocolError(f"unsupported protocol version v={_brief(obj.get('v'))}; this "
+                                f"worker speaks v={PROTOCOL_VERSION}", field="v")
+        return validate_job(obj, limits)
+    except ProtocolError as exc:
+        exc.job_id = exc.job_id or job_id
+        raise
+    except Exception as exc:  # the contract: nothing but ProtocolError, whatever the input
+        raise ProtocolError(f"payload could not be validated ({type(exc).__name__}: {exc})"[:500],
+                            job_id=job_id) from None
+
+
+def _brief(value: Any) -> str:
+    """A short repr that costs nothing for a huge or deep value."""
+    if isinstance(value, (dict, list, tuple, set)):
+        return f"<{type(value).__name__} of {len(value)}>"
+    return f"{value!r:.40}"
+
+
+def _unpack_job(raw: Any, limits: Limits) -> Any:
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        return raw
+    try:
+        check_payload_size(len(raw), limits)
+    except LimitExceeded as exc:
+        raise ProtocolError(str(exc), job_id=readable_job_id(scan_job_id(raw))) from None
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated exception types
-        raise ProtocolError(f"payload is not msgpack ({type(exc).__name__}: {exc})") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"payload must be a msgpack map, got {type(obj).__name__}")
-    job_id = obj.get("job_id")
-    readable_id = job_id if isinstance(job_id, str) and _JOB_ID_RE.match(job_id) else None
-    if obj.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version v={obj.get('v')!r}; this worker speaks "
-                            f"v={PROTOCOL_VERSION}", job_id=readable_id)
+        raise ProtocolError(f"payload is not msgpack ({type(exc).__name__}: {exc})"[:500],
+                            job_id=readable_job_id(scan_job_id(raw))) from None
+
+
+def validate_job(obj: dict, limits: Limits = DEFAULT_LIMITS) -> JobRequest:
+    """The one validation of a job payload (an unpacked map): ``limits`` first (bounded cost),
+    then the schema, ``params`` included. ``decode_job`` runs it on what it unpacked; the SDK
+    runs it on what it is about to send. Raises ProtocolError naming the field."""
     try:
-        return JobRequest.model_validate(obj)
+        check_job_limits(obj, limits)
+    except LimitExceeded as exc:
+        raise ProtocolError(str(exc), job_id=readable_job_id(obj.get("job_id")),
+                            field=exc.field) from None
+    try:
+        req = JobRequest.model_validate(obj)
     except ValidationError as exc:
-        raise ProtocolError(describe_validation_error(exc), job_id=readable_id) from None
+        raise ProtocolError(describe_validation_error(exc), field=_first_field(exc)) from None
+    try:
+        SamplingParams.model_validate(req.params)
+    except ValidationError as exc:
+        raise ProtocolError(describe_validation_error(exc, prefix="params"),
+                            field=_first_field(exc, prefix="params")) from None
+    return req
 
 
-def describe_validation_error(exc: ValidationError) -> str:
-    """One line naming each bad field, for messages a person reads."""
+def _first_field(exc: ValidationError, prefix: str = "") -> Optional[str]:
+    loc = [str(p) for p in (exc.errors()[0].get("loc", ()) if exc.errors() else ())]
+    name = ".".join([prefix, *loc] if prefix else loc)
+    return name or None
+
+
+def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line naming each bad field (dotted, under ``prefix``), for messages a person reads."""
     parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ())) or "payload"
+    errors = exc.errors()
+    for err in errors[:_MAX_DESCRIBED]:
+        loc = ".".join([prefix, *map(str, err.get("loc", ()))] if prefix else
+                       map(str, err.get("loc", ()))) or "payload"
         parts.append(f"{loc}: {err.get('msg')}")
+    if len(errors) > _MAX_DESCRIBED:
+        parts.append(f"and {len(errors) - _MAX_DESCRIBED} more errors")
     return "; ".join(parts)
+
+
+_MAX_DESCRIBED = 5  # a list of a million bad token ids must not make a million-part message
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,10 +428,13 @@ class DeadLetter(BaseModel):
     entry_id: str                # its id in that stream
     job_id: str = ""             # when one could be read from the payload
     deliveries: int = 0          # delivery count when given up on (0 = unknown)
+    size: int = 0                # length of the original payload in bytes (0 = unknown)
+    truncated: bool = False      # ``data`` holds only the first bytes of the payload
     ts: float = Field(default_factory=time.time)
 
     def to_fields(self) -> dict[str, Any]:
-        return {k: (v if isinstance(v, bytes) else str(v)) for k, v in self.model_dump().items()}
+        return {k: (v if isinstance(v, bytes) else str(int(v)) if isinstance(v, bool) else str(v))
+                for k, v in self.model_dump().items()}
 
     @classmethod
     def from_fields(cls, fields: dict[Any, Any]) -> "DeadLetter":
@@ -362,3 +469,11 @@ def decode_event(raw: bytes) -> Event:
 
 def is_terminal(event: Event) -> bool:
     return event.type in TERMINAL_TYPES
+
+
+def __getattr__(name: str) -> Any:
+    """``ResultFold`` lives in ``producer_sdk.fold`` (it builds on the events above)."""
+    if name in ("ResultFold", "Delta"):
+        from producer_sdk import fold
+        return getattr(fold, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

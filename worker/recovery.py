@@ -15,8 +15,7 @@ from typing import Any, Iterable, Optional
 
 import redis
 
-from producer_sdk.protocol import (EVENT_FIELD, DoneEvent, ErrorEvent, Event, Keys, ProtocolError,
-                                   StartedEvent, TokenEvent, decode_event)
+from producer_sdk.protocol import EVENT_FIELD, Event, Keys, ProtocolError, ResultFold
 
 
 @dataclass
@@ -24,7 +23,7 @@ class JobProgress:
     """Summary of one result stream."""
 
     exists: bool = False
-    attempts: int = 0                      # number of ``started`` events
+    attempts: int = 0                      # attempts so far (``started`` events, see ResultFold)
     seed: Optional[int] = None             # seed of the latest ``started`` event that had one
     next_seq: int = 0                      # seq the next token event must carry
     token_ids: list[int] = field(default_factory=list)
@@ -43,40 +42,24 @@ class JobProgress:
         return self.next_seq - 1
 
 
-def _field(fields: dict[Any, Any]) -> Optional[bytes]:
-    return fields.get(EVENT_FIELD, fields.get(EVENT_FIELD.decode()))
-
-
 def progress_from_entries(entries: Iterable[tuple[Any, dict[Any, Any]]]) -> JobProgress:
-    """Fold XRANGE entries into a JobProgress. Duplicate or stale token events (seq already seen)
-    are skipped so a reader's view and ours agree even if a stream was written twice."""
+    """Fold XRANGE entries into a JobProgress with the protocol's ``ResultFold``, the same rule
+    the SDK's readers use, so what a resumed job continues from is what its client holds.
+    Entries that are not protocol events are counted in ``undecodable`` and skipped."""
     prog = JobProgress()
-    parts: list[str] = []
+    fold = ResultFold()
     for entry_id, fields in entries:
         prog.exists = True
         prog.last_entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-        raw = _field(fields or {})
+        raw = (fields or {}).get(EVENT_FIELD, (fields or {}).get(EVENT_FIELD.decode()))
         try:
-            event = decode_event(raw) if raw is not None else None
-        except (ProtocolError, ValueError):
-            event = None
-        if event is None:
+            if raw is None:
+                raise ProtocolError("entry without an event field")
+            fold.apply_raw(raw)
+        except ProtocolError:
             prog.undecodable += 1
-            continue
-        if isinstance(event, StartedEvent):
-            prog.attempts += 1
-            if event.seed is not None:
-                prog.seed = event.seed
-        elif isinstance(event, TokenEvent):
-            if event.seq < prog.next_seq:
-                continue
-            del prog.token_ids[event.index:]
-            prog.token_ids.extend(event.token_ids)
-            parts.append(event.text)
-            prog.next_seq = event.seq + 1
-        elif isinstance(event, (DoneEvent, ErrorEvent)) and prog.terminal is None:
-            prog.terminal = event
-    prog.text = "".join(parts)
+    prog.attempts, prog.seed, prog.next_seq = fold.attempts, fold.seed, fold.next_seq
+    prog.token_ids, prog.text, prog.terminal = fold.token_ids, fold.text, fold.terminal
     return prog
 
 

@@ -1,28 +1,20 @@
-"""Protocol v1 unit tests: keys, payload validation, events, dead letters, resume-read, settings.
-
-Fast: no redis-server (fakeredis where a client is needed; it has no Lua, so the fenced scripts
-are tested against a real server in tests/worker/test_fencing.py).
-"""
+"""Protocol v1 unit tests: keys, dedupe records, payload validation and limits, events, dead
+letters and the resume-read. Fast: no redis-server (fakeredis for the resume-read)."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import fakeredis
 import msgpack
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from producer_sdk.protocol import (BATCH_FIELD, EVENT_FIELD, GROUP, PARKING_CONSUMER,
+from producer_sdk.protocol import (BATCH_FIELD, DEDUPE_SEPARATOR, DEFAULT_LIMITS, EVENT_FIELD,
                                    PROTOCOL_VERSION, DeadLetter, DoneEvent, ErrorCode, ErrorEvent,
-                                   JobRequest, Keys, ProtocolError, StartedEvent, TokenEvent,
-                                   decode_event, decode_job, encode_event, encode_job, is_terminal)
-from worker.config import WorkerSettings, build_parser, parse_size, settings_from_args
-from worker.health import check_health
-from worker.intake import Entry
-from worker.jobs import Job
+                                   JobRequest, Keys, Limits, ProtocolError, StartedEvent,
+                                   TokenEvent, decode_event, decode_job, dedupe_record,
+                                   encode_event, encode_job, is_terminal, parse_dedupe_record)
 from worker.recovery import progress_from_entries, read_progress
-from worker.testing import FakeDelta
 
 
 # ------------------------------------------------------------------------------------------
@@ -44,9 +36,35 @@ def test_keys_layout_and_hash_tags():
         k.lane("nope")
 
 
-def test_parking_consumer_is_not_a_valid_worker_id():
-    with pytest.raises(ValueError):
-        WorkerSettings(worker_id=PARKING_CONSUMER)
+def test_drain_key_keeps_the_admin_string():
+    assert Keys("ns", "q").drain("w1") == "ns:drain:q:w1"
+
+
+def test_lane_order_and_mapping_live_in_keys():
+    k = Keys("ns", "q")
+    assert [Keys.lane_for_priority(p) for p in (-(2**31), -1, 0, 1, 2**31 - 1)] == \
+        ["urgent", "urgent", "default", "bulk", "bulk"]
+    assert k.lanes() == [k.lane(n) for n in Keys.LANES] and Keys.LANES[0] == "urgent"
+
+
+def test_dedupe_record_roundtrip_and_rejects():
+    rec = dedupe_record("ns:jobs:q:bulk", "1700000000000-3")
+    assert rec == "ns:jobs:q:bulk" + DEDUPE_SEPARATOR + "1700000000000-3"
+    assert parse_dedupe_record(rec) == ("ns:jobs:q:bulk", "1700000000000-3")
+    assert parse_dedupe_record(rec.encode()) == ("ns:jobs:q:bulk", "1700000000000-3")
+    for bad in ("", "nospace", " 1-0", "lane ", b"\xff"):
+        with pytest.raises(ProtocolError):
+            parse_dedupe_record(bad)
+
+
+def test_enqueue_script_uses_the_protocol_constants():
+    from producer_sdk._wire import ENQUEUE_LUA, ENQUEUE_LUA_TEMPLATE
+    assert "'data'" not in ENQUEUE_LUA_TEMPLATE and "' '" not in ENQUEUE_LUA_TEMPLATE
+    assert "'data'" in ENQUEUE_LUA and f"'{DEDUPE_SEPARATOR}'" in ENQUEUE_LUA
+
+
+def test_new_error_code():
+    assert ErrorCode.DUPLICATE_JOB_ID.value == "duplicate_job_id"
 
 
 # ------------------------------------------------------------------------------------------
@@ -65,7 +83,9 @@ def test_job_roundtrip():
     (msgpack.packb([1, 2]), "must be a msgpack map", None),
     (msgpack.packb({"v": 2, "job_id": "j", "prompt": "x"}), "v=2", "j"),
     (msgpack.packb({"v": 1, "job_id": "j"}), "exactly one of", "j"),
-    (msgpack.packb({"v": 1, "job_id": "j", "prompt": "x", "messages": []}), "exactly one", "j"),
+    (msgpack.packb({"v": 1, "job_id": "j", "prompt": "x", "messages": []}), "messages", "j"),
+    (msgpack.packb({"v": 1, "job_id": "j", "prompt": "x", "prompt_token_ids": [1]}),
+     "exactly one", "j"),
     (msgpack.packb({"v": 1, "job_id": "j", "prompt": 3}), "prompt", "j"),
     (msgpack.packb({"v": 1, "job_id": "j", "prompt": "x", "typo": 1}), "typo", "j"),
     (msgpack.packb({"v": 1, "job_id": "a b", "prompt": "x"}), "job_id", None),
@@ -78,6 +98,155 @@ def test_decode_job_rejects_bad_payloads(raw, fragment, job_id):
     assert fragment in str(exc.value)
     assert exc.value.job_id == job_id
     assert exc.value.code is ErrorCode.INVALID_REQUEST
+
+
+def _payload(**fields):
+    return msgpack.packb({"v": 1, "job_id": "j1", "prompt": "x", **fields}, use_bin_type=True)
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"stream": "yes"}, "stream"),
+    ({"params": {"max_tokens": "5"}}, "params.max_tokens"),
+    ({"params": {"stop": 5}}, "params.stop"),
+    ({"params": {"stop": 5.0}}, "params.stop"),
+    ({"params": {"stop": True}}, "params.stop"),
+    ({"params": {"stop": {"a": 1}}}, "params.stop"),
+    ({"params": {"stop": ["ok", 3]}}, "params.stop"),
+    ({"params": {"ignore_eos": 1}}, "params.ignore_eos"),
+    ({"params": {"seed": True}}, "params.seed"),
+    ({"params": {"temperature": "0.5"}}, "params.temperature"),
+    ({"params": {"max_token": 3}}, "params.max_token"),
+    ({"params": {"min_tokens": 9, "max_tokens": 3}}, "params"),
+    ({"priority": True}, "priority"),
+    ({"priority": 1.0}, "priority"),
+    ({"deadline_ms": "5"}, "deadline_ms"),
+    ({"metadata": [1]}, "metadata"),
+    ({"params": [1]}, "params"),
+])
+def test_strict_types_are_invalid_requests_naming_the_field(fields, field):
+    with pytest.raises(ProtocolError) as exc:
+        decode_job(_payload(**fields))
+    assert exc.value.field == field and str(exc.value).startswith(field)
+    assert exc.value.job_id == "j1" and exc.value.code is ErrorCode.INVALID_REQUEST
+
+
+def test_decoded_params_cannot_fail_and_are_fresh_copies():
+    req = decode_job(_payload(params={"stop": "x", "temperature": 0, "max_tokens": 4}))
+    a, b = req.sampling_params(), req.sampling_params()
+    assert a.stop == ["x"] and a.greedy and a.max_tokens == 4
+    a.seed = 5
+    assert b.seed is None and req.sampling_params().seed is None
+
+
+def _nested(depth: int) -> bytes:
+    """msgpack bytes of a list nested ``depth`` deep, built without recursion."""
+    return b"\x91" * depth + b"\xc0"
+
+
+def test_deep_metadata_still_yields_the_job_id():
+    head = msgpack.packb({"v": 1, "prompt": "x"})  # fixmap of 2: splice two more keys in
+    raw = (bytes([0x84]) + head[1:] + msgpack.packb("metadata") + b"\x81" + msgpack.packb("k")
+           + _nested(5000) + msgpack.packb("job_id") + msgpack.packb("victim-1"))
+    with pytest.raises(ProtocolError) as exc:
+        decode_job(raw)
+    assert exc.value.job_id == "victim-1" and "not msgpack" in str(exc.value)
+
+
+def test_metadata_depth_within_msgpack_but_over_the_limit():
+    deep = 0
+    for _ in range(100):
+        deep = [deep]
+    with pytest.raises(ProtocolError) as exc:
+        decode_job(_payload(metadata={"a": deep}))
+    assert exc.value.field == "metadata" and "max_metadata_depth" in str(exc.value)
+    assert exc.value.job_id == "j1"
+
+
+SMALL = Limits(max_payload_bytes=4096, max_prompt_bytes=100, max_prompt_token_ids=10,
+               max_messages=3, max_stop_strings=2, max_stop_string_chars=5,
+               max_stop_token_ids=2, max_metadata_bytes=50, max_metadata_depth=3,
+               max_logprobs=2, max_n=1)
+
+
+@pytest.mark.parametrize("fields, field, name", [
+    ({"prompt": "é" * 51}, "prompt", "max_prompt_bytes"),          # 102 UTF-8 bytes
+    ({"prompt": None, "prompt_token_ids": list(range(11))}, "prompt_token_ids",
+     "max_prompt_token_ids"),
+    ({"prompt": None, "messages": [{"role": "u", "content": "a"}] * 4}, "messages",
+     "max_messages"),
+    ({"prompt": None, "messages": [{"role": "u", "content": "a" * 60}] * 2}, "messages",
+     "max_prompt_bytes"),
+    ({"params": {"stop": ["a", "b", "c"]}}, "params.stop", "max_stop_strings"),
+    ({"params": {"stop": "abcdef"}}, "params.stop", "max_stop_string_chars"),
+    ({"params": {"stop_token_ids": [1, 2, 3]}}, "params.stop_token_ids", "max_stop_token_ids"),
+    ({"params": {"logprobs": 3}}, "params.logprobs", "max_logprobs"),
+    ({"params": {"n": 2}}, "params.n", "max_n"),
+    ({"metadata": {"k": "v" * 60}}, "metadata", "max_metadata_bytes"),
+    ({"metadata": {"a": {"b": {"c": {}}}}}, "metadata", "max_metadata_depth"),
+    ({"prompt": "x" * 5000}, None, "max_payload_bytes"),
+])
+def test_each_limit_is_an_invalid_request_naming_field_and_limit(fields, field, name):
+    obj = {"v": 1, "job_id": "j1", "prompt": "x", **fields}
+    raw = msgpack.packb({k: v for k, v in obj.items() if v is not None}, use_bin_type=True)
+    with pytest.raises(ProtocolError) as exc:
+        decode_job(raw, SMALL)
+    assert exc.value.field == field and name in str(exc.value) and exc.value.job_id == "j1"
+    decode_job(msgpack.packb({"v": 1, "job_id": "j1", "prompt": "x"}), SMALL)  # control
+
+
+def test_default_limits_match_the_contract():
+    d = DEFAULT_LIMITS
+    assert (d.max_payload_bytes, d.max_prompt_bytes, d.max_metadata_bytes) == \
+        (8 * 2**20, 4 * 2**20, 64 * 2**10)
+    assert (d.max_prompt_token_ids, d.max_messages, d.max_stop_strings, d.max_stop_string_chars,
+            d.max_stop_token_ids, d.max_metadata_depth, d.max_logprobs, d.max_n) == \
+        (1_000_000, 10_000, 64, 512, 1024, 32, 20, 1)
+
+
+def test_oversized_payload_is_refused_before_unpacking():
+    raw = msgpack.packb({"v": 1, "job_id": "big", "prompt": "x" * 10_000})
+    with pytest.raises(ProtocolError) as exc:
+        decode_job(raw + b"\xc1", Limits(max_payload_bytes=1000))  # garbage tail: never unpacked
+    assert exc.value.job_id == "big" and "max_payload_bytes" in str(exc.value)
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**64), 2**64), st.floats(),
+                     st.text(max_size=20), st.binary(max_size=20))
+_values = st.recursive(_scalars, lambda c: st.one_of(
+    st.lists(c, max_size=4), st.dictionaries(st.one_of(st.text(max_size=8), st.integers()), c,
+                                             max_size=4)), max_leaves=20)
+_keys = st.sampled_from(["prompt", "messages", "prompt_token_ids", "params",
+                         "priority", "deadline_ms", "stream", "metadata", "submitted_ms", "x"])
+_param_keys = st.sampled_from(["stop", "max_tokens", "temperature", "seed", "logprobs", "n",
+                               "stop_token_ids", "ignore_eos", "top_k", "bogus"])
+_jobs = st.fixed_dictionaries({"v": st.sampled_from([1, 1, 2, "1", True]),
+                               "job_id": st.sampled_from(["ok-1", "a b", 5, ""])}).flatmap(
+    lambda base: st.dictionaries(_keys, _values, max_size=6).flatmap(
+        lambda extra: st.dictionaries(_param_keys, _values, max_size=4).map(
+            lambda params: {**base, **extra, "params": params})))
+
+
+def _pack_any(obj):
+    try:
+        return msgpack.packb(obj, use_bin_type=True)
+    except (ValueError, OverflowError, TypeError):
+        return b"\xc1"
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(_jobs.map(_pack_any), _jobs, st.binary(max_size=64), _values,
+                 _jobs.map(_pack_any).flatmap(lambda b: st.integers(0, len(b)).map(
+                     lambda n: b[:n]))))
+def test_decode_job_raises_only_protocol_errors(raw):
+    try:
+        req = decode_job(raw)
+    except ProtocolError as exc:
+        assert exc.code is ErrorCode.INVALID_REQUEST
+        if exc.job_id is not None:
+            assert exc.job_id == "ok-1"
+        return
+    req.sampling_params()  # validated: cannot fail
+    assert req.job_id == "ok-1" and req.v == PROTOCOL_VERSION
 
 
 def test_sampling_params_errors_name_the_field():
@@ -113,58 +282,17 @@ def test_dead_letter_fields_keep_raw_payload():
     (_, fields), = r.xrange("dead")
     back = DeadLetter.from_fields(fields)
     assert back.data == raw and back.deliveries == 3 and back.entry_id == "1-0"
+    assert back.size == 0 and back.truncated is False  # older entries lack the new fields
 
 
-# ------------------------------------------------------------------------------------------
-# job bookkeeping -> events
-# ------------------------------------------------------------------------------------------
-
-def _job(**kw) -> Job:
-    req = JobRequest(job_id="j", prompt="p", **kw)
-    return Job(entry=Entry("default", "ns:jobs:q", "1000-0", {b"data": b""}), request=req,
-               owner="w:tok", worker_id="w")
-
-
-def _delta(ids, text, finished=False, n_out=0):
-    return FakeDelta("j", ids, text, None, [], finished, "length" if finished else None, None, 3,
-                     n_out)
-
-
-def test_job_events_stream_and_final():
-    job = _job(metadata={"a": 1})
-    job.queue_started()
-    assert job.on_delta(_delta([5], "x", n_out=1), 1.0) is True
-    assert job.on_delta(_delta([6, 7], "yz", True, 3), 1.5) is False
-    evs = [decode_event(b) for b in job.pending]
-    assert [e.type for e in evs] == ["started", "token", "token", "done"]
-    assert (evs[2].seq, evs[2].index, evs[2].token_ids) == (1, 1, [6, 7])
-    assert evs[3].usage.completion_tokens == 3 and evs[3].metadata == {"a": 1}
-    assert evs[3].text is None  # streamed jobs do not repeat the text
-
-
-def test_non_streaming_job_carries_text_only_in_done():
-    job = _job(stream=False)
-    job.on_delta(_delta([5], "x", n_out=1), 1.0)
-    job.on_delta(_delta([6], "y", True, 2), 2.0)
-    evs = [decode_event(b) for b in job.pending]
-    assert [e.type for e in evs] == ["done"]
-    assert evs[0].text == "xy" and evs[0].token_ids == [5, 6]
-
-
-def test_fast_token_encoding_matches_the_model():
-    from worker.jobs import encode_token_event
-    for lp in (None, [{5: -0.25, 7: -1.5}]):
-        fast = decode_event(encode_token_event(3, 9, "é", [5], lp, 12.5))
-        slow = decode_event(encode_event(TokenEvent(seq=3, index=9, text="é", token_ids=[5],
-                                                    logprobs=lp, ts=12.5)))
-        assert fast == slow
-
-
-def test_batch_id_is_unique_per_owner_and_batch():
-    job = _job()
-    first = job.batch_id
-    job.batch_no += 1
-    assert job.batch_id != first and job.batch_id.startswith("tok.")
+def test_dead_letter_size_and_truncated_roundtrip():
+    dl = DeadLetter(data=b"abc", reason="r", code="invalid_request", worker_id="w", lane="l",
+                    entry_id="1-0", size=100_000, truncated=True)
+    r = fakeredis.FakeRedis()
+    r.xadd("dead", dl.to_fields())
+    (_, fields), = r.xrange("dead")
+    back = DeadLetter.from_fields(fields)
+    assert (back.size, back.truncated, back.data) == (100_000, True, b"abc")
 
 
 # ------------------------------------------------------------------------------------------
@@ -198,58 +326,3 @@ def test_read_progress_terminal_duplicates_and_garbage():
     p = read_progress(r, Keys(), "j")
     assert p.token_ids == [1] and p.text == "a" and p.finished and p.undecodable == 1
     assert progress_from_entries([]).exists is False
-
-
-# ------------------------------------------------------------------------------------------
-# settings, CLI, health
-# ------------------------------------------------------------------------------------------
-
-def test_settings_from_env_and_flags(monkeypatch):
-    monkeypatch.setenv("TOKENRELAY_QUEUE", "fromenv")
-    monkeypatch.setenv("TOKENRELAY_MAX_NUM_SEQS", "12")
-    monkeypatch.setenv("TOKENRELAY_ENABLE_PREFIX_CACHING", "false")
-    monkeypatch.setenv("TOKENRELAY_KV_CACHE_MEMORY", "1GiB")
-    s = settings_from_args(build_parser().parse_args(["--model", "m", "--max-num-seqs", "3",
-                                                      "--redis-url", "rediss://u:p@h:1/2"]))
-    assert s.queue == "fromenv" and s.max_num_seqs == 3 and s.enable_prefix_caching is False
-    assert s.kv_cache_memory == 2**30 and s.redis_url == "rediss://u:p@h:1/2"
-    kw = s.engine_kwargs()
-    assert kw["model"] == "m" and kw["max_num_seqs"] == 3 and "block_size" not in kw
-    s2 = settings_from_args(build_parser().parse_args(["--enable-prefix-caching"]))
-    assert s2.enable_prefix_caching is True
-
-
-def test_parse_size():
-    assert parse_size("512MB") == 512 * 10**6 and parse_size("2GiB") == 2 * 2**30
-    assert parse_size(123) == 123 and parse_size("77") == 77
-    with pytest.raises(ValueError):
-        parse_size("lots")
-
-
-def test_default_worker_id_is_stable():
-    a = WorkerSettings(device="cuda:1").resolved_worker_id()
-    assert a == WorkerSettings(device="cuda:1").resolved_worker_id() and a.endswith("-cuda1")
-
-
-def test_health_check_against_fakeredis():
-    from producer_sdk.protocol import now_ms
-    r, k = fakeredis.FakeRedis(), Keys()
-    assert not check_health(r, k, "w")[0]
-    r.hset(k.heartbeat("w"), mapping={"ts": now_ms(), "engine_loaded": 0})
-    ok, why = check_health(r, k, "w")
-    assert not ok and "not loaded" in why
-    r.hset(k.heartbeat("w"), mapping={"engine_loaded": 1})
-    assert check_health(r, k, "w")[0]
-    r.hset(k.heartbeat("w"), mapping={"ts": now_ms() - 60_000})
-    assert "old" in check_health(r, k, "w")[1]
-
-
-def test_health_cli_exit_code_without_redis():
-    out = subprocess.run([sys.executable, "-m", "worker", "health", "--worker-id", "x",
-                          "--redis-url", "redis://127.0.0.1:1/0"], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 1 and "unreachable" in out.stderr
-
-
-def test_group_name():
-    assert GROUP == "workers"

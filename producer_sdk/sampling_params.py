@@ -1,0 +1,98 @@
+"""Per-request sampling parameters, with vLLM's field names: the ``params`` map of a job.
+
+This is the one schema of sampling parameters. It lives in the producer SDK because it is part of
+the wire contract: the SDK validates ``params`` with it before a job is sent, the worker validates
+the same map with it when the job arrives (``protocol.decode_job``), and the engine runs with it
+(``engine.SamplingParams`` re-exports this class). It imports nothing heavier than pydantic, so a
+web backend that installs only the SDK never pulls in torch or the engine.
+
+Types are strict (``strict=True``): ``"max_tokens": "5"``, ``"ignore_eos": "yes"`` or
+``"seed": True`` are errors, not silent coercions, because producers in other languages must get
+the same answer from every worker version. Integers are accepted for float fields.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class SamplingParams(BaseModel):
+    """How to sample one request. ``temperature == 0`` means greedy.
+
+    Unknown fields are rejected (``extra="forbid"``) so a typo such as ``max_token`` fails loudly
+    instead of silently falling back to a default.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True, strict=True)
+
+    n: int = Field(default=1, ge=1, le=1, description="Completions per request (only 1 is supported).")
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, description="-1 (or 0) disables top-k.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
+    max_tokens: int = Field(default=16, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    skip_special_tokens: bool = True
+
+    @field_validator("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number (got NaN or infinity)")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v < -1:
+            raise ValueError("must be -1 or 0 (disabled) or a positive integer")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: Any) -> list[str]:
+        """A single string or a list of strings; anything else (5, 5.0, True, a map) is a
+        ValueError so it reaches the caller as a validation error naming ``stop``."""
+        if v is None:
+            return []
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, (list, tuple)):
+            raise ValueError(f"must be a string or a list of strings, got {type(v).__name__}")
+        if any(not isinstance(s, str) or s == "" for s in v):
+            raise ValueError("stop strings must be non-empty strings")
+        return list(v)
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> "SamplingParams":
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)

@@ -1,0 +1,61 @@
+"""worker/jobs.py: a job's engine deltas become protocol events (moved out of
+tests/worker/test_protocol.py, which covers the wire protocol only)."""
+
+from __future__ import annotations
+
+from producer_sdk.protocol import JobRequest, TokenEvent, decode_event, encode_event
+from worker.pending import Entry
+from worker.jobs import Job
+from engine.outputs import RequestDelta
+
+
+# ------------------------------------------------------------------------------------------
+# job bookkeeping -> events
+# ------------------------------------------------------------------------------------------
+
+def _job(**kw) -> Job:
+    req = JobRequest(job_id="j", prompt="p", **kw)
+    return Job(entry=Entry("default", "ns:jobs:q", "1000-0", {b"data": b""}), request=req,
+               owner="w:tok", worker_id="w")
+
+
+def _delta(ids, text, finished=False, n_out=0):
+    return RequestDelta("j", ids, text, None, [], finished, "length" if finished else None, None, 3,
+                     n_out)
+
+
+def test_job_events_stream_and_final():
+    job = _job(metadata={"a": 1})
+    job.queue_started()
+    assert job.on_delta(_delta([5], "x", n_out=1), 1.0) is True
+    assert job.on_delta(_delta([6, 7], "yz", True, 3), 1.5) is False
+    evs = [decode_event(b) for b in job.pending]
+    assert [e.type for e in evs] == ["started", "token", "token", "done"]
+    assert (evs[2].seq, evs[2].index, evs[2].token_ids) == (1, 1, [6, 7])
+    assert evs[3].usage.completion_tokens == 3 and evs[3].metadata == {"a": 1}
+    assert evs[3].text is None  # streamed jobs do not repeat the text
+
+
+def test_non_streaming_job_carries_text_only_in_done():
+    job = _job(stream=False)
+    job.on_delta(_delta([5], "x", n_out=1), 1.0)
+    job.on_delta(_delta([6], "y", True, 2), 2.0)
+    evs = [decode_event(b) for b in job.pending]
+    assert [e.type for e in evs] == ["done"]
+    assert evs[0].text == "xy" and evs[0].token_ids == [5, 6]
+
+
+def test_fast_token_encoding_matches_the_model():
+    from worker.jobs import encode_token_event
+    for lp in (None, [{5: -0.25, 7: -1.5}]):
+        fast = decode_event(encode_token_event(3, 9, "é", [5], lp, 12.5))
+        slow = decode_event(encode_event(TokenEvent(seq=3, index=9, text="é", token_ids=[5],
+                                                    logprobs=lp, ts=12.5)))
+        assert fast == slow
+
+
+def test_batch_id_is_unique_per_owner_and_batch():
+    job = _job()
+    first = job.batch_id
+    job.batch_no += 1
+    assert job.batch_id != first and job.batch_id.startswith("tok.")

@@ -1,0 +1,70 @@
+"""Worker settings, CLI flags and the health check (moved out of tests/worker/test_protocol.py,
+which covers the wire protocol only)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import fakeredis
+import pytest
+
+from producer_sdk.protocol import PARKING_CONSUMER, Keys
+from worker.config import WorkerSettings, build_parser, parse_size, settings_from_args
+from worker.health import check_health
+
+
+def test_parking_consumer_is_not_a_valid_worker_id():
+    with pytest.raises(ValueError):
+        WorkerSettings(worker_id=PARKING_CONSUMER)
+
+
+# ------------------------------------------------------------------------------------------
+# settings, CLI, health
+# ------------------------------------------------------------------------------------------
+
+def test_settings_from_env_and_flags(monkeypatch):
+    monkeypatch.setenv("TOKENRELAY_QUEUE", "fromenv")
+    monkeypatch.setenv("TOKENRELAY_MAX_NUM_SEQS", "12")
+    monkeypatch.setenv("TOKENRELAY_ENABLE_PREFIX_CACHING", "false")
+    monkeypatch.setenv("TOKENRELAY_KV_CACHE_MEMORY", "1GiB")
+    s = settings_from_args(build_parser().parse_args(["--model", "m", "--max-num-seqs", "3",
+                                                      "--redis-url", "rediss://u:p@h:1/2"]))
+    assert s.queue == "fromenv" and s.max_num_seqs == 3 and s.enable_prefix_caching is False
+    assert s.kv_cache_memory == 2**30 and s.redis_url == "rediss://u:p@h:1/2"
+    kw = s.engine_kwargs()
+    assert kw["model"] == "m" and kw["max_num_seqs"] == 3 and "block_size" not in kw
+    s2 = settings_from_args(build_parser().parse_args(["--enable-prefix-caching"]))
+    assert s2.enable_prefix_caching is True
+
+
+def test_parse_size():
+    assert parse_size("512MB") == 512 * 10**6 and parse_size("2GiB") == 2 * 2**30
+    assert parse_size(123) == 123 and parse_size("77") == 77
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+def test_default_worker_id_is_stable():
+    a = WorkerSettings(device="cuda:1").resolved_worker_id()
+    assert a == WorkerSettings(device="cuda:1").resolved_worker_id() and a.endswith("-cuda1")
+
+
+def test_health_check_against_fakeredis():
+    from producer_sdk.protocol import now_ms
+    r, k = fakeredis.FakeRedis(), Keys()
+    assert not check_health(r, k, "w")[0]
+    r.hset(k.heartbeat("w"), mapping={"ts": now_ms(), "engine_loaded": 0})
+    ok, why = check_health(r, k, "w")
+    assert not ok and "not loaded" in why
+    r.hset(k.heartbeat("w"), mapping={"engine_loaded": 1})
+    assert check_health(r, k, "w")[0]
+    r.hset(k.heartbeat("w"), mapping={"ts": now_ms() - 60_000})
+    assert "old" in check_health(r, k, "w")[1]
+
+
+def test_health_cli_exit_code_without_redis():
+    out = subprocess.run([sys.executable, "-m", "worker", "health", "--worker-id", "x",
+                          "--redis-url", "redis://127.0.0.1:1/0"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1 and "unreachable" in out.stderr
