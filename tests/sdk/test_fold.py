@@ -1,0 +1,175 @@
+"""The one result-stream fold (protocol ``ResultFold``), property-tested on random event sequences.
+
+Two readers fold a job's result stream: the SDK's ``JobState`` (what a producer is shown) and the
+worker's resume-read (``worker.recovery.progress_from_entries``: what a worker taking the job over
+continues from). They must agree on every stream, or a resumed job continues the engine from
+other text than the client holds. No Redis needed: entries are built in memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from producer_sdk.job import JobState
+from producer_sdk.protocol import EVENT_FIELD, ResultFold
+from worker.recovery import progress_from_entries
+
+_text = st.text(alphabet="abcé ", max_size=3)
+_ids = st.lists(st.integers(0, 50), max_size=3)
+
+
+def _entries(events: list[dict[str, Any]]) -> list[tuple[bytes, dict]]:
+    return [(f"{1000 + i}-0".encode(), {EVENT_FIELD: msgpack.packb(e, use_bin_type=True)})
+            for i, e in enumerate(events)]
+
+
+def _token(seq: int, index: int, text: str, ids: list[int]) -> dict[str, Any]:
+    return {"type": "token", "seq": seq, "index": index, "text": text, "token_ids": ids,
+            "ts": 1.0}
+
+
+@st.composite
+def clean_outputs(draw) -> list[dict[str, Any]]:
+    """The token events of one correct run: seq 0.., index = tokens before."""
+    events, index = [], 0
+    for seq in range(draw(st.integers(0, 8))):
+        text, ids = draw(_text), draw(_ids)
+        events.append(_token(seq, index, text, ids))
+        index += len(ids)
+    return events
+
+
+@st.composite
+def observed_streams(draw) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(clean token events, a stream of them as workers may really write it): retried writes
+    (duplicates of earlier events), takeovers (a new ``started``, then the attempt re-emits
+    from its resume point, which may lie before what was already written), a terminal event
+    and late writes after it."""
+    clean = draw(clean_outputs())
+    stream: list[dict[str, Any]] = [{"type": "started", "worker_id": "w1", "attempt": 1,
+                                     "seed": 7, "ts": 1.0}]
+    attempt, i = 1, 0
+    while i < len(clean):
+        stream.append(clean[i])
+        i += 1
+        action = draw(st.sampled_from(["next", "next", "dup", "resume"]))
+        if action == "dup":
+            stream.append(clean[draw(st.integers(0, i - 1))])
+        elif action == "resume":
+            attempt += 1
+            stream.append({"type": "started", "worker_id": f"w{attempt}", "attempt": attempt,
+                           "seed": 7, "resumed_tokens": 0, "ts": 1.0})
+            i = draw(st.integers(0, i))  # re-emit from the resume point on
+    stream.append({"type": "done", "finish_reason": "length", "ts": 1.0})
+    stream.extend(draw(st.lists(st.sampled_from(clean or [_token(0, 0, "z", [1])]), max_size=2)))
+    return clean, stream
+
+
+@st.composite
+def arbitrary_streams(draw) -> list[dict[str, Any]]:
+    """Any mix of events, with seq and index values that need not make sense."""
+    kinds = st.one_of(
+        st.builds(_token, st.integers(0, 6), st.integers(0, 12), _text, _ids),
+        st.builds(lambda a, s: {"type": "started", "worker_id": "w", "attempt": a, "seed": s,
+                                "ts": 1.0}, st.integers(1, 4), st.one_of(st.none(),
+                                                                         st.integers(0, 9))),
+        st.just({"type": "done", "finish_reason": "stop", "ts": 1.0}),
+        st.just({"type": "error", "code": "internal", "message": "x", "ts": 1.0}),
+        st.just({"type": "future-event", "ts": 1.0}))
+    return draw(st.lists(kinds, max_size=14))
+
+
+def _sdk_fold(entries: list, cuts: list[int]) -> tuple[JobState, list]:
+    """Feed a JobState in chunks (as XREAD delivers), with an overlapping re-read at each cut
+    (a second reader or a retried read); return it and every delta it produced."""
+    state, deltas, start = JobState("j", "k"), [], 0
+    for cut in sorted(cuts) + [len(entries)]:
+        deltas += state.feed(entries[max(0, start - 1):cut])
+        start = cut
+    return state, deltas
+
+
+@settings(max_examples=300, deadline=None)
+@given(observed_streams(), st.lists(st.integers(0, 40), max_size=4))
+def test_duplicates_and_resumes_fold_to_the_clean_output(pair, cuts):
+    clean, stream = pair
+    entries = _entries(stream)
+    want_text = "".join(e["text"] for e in clean)
+    want_ids = [t for e in clean for t in e["token_ids"]]
+    state, deltas = _sdk_fold(entries, cuts)
+    result = state.result()
+    assert (result.text, result.token_ids) == (want_text, want_ids)
+    assert "".join(d.text for d in deltas) == want_text
+    assert [d.seq for d in deltas] == list(range(len(clean)))
+    prog = progress_from_entries(entries)
+    assert (prog.text, prog.token_ids, prog.next_seq) == (want_text, want_ids, len(clean))
+    assert prog.attempts == result.attempts == max(e.get("attempt", 0) for e in stream)
+
+
+@settings(max_examples=300, deadline=None)
+@given(observed_streams(), st.integers(0, 60))
+def test_resume_point_is_aligned_with_what_the_client_holds(pair, cut):
+    """A worker taking over after any prefix continues at next_seq with index = len(token_ids),
+    and the text it hands the engine belongs to exactly those tokens."""
+    clean, stream = pair
+    prefix = _entries(stream)[:cut]
+    prog = progress_from_entries(prefix)
+    done = clean[:prog.next_seq]
+    assert prog.token_ids == [t for e in done for t in e["token_ids"]]
+    assert prog.text == "".join(e["text"] for e in done)
+    state, _ = _sdk_fold(prefix, [])
+    assert (state.fold.text, state.fold.token_ids) == (prog.text, prog.token_ids)
+
+
+def _model(stream: list[dict[str, Any]]) -> tuple[str, list[int], int, int]:
+    """The documented rule, written out plainly: token events with a new highest seq are
+    appended whole; nothing after the first terminal event counts."""
+    text, ids, next_seq, attempts = "", [], 0, 0
+    for e in stream:
+        if e["type"] in ("done", "error"):
+            break
+        if e["type"] == "started":
+            attempts = max(attempts + 1, e["attempt"])
+        if e["type"] == "token" and e["seq"] >= next_seq:
+            text, ids, next_seq = text + e["text"], ids + e["token_ids"], e["seq"] + 1
+    return text, ids, next_seq, attempts
+
+
+@settings(max_examples=300, deadline=None)
+@given(arbitrary_streams(), st.lists(st.integers(0, 20), max_size=3))
+def test_sdk_and_recovery_agree_on_any_stream(stream, cuts):
+    entries = _entries(stream)
+    text, ids, next_seq, attempts = _model(stream)
+    prog = progress_from_entries(entries)
+    state, deltas = _sdk_fold(entries, cuts)
+    assert (prog.text, prog.token_ids, prog.next_seq, prog.attempts) == \
+        (text, ids, next_seq, attempts)
+    assert (state.fold.text, state.fold.token_ids, state.fold.next_seq, state.attempts) == \
+        (text, ids, next_seq, attempts)
+    assert (prog.terminal is None) == (state.terminal is None)
+    assert prog.seed == state.seed
+    if not (state.terminal is not None and state.terminal.type == "done"
+            and state.terminal.text):
+        assert "".join(d.text for d in deltas) == text
+
+
+def test_a_late_token_after_the_terminal_event_is_ignored_by_both():
+    stream = [_token(0, 0, "a", [1]), {"type": "done", "finish_reason": "stop", "ts": 1.0},
+              _token(1, 1, "LATE", [2])]
+    prog = progress_from_entries(_entries(stream))
+    fold = ResultFold()
+    for e in stream:
+        fold.apply(e)
+    assert prog.text == fold.text == "a" and prog.token_ids == fold.token_ids == [1]
+
+
+def test_regrouped_reemission_keeps_text_and_ids_together():
+    """A resumed attempt whose first event starts before the folded tokens (index 1 < 2) but
+    carries a new seq: ids and text are appended together, never cut apart."""
+    stream = [_token(0, 0, "ab", [1, 2]), _token(1, 1, "bc", [2, 3])]
+    prog = progress_from_entries(_entries(stream))
+    assert prog.text == "abbc" and prog.token_ids == [1, 2, 2, 3]
