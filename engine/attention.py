@@ -93,10 +93,11 @@ def _step_plan(plan: AttentionPlan | None, block_tables: torch.Tensor, seq_lens:
     this call's shapes; without one, a plan for this call alone."""
     if plan is None:
         return AttentionPlan.for_step(block_tables, seq_lens, cu_seqlens_q, block_size, dtype)
-    if plan.num_seqs != seq_lens.shape[0] or plan.block_size != block_size:
+    if (plan.num_seqs, plan.block_size, plan.dtype) != (seq_lens.shape[0], block_size, dtype):
         raise ValueError(f"the attention plan is for {plan.num_seqs} sequences in blocks of "
-                         f"{plan.block_size}, this call has {seq_lens.shape[0]} in blocks of "
-                         f"{block_size}: pass the plan built for this step's metadata")
+                         f"{plan.block_size} ({plan.dtype}), this call has {seq_lens.shape[0]} "
+                         f"in blocks of {block_size} ({dtype}): pass the plan built for this "
+                         "step's metadata")
     return plan
 
 

@@ -74,3 +74,7 @@ def test_a_plan_of_another_batch_is_refused():
     with pytest.raises(ValueError, match="blocks of 8"):
         attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3,
                                          plan=wrong_blocks)
+    wrong_dtype = AttentionPlan.for_step(tables, seq_lens, None, 4, torch.float64)
+    with pytest.raises(ValueError, match="torch.float64"):
+        attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.3,
+                                         plan=wrong_dtype)
