@@ -9,7 +9,11 @@ few prompt tokens so the first output word keeps its leading space.
 
 Stop strings can span tokens, so any tail of the text that could still become a stop string is
 held back; on a match the text is cut there (the stop string itself kept only with
-``include_stop_str_in_output``).
+``include_stop_str_in_output``). Everything before the held-back tail has been handed out and
+cannot hold the start of a stop string, so a step searches only the window ``text[emitted:]``:
+the held-back tail (under the longest stop's length) plus the new text. The stop strings are
+indexed once per request (``StopMatcher``), so a step's cost depends on that window and on the
+stops that can start in it, not on how many stops the request lists or how long it has run.
 
 The engine detokenizes all sequences of a step with one batched decode call
 (``detokenize_step``); ``IncrementalDetokenizer.add`` does the same for one sequence.
@@ -17,7 +21,8 @@ The engine detokenizes all sequences of a step with one batched decode call
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from bisect import bisect_left
+from typing import Any, Optional, Sequence
 
 from engine.sampling_params import SamplingParams
 
@@ -36,15 +41,64 @@ def _decode_batch(tokenizer: Any, batches: list[list[int]], skip_special_tokens:
                                   clean_up_tokenization_spaces=False)
 
 
+class StopMatcher:
+    """One request's stop strings, indexed once when the request is added.
+
+    A step's new text can only complete a stop that ends in it, so ``find`` looks only at the
+    stops whose last character is among the new characters, each with one ``str.find`` over the
+    new text plus that stop's length; ``held`` tests tails that start with some stop's first
+    character, by binary search in the sorted stops. A regex alternation of the stops would be
+    one call, but it retries every alternative at every position of the window: on a held-back
+    tail that keeps almost matching (``"a" * 511`` against stops ``"a" * 510 + "xa"``) that is
+    quadratic in the stop length, every step.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        if not stops or any(not s for s in stops):
+            raise ValueError("a StopMatcher needs one or more non-empty stop strings")
+        self.max_len = max(len(s) for s in stops)
+        first_rank = {s: rank for rank, s in reversed(list(enumerate(stops)))}
+        by_last: dict[str, list[tuple[int, str]]] = {}
+        for s, rank in sorted(first_rank.items(), key=lambda item: item[1]):
+            by_last.setdefault(s[-1], []).append((rank, s))
+        self._by_last = by_last
+        self._firsts = frozenset(s[0] for s in stops)
+        self._sorted = sorted(first_rank)
+
+    def find(self, window: str, searched: int = 0) -> Optional[tuple[int, str]]:
+        """The earliest stop occurrence in ``window`` as (index, stop); at one index the stop
+        listed first wins. ``window[:searched]`` is known to hold no whole stop (an earlier
+        step searched it), so only stops ending after it are looked for."""
+        best: Optional[tuple[int, int, str]] = None
+        for last in self._by_last.keys() & set(window[searched:]):
+            for rank, s in self._by_last[last]:
+                i = window.find(s, max(0, searched - len(s) + 1))
+                if i >= 0 and (best is None or (i, rank) < best[:2]):
+                    best = (i, rank, s)
+        return None if best is None else (best[0], best[2])
+
+    def held(self, window: str) -> int:
+        """Length of the longest tail of ``window`` (shorter than the longest stop) that is a
+        prefix of a stop string, so it might still become one."""
+        for n in range(min(self.max_len - 1, len(window)), 0, -1):
+            if window[-n] in self._firsts and self._is_prefix(window[-n:]):
+                return n
+        return 0
+
+    def _is_prefix(self, tail: str) -> bool:
+        """Strings starting with ``tail`` sort right at ``tail``'s insertion point."""
+        i = bisect_left(self._sorted, tail)
+        return i < len(self._sorted) and self._sorted[i].startswith(tail)
+
+
 class IncrementalDetokenizer:
     """Turns one sequence's output tokens into text deltas."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
-        self.stop = list(params.stop)
+        self.stops: Optional[StopMatcher] = StopMatcher(params.stop) if params.stop else None
         self.include_stop = params.include_stop_str_in_output
-        self.max_stop_len = max((len(s) for s in self.stop), default=0)
         window = list(prompt_token_ids[-_PROMPT_WINDOW:])
         self.tokens: list[int] = window       # decode window: prompt tail, then outputs
         self.prefix_offset = 0
@@ -52,6 +106,7 @@ class IncrementalDetokenizer:
         self.text = ""                          # decoded output text (before stop trimming)
         self.emitted = 0                        # chars of ``text`` already handed out
         self.stopped: Optional[str] = None
+        self.searched = 0                       # chars of ``text`` known to hold no whole stop
 
     # -- two-phase API, so the engine can decode every sequence in one call ----------------
     def push(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
@@ -85,34 +140,23 @@ class IncrementalDetokenizer:
     def _emit(self, final: bool) -> tuple[str, Optional[str]]:
         if self.stopped is not None:
             return "", None
-        text = self.text
-        if self.stop:
-            best: Optional[tuple[int, str]] = None
-            for s in self.stop:
-                i = text.find(s, self.emitted)
-                if i >= 0 and (best is None or i < best[0]):
-                    best = (i, s)
-            if best is not None:
-                i, s = best
-                end = i + len(s) if self.include_stop else i
-                delta = text[self.emitted:max(end, self.emitted)]
-                self.emitted = max(end, self.emitted)
+        text, start = self.text, self.emitted
+        upto = len(text)
+        if self.stops is not None:
+            window = text[start:]
+            hit = self.stops.find(window, max(0, self.searched - start))
+            self.searched = len(text)
+            if hit is not None:
+                i, s = hit
+                end = start + i + (len(s) if self.include_stop else 0)
+                self.emitted = end
                 self.stopped = s
-                return delta, s
-            upto = len(text) if final else len(text) - self._partial_stop_len(text)
-        else:
-            upto = len(text)
-        delta = text[self.emitted:upto] if upto > self.emitted else ""
-        self.emitted = max(self.emitted, upto)
+                return text[start:end], s
+            if not final:
+                upto -= self.stops.held(window)
+        delta = text[start:upto] if upto > start else ""
+        self.emitted = max(start, upto)
         return delta, None
-
-    def _partial_stop_len(self, text: str) -> int:
-        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
-        for n in range(min(self.max_stop_len - 1, len(text) - self.emitted), 0, -1):
-            tail = text[-n:]
-            if any(s.startswith(tail) for s in self.stop):
-                return n
-        return 0
 
     @property
     def output_text(self) -> str:
@@ -132,7 +176,7 @@ class IncrementalDetokenizer:
             # The tokens decode differently than the text the client got (e.g. another
             # tokenizer version). Trust the client's text: continue right after it.
             self.text = emitted_text
-        self.emitted = len(emitted_text)
+        self.emitted = self.searched = len(emitted_text)
 
 
 def detokenize_step(items: list[tuple[IncrementalDetokenizer, list[int], bool]]
