@@ -14,7 +14,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import redis
 
@@ -145,6 +145,102 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
 
 
 # --------------------------------------------------------------------------------------------
+# fault injection (test-only: workers started by tests run tests/fault_worker.py, which wraps
+# the engine factory with this; the production path never reads the variable)
+# --------------------------------------------------------------------------------------------
+
+FAULT_INJECT_ENV = "TOKENRELAY_FAULT_INJECT"
+
+
+class InjectedEngineFault(RuntimeError):
+    """What an engine step raises under fault injection. ``request_ids`` names the requests
+    that caused it, as a real engine error may; the worker hands those back counting a delivery."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"injected engine failure for {request_ids}")
+        self.request_ids = list(request_ids)
+
+
+class FaultInjectingEngine:
+    """Wraps any engine; ``step()`` raises while a request whose prompt contains the marker is
+    unfinished. Enabled only by ``TOKENRELAY_FAULT_INJECT="raise_on_prompt:<marker>"``: it lets
+    a test make one prompt kill every worker that runs it (poison) in a real worker process."""
+
+    def __init__(self, engine: Any, marker: str) -> None:
+        self._engine = engine
+        self._marker = marker
+        self._marked: set[str] = set()
+
+    def add_request(self, request_id: str, prompt: Any, *args: Any, **kwargs: Any) -> None:
+        self._engine.add_request(request_id, prompt, *args, **kwargs)
+        text = prompt if isinstance(prompt, str) else self._engine.tokenizer.decode(list(prompt))
+        if self._marker in text:
+            self._marked.add(request_id)
+
+    def abort_request(self, request_id: str) -> bool:
+        self._marked.discard(request_id)
+        return self._engine.abort_request(request_id)
+
+    def step(self) -> Any:
+        if self._marked:
+            raise InjectedEngineFault(sorted(self._marked))
+        return self._engine.step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def maybe_inject_faults(engine: Any, spec: Optional[str] = None) -> Any:
+    """The engine, wrapped when ``TOKENRELAY_FAULT_INJECT`` (or ``spec``) asks for it."""
+    spec = os.environ.get(FAULT_INJECT_ENV, "") if spec is None else spec
+    if not spec:
+        return engine
+    kind, _, arg = spec.partition(":")
+    if kind != "raise_on_prompt" or not arg:
+        raise ValueError(f"{FAULT_INJECT_ENV}={spec!r}: expected 'raise_on_prompt:<marker>'")
+    return FaultInjectingEngine(engine, arg)
+
+
+# --------------------------------------------------------------------------------------------
+# producer-side helpers for raw entries (the real producer SDK lives in producer_sdk/)
+# --------------------------------------------------------------------------------------------
+
+def submit(client: Any, keys: Any, job: Any, raw: Optional[bytes] = None,
+           lane: Optional[str] = None) -> str:
+    """XADD a job (JobRequest, dict, or ``raw`` payload bytes) onto its priority lane, as a raw
+    producer does: no dedupe record (the worker binds the job id to the entry)."""
+    from producer_sdk.protocol import PAYLOAD_FIELD, JobRequest, encode_job
+    if raw is None:
+        job = job if isinstance(job, JobRequest) else JobRequest.model_validate(job)
+        raw = encode_job(job)
+        lane = lane or keys.lane_for_priority(job.priority)
+    entry_id = client.xadd(keys.lane(lane or "default"), {PAYLOAD_FIELD: raw})
+    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+
+
+def read_events(client: Any, keys: Any, job_id: str) -> list:
+    from producer_sdk.protocol import EVENT_FIELD, decode_event
+    return [decode_event(f[EVENT_FIELD]) for _, f in client.xrange(keys.results(job_id))]
+
+
+def wait_for_terminal(client: Any, keys: Any, job_ids: Any, timeout: float = 20.0) -> dict:
+    """Wait until every job has a terminal event; returns job_id -> events."""
+    ids = [job_ids] if isinstance(job_ids, str) else list(job_ids)
+    out: dict = {}
+
+    def all_ended() -> bool:
+        for jid in ids:
+            if jid not in out:
+                events = read_events(client, keys, jid)
+                if events and events[-1].type in ("done", "error"):
+                    out[jid] = events
+        return len(out) == len(ids)
+    wait_for(all_ended, timeout, interval=0.02,
+             what=f"a terminal event of {[j for j in ids if j not in out][:5]}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # result streams as a client sees them
 # --------------------------------------------------------------------------------------------
 
@@ -242,7 +338,7 @@ def pending_summary(r: redis.Redis, keys) -> list[tuple[str, str, int, int]]:
 # a Redis + worker processes + producer environment for kill tests
 # --------------------------------------------------------------------------------------------
 
-# The contract-shaped FakeEngine (worker/testing.py) behind the real service: process startup
+# The contract-shaped FakeEngine (worker/fake_engine.py) behind the real service: process startup
 # without torch, tokens a pure function of (prompt, seed, position), so resumes are checkable.
 FAKE_MODEL = "fake:step_delay={delay}"
 FAST_FLAGS = {"lease-ms": 1000, "max-deliveries": 3, "heartbeat-ms": 200, "block-ms": 100,

@@ -156,16 +156,19 @@ def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServe
 
 @dataclass
 class WorkerProcess:
-    """A ``python -m worker`` child with its stderr (JSON logs) captured to a file."""
+    """A worker child with its stderr (JSON logs) captured to a file: ``python -m
+    tests.fault_worker``, i.e. ``python -m worker`` plus test-only fault injection
+    (TOKENRELAY_FAULT_INJECT, tests/fault_harness.py)."""
 
     args: tuple[str, ...]
     log_path: Path
     env: dict[str, str]
     proc: Optional[subprocess.Popen] = None
+    module: str = "tests.fault_worker"
 
     def start(self) -> "WorkerProcess":
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "worker", *self.args],
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args],
                                      cwd=str(REPO_ROOT), env=self.env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         return self

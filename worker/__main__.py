@@ -10,10 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None,
+         engine_factory: Optional[Callable[..., object]] = None) -> int:
+    """The CLI; ``engine_factory`` (default worker.engine_api.load_engine) lets a test-only
+    entry wrap the engine (tests/fault_worker.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["health"]:
         from worker.health import main as health_main
@@ -37,7 +40,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from worker.logs import configure_logging
     configure_logging(settings.log_level)
     from worker.service import Worker
-    worker = Worker(settings)
+    worker = (Worker(settings) if engine_factory is None
+              else Worker(settings, engine_factory=engine_factory))
 
     def on_signal(signum: int, _frame: object) -> None:
         worker.stop()

@@ -21,20 +21,15 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import redis as redis_lib
 
 from producer_sdk.protocol import (
-    GROUP, PAYLOAD_FIELD, DeadLetter, Keys, ProtocolError, decode_job,
+    GROUP, PAYLOAD_FIELD, DeadLetter, ErrorCode, Keys, decode_job, dedupe_record,
 )
+from worker.deadletters import readable_job_id
 
+# A drain flag (Keys.drain) expires, so a flag for a worker that never came back cannot drain
+# the next process started under that id an hour later.
 DRAIN_TTL_S = 3600
+DEDUPE_TTL_S = 86_400
 _PAGE = 500
-
-
-def drain_key(keys: Keys, worker_id: str) -> str:
-    """Flag a worker polls: while it exists the worker drains as on SIGTERM, then exits 0.
-
-    It expires (``DRAIN_TTL_S``) so a flag for a worker that never came back cannot drain the
-    next process started under that id an hour later.
-    """
-    return f"{keys.namespace}:drain:{keys.queue}:{worker_id}"
 
 
 def _s(value: Any) -> str:
@@ -74,10 +69,7 @@ def _job_id_of(r: Any, lane: str, entry_id: str) -> str:
     entries = r.xrange(lane, entry_id, entry_id)
     if not entries:
         return ""  # payload deleted; the next reclaim drops it
-    try:
-        return decode_job(entries[0][1].get(PAYLOAD_FIELD)).job_id
-    except ProtocolError as exc:
-        return exc.job_id or ""
+    return readable_job_id(entries[0][1].get(PAYLOAD_FIELD)) or ""
 
 
 def list_pending(r: Any, keys: Keys) -> list[PendingJob]:
@@ -110,7 +102,7 @@ def list_workers(r: Any, keys: Keys) -> list[dict]:
         wid = _s(member)
         out.append({"worker_id": wid, "last_beat_ms_ago": int(now - score),
                     "heartbeat_key": bool(r.exists(keys.heartbeat(wid))),
-                    "draining": bool(r.exists(drain_key(keys, wid)))})
+                    "draining": bool(r.exists(keys.drain(wid)))})
     return out
 
 
@@ -140,12 +132,15 @@ def replay_dead(r: Any, keys: Keys, ids: Sequence[str] = ()) -> list[tuple[str, 
     """Re-enqueue dead letters (all when ``ids`` is empty); returns ``(job_id, new entry id)``.
 
     The job keeps its id, so its result stream is deleted first: it ends with the poison error,
-    and a worker that finds a terminal event there would treat the job as already finished.
-    Clients waiting on the job must subscribe again. Letters without a payload are skipped.
+    and a worker that finds a terminal event there would treat the job as already finished. The
+    job id's dedupe record is pointed at the new entry (identity binding: workers run only the
+    entry it names). Clients waiting on the job must subscribe again. Skipped, and left in the
+    dead-letter stream: letters without a payload or with a truncated one, and duplicate_job_id
+    letters (replaying one would take the job id over from the job it belongs to).
     """
     done = []
     for dead_id, letter in _select_dead(r, keys, ids):
-        if not letter.data:
+        if not letter.data or letter.truncated or letter.code == ErrorCode.DUPLICATE_JOB_ID.value:
             continue
         job = decode_job(letter.data)
         lane = letter.lane if letter.lane in keys.lanes() else keys.jobs_stream(job.priority)
@@ -153,9 +148,9 @@ def replay_dead(r: Any, keys: Keys, ids: Sequence[str] = ()) -> list[tuple[str, 
         new_id = _s(r.xadd(lane, {PAYLOAD_FIELD: letter.data}))
         dedupe = keys.dedupe(job.job_id)
         if r.exists(dedupe):
-            r.set(dedupe, f"{lane} {new_id}", keepttl=True)
+            r.set(dedupe, dedupe_record(lane, new_id), keepttl=True)
         else:
-            r.set(dedupe, f"{lane} {new_id}", ex=DRAIN_TTL_S * 24)
+            r.set(dedupe, dedupe_record(lane, new_id), ex=DEDUPE_TTL_S)
         r.xdel(keys.dead, dead_id)
         done.append((job.job_id, new_id))
     return done
@@ -176,18 +171,13 @@ def purge_dead(r: Any, keys: Keys, ids: Sequence[str] = ()) -> int:
 
 def request_drain(r: Any, keys: Keys, worker_id: str, ttl_s: int = DRAIN_TTL_S) -> bool:
     """Ask a worker to drain and exit; returns whether it currently has a heartbeat."""
-    r.set(drain_key(keys, worker_id), str(int(time.time())), ex=ttl_s)
+    r.set(keys.drain(worker_id), str(int(time.time())), ex=ttl_s)
     return bool(r.exists(keys.heartbeat(worker_id)))
 
 
 def drain_requested(r: Any, keys: Keys, worker_id: str) -> bool:
     """What the worker polls (with its heartbeat)."""
-    return bool(r.exists(drain_key(keys, worker_id)))
-
-
-def clear_drain(r: Any, keys: Keys, worker_id: str) -> None:
-    """Called by a worker at startup so a drain meant for its predecessor does not stop it."""
-    r.delete(drain_key(keys, worker_id))
+    return bool(r.exists(keys.drain(worker_id)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producer_sdk.protocol import PARKING_CONSUMER, Keys
+from producer_sdk.protocol import PARKING_CONSUMER, Keys, Limits
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _SIZE_MULT = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
@@ -70,6 +70,27 @@ class WorkerSettings(BaseSettings):
     max_deliveries: int = Field(3, ge=1, description="Deliveries before a job is dead-lettered.")
     heartbeat_ms: int = Field(1000, ge=50, description="Heartbeat interval.")
     block_ms: int = Field(500, ge=1, description="Max blocking read time while idle.")
+    dedupe_ttl: int = Field(86_400, ge=1, description="Seconds a job id stays bound to its entry "
+                            "when the worker creates the binding (the SDK's dedupe_ttl_s).")
+    dead_letter_maxlen: int = Field(10_000, ge=1, description="The dead-letter stream is capped at "
+                                    "about this many entries.")
+    dead_letter_payload_bytes: int = Field(65_536, ge=0, description="Bytes of a dead-lettered "
+                                           "payload kept (size and truncated record the rest).")
+    # Producer-facing limits (producer_sdk.protocol.Limits), checked by decode_job: a job past
+    # one ends alone with invalid_request naming the field.
+    max_payload_bytes: int = Field(8 * 1024 * 1024, ge=1, description="Largest job payload "
+                                   "(checked before unpacking).")
+    max_prompt_bytes: int = Field(4 * 1024 * 1024, ge=1, description="Largest prompt (or sum of "
+                                  "message contents), UTF-8 bytes.")
+    max_prompt_token_ids: int = Field(1_000_000, ge=1, description="Most prompt_token_ids.")
+    max_messages: int = Field(10_000, ge=1, description="Most chat messages.")
+    max_stop_strings: int = Field(64, ge=0, description="Most stop strings per job.")
+    max_stop_string_chars: int = Field(512, ge=1, description="Longest stop string.")
+    max_stop_token_ids: int = Field(1024, ge=0, description="Most stop token ids per job.")
+    max_metadata_bytes: int = Field(64 * 1024, ge=0, description="Largest metadata (packed).")
+    max_metadata_depth: int = Field(32, ge=1, description="Deepest metadata nesting.")
+    max_logprobs: int = Field(20, ge=0, description="Largest logprobs (top-k per token).")
+    max_n: int = Field(1, ge=1, description="Largest n (completions per job).")
     log_level: str = Field("info", description="debug, info, warning, error.")
     log_prompts: bool = Field(False, description="Log prompt text (debug only; off by default).")
 
@@ -102,6 +123,10 @@ class WorkerSettings(BaseSettings):
     def resolved_worker_id(self) -> str:
         """The explicit id, else ``<hostname>-<device>``: stable across restarts of one slot."""
         return self.worker_id or default_worker_id(self.device)
+
+    def decode_limits(self) -> Limits:
+        """The producer-facing limits ``decode_job`` checks, from the --max-* flags."""
+        return Limits(**{name: getattr(self, name) for name in Limits.model_fields})
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for EngineConfig; unset options keep the engine's defaults."""

@@ -1,7 +1,7 @@
-"""A job this worker holds: its entry, its request, its ownership, and the events it owes.
+"""The jobs this worker holds: each one's entry, request, ownership and the events it owes.
 
-Pure bookkeeping, no I/O: the service loop turns engine deltas into events here and the
-result writer ships ``pending`` once per step. Keeping the emitted tokens and text lets the
+No Redis I/O: the loop turns engine deltas into events here and the outbox ships ``pending``
+once per step. Keeping the emitted tokens and text lets the
 worker re-add a job to the engine with a resume state after an engine failure, and count
 partial output in ``usage`` when a job is cancelled.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
-import msgpack
 from typing import Any, Optional
 
-from producer_sdk.protocol import (DoneEvent, ErrorEvent, FinishReason, JobRequest, StartedEvent,
-                                   Timings, Usage, encode_event)
-from worker.intake import Entry
+import msgpack
+
+from producer_sdk.protocol import (DoneEvent, ErrorCode, ErrorEvent, FinishReason, JobRequest,
+                                   StartedEvent, Timings, Usage, encode_event)
+from worker.pending import Entry
 
 
 def encode_token_event(seq: int, index: int, text: str, token_ids: list[int],
@@ -61,7 +61,6 @@ class Job:
     parking: bool = False                # draining: hand the entry back once events are written
     params: Any = None                   # the validated SamplingParams (seed filled in)
     write_failures: int = 0
-    engine_failures: int = 0
 
     @property
     def job_id(self) -> str:
@@ -138,3 +137,43 @@ class Job:
             return None if t is None else round(max(0.0, (t - base) * 1000.0), 3)
         return Timings(queued_ms=ms(self.admitted_at), ttft_ms=ms(self.first_token_at),
                        total_ms=ms(self.finished_at))
+
+
+class JobTable(dict):
+    """job id -> Job for every job this worker holds, and the ways a held job ends early. Each
+    takes it out of the engine first, so the engine never runs a job the worker gave up."""
+
+    def __init__(self, engine: Any, metrics: Any, log: Any) -> None:
+        super().__init__()
+        self.engine = engine
+        self.metrics = metrics
+        self.log = log
+
+    def _out_of_engine(self, job: Job) -> None:
+        if job.in_engine:
+            self.engine.abort_request(job.job_id)
+            job.in_engine = False
+
+    def fail(self, job: Job, code: ErrorCode, message: str) -> None:
+        """End the job with an error event (written by the next flush)."""
+        self._out_of_engine(job)
+        job.fail(code.value, message)
+        self.metrics.errors.labels(code.value).inc()
+        self.log.info("failed", code=code.value, error=message, **job.log_fields())
+
+    def cancel(self, job: Job, why: str) -> None:
+        self._out_of_engine(job)
+        job.finish(FinishReason.CANCELLED.value)
+        self.metrics.finished.labels("cancelled").inc()
+        self.log.info("cancelled", why=why, tokens=len(job.out_ids), **job.log_fields())
+
+    def drop(self, job: Job, why: str) -> None:
+        """Stop working on a job we no longer own or can no longer report on; writes nothing."""
+        self._out_of_engine(job)
+        job.pending.clear()
+        self.pop(job.job_id, None)
+        self.log.warning("dropped", why=why, **job.log_fields())
+
+    def abort_all(self) -> None:
+        for job in self.values():
+            self._out_of_engine(job)

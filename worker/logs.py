@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any, TextIO
 
 import structlog
@@ -34,3 +35,26 @@ def configure_logging(level: str = "info", stream: TextIO | None = None) -> None
 
 def get_logger(**bind: Any) -> Any:
     return structlog.get_logger("tokenrelay.worker").bind(**bind)
+
+
+class RateLimitedLog:
+    """Logs the same message at most once per ``every_s`` seconds, with how many were
+    suppressed in between. Why: a loop that retries a failing Redis command every few
+    milliseconds once wrote 500,000 identical lines (160 MB) in 40 s."""
+
+    def __init__(self, log: Any, every_s: float = 5.0) -> None:
+        self._log = log
+        self._every_s = every_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def __call__(self, level: str, message: str, **fields: Any) -> None:
+        now = time.monotonic()
+        if now - self._last.get(message, -1e18) < self._every_s:
+            self._suppressed[message] = self._suppressed.get(message, 0) + 1
+            return
+        self._last[message] = now
+        suppressed = self._suppressed.pop(message, 0)
+        if suppressed:
+            fields["suppressed"] = suppressed
+        getattr(self._log, level)(message, **fields)

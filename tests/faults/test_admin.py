@@ -10,8 +10,9 @@ from producer_sdk.protocol import (
     GROUP, PAYLOAD_FIELD, JobRequest, Keys, decode_job, encode_job,
 )
 from tests.fault_harness import REDIS_7, Reaper, RedisServer
+from tests.faults.test_leases import dead_letter
 from worker import admin
-from worker.leases import LeaseKeeper, make_dead_letter
+from worker.pending import PendingList
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,12 +45,15 @@ def enqueue(r, keys: Keys, job_id: str, priority: int = 0) -> str:
 
 
 def poison(r, keys: Keys, job_id: str) -> str:
-    """Enqueue, deliver, and push past max_deliveries so a LeaseKeeper dead-letters it."""
+    """Enqueue, deliver past max_deliveries, reclaim and dead-letter it as a worker does."""
     eid = enqueue(r, keys, job_id)
     lane = keys.lane("default")
     r.xreadgroup(GROUP, "crashy", {lane: ">"}, count=1)
     r.xclaim(lane, GROUP, "crashy", 0, [eid], idle=10_000, retrycount=3, justid=True)
-    LeaseKeeper(r, keys, "w2", 1000, 3, make_dead_letter(r, keys, "w2", 60_000)).reclaim(10)
+    w2 = PendingList(r, keys, "w2")
+    (entry,) = w2.reclaim(10, 1000)
+    dead_letter(r, keys, "w2", entry)
+    w2.ack([entry.key])
     return eid
 
 
@@ -109,9 +113,7 @@ def test_drain_sets_an_expiring_flag(r, keys, capsys):
     out = run_cli(r, keys, capsys, "drain", "w9")
     assert "no live heartbeat" in out
     assert admin.drain_requested(r, keys, "w9")
-    assert 0 < r.ttl(admin.drain_key(keys, "w9")) <= admin.DRAIN_TTL_S
-    admin.clear_drain(r, keys, "w9")
-    assert not admin.drain_requested(r, keys, "w9")
+    assert 0 < r.ttl(keys.drain("w9")) <= admin.DRAIN_TTL_S
 
 
 def test_workers_lists_heartbeats(r, keys, capsys):

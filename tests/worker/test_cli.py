@@ -11,7 +11,8 @@ import pytest
 
 from producer_sdk.protocol import GROUP, Keys
 from tests.fixtures_redis import REPO_ROOT
-from worker.testing import fake_completion, read_events, submit, wait_for_terminal
+from tests.fault_harness import read_events, submit, wait_for_terminal
+from worker.fake_engine import fake_completion
 
 KEYS = Keys()
 

@@ -1,12 +1,14 @@
-"""Fencing and pending-list primitives (worker/fencing.py) against a real redis-server."""
+"""Result-stream fencing (worker/fencing.py), identity binding and the pending-list scripts
+(worker/pending.py, worker/scripts.py) against a real redis-server."""
 
 from __future__ import annotations
 
 import pytest
 
-from producer_sdk.protocol import GROUP, PARKING_CONSUMER, Keys
-from worker.fencing import (AckStatus, Fence, ScriptPipeline, WriteStatus, parse_ack_codes,
-                            parse_raw_entries, parse_step_reply, parse_write_status)
+from producer_sdk.protocol import GROUP, PARKING_CONSUMER, Keys, dedupe_record
+from worker.fencing import Fence, WriteStatus, bound, parse_step_reply
+from worker.pending import AckStatus, PendingList
+from worker.scripts import ScriptPipeline
 
 K = Keys()
 LANE = K.lane("default")
@@ -26,25 +28,31 @@ def run(r, build):
     return pipe.execute()
 
 
-def write(r, fence, owner, batch, events, create=True, ttl=60_000, job="j"):
-    (res,) = run(r, lambda p: fence.write_events(p, job, owner, ttl, batch, events, create))
-    return parse_write_status(res)
+def write(r, fence, owner, batch, events, create=True, ttl=60_000, job="j", check=True):
+    (res,) = run(r, lambda p: fence.write_step(p, ttl, [(job, owner, batch, events, create,
+                                                          check, True)]))
+    return parse_step_reply(res)[0][0]
+
+
+def own(r, fence, job, owner, entry_id="1-1"):
+    (res,) = run(r, lambda p: fence.bind_and_own(p, job, LANE, entry_id, owner, 60_000))
+    return bound(res)
 
 
 def test_write_requires_ownership_and_sets_ttl(r):
-    f = Fence(K, "w1")
+    f = Fence(K)
     assert write(r, f, "w1:a", "a.0", [b"e1"]) is WriteStatus.MISSING
-    run(r, lambda p: f.take_ownership(p, "j", "w1:a", 60_000))
+    assert own(r, f, "j", "w1:a")
     assert write(r, f, "w1:a", "a.0", [b"e1", b"e2"]) is WriteStatus.OK
     assert 0 < r.pttl(K.results("j")) <= 60_000
-    run(r, lambda p: f.take_ownership(p, "j", "w2:b", 60_000))  # takeover
+    assert own(r, f, "j", "w2:b")  # takeover of the same entry
     assert write(r, f, "w1:a", "a.1", [b"late"], create=False) is WriteStatus.REFUSED
     assert [x[1][b"data"] for x in r.xrange(K.results("j"))] == [b"e1", b"e2"]
 
 
 def test_retried_batch_is_idempotent_and_completes_a_partial_one(r):
-    f = Fence(K, "w1")
-    run(r, lambda p: f.take_ownership(p, "j", "w1:a", 60_000))
+    f = Fence(K)
+    own(r, f, "j", "w1:a")
     assert write(r, f, "w1:a", "a.0", [b"s", b"t0"]) is WriteStatus.OK
     assert write(r, f, "w1:a", "a.0", [b"s", b"t0"]) is WriteStatus.DUP
     # a batch that died half way: only its first event landed
@@ -55,8 +63,8 @@ def test_retried_batch_is_idempotent_and_completes_a_partial_one(r):
 
 
 def test_expired_stream_is_never_recreated(r):
-    f = Fence(K, "w1")
-    run(r, lambda p: f.take_ownership(p, "j", "w1:a", 60_000))
+    f = Fence(K)
+    own(r, f, "j", "w1:a")
     assert write(r, f, "w1:a", "a.0", [b"s"]) is WriteStatus.OK
     r.delete(K.results("j"))  # expired
     assert write(r, f, "w1:a", "a.1", [b"t"], create=False) is WriteStatus.GONE
@@ -65,70 +73,74 @@ def test_expired_stream_is_never_recreated(r):
     assert write(r, f, "w1:a", "a.1", [b"t"], create=False) is WriteStatus.MISSING
 
 
+def test_identity_binds_a_job_id_to_one_entry(r):
+    f = Fence(K)
+    assert own(r, f, "j", "w1:a", entry_id="5-1")                # absent: bound to 5-1
+    assert r.get(K.dedupe("j")).decode() == dedupe_record(LANE, "5-1")
+    assert 0 < r.ttl(K.dedupe("j")) <= 86_400
+    assert not own(r, f, "j", "w2:b", entry_id="6-1")            # another entry: refused
+    assert r.get(K.owner("j")) == b"w1:a"                        # nothing of j touched
+    assert own(r, f, "j", "w3:c", entry_id="5-1")                # the bound entry: taken over
+    assert r.get(K.owner("j")) == b"w3:c"
+
+
 def test_ack_checks_the_consumer_and_deletes(r):
     ids = [r.xadd(LANE, {"data": b"x"}).decode() for _ in range(3)]
     r.xreadgroup(GROUP, "w1", {LANE: ">"}, count=2)
     r.xreadgroup(GROUP, "w2", {LANE: ">"}, count=1)
-    f1 = Fence(K, "w1")
-    (res,) = run(r, lambda p: f1.ack(p, LANE, ids))
-    assert parse_ack_codes(res) == [AckStatus.ACKED, AckStatus.ACKED, AckStatus.NOT_OWNER]
+    p1 = PendingList(r, K, "w1")
+    assert p1.ack([(LANE, i) for i in ids]) == [AckStatus.ACKED, AckStatus.ACKED,
+                                                AckStatus.NOT_OWNER]
     assert r.xlen(LANE) == 1  # acknowledged entries are deleted, w2's stays
-    (res,) = run(r, lambda p: f1.ack(p, LANE, ids[:1]))
-    assert parse_ack_codes(res) == [AckStatus.NOT_PENDING]
+    assert p1.ack([(LANE, ids[0])]) == [AckStatus.NOT_PENDING]
 
 
 def test_park_and_claim_parked_keep_delivery_count(r):
     ids = [r.xadd(LANE, {"data": f"p{i}".encode()}).decode() for i in range(3)]
     r.xreadgroup(GROUP, "w1", {LANE: ">"}, count=2)
     r.xreadgroup(GROUP, "other", {LANE: ">"}, count=1)
-    f1, f2 = Fence(K, "w1"), Fence(K, "w2")
-    (n,) = run(r, lambda p: f1.park(p, LANE, ids))  # ids[2] is not w1's: untouched
-    assert n == 2
+    p1, p2 = PendingList(r, K, "w1"), PendingList(r, K, "w2")
+    assert p1.park((LANE, i) for i in ids) == [(LANE, ids[2])]  # not w1's: untouched
     pend = {p["message_id"].decode(): p for p in r.xpending_range(LANE, GROUP, "-", "+", 10)}
     assert pend[ids[0]]["consumer"].decode() == PARKING_CONSUMER
     assert pend[ids[0]]["time_since_delivered"] > 10**11 and pend[ids[0]]["times_delivered"] == 1
     assert pend[ids[2]]["consumer"] == b"other"
-    (rows,) = run(r, lambda p: f2.claim_parked(p, LANE, 10))
-    got = parse_raw_entries(rows)
-    assert [(i, f[b"data"], d) for i, f, d in got] == [(ids[0], b"p0", 1), (ids[1], b"p1", 1)]
+    got = p2.reclaim(10, None)
+    assert [(e.entry_id, e.fields[b"data"], e.deliveries, e.source) for e in got] == [
+        (ids[0], b"p0", 1, "parked"), (ids[1], b"p1", 1, "parked")]
     pend = {p["message_id"].decode(): p for p in r.xpending_range(LANE, GROUP, "-", "+", 10)}
     assert pend[ids[0]]["consumer"] == b"w2" and pend[ids[0]]["times_delivered"] == 1
     assert pend[ids[2]]["consumer"] == b"other"
 
 
-def test_read_own_pending_reports_deleted_entries(r):
+def test_read_own_pending_reports_deleted_entries_and_pages(r):
     ids = [r.xadd(LANE, {"data": f"o{i}".encode()}).decode() for i in range(3)]
     r.xreadgroup(GROUP, "w1", {LANE: ">"}, count=3)
     r.xdel(LANE, ids[1])
-    f = Fence(K, "w1")
-    (rows,) = run(r, lambda p: f.read_own_pending(p, LANE, "0", 10))
-    got = parse_raw_entries(rows)
-    assert [g[0] for g in got] == ids
-    assert got[1][1] is None and got[0][1][b"data"] == b"o0"
-    (rows,) = run(r, lambda p: f.read_own_pending(p, LANE, ids[1], 10))  # paging
-    assert [g[0] for g in parse_raw_entries(rows)] == [ids[2]]
+    got = PendingList(r, K, "w1").read_own_pending(page=2)
+    assert [e.entry_id for e in got] == ids
+    assert got[1].fields is None and got[0].payload == b"o0" and got[2].payload == b"o2"
 
 
 def test_renew_never_steals_a_reclaimed_entry(r):
     eid = r.xadd(LANE, {"data": b"x"}).decode()
     r.xreadgroup(GROUP, "w1", {LANE: ">"}, count=1)
     r.xclaim(LANE, GROUP, "w2", 0, [eid], justid=True)
-    (n,) = run(r, lambda p: Fence(K, "w1").renew(p, LANE, [eid]))
-    assert n == 0
+    assert PendingList(r, K, "w1").renew([(LANE, eid)]) == [(LANE, eid)]
     assert r.xpending_range(LANE, GROUP, "-", "+", 1)[0]["consumer"] == b"w2"
 
 
 def test_scripts_survive_a_script_cache_flush(r):
-    f = Fence(K, "w1")
-    run(r, lambda p: f.take_ownership(p, "j", "w1:a", 60_000))
+    f = Fence(K)
+    own(r, f, "j", "w1:a")
     r.script_flush()
     assert write(r, f, "w1:a", "a.0", [b"x"]) is WriteStatus.OK
 
 
 def test_write_step_isolates_jobs_and_reads_cancel_flags(r):
-    f = Fence(K, "w1")
+    f = Fence(K)
     for j in ("a", "b", "c"):
-        run(r, lambda p, j=j: f.take_ownership(p, j, f"w1:{j}", 60_000))
+        own(r, f, j, f"w1:{j}")
     r.set(K.results("b"), "not a stream")          # a broken key must not fail a or c
     r.set(K.cancel("c"), 1)
     (reply,) = run(r, lambda p: f.write_step(p, 60_000, [
@@ -155,8 +167,9 @@ def test_write_step_isolates_jobs_and_reads_cancel_flags(r):
 def test_write_step_sets_ttls_on_create_and_refresh_only(r):
     """Step writes leave the TTLs alone unless the stream is created or the worker asks for a
     refresh; whichever way, a result stream never exists without a TTL."""
-    f = Fence(K, "w1")
-    run(r, lambda p: f.take_ownership(p, "a", "w1:a", 60_000))
+    f = Fence(K)
+    own(r, f, "a", "w1:a")
+    r.pexpire(K.owner("a"), 60_000)
     run(r, lambda p: f.write_step(p, 60_000, [("a", "w1:a", "a.0", [b"a1"], True, False, False)]))
     assert 0 < r.pttl(K.results("a")) <= 60_000
     r.pexpire(K.results("a"), 5_000)
@@ -175,6 +188,6 @@ def test_read_new_takes_urgent_first_up_to_count(r):
         r.xadd(K.lane("bulk"), {"data": f"b{i}".encode()})
         r.xadd(LANE, {"data": f"d{i}".encode()})
     r.xadd(K.lane("urgent"), {"data": b"u0"})
-    (rows,) = run(r, lambda p: Fence(K, "w1").read_new(p, K.lanes(), 4))
-    assert [(int(i), dict(zip(f[::2], f[1::2]))[b"data"]) for i, _, f in rows] == [
-        (1, b"u0"), (2, b"d0"), (2, b"d1"), (2, b"d2")]
+    got = PendingList(r, K, "w1").read_new(4)
+    assert [(e.lane, e.payload) for e in got] == [
+        ("urgent", b"u0"), ("default", b"d0"), ("default", b"d1"), ("default", b"d2")]

@@ -16,7 +16,7 @@ import pytest
 from producer_sdk.protocol import Keys
 from worker.config import WorkerSettings
 from worker.service import Worker
-from worker.testing import read_events, submit, wait_for_terminal
+from tests.fault_harness import read_events, submit, wait_for_terminal
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("engine.llm_engine") is None,
                                 reason="engine.llm_engine not available yet")

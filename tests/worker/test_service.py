@@ -18,7 +18,8 @@ import pytest
 from producer_sdk.protocol import (GROUP, PARKING_CONSUMER, DeadLetter, Keys, now_ms)
 from worker.config import WorkerSettings
 from worker.service import Worker
-from worker.testing import FakeEngine, fake_completion, read_events, submit, wait_for_terminal
+from tests.fault_harness import read_events, submit, wait_for_terminal
+from worker.fake_engine import FakeEngine, fake_completion
 
 FAST = dict(block_ms=50, heartbeat_ms=200, drain_timeout=5.0, result_ttl=120.0)
 
@@ -302,7 +303,8 @@ def test_bad_input_matrix_is_dead_lettered_and_worker_keeps_serving(start_worker
     tl = terminal(out["too-long"])
     assert tl.code == "prompt_too_long" and "5000" in tl.message
     assert tokens_text(out["good"]) == fake_completion("still serving", 3)
-    wait_until(lambda: r.xlen(KEYS.dead) == len(BAD_INPUTS) + 1, what="dead letters")
+    # decode_job validates params too, so both bad-params entries are dead-lettered as well
+    wait_until(lambda: r.xlen(KEYS.dead) == len(BAD_INPUTS) + 3, what="dead letters")
     letters = [DeadLetter.from_fields(f) for _, f in r.xrange(KEYS.dead)]
     by_entry = {d.entry_id: d for d in letters}
     for name, eid in entry_ids.items():

@@ -1,8 +1,8 @@
-"""A small fake engine that implements the step API of docs/contracts.md, for worker tests.
+"""``--model fake:``: an engine with the step API of docs/contracts.md and no model.
 
-Why it exists: the worker's promises (fencing, cancel within a step, resume, drain, priority)
-are about Redis and the service loop, not about the model; tests of them should run in
-milliseconds and must not wait for the real engine. Output is a pure function of (prompt,
+Why it exists: producers test their own code against a real worker without a GPU or a
+checkpoint, and the worker's promises (fencing, cancel within a step, resume, drain, priority)
+are about Redis and the loop, not about the model, so their tests run in milliseconds. Output is a pure function of (prompt,
 seed, output position), like the real engine's sampling contract, so a resumed request
 continues exactly and tests can predict every token.
 
@@ -20,29 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.outputs import RequestDelta, ResumeState
 from engine.sampling_params import SamplingParams
-
-
-@dataclass
-class FakeResumeState:
-    output_token_ids: list[int]
-    output_text: str
-
-
-@dataclass
-class FakeDelta:
-    """Same fields as the contract's RequestDelta."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    logprobs: Optional[list[dict[int, float]]]
-    token_logprobs: list[float]
-    finished: bool
-    finish_reason: Optional[str]
-    stop_reason: Union[str, int, None]
-    num_prompt_tokens: int
-    num_output_tokens: int
 
 
 class FakeTokenizer:
@@ -99,7 +78,7 @@ class FakeEngine:
 
     # ------------------------------------------------------------------ contract
     def add_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
-                    priority: int = 0, resume: Any = None) -> None:
+                    priority: int = 0, resume: Optional[ResumeState] = None) -> None:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
@@ -120,7 +99,7 @@ class FakeEngine:
     def request_seed(self, request_id: str) -> int:
         return self._requests[request_id].seed
 
-    def step(self) -> list[FakeDelta]:
+    def step(self) -> list[RequestDelta]:
         with self._lock:
             order = sorted(self._requests.values(), key=lambda r: (r.priority, r.arrival))
             scheduled = order[: self.max_num_seqs]
@@ -141,7 +120,7 @@ class FakeEngine:
             with self._lock:
                 self._requests.pop(r.request_id, None)
         lp = None if r.params.logprobs is None else [{tok: -0.5}]
-        return FakeDelta(r.request_id, [tok], chr(tok), lp, [-0.5], finished, reason,
+        return RequestDelta(r.request_id, [tok], chr(tok), lp, [-0.5], finished, reason,
                          tok if reason == "stop" else None, len(r.prompt_ids), len(r.out_ids))
 
     def abort_request(self, request_id: str) -> bool:
@@ -169,100 +148,3 @@ class FakeEngine:
         return {"num_preemptions": 0, "kv_blocks_total": 1000, "kv_blocks_used": running,
                 "kv_utilization_peak": 0.0, "prefix_cache_hit_rate": 0.0,
                 "num_running": running, "num_waiting": n - running}
-
-
-# ------------------------------------------------------------------------------------------
-# Fault injection (a testing aid; F's fault-tolerance tests drive it through the environment)
-# ------------------------------------------------------------------------------------------
-
-FAULT_INJECT_ENV = "TOKENRELAY_FAULT_INJECT"
-
-
-class InjectedEngineFault(RuntimeError):
-    """What an engine step raises under fault injection. ``request_ids`` names the requests
-    that caused it, as a real engine error may; the worker hands those back counting a delivery."""
-
-    def __init__(self, request_ids: list[str]) -> None:
-        super().__init__(f"injected engine failure for {request_ids}")
-        self.request_ids = list(request_ids)
-
-
-class FaultInjectingEngine:
-    """Wraps any engine; ``step()`` raises while a request whose prompt contains the marker is
-    unfinished. Enabled only by ``TOKENRELAY_FAULT_INJECT="raise_on_prompt:<marker>"``: it lets
-    a test make one prompt kill every worker that runs it (poison) in a real worker process."""
-
-    def __init__(self, engine: Any, marker: str) -> None:
-        self._engine = engine
-        self._marker = marker
-        self._marked: set[str] = set()
-
-    def add_request(self, request_id: str, prompt: Any, *args: Any, **kwargs: Any) -> None:
-        self._engine.add_request(request_id, prompt, *args, **kwargs)
-        text = prompt if isinstance(prompt, str) else self._engine.tokenizer.decode(list(prompt))
-        if self._marker in text:
-            self._marked.add(request_id)
-
-    def abort_request(self, request_id: str) -> bool:
-        self._marked.discard(request_id)
-        return self._engine.abort_request(request_id)
-
-    def step(self) -> Any:
-        if self._marked:
-            raise InjectedEngineFault(sorted(self._marked))
-        return self._engine.step()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-
-def maybe_inject_faults(engine: Any, spec: Optional[str] = None) -> Any:
-    """The engine, wrapped when ``TOKENRELAY_FAULT_INJECT`` (or ``spec``) asks for it."""
-    import os
-    spec = os.environ.get(FAULT_INJECT_ENV, "") if spec is None else spec
-    if not spec:
-        return engine
-    kind, _, arg = spec.partition(":")
-    if kind != "raise_on_prompt" or not arg:
-        raise ValueError(f"{FAULT_INJECT_ENV}={spec!r}: expected 'raise_on_prompt:<marker>'")
-    return FaultInjectingEngine(engine, arg)
-
-
-# ------------------------------------------------------------------------------------------
-# Producer-side helpers for tests (the real producer SDK lives in producer_sdk/)
-# ------------------------------------------------------------------------------------------
-
-def submit(client: Any, keys: Any, job: Any, raw: Optional[bytes] = None,
-           lane: Optional[str] = None) -> str:
-    """XADD a job (JobRequest, dict, or ``raw`` payload bytes) onto its priority lane."""
-    from producer_sdk.protocol import JobRequest, encode_job
-    if raw is None:
-        job = job if isinstance(job, JobRequest) else JobRequest.model_validate(job)
-        raw = encode_job(job)
-        lane = lane or keys.lane_for_priority(job.priority)
-    entry_id = client.xadd(keys.lane(lane or "default"), {"data": raw})
-    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-
-
-def read_events(client: Any, keys: Any, job_id: str) -> list:
-    from producer_sdk.protocol import decode_event
-    return [decode_event(f[b"data"]) for _, f in client.xrange(keys.results(job_id))]
-
-
-def wait_for_terminal(client: Any, keys: Any, job_ids: Any, timeout: float = 20.0) -> dict:
-    """Poll until every job has a terminal event; returns job_id -> events."""
-    ids = [job_ids] if isinstance(job_ids, str) else list(job_ids)
-    deadline = time.monotonic() + timeout
-    out: dict = {}
-    while True:
-        for jid in ids:
-            if jid not in out:
-                events = read_events(client, keys, jid)
-                if events and events[-1].type in ("done", "error"):
-                    out[jid] = events
-        if len(out) == len(ids):
-            return out
-        if time.monotonic() > deadline:
-            missing = [j for j in ids if j not in out]
-            raise TimeoutError(f"{len(missing)} jobs without a terminal event, e.g. {missing[:5]}")
-        time.sleep(0.02)

@@ -1,0 +1,21 @@
+"""``python -m tests.fault_worker [worker flags]``: ``python -m worker`` for tests, with the
+engine factory wrapped by fault injection (TOKENRELAY_FAULT_INJECT, see tests/fault_harness.py).
+
+Fault injection is a test aid, so it lives here and not on the worker's production path."""
+
+from __future__ import annotations
+
+import sys
+
+from tests.fault_harness import maybe_inject_faults
+from worker.__main__ import main
+from worker.config import WorkerSettings
+from worker.engine_api import EngineAPI, load_engine
+
+
+def injected_engine(settings: WorkerSettings) -> EngineAPI:
+    return maybe_inject_faults(load_engine(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main(engine_factory=injected_engine))

@@ -1,0 +1,233 @@
+"""Admission: from a held entry to a running engine request, or to a rejection of that entry alone.
+
+For each entry read: skip what is already held, ack what was deleted, dead-letter what was
+delivered too often, decode and validate the payload (any failure ends this job alone with an
+error event naming the field when the job id can be read), then, in one pipeline for the batch,
+bind the job id to this entry and take ownership (identity: a second entry reusing a live job's
+id is rejected as duplicate_job_id and touches nothing of that job), read the cancel flag and
+the result stream (resume), and add the request to the engine.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Optional
+
+from pydantic import ValidationError
+
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.outputs import ResumeState
+from producer_sdk.protocol import (ErrorCode, FinishReason, JobRequest, ProtocolError,
+                                   decode_job, describe_validation_error, now_ms)
+from worker.connection import ErrorKind, classify
+from worker.deadletters import Rejection, raw_metadata, readable_job_id
+from worker.fencing import bound, new_owner_value
+from worker.jobs import Job
+from worker.pending import Entry
+from worker.recovery import JobProgress, progress_from_entries
+from worker.scripts import ScriptPipeline, text
+
+def _params_message(msg: str) -> str:
+    return "; ".join(p if p.startswith("params") else f"params.{p}" for p in msg.split("; "))
+
+
+class Admission:
+    """Admits entries into the worker's JobTable and engine; see the module docstring."""
+
+    def __init__(self, worker: Any) -> None:
+        self.w = worker
+
+    def admit(self, entries: list[Entry]) -> None:
+        w = self.w
+        held = set(w.held_entries())
+        fresh: list[tuple[Entry, JobRequest]] = []
+        recount: list[tuple[str, str, int]] = []
+        for e in entries:
+            if e.key in held:
+                if e.source == "pending":  # our re-read after a reconnect counted a delivery
+                    recount.append((e.lane_key, e.entry_id, e.deliveries - 1))
+                continue
+            held.add(e.key)
+            req = self._screen(e)
+            if req is None:
+                continue
+            if req.job_id in w.jobs or any(r.job_id == req.job_id for _, r in fresh):
+                self._reject(e, ErrorCode.DUPLICATE_JOB_ID, f"job_id {req.job_id!r} is already running on this "
+                             "worker under another entry (submitted twice?)", req.job_id, {})
+                continue
+            fresh.append((e, req))
+        if recount:
+            w.pending.restore_counts(recount)
+        if fresh:
+            self._start_all(fresh)
+
+    def _screen(self, e: Entry) -> Optional[JobRequest]:
+        """The entry's request, or None when the entry was settled here (acked or rejected)."""
+        w = self.w
+        if e.fields is None:
+            w.log.warning("pending entry was deleted from the stream; acknowledging it",
+                          entry_id=e.entry_id, lane=e.lane)
+            w.outbox.owe_ack(e, None, "deleted")
+            return None
+        if e.deliveries > w.s.max_deliveries:  # e.g. a prompt that kills every worker
+            job_id = readable_job_id(e.payload)
+            self._reject(e, ErrorCode.POISON,
+                         f"job dead-lettered: delivered {e.deliveries} times, more than "
+                         f"max_deliveries={w.s.max_deliveries}; each holder died or failed "
+                         "before finishing it", job_id,
+                         {"entry_id": e.entry_id, "deliveries": e.deliveries})
+            return None
+        try:
+            req = self._decode(e)
+        except ProtocolError as exc:
+            self._log_received(e, exc.job_id)
+            self._reject(e, exc.code, str(exc), exc.job_id, raw_metadata(e.payload))
+            return None
+        except Exception as exc:  # a decoder bug must end this entry alone, never the worker
+            w.log.exception("payload could not be decoded", entry_id=e.entry_id)
+            self._reject(e, ErrorCode.INTERNAL, f"payload could not be decoded: "
+                         f"{type(exc).__name__}: {exc}", None, {})
+            return None
+        self._log_received(e, req.job_id)
+        return req
+
+    def _decode(self, e: Entry) -> JobRequest:
+        if e.payload is None:
+            raise ProtocolError("entry has no 'data' field (expected the msgpack JobRequest)")
+        return decode_job(e.payload, self.w.limits)
+
+    def _log_received(self, e: Entry, job_id: Optional[str]) -> None:
+        self.w.log.info("received", job_id=job_id, entry_id=e.entry_id, lane=e.lane,
+                        source=e.source, deliveries=e.deliveries)
+
+    def _reject(self, e: Entry, code: ErrorCode, message: str, job_id: Optional[str],
+                metadata: dict) -> None:
+        w = self.w
+        w.outbox.reject(Rejection(e, code.value, message, job_id, metadata))
+        w.metrics.errors.labels(code.value).inc()
+        w.log.warning("failed", code=code.value, error=message, job_id=job_id,
+                      entry_id=e.entry_id, lane=e.lane, dead_letter=True)
+
+    # ---------------------------------------------------------------- the start pipeline
+    def _start_all(self, fresh: list[tuple[Entry, JobRequest]]) -> None:
+        """Bind, own, read the cancel flag and the result stream of every job: one round trip.
+        A transient error (e.g. Redis out of memory) puts the whole batch back, untouched, for
+        a retry after backoff; another error on one job's keys ends that job alone."""
+        w = self.w
+        pipe = ScriptPipeline(w.client)
+        owners, idx = [], []
+        for e, req in fresh:
+            owners.append(new_owner_value(w.worker_id))
+            idx.append((w.fence.bind_and_own(pipe, req.job_id, e.lane_key, e.entry_id,
+                                             owners[-1], w.ttl_ms),
+                        pipe.command("EXISTS", w.keys.cancel(req.job_id)),
+                        pipe.command("XRANGE", w.keys.results(req.job_id), "-", "+")))
+        res = pipe.execute()
+        errors = [r for r in res if isinstance(r, Exception)]
+        transient = next((x for x in errors if classify(x) is not ErrorKind.OTHER), None)
+        if transient is not None:
+            w.intake.defer([e for e, _ in fresh])
+            raise transient
+        for (e, req), owner, (i_own, i_cancel, i_range) in zip(fresh, owners, idx):
+            bad = next((r for r in (res[i_own], res[i_cancel], res[i_range])
+                        if isinstance(r, Exception)), None)
+            if bad is not None:  # e.g. WRONGTYPE on a per-job key: this job only
+                self._reject(e, ErrorCode.INTERNAL, f"cannot use the job's keys: {bad}",
+                             req.job_id, req.metadata)
+            elif not bound(res[i_own]):
+                self._reject(e, ErrorCode.DUPLICATE_JOB_ID, f"job_id {req.job_id!r} belongs to another entry "
+                             f"({text(res[i_own])}); give each job its own id", req.job_id, {})
+            else:
+                job = Job(entry=e, request=req, owner=owner, worker_id=w.worker_id)
+                w.jobs[req.job_id] = job
+                self._start_guarded(job, res[i_range], bool(res[i_cancel]))
+
+    def _start_guarded(self, job: Job, stream: Any, cancelled: bool) -> None:
+        try:
+            self._start(job, progress_from_entries(stream or []), cancelled)
+        except Exception as exc:  # any failure admitting one job ends that job alone
+            self.w.log.exception("job could not be started", **job.log_fields())
+            self.w.jobs.fail(job, ErrorCode.INTERNAL, f"the worker could not start the job: "
+                             f"{type(exc).__name__}: {exc}")
+
+    def _start(self, job: Job, progress: JobProgress, cancelled: bool) -> None:
+        w, req = self.w, job.request
+        if progress.finished:
+            w.log.info("already finished; acknowledging", **job.log_fields())
+            job.terminal = progress.terminal.type
+            w.outbox.owe_ack(job.entry, job.job_id, "already finished")
+            return
+        job.attempt = progress.attempts + 1
+        if req.stream and progress.token_ids:
+            job.next_seq = progress.next_seq
+            job.out_ids, job.out_text = list(progress.token_ids), [progress.text]
+            job.resumed_tokens = len(progress.token_ids)
+        if cancelled:
+            w.jobs.cancel(job, "cancel flag set before start")
+            return
+        if req.deadline_ms is not None and progress.attempts == 0 and now_ms() > req.deadline_ms:
+            late = now_ms() - req.deadline_ms
+            w.jobs.fail(job, ErrorCode.EXPIRED, f"deadline_ms={req.deadline_ms} passed {late} ms "
+                        "before a worker could start the job; raise the deadline or add workers")
+            return
+        params = self._params(job)
+        if params is None:
+            return
+        seed = progress.seed if progress.seed is not None else params.seed
+        if seed is None:
+            seed = random.SystemRandom().randrange(2**63)
+        params.seed = job.seed = seed
+        job.want_logprobs = params.logprobs is not None
+        job.params = params
+        if len(job.out_ids) >= params.max_tokens:  # taken over right after its last token
+            job.finish(FinishReason.LENGTH.value, completion_tokens=len(job.out_ids))
+            w.log.info("finished", finish_reason="length", tokens=len(job.out_ids),
+                       **job.log_fields())
+            return
+        self._add_to_engine(job)
+        if job.terminal is None:
+            job.queue_started()
+            w.metrics.queue_time.observe(max(0.0, job.admitted_at - job.enqueued_ms / 1000))
+            fields = job.log_fields()
+            if w.s.log_prompts:
+                fields["prompt"] = req.prompt or req.messages or req.prompt_token_ids
+            w.log.info("started", attempt=job.attempt, resumed_tokens=job.resumed_tokens,
+                       priority=req.priority, **fields)
+
+    def _params(self, job: Job) -> Any:
+        """The job's SamplingParams, or None after failing the job (the producer's fault)."""
+        try:
+            return job.request.sampling_params()
+        except ValidationError as exc:
+            msg = _params_message(describe_validation_error(exc))
+        except (ValueError, TypeError) as exc:
+            msg = f"params: {type(exc).__name__}: {exc}"
+        self.w.jobs.fail(job, ErrorCode.INVALID_REQUEST, "invalid sampling params: " + msg)
+        return None
+
+    def _prompt(self, req: JobRequest) -> Any:
+        if req.prompt is not None:
+            return req.prompt
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids)
+        # As LLM.chat does: the rendered template already holds BOS and friends.
+        text_ = self.w.engine.render_chat([m.model_dump() for m in req.messages])
+        return list(self.w.engine.tokenizer.encode(text_, add_special_tokens=False))
+
+    def _add_to_engine(self, job: Job) -> None:
+        """engine.add_request (chat template included), mapping every refusal to the job's
+        error event; never raises."""
+        w = self.w
+        try:
+            resume = (ResumeState(output_token_ids=list(job.out_ids), output_text=job.text)
+                      if job.out_ids else None)
+            w.engine.add_request(job.job_id, self._prompt(job.request), job.params,
+                                 priority=job.request.priority, resume=resume)
+            job.in_engine = True
+        except PromptTooLongError as exc:
+            w.jobs.fail(job, ErrorCode.PROMPT_TOO_LONG, str(exc))
+        except (InvalidRequestError, ValidationError, ValueError, TypeError) as exc:
+            w.jobs.fail(job, ErrorCode.INVALID_REQUEST, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:
+            w.log.exception("engine refused the job unexpectedly", **job.log_fields())
+            w.jobs.fail(job, ErrorCode.INTERNAL, f"engine error on add_request: {exc}")

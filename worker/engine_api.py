@@ -1,0 +1,68 @@
+"""The engine contract the worker drives (docs/contracts.md, "Engine step API"), and
+``load_engine``, which builds the engine ``--model`` names.
+
+Both ``engine.llm_engine.LLMEngine`` and ``worker.fake_engine.FakeEngine`` (``--model fake:``)
+satisfy ``EngineAPI``; tests/worker/test_engine_contract.py runs one contract test against both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
+
+from engine.outputs import RequestDelta, ResumeState
+from engine.sampling_params import SamplingParams
+from worker.config import WorkerSettings
+
+__all__ = ["EngineAPI", "Tokenizer", "RequestDelta", "ResumeState", "load_engine"]
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+@runtime_checkable
+class EngineAPI(Protocol):
+    """What the worker calls, and nothing more.
+
+    ``add_request`` raises ``engine.errors.PromptTooLongError`` / ``InvalidRequestError`` for a
+    request it refuses (the worker ends that job alone; any other exception is treated the same
+    way, as ``internal``); ``step`` runs one scheduling step and returns at most one delta per
+    running request; an exception from ``step`` means the engine may be unusable (the worker
+    hands its jobs back and exits 1). ``request_ids`` on that exception, when present, names
+    the requests that caused it.
+    """
+
+    tokenizer: Tokenizer
+
+    def add_request(self, request_id: str, prompt: Union[str, list[int]],
+                    params: SamplingParams, priority: int = 0,
+                    resume: Optional[ResumeState] = None) -> None: ...
+
+    def abort_request(self, request_id: str) -> bool: ...
+
+    def step(self) -> Sequence[RequestDelta]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def free_capacity(self) -> int: ...
+
+    def render_chat(self, messages: list[dict]) -> str: ...
+
+    def stats(self) -> Mapping[str, Any]: ...
+
+
+def load_engine(settings: WorkerSettings) -> EngineAPI:
+    """Build the engine named by ``--model``; ``fake:k=v,...`` builds the FakeEngine (producers
+    test their code with it, no model needed): max_num_seqs, step_delay, max_model_len."""
+    if not settings.model:
+        raise ValueError("--model (or TOKENRELAY_MODEL) is required")
+    if settings.model.startswith("fake:"):
+        from worker.fake_engine import FakeEngine  # no torch: a fake worker starts in a second
+        kw = dict(p.split("=", 1) for p in settings.model[5:].split(",") if p)
+        return FakeEngine(max_num_seqs=int(kw.get("max_num_seqs", settings.max_num_seqs or 8)),
+                          step_delay=float(kw.get("step_delay", 0.0)),
+                          max_model_len=int(kw.get("max_model_len", settings.max_model_len or 4096)))
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    return LLMEngine(EngineConfig(**settings.engine_kwargs()))

@@ -1,0 +1,213 @@
+"""The result outbox: everything the worker owes Redis, shipped in ONE round trip per step.
+
+One flush carries every held job's fenced event batch (and reads its cancel flag), the dead
+letters of rejected entries, the acks owed by the previous flush, and whatever the loop rides
+on it (hand-backs, the next read of new entries). Acks ride one flush behind the terminal write
+they depend on, so an entry is never acknowledged unless its terminal event is known to be
+stored. Every write is idempotent (batch ids, XPENDING-checked acks), so after a lost reply the
+same batch is sent again. Transient Redis errors (out of memory, ...) keep everything owed for
+the next flush and are reported to the loop, which backs off; they never fail a job.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import redis
+
+from producer_sdk.protocol import ErrorCode
+from worker.connection import ErrorKind, classify, classify_text
+from worker.deadletters import DeadLetterWriter, Rejection, outcome
+from worker.fencing import WriteStatus, parse_step_reply
+from worker.jobs import Job
+from worker.pending import AckStatus, Entry, by_lane
+from worker.scripts import ScriptPipeline
+
+MAX_WRITE_FAILURES = 3   # non-transient failures of one job's write before it is dead-lettered
+STEP_WRITE_CHUNK = 128   # jobs per write_step call: bounds how long one script holds Redis
+
+# A rider queues its commands on the flush's pipeline and returns what to do with the replies.
+Rider = Callable[[ScriptPipeline], Optional[Callable[[list], None]]]
+
+
+@dataclass
+class OwedAck:
+    lane_key: str
+    entry_id: str
+    job_id: Optional[str]
+    reason: str
+
+
+class Outbox:
+    def __init__(self, worker: Any, dead: DeadLetterWriter) -> None:
+        self.w = worker
+        self.dead = dead
+        self.owed_acks: list[OwedAck] = []
+        self.rejections: list[Rejection] = []
+        self.transient: Optional[str] = None   # the last flush's transient error, if any
+
+    # ---------------------------------------------------------------- what is owed
+    def owe_ack(self, entry: Entry, job_id: Optional[str], reason: str) -> None:
+        self.owed_acks.append(OwedAck(entry.lane_key, entry.entry_id, job_id, reason))
+
+    def reject(self, r: Rejection) -> None:
+        self.rejections.append(r)
+
+    def held(self) -> list[tuple[str, str]]:
+        return ([r.entry.key for r in self.rejections]
+                + [(a.lane_key, a.entry_id) for a in self.owed_acks])
+
+    def owes(self) -> bool:
+        return bool(self.owed_acks or self.rejections or any(
+            j.pending or j.terminal or not j.in_engine for j in self.w.jobs.values()))
+
+    def clear(self) -> None:
+        self.owed_acks.clear()
+        self.rejections.clear()
+
+    # ---------------------------------------------------------------- the flush
+    def flush(self, riders: list[Rider], read: Rider) -> None:
+        """Ship everything owed, plus the riders, in one pipeline; ``read`` (the next read of
+        new entries) rides only on a round trip that happens anyway."""
+        w = self.w
+        self.transient = None
+        pipe = ScriptPipeline(w.client)
+        handlers = [self._queue_acks(pipe)]
+        step_jobs = [j for j in w.jobs.values() if j.pending or j.in_engine]
+        handlers += [self._queue_writes(pipe, step_jobs[k:k + STEP_WRITE_CHUNK])
+                     for k in range(0, len(step_jobs), STEP_WRITE_CHUNK)]
+        handlers += [self._queue_rejection(pipe, r) for r in self.rejections]
+        handlers += [rider(pipe) for rider in riders]
+        if not len(pipe):
+            return
+        handlers.append(read(pipe))
+        t0 = time.perf_counter()
+        try:
+            res = pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError):
+            for job in step_jobs:  # the retry must check what already landed
+                job.unsure = bool(job.pending)
+            raise
+        w.metrics.step_redis.observe(time.perf_counter() - t0)
+        for handle in handlers:
+            if handle is not None:
+                handle(res)
+
+    def _note_error(self, what: str, error: Any, **fields: Any) -> bool:
+        """Log (rate-limited) a failed command; True when it was transient."""
+        kind = classify(error) if isinstance(error, Exception) else classify_text(str(error))
+        if kind is ErrorKind.TRANSIENT:
+            self.transient = str(error)
+        self.w.log_limited("warning" if kind is ErrorKind.TRANSIENT else "error",
+                           f"{what} failed; will retry", error=str(error), kind=kind.value,
+                           **fields)
+        return kind is ErrorKind.TRANSIENT
+
+    # ---------------------------------------------------------------- acks
+    def _queue_acks(self, pipe: ScriptPipeline) -> Callable[[list], None]:
+        owed = list(self.owed_acks)
+        groups = by_lane((a.lane_key, a) for a in owed)
+        queued = [(items, self.w.pending.queue_ack(pipe, lane, [a.entry_id for a in items]))
+                  for lane, items in groups.items()]
+
+        def handle(res: list) -> None:  # runs first: nothing was owed since ``owed``
+            self.owed_acks = []
+            for items, i in queued:
+                self._on_acks(items, res[i])
+        return handle
+
+    def _on_acks(self, items: list[OwedAck], reply: Any) -> None:
+        w = self.w
+        if isinstance(reply, Exception):
+            self._note_error("ack", reply)
+            self.owed_acks.extend(items)
+            return
+        for a, code in zip(items, reply):
+            job = w.jobs.get(a.job_id) if a.job_id else None
+            if job is not None and job.entry.entry_id == a.entry_id:
+                w.jobs.pop(a.job_id)
+            if AckStatus(int(code)) is AckStatus.NOT_OWNER:
+                w.log.warning("not acked: another worker holds the entry", job_id=a.job_id,
+                              entry_id=a.entry_id)
+            else:
+                w.log.info("acked", job_id=a.job_id, entry_id=a.entry_id, reason=a.reason,
+                           was_pending=AckStatus(int(code)) is AckStatus.ACKED)
+
+    # ---------------------------------------------------------------- event writes
+    def _ttl_due(self, job: Job, now: float) -> bool:
+        """Whether this write should reset the job's TTLs: with a terminal event (the stream
+        then lives result_ttl from its end) or once a tenth of the TTL has passed since the
+        last reset (creation and checked retries always set them)."""
+        return bool(job.terminal) or now - job.ttl_set_at > self.w.ttl_ms / 10_000.0
+
+    def _queue_writes(self, pipe: ScriptPipeline, chunk: list[Job]) -> Callable[[list], None]:
+        now = time.monotonic()
+        refresh = [self._ttl_due(j, now) for j in chunk]
+        counts = [len(j.pending) for j in chunk]
+        batches = [j.batch_no for j in chunk]
+        i = self.w.fence.write_step(pipe, self.w.ttl_ms, [
+            (j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create, j.unsure, r)
+            for j, r in zip(chunk, refresh)])
+
+        def handle(res: list) -> None:
+            self._on_step_reply(chunk, counts, res[i])
+            for job, r, before in zip(chunk, refresh, batches):
+                if r and job.batch_no > before:     # written, so its TTLs were reset
+                    job.ttl_set_at = now
+        return handle
+
+    def _on_step_reply(self, jobs: list[Job], counts: list[int], reply: Any) -> None:
+        if isinstance(reply, Exception):  # the whole call failed: every write is retried
+            for job, n in zip(jobs, counts):
+                if n:
+                    self._on_write(job, n, WriteStatus.ERROR, str(reply))
+            return
+        for job, n, (status, cancel, detail) in zip(jobs, counts, parse_step_reply(reply)):
+            if n:
+                self._on_write(job, n, status, detail)
+            if cancel and job.in_engine:
+                self.w.jobs.cancel(job, "cancel flag")
+
+    def _on_write(self, job: Job, n: int, status: WriteStatus, detail: str) -> None:
+        w = self.w
+        if status is WriteStatus.ERROR:
+            if self._note_error("result write", detail, **job.log_fields()):
+                return  # transient: the same batch goes again after backoff, uncounted
+            job.write_failures += 1
+            if job.write_failures >= MAX_WRITE_FAILURES:
+                w.jobs.drop(job, f"result stream not writable: {detail}")
+                self.reject(Rejection(job.entry, ErrorCode.INTERNAL.value,
+                                      f"the worker could not write the job's result stream: "
+                                      f"{detail}", job.job_id, job.request.metadata))
+            return
+        if status.written:
+            del job.pending[:n]
+            job.batch_no += 1
+            job.may_create = False
+            job.unsure = False
+            job.write_failures = 0
+            if job.terminal and not job.pending:
+                self.owe_ack(job.entry, job.job_id, job.terminal)
+        elif status is WriteStatus.REFUSED:
+            w.jobs.drop(job, "ownership lost: another worker took the job over")
+        else:  # missing/gone: the result stream expired, nobody can read this job any more
+            w.jobs.drop(job, f"result stream {status.value}: the reader is gone")
+            self.owe_ack(job.entry, job.job_id, f"result stream {status.value}")
+
+    # ---------------------------------------------------------------- dead letters
+    def _queue_rejection(self, pipe: ScriptPipeline, r: Rejection) -> Callable[[list], None]:
+        i = self.dead.queue(pipe, r)
+
+        def handle(res: list) -> None:
+            if isinstance(res[i], Exception):
+                self._note_error("dead letter write", res[i], entry_id=r.entry.entry_id)
+                return  # stays in self.rejections: retried with the next flush
+            self.rejections.remove(r)
+            self.w.metrics.dead_letters.labels(r.code).inc()
+            if outcome(res[i]) == "other":
+                self.w.log.warning("error event not written: the job id belongs to another "
+                                   "entry", job_id=r.job_id, entry_id=r.entry.entry_id)
+            self.owe_ack(r.entry, r.job_id, "dead-lettered")
+        return handle
