@@ -19,8 +19,7 @@ from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, Payload
                                 is_oom, merge_xreads, normalize_xread, record_location,
                                 redact_url)
 from producer_sdk.client import (ENQUEUE_SHA, NET_ERRORS, XREAD_COUNT, _len_or_none, _outcome,
-                                 feed_states,
-                                 make_redis, map_defaults, progress_bar, take_batch)
+                                 feed_states, make_redis, map_defaults, progress_bar, take_batch)
 from producer_sdk.config import ClientConfig
 from producer_sdk.errors import DUPLICATE, ClientClosed, JobNotFound, QueueFull, RedisUnavailable
 from producer_sdk.job import Deadline, Delta, JobHandle, JobState, Result, timeout_error
@@ -68,7 +67,8 @@ class AsyncJob(JobHandle):
 
 
 class AsyncClient:
-    """Asyncio producer client for one queue; see ``Client`` for the semantics of each method."""
+    """Asyncio producer client for one queue; see ``Client`` for the semantics of each method
+    (``limits``, ClientClosed after ``close()``)."""
 
     def __init__(self, redis_url: Optional[str] = None, queue: str = "default",
                  namespace: str = "tokenrelay", *, redis_client: Optional[aioredis.Redis] = None,

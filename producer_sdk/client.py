@@ -77,7 +77,12 @@ def take_batch(it: Iterator[Any], room: int) -> tuple[list[Any], bool]:
 
 
 class Client:
-    """Producer client for one queue. Thread-safe for submit/cancel; each Job is for one thread."""
+    """Producer client for one queue. Thread-safe; one Job may be read from several threads.
+
+    ``limits`` are the protocol's payload limits (default ``DEFAULT_LIMITS``, what workers
+    enforce unless configured otherwise): a job over one raises InvalidRequest before enqueue.
+    After ``close()`` every use raises ClientClosed.
+    """
 
     def __init__(self, redis_url: Optional[str] = None, queue: str = "default",
                  namespace: str = "tokenrelay", *, redis_client: Optional[redis.Redis] = None,
