@@ -24,7 +24,7 @@ import msgpack
 import redis
 
 from producer_sdk.client import Client
-from producer_sdk.protocol import Keys, now_ms
+from producer_sdk.protocol import PAYLOAD_FIELD, Keys, now_ms
 
 SAMPLING = {"max_tokens": 16, "temperature": 0.7}
 BARE_PIPELINE = 1000
@@ -65,7 +65,7 @@ def bare_rate(r: redis.Redis, key: str, payloads: list[bytes]) -> float:
     t0 = time.perf_counter()
     pipe = r.pipeline(transaction=False)
     for i, p in enumerate(payloads, 1):
-        pipe.xadd(key, {b"data": p})
+        pipe.xadd(key, {PAYLOAD_FIELD: p})
         if i % BARE_PIPELINE == 0:
             pipe.execute()
     pipe.execute()

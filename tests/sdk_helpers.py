@@ -23,7 +23,7 @@ import msgpack
 import pytest
 import redis
 
-from producer_sdk.protocol import GROUP, Keys, decode_job
+from producer_sdk.protocol import EVENT_FIELD, GROUP, PAYLOAD_FIELD, Keys, decode_job
 from tests.fixtures_redis import RedisServer, free_port, start_redis_server
 
 __all__ = ["RedisServer", "free_port", "start_redis_server", "sdk_redis", "sdk_url", "FakeWorker",
@@ -109,7 +109,7 @@ class FakeWorker(threading.Thread):
                                   block=50)
         for lane, entries in reply or []:
             for entry_id, fields in entries:
-                self._run_job(fields[b"data"])
+                self._run_job(fields[PAYLOAD_FIELD])
                 self.r.xack(lane, GROUP, entry_id)
                 self.r.xdel(lane, entry_id)
 
@@ -117,7 +117,7 @@ class FakeWorker(threading.Thread):
     def _emit(self, job_id: str, event: dict[str, Any]) -> None:
         key = self.keys.results(job_id)
         event.setdefault("ts", time.time())
-        self.r.xadd(key, {b"data": msgpack.packb(event, use_bin_type=True)})
+        self.r.xadd(key, {EVENT_FIELD: msgpack.packb(event, use_bin_type=True)})
         self.r.expire(key, self.ttl)
 
     def _cancelled(self, job_id: str) -> bool:
