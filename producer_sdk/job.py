@@ -233,18 +233,21 @@ class Job(JobHandle):
         deadline = Deadline(timeout)
         state = self.state
         cursor = state.open_stream()
+        pumped = False
         try:
             while True:
-                for delta in state.read_log(cursor):
+                new = state.read_log(cursor)
+                for delta in new:
                     cursor += 1
                     yield delta
-                if state.finished and cursor >= state.delta_count:
-                    break
                 if state.finished:
+                    if cursor >= state.delta_count:
+                        break
                     continue
-                self.client._pump_one(state, deadline)
-                if not state.finished and self._timed_out(deadline):
+                if pumped and not new and self._timed_out(deadline):
                     raise timeout_error(self.id, timeout, streaming=True)
+                self.client._pump_one(state, deadline)
+                pumped = True
         finally:
             state.close_stream()
         self._raise_if_failed()

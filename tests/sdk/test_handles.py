@@ -129,3 +129,18 @@ def test_async_result_timeout_zero_and_two_streams(sdk_url: str):
 
     with FakeWorker(sdk_url, token_delay=0.002, start_delay=0.2):
         asyncio.run(asyncio.wait_for(main(), timeout=40))
+
+
+@pytest.mark.timeout(60)
+def test_stream_with_timeout_zero_yields_what_is_there_then_times_out(sdk_url: str):
+    r = redis.Redis.from_url(sdk_url)
+    with Client(sdk_url) as client, FakeWorker(sdk_url):
+        job = client.submit("SLOW", max_tokens=400)
+        wait_until(lambda: r.xlen(KEYS.results(job.id)) >= 4, timeout=20)  # started + 3 tokens
+        got = []
+        with pytest.raises(TimeoutError):
+            for delta in client.get(job.id).stream(timeout=0):
+                got.append(delta)
+        assert len(got) >= 3 and [d.seq for d in got] == list(range(len(got)))
+        job.cancel()
+    r.close()
