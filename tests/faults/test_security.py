@@ -29,7 +29,7 @@ import redis
 from producer_sdk.protocol import PAYLOAD_FIELD, Keys
 from tests.fault_harness import kill_group, wait_for
 from tests.fixtures_redis import REDIS_SERVER_BIN, REPO_ROOT, WorkerProcess, free_port
-from worker.testing import fake_completion
+from worker.fake_engine import fake_completion
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -173,13 +173,15 @@ class Procs:
 
     def worker(self, url: str, namespace: str, worker_id: str, *flags: str,
                env: Optional[dict[str, str]] = None, step_delay: float = 0.01,
-               max_deliveries: int = 3) -> WorkerProcess:
+               max_deliveries: int = 3, module: str = "worker") -> WorkerProcess:
+        """``python -m worker`` (``module="tests.fault_worker"``: the same with the test-only
+        fault injection of TOKENRELAY_FAULT_INJECT)."""
         args = ("--model", f"fake:step_delay={step_delay}", "--redis-url", url,
                 "--namespace", namespace, "--queue", "q", "--worker-id", worker_id,
                 "--lease-ms", "1000", "--heartbeat-ms", "200", "--block-ms", "100",
                 "--max-deliveries", str(max_deliveries), "--drain-timeout", "0.5", "--result-ttl", "300",
                 "--device", "cpu", *flags)
-        wp = WorkerProcess(args=args, env=self.env(**(env or {})),
+        wp = WorkerProcess(args=args, env=self.env(**(env or {})), module=module,
                            log_path=self.tmp_path / f"{worker_id}-{len(self.workers)}.log")
         self.workers.append(wp)
         return wp.start()
@@ -281,7 +283,7 @@ def test_acl_users_run_worker_sdk_admin_and_health(acl_redis, procs):
     client = sdk_client(p_url, NS_A)
     try:
         # a worker whose engine fails on the poison prompt dead-letters it and exits 1
-        w0 = procs.worker(w_url, NS_A, "w0", max_deliveries=1,
+        w0 = procs.worker(w_url, NS_A, "w0", max_deliveries=1, module="tests.fault_worker",
                           env={"TOKENRELAY_FAULT_INJECT": "raise_on_prompt:POISON"})
         poison = client.submit("POISON here", max_tokens=8, temperature=0.0, job_id="s4")
         assert w0.wait(120) == 1, w0.log()[-2000:]
@@ -316,8 +318,7 @@ def test_acl_users_run_worker_sdk_admin_and_health(acl_redis, procs):
         poison_dead = [d["dead_id"] for d in dead if d["job_id"] == "s4"]
         replay = procs.run("worker", "admin", *admin, "dead", "replay", *poison_dead)
         assert replay.returncode == 0, replay.stderr
-        wait_for(lambda: any(e.type == "done" for e in results_of(srv, keys, "s4")), 30,
-                 what="the replayed job run by a healthy worker")
+        assert "replayed s4" in replay.stdout, replay.stdout   # its outcome: test_hostile
         purge = procs.run("worker", "admin", *admin, "dead", "purge", "--all")
         assert purge.returncode == 0, purge.stderr
         stats = procs.run("producer_sdk", "stats", "--redis-url", a_url, "--namespace", NS_A,
