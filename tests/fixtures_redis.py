@@ -26,10 +26,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
@@ -233,3 +234,53 @@ def worker_process(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     finally:
         for wp in started:
             wp.kill()
+
+
+# --------------------------------------------------------------------------------------------
+# in-process workers (a Worker thread on the contract-shaped FakeEngine)
+# --------------------------------------------------------------------------------------------
+
+FAST = dict(block_ms=50, heartbeat_ms=200, drain_timeout=5.0, result_ttl=120.0)
+
+
+@dataclass
+class Running:
+    worker: Any
+    thread: threading.Thread
+    result: list
+
+    def stop(self, force: bool = False, timeout: float = 15.0) -> int:
+        self.worker.stop(force=force)
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "worker did not stop"
+        return self.result[0] if self.result else -1
+
+
+@pytest.fixture
+def start_worker(redis_server) -> Iterator[Callable[..., Running]]:
+    """Start in-process workers on ``redis_server``; all are force-stopped at teardown."""
+    running: list[Running] = []
+
+    def start(engine: Any = None, worker_id: str = "w1", wait: bool = True,
+              **overrides: Any) -> Running:
+        from worker.config import WorkerSettings
+        from worker.fake_engine import FakeEngine
+        from worker.service import Worker
+        settings = WorkerSettings(**{"redis_url": redis_server.url, "worker_id": worker_id,
+                                     "model": "fake:", **FAST, **overrides})
+        w = Worker(settings, engine=engine if engine is not None else FakeEngine())
+        result: list = []
+        t = threading.Thread(target=lambda: result.append(w.run()), daemon=True,
+                             name=f"worker-{worker_id}")
+        t.start()
+        r = Running(w, t, result)
+        running.append(r)
+        if wait:
+            assert w.ready.wait(15), "worker not ready"
+        return r
+
+    yield start
+    for r in running:
+        r.worker.stop(force=True)
+    for r in running:
+        r.thread.join(15)

@@ -44,7 +44,9 @@ class Admission:
         recount: list[tuple[str, str, int]] = []
         for e in entries:
             if e.key in held:
-                if e.source == "pending":  # our re-read after a reconnect counted a delivery
+                if e.source in ("pending", "reclaimed"):
+                    # our own re-read after a reconnect, or our own reclaim after renewals
+                    # failed (e.g. Redis out of memory), counted a delivery: undo it
                     recount.append((e.lane_key, e.entry_id, e.deliveries - 1))
                 continue
             held.add(e.key)

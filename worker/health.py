@@ -2,7 +2,8 @@
 
 Alive means its heartbeat hash exists (it carries a TTL), its last beat is recent (within three
 heartbeat intervals) and it reports its engine loaded. Exit code 0 only then, so it can be used
-directly as a container liveness/readiness probe.
+directly as a container liveness/readiness probe; otherwise the reason is printed, with a Redis
+error classified (transient, or a permanent configuration error such as a wrong password).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Optional
 import redis
 
 from producer_sdk.protocol import Keys, now_ms
+from worker.connection import ErrorKind, classify, describe_permanent, redact_url
 
 
 def check_health(client: redis.Redis, keys: Keys, worker_id: str,
@@ -23,12 +25,15 @@ def check_health(client: redis.Redis, keys: Keys, worker_id: str,
         return False, f"no heartbeat for worker {worker_id!r} at {keys.heartbeat(worker_id)}"
     fields = {k.decode(): v.decode() for k, v in beat.items()}
     age = now_ms() - int(fields.get("ts", 0))
+    waiting = fields.get("redis_error")
     if age > 3 * heartbeat_ms:
-        return False, f"heartbeat of {worker_id!r} is {age} ms old (limit {3 * heartbeat_ms} ms)"
+        return False, (f"heartbeat of {worker_id!r} is {age} ms old (limit {3 * heartbeat_ms} ms)"
+                       + (f"; it was waiting out a redis error: {waiting}" if waiting else ""))
     if fields.get("engine_loaded") != "1":
         return False, f"worker {worker_id!r} is alive but its engine is not loaded"
     return True, (f"worker {worker_id!r} alive: beat {age} ms ago, held={fields.get('held')}, "
-                  f"draining={fields.get('draining')}")
+                  f"draining={fields.get('draining')}"
+                  + (f"; waiting out a redis error: {waiting}" if waiting else ""))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -40,7 +45,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         client = redis.Redis.from_url(settings.redis_url, socket_timeout=3,
                                       socket_connect_timeout=3)
         ok, reason = check_health(client, settings.keys, worker_id, settings.heartbeat_ms)
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        ok, reason = False, f"redis unreachable: {exc}"
+    except redis.RedisError as exc:
+        ok, reason = False, describe_redis_error(exc, settings.redis_url)
     print(reason, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
+
+
+def describe_redis_error(exc: BaseException, url: str) -> str:
+    """Why the probe could not read the heartbeat, classified as the worker classifies it."""
+    kind = classify(exc)
+    if kind is ErrorKind.PERMANENT:
+        return describe_permanent(exc, url)
+    what = "redis unavailable (transient)" if kind is ErrorKind.TRANSIENT else "redis error"
+    return f"{what} at {redact_url(url)}: {type(exc).__name__}: {exc}"

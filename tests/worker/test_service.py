@@ -9,60 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable
 
 import msgpack
 import pytest
 
 from producer_sdk.protocol import (GROUP, PARKING_CONSUMER, DeadLetter, Keys, now_ms)
-from worker.config import WorkerSettings
-from worker.service import Worker
 from tests.fault_harness import read_events, submit, wait_for_terminal
 from worker.fake_engine import FakeEngine, fake_completion
-
-FAST = dict(block_ms=50, heartbeat_ms=200, drain_timeout=5.0, result_ttl=120.0)
-
-
-@dataclass
-class Running:
-    worker: Worker
-    thread: threading.Thread
-    result: list
-
-    def stop(self, force: bool = False, timeout: float = 15.0) -> int:
-        self.worker.stop(force=force)
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "worker did not stop"
-        return self.result[0] if self.result else -1
-
-
-@pytest.fixture
-def start_worker(redis_server) -> Iterator[Callable[..., Running]]:
-    """Start in-process workers on ``redis_server``; all are force-stopped at teardown."""
-    running: list[Running] = []
-
-    def start(engine: Any = None, worker_id: str = "w1", wait: bool = True,
-              **overrides: Any) -> Running:
-        settings = WorkerSettings(**{"redis_url": redis_server.url, "worker_id": worker_id,
-                                     "model": "fake:", **FAST, **overrides})
-        w = Worker(settings, engine=engine if engine is not None else FakeEngine())
-        result: list = []
-        t = threading.Thread(target=lambda: result.append(w.run()), daemon=True,
-                             name=f"worker-{worker_id}")
-        t.start()
-        r = Running(w, t, result)
-        running.append(r)
-        if wait:
-            assert w.ready.wait(15), "worker not ready"
-        return r
-
-    yield start
-    for r in running:
-        r.worker.stop(force=True)
-    for r in running:
-        r.thread.join(15)
-
 
 @pytest.fixture
 def r(redis_server):
