@@ -5,7 +5,7 @@ the job payload and its limits, the result events, the one way to fold a result 
 error codes. Payloads are msgpack maps validated with pydantic; the human description lives in
 ``docs/protocol.md`` and must change together with this module. Helpers too long to sit here live
 beside it and are re-exported: ``limits`` (Limits, the job id scan), ``sampling_params``
-(the ``params`` schema) and ``fold`` (ResultFold).
+(the ``params`` schema), ``events`` (the result event models) and ``fold`` (ResultFold).
 
 This module imports no torch: web backends install the SDK without the engine.
 """
@@ -20,6 +20,9 @@ from typing import Any, Literal, Optional, Union
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from producer_sdk.events import (EVENT_TYPES, TERMINAL_TYPES, DoneEvent, ErrorEvent, Event,
+                                 StartedEvent, Timings, TokenEvent, Usage, encode_event,
+                                 is_terminal)
 from producer_sdk.limits import (DEFAULT_LIMITS, LimitExceeded, Limits, check_job_limits,
                                  check_payload_size, scan_job_id)
 from producer_sdk.sampling_params import SamplingParams
@@ -345,74 +348,6 @@ _MAX_DESCRIBED = 5  # a list of a million bad token ids must not make a million-
 
 
 # --------------------------------------------------------------------------------------------
-# Result events
-# --------------------------------------------------------------------------------------------
-
-class _Event(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class StartedEvent(_Event):
-    """Written when a worker starts (or resumes) a job. Records the sampling seed it uses, so any
-    later resume samples exactly as the first worker would have."""
-
-    type: Literal["started"] = "started"
-    worker_id: str
-    attempt: int = 1
-    seed: Optional[int] = None
-    resumed_tokens: int = 0
-    ts: float = Field(default_factory=time.time)
-
-
-class TokenEvent(_Event):
-    """New tokens of one engine step. ``seq`` numbers token events 0, 1, 2, ... per job;
-    ``index`` is the output position of the first token in ``token_ids``."""
-
-    type: Literal["token"] = "token"
-    seq: int
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: Optional[list[dict[int, float]]] = None
-    ts: float = Field(default_factory=time.time)
-
-
-class Usage(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-
-class Timings(BaseModel):
-    queued_ms: Optional[float] = None
-    ttft_ms: Optional[float] = None
-    total_ms: Optional[float] = None
-
-
-class DoneEvent(_Event):
-    """Terminal success (or cancellation). For ``stream=False`` jobs it carries the whole output."""
-
-    type: Literal["done"] = "done"
-    finish_reason: str
-    usage: Usage = Field(default_factory=Usage)
-    timings: Timings = Field(default_factory=Timings)
-    metadata: dict[str, Any] = Field(default_factory=dict)
-    text: Optional[str] = None
-    token_ids: Optional[list[int]] = None
-    stop_reason: Optional[Union[str, int]] = None
-    ts: float = Field(default_factory=time.time)
-
-
-class ErrorEvent(_Event):
-    """Terminal failure: ``code`` from ErrorCode, ``message`` for a person."""
-
-    type: Literal["error"] = "error"
-    code: str
-    message: str
-    metadata: dict[str, Any] = Field(default_factory=dict)
-    ts: float = Field(default_factory=time.time)
-
-
-# --------------------------------------------------------------------------------------------
 # Dead letters
 # --------------------------------------------------------------------------------------------
 
@@ -447,33 +382,32 @@ class DeadLetter(BaseModel):
         return cls.model_validate(obj)
 
 
-Event = Union[StartedEvent, TokenEvent, DoneEvent, ErrorEvent]
-TERMINAL_TYPES = frozenset({"done", "error"})
-_EVENT_TYPES: dict[str, type[_Event]] = {
-    "started": StartedEvent, "token": TokenEvent, "done": DoneEvent, "error": ErrorEvent}
-
-
-def encode_event(event: _Event) -> bytes:
-    return msgpack.packb(event.model_dump(exclude_none=True), use_bin_type=True)
-
-
 def decode_event(raw: bytes) -> Event:
     try:
         obj = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception as exc:
         raise ProtocolError(f"result event is not msgpack ({type(exc).__name__}: {exc})") from None
-    if not isinstance(obj, dict) or obj.get("type") not in _EVENT_TYPES:
+    if not isinstance(obj, dict) or obj.get("type") not in EVENT_TYPES:
         raise ProtocolError(f"unknown result event: {obj!r:.80}")
-    return _EVENT_TYPES[obj["type"]].model_validate(obj)
-
-
-def is_terminal(event: Event) -> bool:
-    return event.type in TERMINAL_TYPES
+    return EVENT_TYPES[obj["type"]].model_validate(obj)
 
 
 def __getattr__(name: str) -> Any:
-    """``ResultFold`` lives in ``producer_sdk.fold`` (it builds on the events above)."""
+    """``ResultFold`` lives in ``producer_sdk.fold`` (it imports this module, so it is loaded
+    on first use)."""
     if name in ("ResultFold", "Delta"):
         from producer_sdk import fold
         return getattr(fold, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "PROTOCOL_VERSION", "GROUP", "PAYLOAD_FIELD", "EVENT_FIELD", "BATCH_FIELD", "MAX_JOB_ID_LEN",
+    "PARKING_CONSUMER", "PARKED_IDLE_MS", "DEDUPE_SEPARATOR", "ErrorCode", "FinishReason",
+    "ProtocolError", "readable_job_id", "validate_job_id", "now_ms", "Keys", "dedupe_record",
+    "parse_dedupe_record", "Limits", "DEFAULT_LIMITS", "scan_job_id", "ChatMessage", "JobRequest",
+    "encode_job", "decode_job", "validate_job", "describe_validation_error", "StartedEvent",
+    "TokenEvent", "Usage", "Timings", "DoneEvent", "ErrorEvent", "Event", "EVENT_TYPES",
+    "TERMINAL_TYPES", "encode_event", "decode_event", "is_terminal", "DeadLetter", "ResultFold",
+    "Delta",
+]
