@@ -57,9 +57,11 @@ class StopMatcher:
         if not stops or any(not s for s in stops):
             raise ValueError("a StopMatcher needs one or more non-empty stop strings")
         self.max_len = max(len(s) for s in stops)
-        first_rank = {s: rank for rank, s in reversed(list(enumerate(stops)))}
+        first_rank: dict[str, int] = {}          # a repeated stop keeps its first place
+        for rank, s in enumerate(stops):
+            first_rank.setdefault(s, rank)
         by_last: dict[str, list[tuple[int, str]]] = {}
-        for s, rank in sorted(first_rank.items(), key=lambda item: item[1]):
+        for s, rank in first_rank.items():
             by_last.setdefault(s[-1], []).append((rank, s))
         self._by_last = by_last
         self._firsts = frozenset(s[0] for s in stops)
@@ -79,7 +81,12 @@ class StopMatcher:
 
     def held(self, window: str) -> int:
         """Length of the longest tail of ``window`` (shorter than the longest stop) that is a
-        prefix of a stop string, so it might still become one."""
+        prefix of a stop string, so it might still become one.
+
+        Tails are tried longest first from the last step's held tail plus the new text, so a
+        step tries at most the longest stop's length of them, and over a whole sequence at
+        most its length in characters plus that (each failed start is one the text moved
+        past)."""
         for n in range(min(self.max_len - 1, len(window)), 0, -1):
             if window[-n] in self._firsts and self._is_prefix(window[-n:]):
                 return n
