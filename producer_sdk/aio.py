@@ -2,7 +2,7 @@
 
 Meant for async web backends (FastAPI, aiohttp): nothing here blocks the event loop, and one
 AsyncClient is shared by all requests of a process. Payload building, the enqueue script and the
-result-stream state machine are the sync client's (``_wire``, ``job.JobState``); only the waiting
+result-stream state machine are the sync client's (``payloads``, ``_wire``, ``job.JobState``); only the waiting
 differs.
 """
 
@@ -15,14 +15,14 @@ from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
-from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, PayloadBuilder, Prepared,
-                                is_oom, merge_xreads, normalize_xread, record_location,
-                                redact_url)
+from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, is_oom, merge_xreads,
+                                normalize_xread, record_location, redact_url)
 from producer_sdk.client import (ENQUEUE_SHA, NET_ERRORS, XREAD_COUNT, _len_or_none, _outcome,
                                  feed_states, make_redis, map_defaults, progress_bar, take_batch)
 from producer_sdk.config import ClientConfig
 from producer_sdk.errors import DUPLICATE, ClientClosed, JobNotFound, QueueFull, RedisUnavailable
 from producer_sdk.job import Deadline, Delta, JobHandle, JobState, Result, timeout_error
+from producer_sdk.payloads import PayloadBuilder, Prepared
 from producer_sdk.protocol import DEFAULT_LIMITS, Keys, Limits, now_ms, validate_job_id
 
 

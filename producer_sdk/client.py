@@ -19,13 +19,13 @@ from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, PayloadBuilder, Prepared,
-                                is_oom, merge_xreads, normalize_xread, record_location,
-                                redact_url)
+from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, is_oom, merge_xreads,
+                                normalize_xread, record_location, redact_url)
 from producer_sdk.config import ClientConfig
 from producer_sdk.errors import (DUPLICATE, ClientClosed, JobFailed, JobNotFound, QueueFull,
                                  RedisUnavailable)
 from producer_sdk.job import Deadline, Delta, Job, JobState, Result
+from producer_sdk.payloads import PayloadBuilder, Prepared
 from producer_sdk.protocol import DEFAULT_LIMITS, Keys, Limits, now_ms, validate_job_id
 
 ENQUEUE_SHA = hashlib.sha1(ENQUEUE_LUA.encode()).hexdigest()

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from producer_sdk import Client, InvalidRequest
-from producer_sdk._wire import PayloadBuilder
+from producer_sdk.payloads import PayloadBuilder
 from producer_sdk.protocol import Keys, Limits, ProtocolError, decode_job, validate_job
 from tests.sdk_helpers import env_with_repo, sdk_redis, sdk_url  # noqa: F401
 
