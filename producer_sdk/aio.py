@@ -2,8 +2,8 @@
 
 Meant for async web backends (FastAPI, aiohttp): nothing here blocks the event loop, and one
 AsyncClient is shared by all requests of a process. Payload building, the enqueue script and the
-result-stream state machine are the sync client's (``payloads``, ``_wire``, ``job.JobState``); only the waiting
-differs.
+result-stream state machine are the sync client's (``payloads``, ``_wire``, ``job.JobState``);
+only the waiting differs.
 """
 
 from __future__ import annotations
