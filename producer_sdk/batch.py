@@ -32,33 +32,9 @@ from pydantic import BaseModel, ConfigDict
 
 from producer_sdk.client import Client, progress_bar
 from producer_sdk.errors import InvalidRequest, JobFailed
-from producer_sdk.job import Job, Result
-
-CHAT_URL = "/v1/chat/completions"
-COMPLETIONS_URL = "/v1/completions"
-DEFAULT_MODEL = "tokenrelay"
-# OpenAI body fields that map onto SamplingParams one to one (vLLM extensions included).
-_SAMPLING_PASSTHROUGH = ("temperature", "top_p", "seed", "stop", "presence_penalty",
-                         "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
-                         "stop_token_ids", "ignore_eos", "skip_special_tokens",
-                         "include_stop_str_in_output")
-# Accepted only with the value that means "the default behaviour".
-_ONLY_DEFAULT = {"n": (1, None), "stream": (False, None), "stream_options": (None,),
-                 "echo": (False, None), "best_of": (1, None), "suffix": (None, ""),
-                 "logit_bias": (None, {}), "parallel_tool_calls": (None,),
-                 "tools": (None, []), "tool_choice": (None, "none"),
-                 "response_format": (None, {"type": "text"})}
-_IGNORED = ("model", "user", "service_tier", "store")
-
-
-class LineError(Exception):
-    """One input line that cannot become a job; goes to the errors file with ``code``."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
+from producer_sdk.job import Job
+from producer_sdk.openai_format import (DEFAULT_MODEL, LineError, LineTag, body_to_request,
+                                        error_line, job_id_for, response_line)
 
 class BatchRequest(BaseModel):
     """One input line (OpenAI Batch request object)."""
@@ -69,17 +45,6 @@ class BatchRequest(BaseModel):
     method: str
     url: str
     body: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class LineTag:
-    """What the writer needs to know about a job once it finishes."""
-
-    custom_id: str
-    line: int
-    url: str
-    model: str
-    logprobs: bool
 
 
 @dataclass
@@ -94,154 +59,6 @@ class BatchSummary:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-# --------------------------------------------------------------------------------------------
-# OpenAI body -> submit() arguments
-# --------------------------------------------------------------------------------------------
-
-def body_to_request(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Map an OpenAI request body onto submit() keyword arguments; LineError if unsupported."""
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise LineError("invalid_url", f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}")
-    body = dict(body)
-    req: dict[str, Any] = {}
-    if url == CHAT_URL:
-        req["messages"] = _messages(body.pop("messages", None))
-    else:
-        req.update(_prompt(body.pop("prompt", None)))
-    _max_tokens(body, req)
-    _logprobs(url, body, req)
-    for name in _SAMPLING_PASSTHROUGH:
-        if name in body:
-            value = body.pop(name)
-            if value is not None:
-                req[name] = value
-    meta = body.pop("metadata", None)
-    if meta is not None:
-        if not isinstance(meta, dict):
-            raise LineError("invalid_request", "body.metadata must be an object")
-        req["metadata"] = meta
-    for name, allowed in _ONLY_DEFAULT.items():
-        if name in body and body.pop(name) not in allowed:
-            raise LineError("unsupported_field",
-                            f"body.{name} is only supported as {allowed[0]!r}")
-    for name in _IGNORED:
-        body.pop(name, None)
-    if body:
-        raise LineError("unsupported_field", f"unsupported body field(s): {', '.join(sorted(body))}")
-    return req
-
-
-def _messages(messages: Any) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise LineError("invalid_request", "body.messages must be a non-empty array")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise LineError("invalid_request", f"body.messages[{i}] needs a string role")
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise LineError("unsupported_field", f"body.messages[{i}].content: only "
-                                    f"text parts are supported")
-                texts.append(str(part.get("text", "")))
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise LineError("invalid_request", f"body.messages[{i}].content must be a string")
-        msg = {"role": m["role"], "content": content}
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
-        out.append(msg)
-    return out
-
-
-def _prompt(prompt: Any) -> dict[str, Any]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a one-element batch of prompts is one prompt
-    if isinstance(prompt, str):
-        return {"prompt": prompt}
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return {"prompt_token_ids": prompt}
-    raise LineError("invalid_request", "body.prompt must be a string, a list of token ids, or a "
-                    "one-element list of either (one prompt per line)")
-
-
-def _max_tokens(body: dict[str, Any], req: dict[str, Any]) -> None:
-    a, b = body.pop("max_tokens", None), body.pop("max_completion_tokens", None)
-    if a is not None and b is not None and a != b:
-        raise LineError("invalid_request", "max_tokens and max_completion_tokens disagree")
-    value = b if b is not None else a
-    if value is not None:
-        req["max_tokens"] = value
-
-
-def _logprobs(url: str, body: dict[str, Any], req: dict[str, Any]) -> None:
-    lp, top = body.pop("logprobs", None), body.pop("top_logprobs", None)
-    if url == CHAT_URL:
-        if lp not in (None, False, True):
-            raise LineError("invalid_request", "body.logprobs must be a boolean for chat")
-        if top is not None and not lp:
-            raise LineError("invalid_request", "body.top_logprobs requires logprobs: true")
-        if lp:
-            req["logprobs"] = top or 0
-    else:
-        if top is not None:
-            raise LineError("unsupported_field", "body.top_logprobs is a chat field; use logprobs")
-        if lp is not None:
-            req["logprobs"] = lp
-
-
-# --------------------------------------------------------------------------------------------
-# Output lines
-# --------------------------------------------------------------------------------------------
-
-def job_id_for(batch_id: str, custom_id: str) -> str:
-    """Deterministic, protocol-safe job id: the same line of the same batch is the same job."""
-    return "b-" + hashlib.sha256(f"{batch_id}\0{custom_id}".encode()).hexdigest()[:40]
-
-
-def response_line(tag: LineTag, result: Result) -> dict[str, Any]:
-    usage = {"prompt_tokens": result.usage.prompt_tokens,
-             "completion_tokens": result.usage.completion_tokens,
-             "total_tokens": result.usage.prompt_tokens + result.usage.completion_tokens}
-    created = int(time.time())
-    lp = _format_logprobs(tag, result) if tag.logprobs else None
-    if tag.url == CHAT_URL:
-        body = {"id": f"chatcmpl-{result.job_id}", "object": "chat.completion", "created": created,
-                "model": tag.model, "choices": [{
-                    "index": 0, "message": {"role": "assistant", "content": result.text},
-                    "logprobs": lp, "finish_reason": result.finish_reason}], "usage": usage}
-    else:
-        body = {"id": f"cmpl-{result.job_id}", "object": "text_completion", "created": created,
-                "model": tag.model, "choices": [{
-                    "index": 0, "text": result.text, "logprobs": lp,
-                    "finish_reason": result.finish_reason}], "usage": usage}
-    return {"id": f"batch_req_{result.job_id}", "custom_id": tag.custom_id,
-            "response": {"status_code": 200, "request_id": result.job_id, "body": body},
-            "error": None}
-
-
-def _format_logprobs(tag: LineTag, result: Result) -> Optional[dict[str, Any]]:
-    """Logprobs by token id (the worker sends ids, not token strings)."""
-    if not result.logprobs:
-        return None
-    pairs = list(zip(result.token_ids, result.logprobs))
-    if tag.url == CHAT_URL:
-        return {"content": [{"token_id": tid, "logprob": top.get(tid),
-                             "top_logprobs": [{"token_id": k, "logprob": v}
-                                              for k, v in top.items()]} for tid, top in pairs]}
-    return {"tokens": [str(t) for t, _ in pairs],
-            "token_logprobs": [top.get(t) for t, top in pairs],
-            "top_logprobs": [{str(k): v for k, v in top.items()} for _, top in pairs]}
-
-
-def error_line(custom_id: Optional[str], line: int, code: str, message: str,
-               job_id: Optional[str] = None) -> dict[str, Any]:
-    return {"id": f"batch_req_{job_id}" if job_id else None, "custom_id": custom_id,
-            "line": line, "response": None, "error": {"code": code, "message": message}}
 
 
 # --------------------------------------------------------------------------------------------
