@@ -1,0 +1,136 @@
+"""Issue #13 against an in-process worker on a real redis-server: any failure admitting one job
+ends that job alone; dead letters are bounded and carry the job id; a job id is bound to one
+entry (a second entry reusing it cannot hijack the job)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+
+from producer_sdk.protocol import GROUP, DeadLetter, Keys, dedupe_record
+from tests.fault_harness import read_events, submit, wait_for, wait_for_terminal
+from worker.fake_engine import FakeEngine, fake_completion
+
+pytestmark = pytest.mark.timeout(60)
+KEYS = Keys()
+
+
+@pytest.fixture
+def r(redis_server):
+    client = redis_server.client()
+    yield client
+    client.close()
+
+
+def raw_job(job_id: str, prompt: Any = "hello", **fields: Any) -> bytes:
+    return msgpack.packb({"v": 1, "job_id": job_id, "prompt": prompt,
+                          "params": {"max_tokens": 4, "temperature": 0}, **fields})
+
+
+def only_terminal(events: list) -> Any:
+    ends = [e for e in events if e.type in ("done", "error")]
+    assert len(ends) == 1 and events[-1] is ends[0], events
+    return ends[0]
+
+
+def letters(r) -> list[DeadLetter]:
+    return [DeadLetter.from_fields(f) for _, f in r.xrange(KEYS.dead)]
+
+
+def lanes_settled(r) -> bool:
+    return all(r.xpending(k, GROUP)["pending"] == 0 for k in KEYS.lanes())
+
+
+class FragileEngine(FakeEngine):
+    """Refuses some requests the way a broken engine or template would: with exceptions the
+    worker was never told about."""
+
+    def add_request(self, request_id: str, prompt: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(prompt, str) and "explode" in prompt:
+            raise RuntimeError("kaboom in add_request")
+        super().add_request(request_id, prompt, *args, **kwargs)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        if any("bad template" in m.get("content", "") for m in messages):
+            raise KeyError("the chat template has no 'tool' role")
+        return super().render_chat(messages)
+
+
+def test_any_admission_failure_ends_that_job_alone(start_worker, r):
+    """Finding 1: "stop": 5 used to raise TypeError out of the validator and kill the worker;
+    an engine raising anything on add_request or in its chat template ends that job alone."""
+    w = start_worker(engine=FragileEngine())
+    batch = {
+        "stop-int": raw_job("stop-int", params={"stop": 5, "max_tokens": 4}),
+        "stream-str": raw_job("stream-str", stream="yes"),
+        "tokens-str": raw_job("tokens-str", params={"max_tokens": "5"}),
+        "explode": raw_job("explode", "please explode"),
+        "template": msgpack.packb({"v": 1, "job_id": "template", "messages": [
+            {"role": "user", "content": "bad template"}], "params": {"max_tokens": 3}}),
+        "good-1": raw_job("good-1", "fine one"),
+        "good-2": raw_job("good-2", "fine two"),
+    }
+    for raw in batch.values():
+        submit(r, KEYS, None, raw=raw)
+    out = wait_for_terminal(r, KEYS, list(batch), 20)
+    codes = {j: (only_terminal(ev).type, getattr(only_terminal(ev), "code", None))
+             for j, ev in out.items()}
+    assert codes["stop-int"] == ("error", "invalid_request")
+    assert "params.stop" in only_terminal(out["stop-int"]).message
+    assert "stream" in only_terminal(out["stream-str"]).message
+    assert "max_tokens" in only_terminal(out["tokens-str"]).message
+    assert codes["explode"] == ("error", "internal")
+    assert "kaboom" in only_terminal(out["explode"]).message
+    assert codes["template"][0] == "error"
+    for good, prompt in (("good-1", "fine one"), ("good-2", "fine two")):
+        text = "".join(e.text for e in out[good] if e.type == "token")
+        assert text == fake_completion(prompt, 4)
+    assert w.thread.is_alive() and not w.result
+    wait_for(lambda: lanes_settled(r), 10, what="every entry acknowledged")
+    dead = {d.job_id: d for d in letters(r)}
+    assert {"stop-int", "stream-str", "tokens-str"} <= set(dead)
+
+
+def test_dead_letters_are_truncated_capped_and_carry_the_job_id(start_worker, r):
+    """Finding 3: the invalid-payload path kept whole payloads in an uncapped stream."""
+    r.config_set("stream-node-max-entries", 10)   # lets MAXLEN ~ trim close to the cap
+    start_worker(dead_letter_maxlen=20, dead_letter_payload_bytes=100)
+    pad = "x" * 5000
+    ids = [f"bad-{i}" for i in range(60)]
+    for jid in ids:
+        submit(r, KEYS, None, raw=raw_job(jid, 12345, metadata={"pad": pad}))
+    out = wait_for_terminal(r, KEYS, ids, 30)
+    assert all(only_terminal(ev).code == "invalid_request" for ev in out.values())
+    wait_for(lambda: lanes_settled(r), 10, what="every entry acknowledged")
+    kept = letters(r)
+    assert 0 < len(kept) <= 20 + 10
+    for d in kept:
+        assert d.job_id.startswith("bad-") and d.code == "invalid_request"
+        assert len(d.data) == 100 and d.truncated and d.size > 5000
+
+
+def test_a_second_entry_reusing_a_live_job_id_is_rejected(start_worker, r):
+    """Finding 4: a raw XADD reusing a running job's id was taken over by a second worker:
+    the victim's stream continued on the attacker's prompt and metadata."""
+    start_worker(engine=FakeEngine(step_delay=0.02), worker_id="w1")
+    start_worker(worker_id="w2")
+    victim_entry = submit(r, KEYS, None, raw=raw_job("victim", "victim prompt",
+                                                     params={"max_tokens": 60, "temperature": 0},
+                                                     metadata={"owner": "alice"}))
+    wait_for(lambda: len(read_events(r, KEYS, "victim")) > 2, 10, what="victim running")
+    attacker = submit(r, KEYS, None, raw=raw_job("victim", "attacker prompt",
+                                                 metadata={"owner": "mallory"}))
+    events = wait_for_terminal(r, KEYS, "victim", 20)["victim"]
+    done = only_terminal(events)
+    assert done.type == "done" and done.metadata == {"owner": "alice"}
+    assert "".join(e.text for e in events if e.type == "token") == \
+        fake_completion("victim prompt", 60)
+    assert [e.worker_id for e in events if e.type == "started"] == ["w1"]
+    wait_for(lambda: letters(r), 10, what="the duplicate dead-lettered")
+    (dead,) = letters(r)
+    assert (dead.job_id, dead.code, dead.entry_id) == ("victim", "duplicate_job_id", attacker)
+    assert r.get(KEYS.dedupe("victim")).decode() == dedupe_record(KEYS.lane("default"),
+                                                                  victim_entry)
+    wait_for(lambda: lanes_settled(r), 10, what="both entries acknowledged")
