@@ -1,0 +1,105 @@
+"""The engine contract the worker drives (worker/engine_api.py), run against both engines it
+serves: the real LLMEngine on a tiny checkpoint and the FakeEngine behind ``--model fake:``.
+
+Each check is a promise the worker relies on: refusals are the documented exceptions and leave
+nothing behind, a step returns at most one delta per request with consistent counts, a resumed
+request continues where it stopped, abort frees capacity at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.outputs import RequestDelta, ResumeState
+from engine.sampling_params import SamplingParams
+from worker.engine_api import EngineAPI
+from worker.fake_engine import FakeEngine
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_thread")]
+
+
+@pytest.fixture(scope="module", params=["fake", "llm"])
+def engine(request, tiny_checkpoint) -> Any:
+    if request.param == "fake":
+        return FakeEngine(max_num_seqs=4, max_model_len=256)
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    return LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), device="cpu",
+                                  dtype="float32", max_num_seqs=4, max_model_len=256,
+                                  num_kv_blocks=64, enforce_eager=True))
+
+
+@pytest.fixture
+def eng(engine):
+    yield engine
+    while engine.has_unfinished_requests():  # leave it empty for the next test
+        engine.step()
+
+
+def greedy(n: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def run(eng, ids: set[str]) -> dict[str, list[RequestDelta]]:
+    out: dict[str, list[RequestDelta]] = {i: [] for i in ids}
+    while any(not d or not d[-1].finished for d in out.values()):
+        deltas = list(eng.step())
+        assert len({d.request_id for d in deltas}) == len(deltas), "two deltas for one request"
+        for d in deltas:
+            if d.request_id in out:
+                out[d.request_id].append(d)
+    return out
+
+
+def test_satisfies_the_protocol(eng):
+    assert isinstance(eng, EngineAPI)
+    ids = eng.tokenizer.encode("hello", add_special_tokens=False)
+    assert ids and all(isinstance(t, int) for t in ids)
+    assert isinstance(eng.render_chat([{"role": "user", "content": "hi"}]), str)
+    assert {"num_running", "num_waiting"} <= set(eng.stats())
+
+
+def test_refusals_are_the_documented_errors_and_change_nothing(eng):
+    free = eng.free_capacity()
+    with pytest.raises(PromptTooLongError):
+        eng.add_request("long", "hello " * 400, greedy(8))
+    eng.add_request("dup", "hello", greedy(2))
+    with pytest.raises(InvalidRequestError):
+        eng.add_request("dup", "hello", greedy(2))
+    assert eng.free_capacity() == free - 1
+    assert eng.abort_request("dup") and not eng.abort_request("dup")
+    assert eng.free_capacity() == free and not eng.has_unfinished_requests()
+
+
+def test_a_step_streams_each_request_once_with_consistent_counts(eng):
+    eng.add_request("a", "the quick brown fox", greedy(5))
+    eng.add_request("b", [5, 6, 7, 8], greedy(3), priority=-1)
+    got = run(eng, {"a", "b"})
+    for rid, n in (("a", 5), ("b", 3)):
+        deltas = got[rid]
+        assert sum(len(d.new_token_ids) for d in deltas) == n
+        last = deltas[-1]
+        assert last.finished and last.finish_reason == "length" and last.num_output_tokens == n
+        assert last.num_prompt_tokens > 0
+        assert not any(d.finished for d in deltas[:-1])
+
+
+def test_resume_continues_exactly(eng):
+    eng.add_request("full", "resume me please", greedy(6))
+    full = [t for d in run(eng, {"full"})["full"] for t in d.new_token_ids]
+    eng.add_request("cut", "resume me please", greedy(6))
+    first = [t for d in run_steps(eng, "cut", 2) for t in d.new_token_ids]
+    eng.abort_request("cut")
+    eng.add_request("rest", "resume me please", greedy(6),
+                    resume=ResumeState(output_token_ids=first, output_text=""))
+    rest = [t for d in run(eng, {"rest"})["rest"] for t in d.new_token_ids]
+    assert first + rest == full
+
+
+def run_steps(eng, rid: str, n: int) -> list[RequestDelta]:
+    out: list[RequestDelta] = []
+    while sum(len(d.new_token_ids) for d in out) < n:
+        out += [d for d in eng.step() if d.request_id == rid]
+    return out
