@@ -16,12 +16,14 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
 from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, is_oom, merge_xreads,
-                                normalize_xread, record_location, redact_url)
+                                normalize_xread, probe_statuses, record_location,
+                                redact_url)
 from producer_sdk.client import (ENQUEUE_SHA, NET_ERRORS, XREAD_COUNT, _len_or_none, _outcome,
-                                 feed_states, make_redis, map_defaults, progress_bar, take_batch)
+                                 make_redis, map_defaults, progress_bar, take_batch)
 from producer_sdk.config import ClientConfig
 from producer_sdk.errors import DUPLICATE, ClientClosed, JobNotFound, QueueFull, RedisUnavailable
-from producer_sdk.job import Deadline, Delta, JobHandle, JobState, Result, timeout_error
+from producer_sdk.job import (Deadline, Delta, JobHandle, JobState, Result, feed_states,
+                              timeout_error)
 from producer_sdk.payloads import PayloadBuilder, Prepared
 from producer_sdk.protocol import DEFAULT_LIMITS, Keys, Limits, now_ms, validate_job_id
 
@@ -229,15 +231,11 @@ class AsyncClient:
             lane, entry = record_location(self.keys, rec)
             pipe.exists(self.keys.results(j.id))
             pipe.xrange(lane, entry, entry, count=1)
-        replies = await self._call(pipe.execute)
-        out = []
-        for k, (j, rec) in enumerate(zip(jobs, records)):
-            has_results, queued = replies[2 * k], bool(rec) and bool(replies[2 * k + 1])
-            status = "active" if has_results or queued else ("lost" if rec else "unknown")
+        statuses = probe_statuses(records, await self._call(pipe.execute))
+        for j, status in zip(jobs, statuses):
             if status == "lost":
                 j.state.mark_lost()
-            out.append(status)
-        return out
+        return statuses
 
     async def cancel(self, job_id: str) -> None:
         await self._call(self.redis.set, self.keys.cancel(job_id), b"1",
@@ -277,7 +275,7 @@ class AsyncClient:
         if not by_key:
             return []
         return feed_states(by_key, await self._xread({k: s.last_id for k, s in by_key.items()},
-                                                     block_ms))
+                                                     block_ms), XREAD_COUNT)
 
     async def _pump_one(self, state: JobState, deadline: Deadline) -> list[Delta]:
         got = await self._pump([state], deadline.block_ms(self.config.poll_ms))

@@ -20,11 +20,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, is_oom, merge_xreads,
-                                normalize_xread, record_location, redact_url)
+                                normalize_xread, probe_statuses, record_location,
+                                redact_url)
 from producer_sdk.config import ClientConfig
 from producer_sdk.errors import (DUPLICATE, ClientClosed, JobFailed, JobNotFound, QueueFull,
                                  RedisUnavailable)
-from producer_sdk.job import Deadline, Delta, Job, JobState, Result
+from producer_sdk.job import Deadline, Delta, Job, JobState, Result, feed_states
 from producer_sdk.payloads import PayloadBuilder, Prepared
 from producer_sdk.protocol import DEFAULT_LIMITS, Keys, Limits, now_ms, validate_job_id
 
@@ -273,15 +274,11 @@ class Client:
             lane, entry = record_location(self.keys, rec)
             pipe.exists(self.keys.results(j.id))
             pipe.xrange(lane, entry, entry, count=1)
-        replies = self._call(pipe.execute)
-        out = []
-        for k, (j, rec) in enumerate(zip(jobs, records)):
-            has_results, queued = replies[2 * k], bool(rec) and bool(replies[2 * k + 1])
-            status = "active" if has_results or queued else ("lost" if rec else "unknown")
+        statuses = probe_statuses(records, self._call(pipe.execute))
+        for j, status in zip(jobs, statuses):
             if status == "lost":
                 j.state.mark_lost()
-            out.append(status)
-        return out
+        return statuses
 
     def cancel(self, job_id: str) -> None:
         """Set the job's cancel flag (with a TTL); idempotent, works for unknown ids too."""
@@ -324,7 +321,7 @@ class Client:
         if not by_key:
             return []
         return feed_states(by_key, self._xread({k: s.last_id for k, s in by_key.items()},
-                                               block_ms))
+                                               block_ms), XREAD_COUNT)
 
     def _pump_one(self, state: JobState, deadline: Deadline) -> list[Delta]:
         got = self._pump([state], deadline.block_ms(self.config.poll_ms))
@@ -417,20 +414,6 @@ class Client:
         finally:
             bar.close()
         return results
-
-
-def feed_states(by_key: dict[str, JobState],
-                read: list[tuple[str, list]]) -> list[tuple[JobState, list[Delta]]]:
-    """Feed each job the entries one XREAD brought for it. A job whose read came back full
-    (XREAD_COUNT entries) is not caught up: its waiters read again before timing out."""
-    for state in by_key.values():
-        state.caught_up = True
-    out = []
-    for key, entries in read:
-        state = by_key[key]
-        state.caught_up = len(entries) < XREAD_COUNT
-        out.append((state, state.feed(entries)))
-    return out
 
 
 def _read_reply(conn: Any) -> Any:

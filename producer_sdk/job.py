@@ -152,6 +152,20 @@ class JobState:
                       stop_reason=t.stop_reason, attempts=fold.attempts)
 
 
+def feed_states(by_key: dict[str, JobState], read: list[tuple[str, list]],
+                count: int) -> list[tuple[JobState, list[Delta]]]:
+    """Feed each job the entries one XREAD (``COUNT count``) brought for it. A job whose read
+    came back full is not caught up: its waiters read again before they time out."""
+    for state in by_key.values():
+        state.caught_up = True
+    out = []
+    for key, entries in read:
+        state = by_key[key]
+        state.caught_up = len(entries) < count
+        out.append((state, state.feed(entries)))
+    return out
+
+
 class Deadline:
     """A timeout turned into an absolute monotonic deadline (None = wait forever)."""
 
