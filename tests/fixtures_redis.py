@@ -53,13 +53,14 @@ class RedisServer:
     extra_args: tuple[str, ...] = ()
     port: int = field(default_factory=free_port)
     proc: Optional[subprocess.Popen] = None
+    binary: str = REDIS_SERVER_BIN       # tests/fault_harness.REDIS_62 for Redis 6.2
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def command(self) -> list[str]:
-        return [REDIS_SERVER_BIN, "--port", str(self.port), "--bind", "127.0.0.1",
+        return [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.dir), "--save", "", "--daemonize", "no",
                 "--protected-mode", "no", "--logfile", str(self.dir / "redis.log"),
                 *self.extra_args]
@@ -89,6 +90,10 @@ class RedisServer:
     def client(self, **kw) -> "redis.Redis":  # noqa: F821
         import redis
         return redis.Redis(port=self.port, **kw)
+
+    def version(self) -> tuple[int, ...]:
+        with self.client() as r:
+            return tuple(int(x) for x in r.info("server")["redis_version"].split("."))
 
     def kill(self) -> None:
         """SIGKILL: no AOF rewrite, no goodbye (what a crash looks like)."""

@@ -9,7 +9,8 @@ import pytest
 from producer_sdk.protocol import (
     GROUP, PAYLOAD_FIELD, JobRequest, Keys, decode_job, encode_job,
 )
-from tests.fault_harness import REDIS_7, Reaper, RedisServer
+from tests.fault_harness import REDIS_7
+from tests.fixtures_redis import RedisServer
 from tests.faults.test_leases import dead_letter
 from worker import admin
 from worker.pending import PendingList
@@ -19,9 +20,8 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 def r(request, tmp_path):
-    reaper = Reaper()
-    request.addfinalizer(reaper.reap)
-    server = RedisServer(REDIS_7, tmp_path / "redis", reaper).start()
+    server = RedisServer(dir=tmp_path / "redis", binary=REDIS_7).start()
+    request.addfinalizer(server.kill)
     client = server.client()
     client.url = server.url  # for the CLI tests
     yield client

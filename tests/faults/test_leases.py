@@ -15,7 +15,8 @@ import pytest
 from producer_sdk.protocol import (
     GROUP, PAYLOAD_FIELD, JobRequest, Keys, decode_event, encode_job,
 )
-from tests.fault_harness import REDIS_7, REDIS_62, Reaper, RedisServer
+from tests.fault_harness import REDIS_7, REDIS_62
+from tests.fixtures_redis import RedisServer
 from worker.deadletters import DeadLetterWriter, Rejection, outcome, readable_job_id
 from worker.pending import AckStatus, Entry, PendingList
 from worker.scripts import ScriptPipeline
@@ -30,9 +31,8 @@ if os.path.exists(REDIS_62):
 
 @pytest.fixture(params=_BINARIES)
 def r(request, tmp_path):
-    reaper = Reaper()
-    request.addfinalizer(reaper.reap)
-    server = RedisServer(request.param, tmp_path / "redis", reaper).start()
+    server = RedisServer(dir=tmp_path / "redis", binary=request.param).start()
+    request.addfinalizer(server.kill)
     client = server.client()
     yield client
     client.close()

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 
 from producer_sdk.protocol import (GROUP, PARKING_CONSUMER, DeadLetter, Keys, now_ms)
-from tests.fault_harness import read_events, submit, wait_for_terminal
+from tests.fault_harness import read_events, submit, wait_for, wait_for_terminal
 from worker.fake_engine import FakeEngine, fake_completion
 
 @pytest.fixture
@@ -48,16 +48,6 @@ def lane_empty(r, keys: Keys = KEYS) -> bool:
     return all(r.xlen(k) == 0 and r.xpending(k, GROUP)["pending"] == 0 for k in keys.lanes())
 
 
-def wait_until(pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise TimeoutError(what)
-
-
 # ------------------------------------------------------------------------------------------
 # the basic path
 # ------------------------------------------------------------------------------------------
@@ -77,7 +67,7 @@ def test_streams_tokens_and_acks(start_worker, r):
     assert done.usage.prompt_tokens == 5 and done.usage.completion_tokens == 6
     assert done.metadata == {"user": "u1"}
     assert done.timings.ttft_ms is not None and done.timings.total_ms >= done.timings.ttft_ms
-    wait_until(lambda: lane_empty(r), what="entry acked and deleted")
+    wait_for(lambda: lane_empty(r), what="entry acked and deleted")
     ttl = r.pttl(KEYS.results("j1"))
     assert 0 < ttl <= 120_000
     assert r.get(KEYS.owner("j1")).startswith(b"w1:")
@@ -120,7 +110,7 @@ def test_many_concurrent_jobs_of_mixed_lengths(start_worker, r):
         done = terminal(out[jid])
         assert done.type == "done"
         assert tokens_text(out[jid]) == fake_completion(f"prompt {i}", 1 + (i * 7) % 23)
-    wait_until(lambda: lane_empty(r), what="all entries acked")
+    wait_for(lambda: lane_empty(r), what="all entries acked")
 
 
 def test_reads_only_what_the_engine_can_start(start_worker, r):
@@ -156,7 +146,7 @@ def test_cancel_running_job_within_a_step(start_worker, r):
     eng = FakeEngine(step_delay=0.02)
     start_worker(engine=eng)
     submit(r, KEYS, job("long", "p", 500))
-    wait_until(lambda: len([e for e in read_events(r, KEYS, "long") if e.type == "token"]) >= 3)
+    wait_for(lambda: len([e for e in read_events(r, KEYS, "long") if e.type == "token"]) >= 3)
     r.set(KEYS.cancel("long"), 1, px=60_000)
     t0 = time.monotonic()
     events = wait_for_terminal(r, KEYS, "long", 5)["long"]
@@ -165,7 +155,7 @@ def test_cancel_running_job_within_a_step(start_worker, r):
     ntok = len([e for e in events if e.type == "token"])
     assert done.usage.completion_tokens == ntok and 3 <= ntok < 500
     assert "long" in eng.aborted and time.monotonic() - t0 < 2
-    wait_until(lambda: lane_empty(r), what="cancelled job acked")
+    wait_for(lambda: lane_empty(r), what="cancelled job acked")
 
 
 def test_cancel_queued_job_never_starts(start_worker, r):
@@ -186,7 +176,7 @@ def test_cancel_job_waiting_inside_the_engine(start_worker, r):
     start_worker(engine=eng)
     submit(r, KEYS, job("first", "a", 200))
     submit(r, KEYS, job("second", "b", 5))
-    wait_until(lambda: "second" in eng.added)
+    wait_for(lambda: "second" in eng.added)
     r.set(KEYS.cancel("second"), 1, px=60_000)
     events = wait_for_terminal(r, KEYS, "second", 5)["second"]
     assert terminal(events).finish_reason == "cancelled"
@@ -258,20 +248,20 @@ def test_bad_input_matrix_is_dead_lettered_and_worker_keeps_serving(start_worker
     assert tl.code == "prompt_too_long" and "5000" in tl.message
     assert tokens_text(out["good"]) == fake_completion("still serving", 3)
     # decode_job validates params too, so both bad-params entries are dead-lettered as well
-    wait_until(lambda: r.xlen(KEYS.dead) == len(BAD_INPUTS) + 3, what="dead letters")
+    wait_for(lambda: r.xlen(KEYS.dead) == len(BAD_INPUTS) + 3, what="dead letters")
     letters = [DeadLetter.from_fields(f) for _, f in r.xrange(KEYS.dead)]
     by_entry = {d.entry_id: d for d in letters}
     for name, eid in entry_ids.items():
         d = by_entry[eid]
         assert d.data == BAD_INPUTS[name] and d.worker_id == "w1"
         assert d.code == "invalid_request" and d.lane == KEYS.lane("default") and d.reason
-    wait_until(lambda: lane_empty(r), what="bad entries acked")
+    wait_for(lambda: lane_empty(r), what="bad entries acked")
 
 
 def test_bad_entry_reusing_a_live_job_id_does_not_touch_that_job(start_worker, r):
     start_worker(engine=FakeEngine(step_delay=0.01))
     submit(r, KEYS, job("live", "p", 40))
-    wait_until(lambda: read_events(r, KEYS, "live"))
+    wait_for(lambda: read_events(r, KEYS, "live"))
     submit(r, KEYS, None, raw=msgpack.packb({"v": 1, "job_id": "live", "prompt": 1}))
     events = wait_for_terminal(r, KEYS, "live", 10)["live"]
     assert terminal(events).type == "done"
@@ -285,7 +275,7 @@ def test_bad_entry_reusing_a_live_job_id_does_not_touch_that_job(start_worker, r
 def test_stop_drains_running_jobs(start_worker, r):
     w = start_worker(engine=FakeEngine(step_delay=0.01))
     submit(r, KEYS, job("d1", "p", 30))
-    wait_until(lambda: read_events(r, KEYS, "d1"))
+    wait_for(lambda: read_events(r, KEYS, "d1"))
     assert w.stop() == 0
     assert terminal(read_events(r, KEYS, "d1")).finish_reason == "length"
     assert lane_empty(r)
@@ -295,7 +285,7 @@ def test_stop_drains_running_jobs(start_worker, r):
 def test_drain_timeout_hands_back_and_another_worker_resumes_at_once(start_worker, r):
     w1 = start_worker(engine=FakeEngine(step_delay=0.01), worker_id="w1", drain_timeout=0.2)
     submit(r, KEYS, job("h1", "handback", 300, params={"max_tokens": 300, "temperature": 1.0}))
-    wait_until(lambda: len(read_events(r, KEYS, "h1")) > 5)
+    wait_for(lambda: len(read_events(r, KEYS, "h1")) > 5)
     assert w1.stop() == 0
     before = read_events(r, KEYS, "h1")
     assert not [e for e in before if e.type in ("done", "error")]
@@ -314,7 +304,7 @@ def test_drain_timeout_hands_back_and_another_worker_resumes_at_once(start_worke
     assert [e.seq for e in toks] == list(range(len(toks)))
     assert tokens_text(events) == fake_completion("handback", 300, seed, greedy=False)
     assert terminal(events).usage.completion_tokens == 300
-    wait_until(lambda: lane_empty(r), what="resumed job acked")
+    wait_for(lambda: lane_empty(r), what="resumed job acked")
 
 
 def test_restart_with_same_id_resumes_own_pending_entries(start_worker, r):
@@ -343,7 +333,7 @@ def test_stalled_worker_is_fenced_out_after_takeover(start_worker, r):
     eng.step = paused_step
     w1 = start_worker(engine=eng, worker_id="w1")
     submit(r, KEYS, job("stall", "s", 50))
-    wait_until(lambda: eng.num_steps >= 3)
+    wait_for(lambda: eng.num_steps >= 3)
     # another worker takes the entry over (what F's reclaim does) and takes ownership
     lane = KEYS.lane("default")
     eid = r.xpending_range(lane, GROUP, "-", "+", 1)[0]["message_id"]
@@ -351,7 +341,7 @@ def test_stalled_worker_is_fenced_out_after_takeover(start_worker, r):
     r.set(KEYS.owner("stall"), "w2:tok", px=60_000)
     n_before = r.xlen(KEYS.results("stall"))
     gate.set()
-    wait_until(lambda: "stall" not in w1.worker.jobs, what="w1 drops the job")
+    wait_for(lambda: "stall" not in w1.worker.jobs, what="w1 drops the job")
     assert r.xlen(KEYS.results("stall")) == n_before
     pend = r.xpending_range(lane, GROUP, "-", "+", 10)
     assert [p["consumer"] for p in pend] == [b"w2"]  # not acked away by w1
@@ -361,12 +351,12 @@ def test_result_stream_expired_is_never_recreated(start_worker, r):
     eng = FakeEngine(step_delay=0.02)
     start_worker(engine=eng)
     submit(r, KEYS, job("exp", "p", 400))
-    wait_until(lambda: r.xlen(KEYS.results("exp")) > 2)
+    wait_for(lambda: r.xlen(KEYS.results("exp")) > 2)
     r.delete(KEYS.results("exp"))  # what expiry does
-    wait_until(lambda: "exp" in eng.aborted, what="job abandoned")
+    wait_for(lambda: "exp" in eng.aborted, what="job abandoned")
     time.sleep(0.1)
     assert not r.exists(KEYS.results("exp"))
-    wait_until(lambda: lane_empty(r), what="abandoned job acked")
+    wait_for(lambda: lane_empty(r), what="abandoned job acked")
 
 
 def test_engine_failure_hands_jobs_back_and_exits_nonzero(start_worker, r):
@@ -401,7 +391,7 @@ def test_redis_restart_mid_run_every_job_completes(redis_server_factory, start_w
     ids = [f"rr{i}" for i in range(12)]
     for i, jid in enumerate(ids):
         submit(r, KEYS, job(jid, f"restart {i}", 20 + i))
-    wait_until(lambda: r.exists(KEYS.results("rr0")))
+    wait_for(lambda: r.exists(KEYS.results("rr0")))
     srv.kill()
     time.sleep(0.5)
     srv.start()
@@ -412,7 +402,7 @@ def test_redis_restart_mid_run_every_job_completes(redis_server_factory, start_w
         toks = [e for e in out[jid] if e.type == "token"]
         assert [e.seq for e in toks] == list(range(len(toks))), jid
         assert tokens_text(out[jid]) == fake_completion(f"restart {i}", 20 + i), jid
-    wait_until(lambda: lane_empty(r), what="all acked after restart")
+    wait_for(lambda: lane_empty(r), what="all acked after restart")
     assert w.worker.metrics.redis_reconnects._value.get() >= 1
 
 
@@ -451,7 +441,7 @@ def test_nogroup_recreates_group(start_worker, r):
 def test_heartbeat_and_health_check(start_worker, r):
     from worker.health import check_health
     w = start_worker(worker_id="hb1")
-    wait_until(lambda: r.exists(KEYS.heartbeat("hb1")))
+    wait_for(lambda: r.exists(KEYS.heartbeat("hb1")))
     beat = r.hgetall(KEYS.heartbeat("hb1"))
     assert beat[b"engine_loaded"] == b"1"
     assert 0 < r.pttl(KEYS.heartbeat("hb1")) <= 5 * 200
@@ -470,7 +460,7 @@ def test_metrics_endpoint(start_worker, r):
     submit(r, KEYS, job("met", "x", 3))
     submit(r, KEYS, None, raw=b"\xc1")
     wait_for_terminal(r, KEYS, "met")
-    wait_until(lambda: r.xlen(KEYS.dead) == 1)
+    wait_for(lambda: r.xlen(KEYS.dead) == 1)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     for name in ("tokenrelay_num_requests_running", "tokenrelay_num_requests_waiting",
                  "tokenrelay_request_queue_time_seconds_bucket",
