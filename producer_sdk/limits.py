@@ -100,6 +100,12 @@ def _check_prompt(obj: dict, limits: Limits) -> None:
         if len(messages) > limits.max_messages:
             raise _over("messages", "message count", len(messages), limits.max_messages,
                         "max_messages")
+        # Messages allow extra fields (a chat template may read them): bound their nesting too.
+        if container_depth(messages, stop_after=limits.max_metadata_depth) > \
+                limits.max_metadata_depth:
+            raise LimitExceeded("messages", f"messages are nested more than "
+                                            f"{limits.max_metadata_depth} levels deep "
+                                            f"(max_metadata_depth)")
         total = sum(_utf8_len(m["content"]) for m in messages
                     if isinstance(m, dict) and isinstance(m.get("content"), str))
         if total > limits.max_prompt_bytes:

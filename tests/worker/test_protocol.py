@@ -184,6 +184,8 @@ SMALL = Limits(max_payload_bytes=4096, max_prompt_bytes=100, max_prompt_token_id
     ({"metadata": {"k": "v" * 60}}, "metadata", "max_metadata_bytes"),
     ({"metadata": {"a": {"b": {"c": {}}}}}, "metadata", "max_metadata_depth"),
     ({"prompt": "x" * 5000}, None, "max_payload_bytes"),
+    ({"prompt": None, "messages": [{"role": "u", "content": "a", "x": [[[[1]]]]}]}, "messages",
+     "max_metadata_depth"),
 ])
 def test_each_limit_is_an_invalid_request_naming_field_and_limit(fields, field, name):
     obj = {"v": 1, "job_id": "j1", "prompt": "x", **fields}
