@@ -56,5 +56,8 @@ def describe_redis_error(exc: BaseException, url: str) -> str:
     kind = classify(exc)
     if kind is ErrorKind.PERMANENT:
         return describe_permanent(exc, url)
-    what = "redis unavailable (transient)" if kind is ErrorKind.TRANSIENT else "redis error"
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        what = "redis unreachable (transient)"
+    else:
+        what = "redis unavailable (transient)" if kind is ErrorKind.TRANSIENT else "redis error"
     return f"{what} at {redact_url(url)}: {type(exc).__name__}: {exc}"

@@ -47,6 +47,7 @@ class Outbox:
         self.owed_acks: list[OwedAck] = []
         self.rejections: list[Rejection] = []
         self.transient: Optional[str] = None   # the last flush's transient error, if any
+        self.permanent: Optional[Exception] = None   # a configuration error: the worker exits
 
     # ---------------------------------------------------------------- what is owed
     def owe_ack(self, entry: Entry, job_id: Optional[str], reason: str) -> None:
@@ -100,6 +101,8 @@ class Outbox:
         kind = classify(error) if isinstance(error, Exception) else classify_text(str(error))
         if kind is ErrorKind.TRANSIENT:
             self.transient = str(error)
+        elif kind is ErrorKind.PERMANENT:
+            self.permanent = error if isinstance(error, Exception) else redis.ResponseError(error)
         self.w.log_limited("warning" if kind is ErrorKind.TRANSIENT else "error",
                            f"{what} failed; will retry", error=str(error), kind=kind.value,
                            **fields)

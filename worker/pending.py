@@ -66,10 +66,11 @@ class AckStatus(IntEnum):
     NOT_OWNER = -1       # pending at another consumer: untouched
 
 
-def _fields(flat: Any) -> dict[bytes, bytes]:
-    items = list(flat or [])
-    return {(k if isinstance(k, bytes) else str(k).encode()): v
-            for k, v in zip(items[0::2], items[1::2])}
+def _fields(raw: Any) -> dict[bytes, bytes]:
+    """Entry fields from a script's flat list or redis-py's dict, keys as bytes."""
+    pairs = raw.items() if isinstance(raw, dict) else zip(list(raw or [])[0::2],
+                                                           list(raw or [])[1::2])
+    return {(k if isinstance(k, bytes) else str(k).encode()): v for k, v in pairs}
 
 
 def is_nogroup(exc: Exception) -> bool:
@@ -180,8 +181,7 @@ class PendingList:
             return []
         pairs = reply.items() if isinstance(reply, dict) else (reply or [])
         found = {text(stream): entries for stream, entries in pairs}
-        return [Entry(name, key, text(eid), _fields(
-                    [x for kv in f.items() for x in kv]) if f is not None else None, 1, "new")
+        return [Entry(name, key, text(eid), _fields(f), 1, "new")
                 for name, key in self._lanes for eid, f in found.get(key, []) if eid is not None]
 
     # ---------------------------------------------------------------- own and others' entries

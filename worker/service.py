@@ -192,6 +192,8 @@ class Worker:
                 return not self._connect()
             self._transient(str(exc), classify(exc))
             return False
+        if self.outbox.permanent is not None:
+            self._check_permanent(self.outbox.permanent)
         if self.outbox.transient:
             self._transient(self.outbox.transient, ErrorKind.TRANSIENT)
         elif not self.backoff.paused and self.backoff.succeeded():
