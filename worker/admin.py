@@ -21,9 +21,10 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import redis as redis_lib
 
 from producer_sdk.protocol import (
-    GROUP, PAYLOAD_FIELD, DeadLetter, ErrorCode, Keys, decode_job, dedupe_record,
+    GROUP, PAYLOAD_FIELD, DeadLetter, ErrorCode, Keys, decode_job,
 )
 from worker.deadletters import readable_job_id
+from worker.scripts import REPLAY, run_script
 
 # A drain flag (Keys.drain) expires, so a flag for a worker that never came back cannot drain
 # the next process started under that id an hour later.
@@ -144,13 +145,10 @@ def replay_dead(r: Any, keys: Keys, ids: Sequence[str] = ()) -> list[tuple[str, 
             continue
         job = decode_job(letter.data)
         lane = letter.lane if letter.lane in keys.lanes() else keys.jobs_stream(job.priority)
-        r.delete(keys.results(job.job_id), keys.owner(job.job_id), keys.cancel(job.job_id))
-        new_id = _s(r.xadd(lane, {PAYLOAD_FIELD: letter.data}))
-        dedupe = keys.dedupe(job.job_id)
-        if r.exists(dedupe):
-            r.set(dedupe, dedupe_record(lane, new_id), keepttl=True)
-        else:
-            r.set(dedupe, dedupe_record(lane, new_id), ex=DEDUPE_TTL_S)
+        new_id = _s(run_script(r, REPLAY, [lane, keys.dedupe(job.job_id),
+                                           keys.results(job.job_id), keys.owner(job.job_id),
+                                           keys.cancel(job.job_id)],
+                               [letter.data, DEDUPE_TTL_S]))
         r.xdel(keys.dead, dead_id)
         done.append((job.job_id, new_id))
     return done

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 import redis
 
-from producer_sdk.protocol import BATCH_FIELD, EVENT_FIELD, PAYLOAD_FIELD
+from producer_sdk.protocol import BATCH_FIELD, DEDUPE_SEPARATOR, EVENT_FIELD, PAYLOAD_FIELD
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class LuaScript:
 
 def _lua(name: str, source: str) -> LuaScript:
     return LuaScript(name, Template(source).substitute(
-        event=EVENT_FIELD.decode(), batch=BATCH_FIELD.decode(), payload=PAYLOAD_FIELD.decode()))
+        event=EVENT_FIELD.decode(), batch=BATCH_FIELD.decode(), payload=PAYLOAD_FIELD.decode(),
+        sep=DEDUPE_SEPARATOR))
 
 
 # ------------------------------------------------------------------------------ result writes
@@ -293,6 +294,22 @@ for i = 3, #ARGV do
   end
 end
 return out
+""")
+
+# KEYS: lane, dedupe record, result stream, owner, cancel. ARGV: payload, ttl s (used when the
+# record is absent) -> the new entry id. Admin replay of a dead letter: the job's old stream and
+# keys go, and the new entry and the record naming it appear at once, so no worker can read the
+# entry while the record still names the old one (it would reject it as duplicate_job_id).
+REPLAY = _lua("replay", """
+redis.call('DEL', KEYS[3], KEYS[4], KEYS[5])
+local id = redis.call('XADD', KEYS[1], '*', '$payload', ARGV[1])
+local rec = KEYS[1] .. '$sep' .. id
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('SET', KEYS[2], rec, 'KEEPTTL')
+else
+  redis.call('SET', KEYS[2], rec, 'EX', ARGV[2])
+end
+return id
 """)
 
 # ------------------------------------------------------------------------------ worker id
