@@ -24,7 +24,7 @@ from producer_sdk.events import (EVENT_TYPES, TERMINAL_TYPES, DoneEvent, ErrorEv
                                  StartedEvent, Timings, TokenEvent, Usage, encode_event,
                                  is_terminal)
 from producer_sdk.limits import (DEFAULT_LIMITS, LimitExceeded, Limits, check_job_limits,
-                                 check_payload_size, scan_job_id)
+                                 check_metadata, check_payload_size, scan_job_id)
 from producer_sdk.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -68,19 +68,35 @@ class FinishReason(str, Enum):
 class ProtocolError(ValueError):
     """A payload that does not follow protocol v1. Carries the job id when one could be read, and
     ``field``: the dotted name of the offending field (``"params.stop"``), None for the payload
-    as a whole."""
+    as a whole, and ``metadata``: the payload's metadata when it is what a valid job could carry
+    (the error event echoes it so clients can correlate), else ``{}``."""
 
     def __init__(self, message: str, job_id: Optional[str] = None,
-                 code: ErrorCode = ErrorCode.INVALID_REQUEST, field: Optional[str] = None) -> None:
+                 code: ErrorCode = ErrorCode.INVALID_REQUEST, field: Optional[str] = None,
+                 metadata: Optional[dict[str, Any]] = None) -> None:
         super().__init__(message)
         self.job_id = job_id
         self.code = code
         self.field = field
+        self.metadata: dict[str, Any] = metadata or {}
 
 
 def readable_job_id(value: Any) -> Optional[str]:
     """``value`` if it is a valid job id, else None (never raises)."""
     return value if isinstance(value, str) and _JOB_ID_RE.match(value) else None
+
+
+def readable_metadata(value: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """``value`` if it is metadata a valid job could carry (a map with string keys, within
+    ``limits``), else ``{}``; never raises. An invalid payload's error event echoes only this:
+    a hostile map (integer keys, deep or huge values) must not break the error event itself."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        return {}
+    try:
+        check_metadata(value, limits)
+    except Exception:  # LimitExceeded, or anything a hostile value provokes
+        return {}
+    return value
 
 
 def validate_job_id(job_id: str) -> str:
@@ -266,6 +282,7 @@ def decode_job(raw: Any, limits: Limits = DEFAULT_LIMITS) -> JobRequest:
     dotted name its message starts with. Afterwards ``sampling_params()`` cannot fail.
     """
     job_id: Optional[str] = None
+    obj: Any = None
     try:
         obj = _unpack_job(raw, limits)
         if not isinstance(obj, dict):
@@ -277,10 +294,15 @@ def decode_job(raw: Any, limits: Limits = DEFAULT_LIMITS) -> JobRequest:
         return validate_job(obj, limits)
     except ProtocolError as exc:
         exc.job_id = exc.job_id or job_id
+        exc.metadata = exc.metadata or _metadata_of(obj, limits)
         raise
     except Exception as exc:  # the contract: nothing but ProtocolError, whatever the input
         raise ProtocolError(f"payload could not be validated ({type(exc).__name__}: {exc})"[:500],
-                            job_id=job_id) from None
+                            job_id=job_id, metadata=_metadata_of(obj, limits)) from None
+
+
+def _metadata_of(obj: Any, limits: Limits) -> dict[str, Any]:
+    return readable_metadata(obj.get("metadata"), limits) if isinstance(obj, dict) else {}
 
 
 def _brief(value: Any) -> str:
@@ -404,8 +426,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "PROTOCOL_VERSION", "GROUP", "PAYLOAD_FIELD", "EVENT_FIELD", "BATCH_FIELD", "MAX_JOB_ID_LEN",
     "PARKING_CONSUMER", "PARKED_IDLE_MS", "DEDUPE_SEPARATOR", "ErrorCode", "FinishReason",
-    "ProtocolError", "readable_job_id", "validate_job_id", "now_ms", "Keys", "dedupe_record",
-    "parse_dedupe_record", "Limits", "DEFAULT_LIMITS", "scan_job_id", "ChatMessage", "JobRequest",
+    "ProtocolError", "readable_job_id", "readable_metadata", "validate_job_id", "now_ms", "Keys",
+    "dedupe_record", "parse_dedupe_record", "Limits", "DEFAULT_LIMITS", "scan_job_id", "ChatMessage", "JobRequest",
     "encode_job", "decode_job", "validate_job", "describe_validation_error", "StartedEvent",
     "TokenEvent", "Usage", "Timings", "DoneEvent", "ErrorEvent", "Event", "EVENT_TYPES",
     "TERMINAL_TYPES", "encode_event", "decode_event", "is_terminal", "DeadLetter", "ResultFold",

@@ -20,7 +20,7 @@ from engine.outputs import ResumeState
 from producer_sdk.protocol import (ErrorCode, FinishReason, JobRequest, ProtocolError,
                                    decode_job, describe_validation_error, now_ms)
 from worker.connection import ErrorKind, classify
-from worker.deadletters import Rejection, raw_metadata, readable_job_id
+from worker.deadletters import Rejection, readable_job_id
 from worker.fencing import bound, new_owner_value
 from worker.jobs import Job
 from worker.pending import Entry
@@ -83,7 +83,7 @@ class Admission:
             req = self._decode(e)
         except ProtocolError as exc:
             self._log_received(e, exc.job_id)
-            self._reject(e, exc.code, str(exc), exc.job_id, raw_metadata(e.payload))
+            self._reject(e, exc.code, str(exc), exc.job_id, exc.metadata)
             return None
         except Exception as exc:  # a decoder bug must end this entry alone, never the worker
             w.log.exception("payload could not be decoded", entry_id=e.entry_id)

@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import msgpack
-
 from producer_sdk.protocol import (DeadLetter, ErrorEvent, Keys, ProtocolError, decode_job,
                                    dedupe_record, encode_event)
 from worker.pending import Entry
@@ -43,16 +41,6 @@ def readable_job_id(payload: Optional[bytes]) -> Optional[str]:
         return exc.job_id
     except Exception:  # a decoder bug: the letter is still written, without a job id
         return None
-
-
-def raw_metadata(payload: Optional[bytes]) -> dict:
-    """The payload's ``metadata`` map when it can be read at all (clients correlate by it)."""
-    try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False) if payload else None
-    except Exception:  # msgpack raises several unrelated exception types on hostile input
-        return {}
-    meta = obj.get("metadata") if isinstance(obj, dict) else None
-    return meta if isinstance(meta, dict) else {}
 
 
 class DeadLetterWriter:

@@ -93,6 +93,37 @@ def test_any_admission_failure_ends_that_job_alone(start_worker, r):
     assert {"stop-int", "stream-str", "tokens-str"} <= set(dead)
 
 
+def test_an_invalid_jobs_error_event_echoes_only_metadata_a_valid_job_could_carry(
+        start_worker, r):
+    """Found by tests/faults/test_fuzz.py: an invalid job whose metadata had an integer key made
+    building its error event raise, so the rejection never landed. Valid metadata is echoed (for
+    correlation); integer keys, too deep or too big metadata are dropped from the event."""
+    w = start_worker()
+    cases = {
+        "meta-ok": {"trace": "abc", "n": [1, {"x": 2}]},
+        "meta-int-key": {1: "one", "fine": "two"},
+        "meta-deep": _deep_map(200),
+        "meta-huge": {"pad": "x" * 70_000},
+    }
+    for job_id, meta in cases.items():
+        submit(r, KEYS, None, raw=raw_job(job_id, 12345, metadata=meta))  # prompt: wrong type
+    out = wait_for_terminal(r, KEYS, list(cases), 20)
+    ends = {j: only_terminal(ev) for j, ev in out.items()}
+    assert all(e.type == "error" and e.code == "invalid_request" for e in ends.values()), ends
+    assert ends["meta-ok"].metadata == cases["meta-ok"]
+    for job_id in ("meta-int-key", "meta-deep", "meta-huge"):
+        assert ends[job_id].metadata == {}, job_id
+    assert w.thread.is_alive() and not w.result
+    wait_for(lambda: lanes_settled(r), 10, what="every entry acknowledged")
+
+
+def _deep_map(depth: int) -> dict:
+    value: dict = {}
+    for _ in range(depth):
+        value = {"k": value}
+    return value
+
+
 def test_dead_letters_are_truncated_capped_and_carry_the_job_id(start_worker, r):
     """Finding 3: the invalid-payload path kept whole payloads in an uncapped stream."""
     r.config_set("stream-node-max-entries", 10)   # lets MAXLEN ~ trim close to the cap
