@@ -40,7 +40,6 @@ def decode_math(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     GQA is a view (``[m, 1, 1, Hkv, G, D]`` against keys ``[m, n, bs, Hkv, 1, D]``), never a copy.
     """
     m, hq, d = q.shape
-    n = blocks.shape[1]
     hkv = k_cache.shape[2]
     group = hq // hkv
     qq = q.view(m, 1, 1, hkv, group, d)

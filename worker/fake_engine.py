@@ -110,7 +110,7 @@ class FakeEngine:
             time.sleep(self.step_delay)
         return [self._advance(r) for r in scheduled]
 
-    def _advance(self, r: _Request) -> FakeDelta:
+    def _advance(self, r: _Request) -> RequestDelta:
         tok = fake_token(r.prompt_ids, r.seed, len(r.out_ids), r.params.greedy)
         r.out_ids.append(tok)
         finished = len(r.out_ids) >= r.params.max_tokens or tok in r.params.stop_token_ids

@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from producer_sdk.protocol import (PAYLOAD_FIELD, DeadLetter, Keys, parse_dedupe_record)
+from producer_sdk.protocol import PAYLOAD_FIELD, DeadLetter, parse_dedupe_record
 from tests.fault_harness import FaultEnv, check_stream, pending_summary, wait_for
 from tests.fixtures_redis import REPO_ROOT
 from worker.fake_engine import fake_completion

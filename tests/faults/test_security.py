@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ pytestmark = pytest.mark.timeout(180)
 
 ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
     # python -m worker (and python -m worker health, which reads the heartbeat hash)
-    "worker": ("ping", "evalsha", "eval", "script|load",
+    "worker": ("ping", "evalsha", "eval",
                "xgroup|create", "xreadgroup", "xinfo|groups", "xadd", "xack", "xdel", "xclaim",
                "xautoclaim", "xpending", "xrange", "xrevrange",
                "get", "set", "mget", "exists", "del", "pexpire",
@@ -48,7 +47,7 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
     "producer": ("ping", "evalsha", "script|load", "xadd", "xlen", "xread", "xrange",
                  "get", "set", "exists", "hget", "multi", "exec"),
     # python -m worker admin ... and python -m producer_sdk stats --queue Q
-    "admin": ("xpending", "xrange", "xadd", "xdel", "xlen", "xinfo|groups",
+    "admin": ("evalsha", "eval", "xpending", "xrange", "xadd", "xdel", "xlen", "xinfo|groups",
               "get", "set", "exists", "del", "hget", "hset", "zrange", "zcount", "zcard"),
 }
 # redis-py sends CLIENT SETINFO on connect and ignores a refusal; Redis 7.2+ logs the refusal.
@@ -282,6 +281,7 @@ def test_acl_users_run_worker_sdk_admin_and_health(acl_redis, procs):
 
     client = sdk_client(p_url, NS_A)
     try:
+        client.ping()
         # a worker whose engine fails on the poison prompt dead-letters it and exits 1
         w0 = procs.worker(w_url, NS_A, "w0", max_deliveries=1, module="tests.fault_worker",
                           env={"TOKENRELAY_FAULT_INJECT": "raise_on_prompt:POISON"})
@@ -328,6 +328,9 @@ def test_acl_users_run_worker_sdk_admin_and_health(acl_redis, procs):
         # drain: w1 hands its running job back, w2 takes it over and finishes it
         drained = client.submit("drained acl", max_tokens=300, temperature=0.0, job_id="s5")
         wait_for(lambda: len(results_of(srv, keys, "s5")) > 3, 30, what="s5 running on w1")
+        pending = json.loads(procs.run("worker", "admin", *admin, "pending").stdout)
+        assert [(p["job_id"], p["consumer"]) for p in pending] == [("s5", "w1")], pending
+        assert pending[0]["owner"].startswith("w1:"), pending
         w2 = procs.worker(w_url, NS_A, "w2")
         w2.wait_for_log("worker ready", timeout=120)
         out = procs.run("worker", "admin", "--redis-url", a_url, "--namespace", NS_A,
