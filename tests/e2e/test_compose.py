@@ -86,6 +86,29 @@ def test_redis_service_is_durable_and_reports_loading_as_unhealthy():
     assert "PONG" in " ".join(redis["healthcheck"]["test"])
 
 
+def _finished_job_stream_bytes(server) -> int:
+    """MEMORY USAGE of a result stream as a stream=False job leaves it: two entries."""
+    r = server.client()
+    try:
+        r.xadd("result:{j}", {"$event": b"s" * 90, "$batch": "0123456789abcdef.0:1"})
+        r.xadd("result:{j}", {"$event": b"d" * 160, "$batch": "0123456789abcdef.1:1"})
+        return int(r.memory_usage("result:{j}", samples=0))
+    finally:
+        r.close()
+
+
+def test_compose_redis_keeps_a_small_result_stream_small(redis_server_factory):
+    """compose.yaml's stream-node-max-bytes, on a real redis-server: Redis preallocates a new
+    stream's listpack at min(4096, stream-node-max-bytes), so with the default a finished job's
+    two-entry stream held > 4 KB; with compose's setting it holds under 2 KB."""
+    cmd = SERVICES["redis"]["command"]
+    node_bytes = cmd[cmd.index("--stream-node-max-bytes") + 1]
+    default = _finished_job_stream_bytes(redis_server_factory())
+    compose = _finished_job_stream_bytes(
+        redis_server_factory("--stream-node-max-bytes", node_bytes))
+    assert default > 4096 and compose < 2048, (default, compose)
+
+
 def test_worker_service_shape():
     worker = SERVICES["worker"]
     devices = worker["deploy"]["resources"]["reservations"]["devices"]

@@ -60,6 +60,22 @@ def acl_rule(role: str, namespace: str, password: str) -> str:
     return f"on >{password} resetkeys ~{namespace}:* resetchannels -@all {cmds}"
 
 
+def test_operations_doc_prints_exactly_the_tested_rules():
+    """docs/operations.md, "Securing Redis", shows one ``user`` line per role: each must be the
+    rule these tests run under (for namespace ``tokenrelay``), so the doc cannot drift."""
+    doc = (REPO_ROOT / "docs" / "operations.md").read_text()
+    printed = {}
+    for line in doc.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) == 3 and parts[0] == "user" and parts[1] in ROLE_COMMANDS:
+            printed[parts[1]] = " ".join(parts[2].split())
+    assert set(printed) == set(ROLE_COMMANDS), printed
+    for role, rule in printed.items():
+        password = rule.split()[1][1:]
+        assert rule == acl_rule(role, "tokenrelay", password), role
+    assert "user default off" in doc
+
+
 @dataclass(frozen=True)
 class User:
     name: str
