@@ -22,8 +22,8 @@ from producer_sdk.client import (ENQUEUE_SHA, NET_ERRORS, XREAD_COUNT, _len_or_n
                                  make_redis, map_defaults, progress_bar, take_batch)
 from producer_sdk.config import ClientConfig
 from producer_sdk.errors import DUPLICATE, ClientClosed, JobNotFound, QueueFull, RedisUnavailable
-from producer_sdk.job import (Deadline, Delta, JobHandle, JobState, Result, feed_states,
-                              timeout_error)
+from producer_sdk.job import (Deadline, Delta, JobHandle, JobState, Result, StreamCursor,
+                              feed_states, timeout_error)
 from producer_sdk.payloads import PayloadBuilder, Prepared
 from producer_sdk.protocol import DEFAULT_LIMITS, Keys, Limits, now_ms, validate_job_id
 
@@ -36,26 +36,15 @@ class AsyncJob(JobHandle):
     async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Delta]:
         """Yield deltas as they arrive; raises JobFailed on error, TimeoutError on timeout.
         Several tasks may stream one job: each sees every delta from its start once."""
-        deadline = Deadline(timeout)
-        state = self.state
-        cursor = state.open_stream()
-        pumped = False
+        cursor = StreamCursor(self, timeout)
         try:
-            while True:
-                new = state.read_log(cursor)
-                for delta in new:
-                    cursor += 1
+            while (deltas := cursor.take()) is not None:
+                for delta in deltas:
                     yield delta
-                if state.finished:
-                    if cursor >= state.delta_count:
-                        break
-                    continue
-                if pumped and not new and self._timed_out(deadline):
-                    raise timeout_error(self.id, timeout, streaming=True)
-                await self.client._pump_one(state, deadline)
-                pumped = True
+                if not deltas:
+                    await self.client._pump_one(self.state, cursor.deadline)
         finally:
-            state.close_stream()
+            cursor.close()
         self._raise_if_failed()
 
     async def result(self, timeout: Optional[float] = None) -> Result:

@@ -226,6 +226,38 @@ class JobHandle:
         return deadline.expired and self.state.caught_up
 
 
+class StreamCursor:
+    """One ``stream()`` call's place in a job's delta log: the I/O-free half of ``Job.stream``
+    and ``AsyncJob.stream``, which differ only in how they pump Redis when ``take`` says so."""
+
+    def __init__(self, job: JobHandle, timeout: Optional[float]) -> None:
+        self.job = job
+        self.timeout = timeout
+        self.deadline = Deadline(timeout)
+        self.at = job.state.open_stream()
+        self.pumped = False
+        self.fresh = False      # the last take before a pump returned deltas
+
+    def take(self) -> Optional[list[Delta]]:
+        """The deltas readable now; ``[]``: pump once, then take again; None: the stream is
+        over. Raises TimeoutError once the deadline passed and a pump left nothing unread."""
+        state = self.job.state
+        new = state.read_log(self.at)
+        self.at += len(new)
+        if new:
+            self.fresh = True
+            return new
+        if state.finished and self.at >= state.delta_count:
+            return None
+        if self.pumped and not self.fresh and self.job._timed_out(self.deadline):
+            raise timeout_error(self.job.id, self.timeout, streaming=True)
+        self.pumped, self.fresh = True, False
+        return []
+
+    def close(self) -> None:
+        self.job.state.close_stream()
+
+
 def timeout_error(job_id: str, timeout: Optional[float], streaming: bool) -> TimeoutError:
     if streaming:
         return TimeoutError(f"job {job_id}: no terminal event within {timeout}s")
@@ -244,26 +276,14 @@ class Job(JobHandle):
 
     def stream(self, timeout: Optional[float] = None) -> Iterator[Delta]:
         """Yield deltas as they arrive, from when this call starts; JobFailed on error."""
-        deadline = Deadline(timeout)
-        state = self.state
-        cursor = state.open_stream()
-        pumped = False
+        cursor = StreamCursor(self, timeout)
         try:
-            while True:
-                new = state.read_log(cursor)
-                for delta in new:
-                    cursor += 1
-                    yield delta
-                if state.finished:
-                    if cursor >= state.delta_count:
-                        break
-                    continue
-                if pumped and not new and self._timed_out(deadline):
-                    raise timeout_error(self.id, timeout, streaming=True)
-                self.client._pump_one(state, deadline)
-                pumped = True
+            while (deltas := cursor.take()) is not None:
+                yield from deltas
+                if not deltas:
+                    self.client._pump_one(self.state, cursor.deadline)
         finally:
-            state.close_stream()
+            cursor.close()
         self._raise_if_failed()
 
     def result(self, timeout: Optional[float] = None) -> Result:
