@@ -23,7 +23,7 @@ import redis as redis_lib
 from producer_sdk.protocol import (
     GROUP, PAYLOAD_FIELD, DeadLetter, ErrorCode, Keys, decode_job,
 )
-from worker.deadletters import readable_job_id
+from worker.deadletters import payload_job_id
 from worker.scripts import REPLAY, run_script
 
 # A drain flag (Keys.drain) expires, so a flag for a worker that never came back cannot drain
@@ -70,7 +70,7 @@ def _job_id_of(r: Any, lane: str, entry_id: str) -> str:
     entries = r.xrange(lane, entry_id, entry_id)
     if not entries:
         return ""  # payload deleted; the next reclaim drops it
-    return readable_job_id(entries[0][1].get(PAYLOAD_FIELD)) or ""
+    return payload_job_id(entries[0][1].get(PAYLOAD_FIELD)) or ""
 
 
 def list_pending(r: Any, keys: Keys) -> list[PendingJob]:

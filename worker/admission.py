@@ -20,7 +20,7 @@ from engine.outputs import ResumeState
 from producer_sdk.protocol import (ErrorCode, FinishReason, JobRequest, ProtocolError,
                                    decode_job, describe_validation_error, now_ms)
 from worker.connection import ErrorKind, classify
-from worker.deadletters import Rejection, readable_job_id
+from worker.deadletters import Rejection, payload_job_id
 from worker.fencing import bound, new_owner_value
 from worker.jobs import Job
 from worker.pending import Entry
@@ -72,7 +72,7 @@ class Admission:
             w.outbox.owe_ack(e, None, "deleted")
             return None
         if e.deliveries > w.s.max_deliveries:  # e.g. a prompt that kills every worker
-            job_id = readable_job_id(e.payload)
+            job_id = payload_job_id(e.payload)
             self._reject(e, ErrorCode.POISON,
                          f"job dead-lettered: delivered {e.deliveries} times, more than "
                          f"max_deliveries={w.s.max_deliveries}; each holder died or failed "

@@ -31,7 +31,7 @@ class Rejection:
     metadata: dict = field(default_factory=dict)
 
 
-def readable_job_id(payload: Optional[bytes]) -> Optional[str]:
+def payload_job_id(payload: Optional[bytes]) -> Optional[str]:
     """The job id of a payload, also when the rest of it does not validate."""
     if not payload:
         return None

@@ -17,7 +17,7 @@ from producer_sdk.protocol import (
 )
 from tests.fault_harness import REDIS_7, REDIS_62
 from tests.fixtures_redis import RedisServer
-from worker.deadletters import DeadLetterWriter, Rejection, outcome, readable_job_id
+from worker.deadletters import DeadLetterWriter, Rejection, outcome, payload_job_id
 from worker.pending import AckStatus, Entry, PendingList
 from worker.scripts import ScriptPipeline
 
@@ -83,7 +83,7 @@ def dead_letter(r, keys: Keys, me: str, entry: Entry, code: str = "poison",
     """Write one dead letter the way the worker does; returns the script's outcome."""
     writer = DeadLetterWriter(keys, me, 60_000, 600, maxlen, payload_bytes)
     pipe = ScriptPipeline(r)
-    writer.queue(pipe, Rejection(entry, code, reason, readable_job_id(entry.payload), {}))
+    writer.queue(pipe, Rejection(entry, code, reason, payload_job_id(entry.payload), {}))
     (reply,) = pipe.execute()
     if isinstance(reply, Exception):
         raise reply
