@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -43,15 +42,10 @@ class Request:
 
 def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
                   vocab: int, seed: int = 0) -> list[Request]:
-    """The engine benchmark's workload (engine/bench.py's generator when it exists)."""
-    try:
-        from engine.bench import make_workload as engine_workload
-        return [Request(list(p), int(m))
-                for p, m in engine_workload(n, prompt_range, output_range, vocab, seed)]
-    except ImportError:
-        rng = random.Random(seed)
-        return [Request([rng.randrange(5, vocab) for _ in range(rng.randint(*prompt_range))],
-                        rng.randint(*output_range)) for _ in range(n)]
+    """The engine benchmark's workload (engine/bench.py's generator), as requests."""
+    from engine.bench import make_workload as engine_workload
+    return [Request(list(p), int(m))
+            for p, m in engine_workload(n, prompt_range, output_range, vocab, seed)]
 
 
 def ensure_model(path: Optional[str]) -> str:
