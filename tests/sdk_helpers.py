@@ -27,7 +27,7 @@ from producer_sdk.protocol import EVENT_FIELD, GROUP, PAYLOAD_FIELD, Keys, decod
 from tests.fixtures_redis import RedisServer, free_port, start_redis_server
 
 __all__ = ["RedisServer", "free_port", "start_redis_server", "sdk_redis", "sdk_url", "FakeWorker",
-           "wait_until", "env_with_repo"]
+           "env_with_repo"]
 
 
 @pytest.fixture(scope="module")
@@ -180,15 +180,6 @@ class FakeWorker(threading.Thread):
         for j in (1, 2):  # a resume that overlaps what was already streamed
             self._emit(job_id, {"type": "token", "seq": j, "index": j, "text": f" t{j}",
                                 "token_ids": [100 + j]})
-
-
-def wait_until(cond: Any, timeout: float = 10.0, interval: float = 0.02) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def env_with_repo(extra: Optional[dict[str, str]] = None) -> dict[str, str]:

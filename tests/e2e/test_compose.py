@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.fault_harness import wait_for
+
 jsonschema = pytest.importorskip("jsonschema")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -211,12 +213,7 @@ def test_cpu_and_batch_profiles_run_as_plain_processes(tmp_path):
 
 
 def _wait_healthy(env: dict[str, str], timeout: float = 180.0) -> None:
-    import time
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ok = subprocess.run([sys.executable, "-m", "worker", "health"], env=env, cwd=REPO,
-                            capture_output=True, timeout=30)
-        if ok.returncode == 0:
-            return
-        time.sleep(1)
-    raise AssertionError("the cpu worker never became healthy")
+    def healthy() -> bool:
+        return subprocess.run([sys.executable, "-m", "worker", "health"], env=env, cwd=REPO,
+                              capture_output=True, timeout=30).returncode == 0
+    wait_for(healthy, timeout, interval=1.0, what="the cpu worker healthy")

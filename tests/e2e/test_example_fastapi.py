@@ -12,9 +12,9 @@ import redis
 import uvicorn
 
 from examples.fastapi_app import create_app
-from producer_sdk.protocol import Keys
-from tests.sdk_helpers import (FakeWorker, free_port, sdk_redis, sdk_url,  # noqa: F401
-                               wait_until)
+from producer_sdk.protocol import EVENT_FIELD, Keys
+from tests.fault_harness import wait_for
+from tests.sdk_helpers import FakeWorker, free_port, sdk_redis, sdk_url  # noqa: F401
 
 KEYS = Keys()
 
@@ -26,7 +26,7 @@ def base_url(sdk_url: str) -> Iterator[str]:
                                            log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    wait_until(lambda: server.started, timeout=20)
+    wait_for(lambda: server.started, timeout=20)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -76,17 +76,34 @@ def test_client_disconnect_cancels_job(base_url: str, sdk_url: str):
             for _ in range(3):
                 next(events)
         # The response is closed: the server notices and sets the cancel flag; the worker stops.
-        wait_until(lambda: r.exists(KEYS.cancel(job_id)), timeout=10)
-        wait_until(lambda: any(b"cancelled" in f[b"data"]
+        wait_for(lambda: r.exists(KEYS.cancel(job_id)), timeout=10)
+        wait_for(lambda: any(b"cancelled" in f[EVENT_FIELD]
                                for _, f in r.xrange(KEYS.results(job_id))), timeout=10)
     assert r.xlen(KEYS.results(job_id)) < 200  # 400 tokens at 50 ms each were not generated
     r.close()
 
 
-def test_disconnect_while_queued_cancels_before_start(base_url: str, sdk_url: str):
+def test_disconnect_while_queued_cancels_before_start(base_url: str, sdk_url: str,
+                                                      start_worker):
+    """A client that leaves while its job waits cancels it: the worker that reads it later
+    ends it cancelled without ever giving it to the engine."""
+    from producer_sdk.protocol import decode_event
+    from worker.fake_engine import FakeEngine
     r = redis.Redis.from_url(sdk_url)
     with httpx.stream("POST", f"{base_url}/v1/generate", timeout=20,
                       json={"prompt": "nobody is serving", "max_tokens": 4}) as resp:
         _, first = next(parse_sse(resp.iter_lines()))
-    wait_until(lambda: r.exists(KEYS.cancel(first["job_id"])), timeout=10)
+    job_id = first["job_id"]
+    wait_for(lambda: r.exists(KEYS.cancel(job_id)), timeout=10)
+    engine = FakeEngine()
+    start_worker(engine=engine, redis_url=sdk_url)
+
+    def events() -> list:
+        return [decode_event(f[EVENT_FIELD]) for _, f in r.xrange(KEYS.results(job_id))]
+
+    wait_for(lambda: any(e.type in ("done", "error") for e in events()), timeout=10)
+    (end,) = [e for e in events() if e.type in ("done", "error")]
+    assert (end.type, end.finish_reason) == ("done", "cancelled"), end
+    assert not [e for e in events() if e.type == "token"]
+    assert job_id not in engine.added
     r.close()

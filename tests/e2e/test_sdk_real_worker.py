@@ -23,7 +23,8 @@ import uvicorn
 from producer_sdk import AsyncClient, Client, QueueFull
 from producer_sdk.batch import BatchRunner
 from producer_sdk.protocol import Keys
-from tests.sdk_helpers import free_port, sdk_redis, sdk_url, wait_until  # noqa: F401
+from tests.fault_harness import wait_for
+from tests.sdk_helpers import free_port, sdk_redis, sdk_url  # noqa: F401
 from tests.sdk.test_batch_runner import read_jsonl, run_cli_batch, write_input
 from tests.e2e.test_example_fastapi import parse_sse
 
@@ -187,7 +188,7 @@ def test_fastapi_example_streams_and_cancels(sdk_url: str, worker: RealWorker):
     thread.start()
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: server.started, timeout=20)
+        wait_for(lambda: server.started, timeout=20)
         with httpx.stream("POST", f"{base}/v1/generate", timeout=60,
                           json={"prompt": "Hi", "max_tokens": 5, "temperature": 0}) as resp:
             events = list(parse_sse(resp.iter_lines()))

@@ -14,8 +14,9 @@ from producer_sdk import Client, JobFailed, JobNotFound, QueueFull, RedisUnavail
 from producer_sdk._wire import ENQUEUE_LUA
 from producer_sdk.client import ENQUEUE_SHA
 from producer_sdk.protocol import Keys, decode_job
+from tests.fault_harness import wait_for
 from tests.sdk_helpers import (FakeWorker, env_with_repo, free_port, sdk_redis,  # noqa: F401
-                               sdk_url, start_redis_server, wait_until)
+                               sdk_url, start_redis_server)
 
 KEYS = Keys()
 
@@ -103,7 +104,7 @@ def test_stream_survives_dropped_connection(client: Client, sdk_url: str):
                     for c in readers:
                         admin.client_kill_filter(_id=c["id"])
                     return bool(readers)
-                wait_until(kill_reader, timeout=5)
+                wait_for(kill_reader, timeout=5)
         assert "".join(got) == "".join(f" t{i}" for i in range(20))
     admin.close()
 

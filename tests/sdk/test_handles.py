@@ -11,7 +11,8 @@ import redis
 from producer_sdk import AsyncClient, Client
 from producer_sdk.errors import ClientClosed
 from producer_sdk.protocol import EVENT_FIELD, Keys
-from tests.sdk_helpers import FakeWorker, sdk_redis, sdk_url, wait_until  # noqa: F401
+from tests.fault_harness import wait_for
+from tests.sdk_helpers import FakeWorker, sdk_redis, sdk_url  # noqa: F401
 
 KEYS = Keys()
 
@@ -64,7 +65,7 @@ def test_result_with_timeout_zero_returns_a_finished_job(sdk_url: str):
     with Client(sdk_url) as client:
         with FakeWorker(sdk_url):
             job = client.submit("long", max_tokens=700)
-            wait_until(lambda: _finished(sdk_url, job.id), timeout=30)
+            wait_for(lambda: _finished(sdk_url, job.id), timeout=30)
         fresh = client.get(job.id)
         res = fresh.result(timeout=0)
         assert len(res.token_ids) == 700 and res.finish_reason == "length"
@@ -136,7 +137,7 @@ def test_stream_with_timeout_zero_yields_what_is_there_then_times_out(sdk_url: s
     r = redis.Redis.from_url(sdk_url)
     with Client(sdk_url) as client, FakeWorker(sdk_url):
         job = client.submit("SLOW", max_tokens=400)
-        wait_until(lambda: r.xlen(KEYS.results(job.id)) >= 4, timeout=20)  # started + 3 tokens
+        wait_for(lambda: r.xlen(KEYS.results(job.id)) >= 4, timeout=20)  # started + 3 tokens
         got = []
         with pytest.raises(TimeoutError):
             for delta in client.get(job.id).stream(timeout=0):

@@ -429,9 +429,10 @@ def test_nogroup_recreates_group(start_worker, r):
     wait_for_terminal(r, KEYS, "g1")
     for k in KEYS.lanes():
         r.delete(k)  # like a restart without persistence
-    time.sleep(0.2)
-    submit(r, KEYS, job("g2", "y", 2))
-    wait_for_terminal(r, KEYS, "g2", 10)
+    submit(r, KEYS, job("g2", "y", 2))   # XADD makes the lane again, without the group
+    out = wait_for_terminal(r, KEYS, "g2", 10)
+    assert tokens_text(out["g2"]) == fake_completion("y", 2)
+    assert [g["name"] for g in r.xinfo_groups(KEYS.lane("default"))] == [GROUP.encode()]
 
 
 # ------------------------------------------------------------------------------------------
