@@ -15,17 +15,16 @@ from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
-from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, is_oom, merge_xreads,
-                                normalize_xread, probe_statuses, record_location,
-                                redact_url)
-from producer_sdk.client import (ENQUEUE_SHA, NET_ERRORS, XREAD_COUNT, _len_or_none, _outcome,
-                                 make_redis, map_defaults, progress_bar, take_batch)
-from producer_sdk.config import ClientConfig
-from producer_sdk.errors import DUPLICATE, ClientClosed, JobNotFound, QueueFull, RedisUnavailable
+from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, is_oom, merge_xreads, normalize_xread,
+                                probe_statuses, record_location)
+from producer_sdk.client import (XREAD_COUNT, _len_or_none, _outcome, map_defaults,
+                                 progress_bar, take_batch)
+from producer_sdk.client_core import NET_ERRORS, ClientCore
+from producer_sdk.errors import DUPLICATE, JobNotFound, QueueFull, RedisUnavailable
 from producer_sdk.job import (Deadline, Delta, JobHandle, JobState, Result, StreamCursor,
                               feed_states, timeout_error)
-from producer_sdk.payloads import PayloadBuilder, Prepared
-from producer_sdk.protocol import DEFAULT_LIMITS, Keys, Limits, now_ms, validate_job_id
+from producer_sdk.payloads import Prepared
+from producer_sdk.protocol import DEFAULT_LIMITS, Limits, now_ms, validate_job_id
 
 
 class AsyncJob(JobHandle):
@@ -60,35 +59,14 @@ class AsyncJob(JobHandle):
         await self.client.cancel(self.id)
 
 
-class AsyncClient:
+class AsyncClient(ClientCore[aioredis.Redis]):
     """Asyncio producer client for one queue; see ``Client`` for the semantics of each method
     (``limits``, ClientClosed after ``close()``)."""
 
     def __init__(self, redis_url: Optional[str] = None, queue: str = "default",
                  namespace: str = "tokenrelay", *, redis_client: Optional[aioredis.Redis] = None,
                  limits: Limits = DEFAULT_LIMITS, **settings: Any) -> None:
-        if redis_url is not None:
-            settings["redis_url"] = redis_url
-        self.config = ClientConfig(queue=queue, namespace=namespace, **settings)
-        self.keys = Keys(namespace, queue)
-        self.url = redact_url(self.config.redis_url)
-        self._redis = redis_client if redis_client is not None else make_redis(self.config, aioredis)
-        self._closed = False
-        self._builder = PayloadBuilder(self.keys, limits=limits)
-        self._script = EnqueueScript(self.keys, ENQUEUE_SHA, limit=self.config.max_queued_jobs,
-                                     ttl_s=self.config.dedupe_ttl_s)
-        self._script_loaded = False
-
-    @property
-    def redis(self) -> aioredis.Redis:
-        """The Redis client; ClientClosed after ``close()`` (never a silent reconnect)."""
-        if self._closed:
-            raise ClientClosed(type(self).__name__)
-        return self._redis
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+        super().__init__(redis_url, queue, namespace, redis_client, limits, settings, aioredis)
 
     async def close(self) -> None:
         """Close the connections. Any later use raises ClientClosed; closing twice is fine."""

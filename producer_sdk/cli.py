@@ -205,7 +205,7 @@ def _s(x: Any) -> str:
 
 def cmd_stats(url: str, args: argparse.Namespace) -> int:
     import redis
-    from producer_sdk.client import NET_ERRORS, make_redis
+    from producer_sdk.client_core import NET_ERRORS, make_redis
     from producer_sdk.config import ClientConfig
     from producer_sdk._wire import redact_url
     r = make_redis(ClientConfig(redis_url=url))

@@ -8,39 +8,21 @@ one XREAD, so a window of a thousand jobs costs one connection, not a thousand.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import redis
-from redis.backoff import ExponentialBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
-from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, is_oom, merge_xreads,
-                                normalize_xread, probe_statuses, record_location,
-                                redact_url)
-from producer_sdk.config import ClientConfig
-from producer_sdk.errors import (DUPLICATE, ClientClosed, JobFailed, JobNotFound, QueueFull,
-                                 RedisUnavailable)
+from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, is_oom, merge_xreads, normalize_xread,
+                                probe_statuses, record_location)
+from producer_sdk.client_core import NET_ERRORS, ClientCore
+from producer_sdk.errors import DUPLICATE, JobFailed, JobNotFound, QueueFull, RedisUnavailable
 from producer_sdk.job import Deadline, Delta, Job, JobState, Result, feed_states
-from producer_sdk.payloads import PayloadBuilder, Prepared
-from producer_sdk.protocol import DEFAULT_LIMITS, Keys, Limits, now_ms, validate_job_id
+from producer_sdk.payloads import Prepared
+from producer_sdk.protocol import DEFAULT_LIMITS, Limits, now_ms, validate_job_id
 
-ENQUEUE_SHA = hashlib.sha1(ENQUEUE_LUA.encode()).hexdigest()
-NET_ERRORS = (RedisConnectionError, RedisTimeoutError)
 XREAD_COUNT = 512
-
-
-def make_redis(cfg: ClientConfig, module: Any = redis) -> Any:
-    """A redis(-asyncio) client with a short connect timeout and few retries: fail fast, not hang."""
-    return module.Redis.from_url(
-        cfg.redis_url, socket_connect_timeout=cfg.connect_timeout_s,
-        socket_timeout=cfg.socket_timeout_s, socket_keepalive=True,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError])
 
 
 def progress_bar(total: Optional[int], enabled: bool, desc: str) -> Any:
@@ -77,7 +59,7 @@ def take_batch(it: Iterator[Any], room: int) -> tuple[list[Any], bool]:
     return batch, True
 
 
-class Client:
+class Client(ClientCore[redis.Redis]):
     """Producer client for one queue. Thread-safe; one Job may be read from several threads.
 
     ``limits`` are the protocol's payload limits (default ``DEFAULT_LIMITS``, what workers
@@ -88,30 +70,9 @@ class Client:
     def __init__(self, redis_url: Optional[str] = None, queue: str = "default",
                  namespace: str = "tokenrelay", *, redis_client: Optional[redis.Redis] = None,
                  limits: Limits = DEFAULT_LIMITS, **settings: Any) -> None:
-        if redis_url is not None:
-            settings["redis_url"] = redis_url
-        self.config = ClientConfig(queue=queue, namespace=namespace, **settings)
-        self.keys = Keys(namespace, queue)
-        self.url = redact_url(self.config.redis_url)
-        self._redis = redis_client if redis_client is not None else make_redis(self.config)
-        self._closed = False
-        self._builder = PayloadBuilder(self.keys, limits=limits)
-        self._script = EnqueueScript(self.keys, ENQUEUE_SHA, limit=self.config.max_queued_jobs,
-                                     ttl_s=self.config.dedupe_ttl_s)
-        self._script_loaded = False
+        super().__init__(redis_url, queue, namespace, redis_client, limits, settings, redis)
 
     # -- lifecycle
-    @property
-    def redis(self) -> redis.Redis:
-        """The Redis client; ClientClosed after ``close()`` (never a silent reconnect)."""
-        if self._closed:
-            raise ClientClosed(type(self).__name__)
-        return self._redis
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def close(self) -> None:
         """Close the connections. Any later use raises ClientClosed; closing twice is fine."""
         if not self._closed:

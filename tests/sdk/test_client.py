@@ -12,7 +12,7 @@ import redis
 
 from producer_sdk import Client, JobFailed, JobNotFound, QueueFull, RedisUnavailable
 from producer_sdk._wire import ENQUEUE_LUA
-from producer_sdk.client import ENQUEUE_SHA
+from producer_sdk.client_core import ENQUEUE_SHA
 from producer_sdk.protocol import Keys, decode_job
 from tests.fault_harness import wait_for
 from tests.sdk_helpers import (FakeWorker, env_with_repo, free_port, sdk_redis,  # noqa: F401
