@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import redis
@@ -61,9 +62,15 @@ def test_redis_out_of_memory_loses_no_job(env):
     wait_for(lambda: "pausing intake" in w.log(), 30, what="the worker noticing OOM")
     lines_at_oom = len(log_lines(w))
     errors_at_oom = r.info("stats")["total_error_replies"]
-    # the worker keeps retrying (each refused write is an error reply) for dozens of attempts
-    wait_for(lambda: r.info("stats")["total_error_replies"] > errors_at_oom + 40, 60,
-             what="the worker retrying through the OOM")
+    paused_at = time.monotonic()
+
+    def held_on_and_retried() -> bool:
+        """Backoff doubles from 50 ms to 5 s: by 12 s a live worker has retried at least 8
+        times (each refused write is an error reply), however slow the machine."""
+        retried = r.info("stats")["total_error_replies"] - errors_at_oom
+        return time.monotonic() - paused_at > 12 and retried >= 6
+
+    wait_for(held_on_and_retried, 60, interval=0.5, what="the worker retrying through the OOM")
     assert w.proc.poll() is None, w.log()[-3000:]
     assert r.xlen(env.keys.dead) == 0
     for rep in env.streams(jobs).values():
