@@ -20,6 +20,8 @@ _LAZY = {
     "CompletionOutput": "engine.outputs",
     "RequestDelta": "engine.outputs",
     "ResumeState": "engine.outputs",
+    "TextPrompt": "engine.llm_engine",
+    "TokensPrompt": "engine.llm_engine",
 }
 
 __all__ = ["SamplingParams", "InvalidRequestError", "PromptTooLongError",

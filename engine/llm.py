@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Optional, Sequence as Seq, Union
+from typing import Any, Mapping, Optional, Sequence as Seq, Union
 
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -30,26 +31,32 @@ class LLM:
         return self.engine.stats()
 
     @staticmethod
-    def _is_single_prompt(prompts: Any) -> bool:
-        if isinstance(prompts, str):
-            return True
-        return (isinstance(prompts, (list, tuple)) and len(prompts) > 0
-                and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts))
+    def _prompt_list(prompts: Any) -> list[PromptType]:
+        """One prompt (text, token ids, or a prompt dict) or a list of them, as a list. A
+        dict or any other object is never iterated as if it were a list of prompts."""
+        if isinstance(prompts, (str, Mapping)):
+            return [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(
+                f"prompts: expected a prompt (str, list of token ids, {{'prompt': ...}} or "
+                f"{{'prompt_token_ids': ...}}) or a list of prompts, got {type(prompts).__name__}")
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]
+        return list(prompts)
 
     def generate(self, prompts: Union[PromptType, Seq[PromptType]], params: ParamsType = None,
                  use_tqdm: bool = False, *, sampling_params: ParamsType = None,
                  priority: Optional[Seq[int]] = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
-        ``prompts``: a string, a list of token ids, or a list of those. ``params``: one
+        ``prompts``: a string, a list of token ids, a prompt dict (vLLM's
+        ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``), or a list of those. ``params``: one
         SamplingParams for all, or one per prompt. Bad input raises ValueError before anything
         runs (the requests of this call that were already queued are withdrawn).
         """
         if params is None:
             params = sampling_params
-        if self._is_single_prompt(prompts):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = self._prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(prompts)
         else:

@@ -11,7 +11,7 @@ import itertools
 import numbers
 import random
 import time
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, TypedDict, Union
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -24,7 +24,46 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
-PromptType = Union[str, list[int]]
+class TextPrompt(TypedDict):
+    """vLLM's text prompt dict."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's token-ids prompt dict."""
+
+    prompt_token_ids: list[int]
+
+
+# A prompt: text, token ids, or one of vLLM's prompt dicts.
+PromptType = Union[str, list[int], TextPrompt, TokensPrompt]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def prompt_of(prompt: Any) -> Union[str, list[int]]:
+    """The text or token ids a prompt holds; a prompt dict must hold exactly one of
+    ``prompt`` / ``prompt_token_ids`` and nothing this engine would silently ignore."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    unknown = sorted(str(k) for k in prompt if k not in _PROMPT_KEYS)
+    if unknown:
+        raise InvalidRequestError(
+            f"prompt: unsupported prompt dict keys {unknown}; a prompt dict holds either "
+            f"'prompt' (text) or 'prompt_token_ids' (token ids)")
+    present = [k for k in _PROMPT_KEYS if k in prompt]
+    if len(present) != 1:
+        raise InvalidRequestError(
+            "prompt: a prompt dict holds exactly one of 'prompt' (text) or 'prompt_token_ids' "
+            f"(token ids), got {present or 'neither'}")
+    value = prompt[present[0]]
+    if present[0] == "prompt" and not isinstance(value, str):
+        raise InvalidRequestError(f"prompt: 'prompt' must be a string, got "
+                                  f"{type(value).__name__}")
+    if present[0] == "prompt_token_ids" and not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(f"prompt: 'prompt_token_ids' must be a list of token ids, "
+                                  f"got {type(value).__name__}")
+    return value
 
 
 def _eos_ids(config: EngineConfig, tokenizer: Any) -> set[int]:
@@ -76,7 +115,7 @@ class LLMEngine:
         return cls(EngineConfig(**kwargs), model=model, tokenizer=tokenizer)
 
     # -- requests --------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: PromptType) -> list[int]:
+    def _prompt_ids(self, prompt: Union[str, list[int]]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt: must not be empty")
@@ -118,6 +157,7 @@ class LLMEngine:
                 f"params: expected SamplingParams, got {type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority: must be an integer, got {priority!r}")
+        prompt = prompt_of(prompt)
         prompt_ids = self._prompt_ids(prompt)
         resumed: list[int] = []
         if resume is not None:

@@ -183,3 +183,43 @@ def test_generate_with_one_bad_prompt_queues_nothing(llm):
     with pytest.raises(InvalidRequestError):
         llm.generate(["fine", ""], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_vllm_prompt_dicts_are_prompts_not_lists_of_keys(llm):
+    """#18: a dict used to be iterated, generating from the text "prompt"."""
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    text, ids = "a dict prompt", [1, 40, 41, 42]
+    plain = llm.generate([text, ids], greedy)
+    from engine import TextPrompt, TokensPrompt
+    as_dicts = llm.generate([TextPrompt(prompt=text), TokensPrompt(prompt_token_ids=ids)], greedy)
+    assert [o.outputs[0].token_ids for o in as_dicts] == [o.outputs[0].token_ids for o in plain]
+    assert as_dicts[0].prompt == text and as_dicts[1].prompt_token_ids == ids
+    (single,) = llm.generate({"prompt": text}, greedy)
+    assert single.outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert llm.generate({"prompt": "prompt"}, greedy)[0].prompt == "prompt"
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"text": "hi"}, "unsupported prompt dict keys ['text']"),
+    ({"prompt": "hi", "prompt_token_ids": [1, 2]}, "exactly one of"),
+    ({}, "exactly one of"),
+    ({"prompt": ["hi"]}, "'prompt' must be a string"),
+    ({"prompt_token_ids": "1 2 3"}, "'prompt_token_ids' must be a list"),
+    ({"prompt": "hi", "multi_modal_data": {}}, "multi_modal_data"),
+    (42, "got int"),
+    ({"a", "b"}, "got set"),
+])
+def test_anything_else_is_refused_with_the_reason(llm, bad, words):
+    with pytest.raises(InvalidRequestError) as err:
+        llm.generate(bad, SamplingParams(max_tokens=2))
+    assert words in str(err.value)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_engine_add_request_takes_prompt_dicts(engine):
+    engine.add_request("d1", {"prompt_token_ids": [1, 40, 41]},
+                       SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request("d2", {"prompt": "hello"}, SamplingParams(max_tokens=2, ignore_eos=True))
+    out = drain(engine)
+    assert out["d1"][0].num_prompt_tokens == 3
+    assert sum(len(d.new_token_ids) for d in out["d2"]) == 2
