@@ -11,7 +11,7 @@ import time
 from typing import Any, Literal, Optional, Union
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 
 class _Event(BaseModel):
@@ -44,8 +44,16 @@ class TokenEvent(_Event):
 
 
 class Usage(BaseModel):
+    """Token counts, named as OpenAI and vLLM name them; ``total_tokens`` is derived (also for
+    events from workers that did not write it)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
 
 
 class Timings(BaseModel):

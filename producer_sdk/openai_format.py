@@ -161,7 +161,7 @@ def job_id_for(batch_id: str, custom_id: str) -> str:
 def response_line(tag: LineTag, result: Result) -> dict[str, Any]:
     usage = {"prompt_tokens": result.usage.prompt_tokens,
              "completion_tokens": result.usage.completion_tokens,
-             "total_tokens": result.usage.prompt_tokens + result.usage.completion_tokens}
+             "total_tokens": result.usage.total_tokens}
     created = int(time.time())
     lp = _format_logprobs(tag, result) if tag.logprobs else None
     if tag.url == CHAT_URL:

@@ -33,6 +33,7 @@ def test_job_events_stream_and_final():
     assert [e.type for e in evs] == ["started", "token", "token", "done"]
     assert (evs[2].seq, evs[2].index, evs[2].token_ids) == (1, 1, [6, 7])
     assert evs[3].usage.completion_tokens == 3 and evs[3].metadata == {"a": 1}
+    assert evs[3].usage.total_tokens == 3 + 3          # prompt + completion, as OpenAI names it
     assert evs[3].text is None  # streamed jobs do not repeat the text
 
 
@@ -59,3 +60,16 @@ def test_batch_id_is_unique_per_owner_and_batch():
     first = job.batch_id
     job.batch_no += 1
     assert job.batch_id != first and job.batch_id.startswith("tok.")
+
+
+def test_usage_total_tokens_is_on_the_wire_and_derived_for_older_writers():
+    import msgpack
+
+    from producer_sdk.protocol import DoneEvent, Usage
+    wire = msgpack.unpackb(encode_event(DoneEvent(finish_reason="stop",
+                                                  usage=Usage(prompt_tokens=5,
+                                                              completion_tokens=2))))
+    assert wire["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    older = msgpack.packb({"type": "done", "finish_reason": "stop",
+                           "usage": {"prompt_tokens": 5, "completion_tokens": 2}})
+    assert decode_event(older).usage.total_tokens == 7
