@@ -52,4 +52,5 @@ def main(argv: Optional[list[str]] = None,
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from producer_sdk.cli_exit import run_cli
+    sys.exit(run_cli(main))
