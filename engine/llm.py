@@ -68,8 +68,10 @@ class LLM:
         return self._run(prompts, params_list, priorities, use_tqdm)
 
     def chat(self, messages: Union[list[dict], list[list[dict]]], params: ParamsType = None,
-             use_tqdm: bool = False, *, sampling_params: ParamsType = None) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of conversations."""
+             use_tqdm: bool = False, *, sampling_params: ParamsType = None,
+             chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations;
+        ``chat_template_kwargs`` go to the chat template (e.g. ``{"enable_thinking": False}``)."""
         if params is None:
             params = sampling_params
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -77,7 +79,7 @@ class LLM:
         prompts: list[PromptType] = []
         texts: list[str] = []
         for conv in convs:
-            text = self.engine.render_chat(conv)  # type: ignore[arg-type]
+            text = self.engine.render_chat(conv, chat_template_kwargs)  # type: ignore[arg-type]
             texts.append(text)
             # The rendered template already holds BOS and friends: add no special tokens.
             prompts.append(list(tok.encode(text, add_special_tokens=False)))

@@ -23,6 +23,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from producer_sdk.protocol import RESERVED_CHAT_TEMPLATE_KWARGS
 
 class TextPrompt(TypedDict):
     """vLLM's text prompt dict."""
@@ -39,6 +40,19 @@ class TokensPrompt(TypedDict):
 # A prompt: text, token ids, or one of vLLM's prompt dicts.
 PromptType = Union[str, list[int], TextPrompt, TokensPrompt]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def check_chat_template_kwargs(kwargs: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """The template variables as a dict; InvalidRequestError for anything else."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise InvalidRequestError("chat_template_kwargs: must be a dict with string keys")
+    reserved = sorted(RESERVED_CHAT_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs: {reserved} are set by the engine, "
+                                  f"not by the request")
+    return dict(kwargs)
 
 
 def prompt_of(prompt: Any) -> Union[str, list[int]]:
@@ -312,16 +326,20 @@ class LLMEngine:
         }
 
     # -- chat ------------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict]) -> str:
-        """The checkpoint's chat template applied, with the generation prompt."""
+    def render_chat(self, messages: list[dict],
+                    chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> str:
+        """The checkpoint's chat template applied, with the generation prompt.
+        ``chat_template_kwargs`` are variables the template reads (Qwen3's
+        ``enable_thinking``), as vLLM and its OpenAI server take them."""
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
             raise InvalidRequestError("messages: must be a list of {'role', 'content'} dicts")
         for m in messages:
             if "role" not in m or "content" not in m:
                 raise InvalidRequestError("messages: every message needs 'role' and 'content'")
+        kwargs = check_chat_template_kwargs(chat_template_kwargs)
         if getattr(self.tokenizer, "chat_template", None):
             return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                      add_generation_prompt=True)
+                                                      add_generation_prompt=True, **kwargs)
         # No template in the checkpoint: a plain, readable fallback.
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return text + "assistant:"

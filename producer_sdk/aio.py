@@ -94,10 +94,13 @@ class AsyncClient(ClientCore[aioredis.Redis]):
                      prompt_token_ids: Optional[list[int]] = None, job_id: Optional[str] = None,
                      priority: int = 0, deadline_s: Optional[float] = None, stream: bool = True,
                      metadata: Optional[dict[str, Any]] = None, block: bool = False,
-                     block_timeout: Optional[float] = None, **sampling: Any) -> AsyncJob:
+                     block_timeout: Optional[float] = None,
+                     chat_template_kwargs: Optional[dict[str, Any]] = None,
+                     **sampling: Any) -> AsyncJob:
         prepared = self._builder.build(prompt, messages, prompt_token_ids, job_id=job_id,
                                        priority=priority, deadline_s=deadline_s, stream=stream,
-                                       metadata=metadata, **sampling)
+                                       metadata=metadata,
+                                       chat_template_kwargs=chat_template_kwargs, **sampling)
         return (await self.enqueue([prepared], block=block, block_timeout=block_timeout))[0]
 
     async def submit_many(self, requests: Iterable[Any], *, block: bool = True,

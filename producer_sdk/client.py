@@ -100,16 +100,20 @@ class Client(ClientCore[redis.Redis]):
                prompt_token_ids: Optional[list[int]] = None, job_id: Optional[str] = None,
                priority: int = 0, deadline_s: Optional[float] = None, stream: bool = True,
                metadata: Optional[dict[str, Any]] = None, block: bool = False,
-               block_timeout: Optional[float] = None, **sampling: Any) -> Job:
+               block_timeout: Optional[float] = None,
+               chat_template_kwargs: Optional[dict[str, Any]] = None, **sampling: Any) -> Job:
         """Enqueue one job. Sampling fields are validated first (ValueError names a bad one).
 
         Raises QueueFull past the queue's high-water mark unless ``block`` (then waits up to
         ``block_timeout`` seconds), RedisUnavailable when Redis cannot be reached. Submitting a
         ``job_id`` that is already known returns a handle on the existing job.
+        ``chat_template_kwargs`` (with ``messages``) are variables for the model's chat
+        template, e.g. ``{"enable_thinking": False}`` for Qwen3.
         """
         prepared = self._builder.build(prompt, messages, prompt_token_ids, job_id=job_id,
                                        priority=priority, deadline_s=deadline_s, stream=stream,
-                                       metadata=metadata, **sampling)
+                                       metadata=metadata,
+                                       chat_template_kwargs=chat_template_kwargs, **sampling)
         return self.enqueue([prepared], block=block, block_timeout=block_timeout)[0]
 
     def submit_many(self, requests: Iterable[Any], *, block: bool = True,

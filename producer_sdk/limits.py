@@ -73,9 +73,10 @@ def check_job_limits(obj: dict, limits: Limits) -> None:
     params = obj.get("params")
     if isinstance(params, dict):
         _check_params(params, limits)
-    metadata = obj.get("metadata")
-    if isinstance(metadata, (dict, list)):
-        check_metadata(metadata, limits)
+    for name in ("metadata", "chat_template_kwargs"):    # free-form maps, bounded alike
+        value = obj.get(name)
+        if isinstance(value, (dict, list)):
+            check_metadata(value, limits, name)
 
 
 def _over(field: str, what: str, got: int, limit: int, name: str) -> LimitExceeded:
@@ -134,20 +135,21 @@ def _check_params(params: dict, limits: Limits) -> None:
             raise _over(f"params.{name}", "value", value, limit, f"max_{name}")
 
 
-def check_metadata(metadata: Any, limits: Limits) -> None:
-    """Depth first (iteratively, so a deep value cannot overflow a stack), then packed size."""
+def check_metadata(metadata: Any, limits: Limits, field: str = "metadata") -> None:
+    """Depth first (iteratively, so a deep value cannot overflow a stack), then packed size.
+    ``field`` names the free-form map checked (metadata, chat_template_kwargs)."""
     depth = container_depth(metadata, stop_after=limits.max_metadata_depth)
     if depth > limits.max_metadata_depth:
-        raise LimitExceeded("metadata", f"metadata is nested more than "
-                                        f"{limits.max_metadata_depth} levels deep "
-                                        f"(max_metadata_depth)")
+        raise LimitExceeded(field, f"{field} is nested more than "
+                                   f"{limits.max_metadata_depth} levels deep "
+                                   f"(max_metadata_depth)")
     try:
         size = len(msgpack.packb(metadata, use_bin_type=True))
     except (TypeError, ValueError, OverflowError) as exc:
-        raise LimitExceeded("metadata", f"metadata is not msgpack-serializable ({exc}); use "
-                                        f"plain JSON-like values") from None
+        raise LimitExceeded(field, f"{field} is not msgpack-serializable ({exc}); use "
+                                   f"plain JSON-like values") from None
     if size > limits.max_metadata_bytes:
-        raise _over("metadata", "metadata packs to bytes", size, limits.max_metadata_bytes,
+        raise _over(field, f"{field} packs to bytes", size, limits.max_metadata_bytes,
                     "max_metadata_bytes")
 
 

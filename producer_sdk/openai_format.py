@@ -77,6 +77,12 @@ def body_to_request(url: str, body: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(meta, dict):
             raise LineError("invalid_request", "body.metadata must be an object")
         req["metadata"] = meta
+    template_vars = body.pop("chat_template_kwargs", None)      # vLLM's extension
+    if template_vars is not None:
+        if url != CHAT_URL or not isinstance(template_vars, dict):
+            raise LineError("invalid_request", "body.chat_template_kwargs must be an object, "
+                                               f"on {CHAT_URL} only")
+        req["chat_template_kwargs"] = template_vars
     for name, allowed in _ONLY_DEFAULT.items():
         if name in body and body.pop(name) not in allowed:
             raise LineError("unsupported_field",

@@ -24,7 +24,7 @@ from producer_sdk.sampling_params import SAMPLING_FIELDS, SamplingParams
 
 # Keyword arguments of submit() that are job fields rather than sampling fields.
 JOB_FIELDS = frozenset({"prompt", "messages", "prompt_token_ids", "job_id", "priority",
-                        "deadline_s", "stream", "metadata"})
+                        "deadline_s", "stream", "metadata", "chat_template_kwargs"})
 
 
 def _freeze(value: Any) -> Any:
@@ -134,6 +134,7 @@ class PayloadBuilder:
               prompt_token_ids: Any = None, *, job_id: Optional[str] = None, priority: int = 0,
               deadline_s: Optional[float] = None, stream: bool = True,
               metadata: Optional[Mapping[str, Any]] = None, submitted_ms: Optional[int] = None,
+              chat_template_kwargs: Optional[Mapping[str, Any]] = None,
               **sampling: Any) -> Prepared:
         """Validate and encode one job. Raises InvalidRequest naming the bad field."""
         params = self.params.validate(sampling)
@@ -150,6 +151,10 @@ class PayloadBuilder:
             if not isinstance(metadata, Mapping):
                 raise InvalidRequest("metadata must be a dict", field="metadata")
             payload["metadata"] = dict(metadata)
+        if chat_template_kwargs is not None:
+            payload["chat_template_kwargs"] = (dict(chat_template_kwargs)
+                                               if isinstance(chat_template_kwargs, Mapping)
+                                               else chat_template_kwargs)
         submitted = submitted_ms if submitted_ms is not None else now_ms()
         payload["submitted_ms"] = submitted
         if deadline_s is not None:

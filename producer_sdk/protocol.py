@@ -213,6 +213,13 @@ def parse_dedupe_record(value: Union[str, bytes]) -> tuple[str, str]:
 # Job payload
 # --------------------------------------------------------------------------------------------
 
+# What an engine itself passes to the chat template renderer: a job's template variables may
+# not replace them (the engine checks the same set for LLM.chat).
+RESERVED_CHAT_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize",
+                                           "add_generation_prompt", "return_dict",
+                                           "chat_template", "tools", "documents"})
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: str = Field(min_length=1)
@@ -239,11 +246,20 @@ class JobRequest(BaseModel):
     stream: bool = True
     metadata: dict[str, Any] = Field(default_factory=dict)
     submitted_ms: Optional[int] = Field(default=None, ge=0)
+    chat_template_kwargs: Optional[dict[str, Any]] = None   # with messages: template variables
 
     @field_validator("job_id")
     @classmethod
     def _job_id(cls, v: str) -> str:
         return validate_job_id(v)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_vars(cls, v: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        reserved = sorted(RESERVED_CHAT_TEMPLATE_KWARGS & set(v or ()))
+        if reserved:
+            raise ValueError(f"{reserved} are set by the engine, not by the job")
+        return v
 
     @field_validator("prompt_token_ids")
     @classmethod
@@ -258,6 +274,8 @@ class JobRequest(BaseModel):
         if len(given) != 1:
             raise ValueError("exactly one of prompt, messages or prompt_token_ids is required; "
                              f"got {given or 'none'}")
+        if self.chat_template_kwargs is not None and self.messages is None:
+            raise ValueError("chat_template_kwargs: only a job with messages has a chat template")
         return self
 
     def sampling_params(self) -> SamplingParams:
@@ -431,5 +449,5 @@ __all__ = [
     "ChatMessage", "JobRequest", "encode_job", "decode_job", "validate_job",
     "describe_validation_error", "StartedEvent", "TokenEvent", "Usage", "Timings", "DoneEvent",
     "ErrorEvent", "Event", "EVENT_TYPES", "TERMINAL_TYPES", "encode_event", "decode_event",
-    "is_terminal", "DeadLetter", "ResultFold", "Delta",
+    "is_terminal", "DeadLetter", "ResultFold", "Delta", "RESERVED_CHAT_TEMPLATE_KWARGS",
 ]

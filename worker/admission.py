@@ -213,7 +213,8 @@ class Admission:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
         # As LLM.chat does: the rendered template already holds BOS and friends.
-        text_ = self.w.engine.render_chat([m.model_dump() for m in req.messages])
+        text_ = self.w.engine.render_chat([m.model_dump() for m in req.messages],
+                                          req.chat_template_kwargs)
         return list(self.w.engine.tokenizer.encode(text_, add_special_tokens=False))
 
     def _add_to_engine(self, job: Job) -> None:

@@ -17,7 +17,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.outputs import RequestDelta, ResumeState
@@ -139,8 +139,13 @@ class FakeEngine:
     def free_capacity(self) -> int:
         return max(0, self.max_num_seqs - len(self._requests))
 
-    def render_chat(self, messages: list[dict]) -> str:
-        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+    def render_chat(self, messages: list[dict],
+                    chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> str:
+        """A visible template: each message, then ``<assistant>``, then the variables given."""
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        if chat_template_kwargs:
+            text += "".join(f"<{k}={v!r}>" for k, v in sorted(chat_template_kwargs.items()))
+        return text
 
     def stats(self) -> dict[str, Any]:
         n = len(self._requests)

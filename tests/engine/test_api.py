@@ -223,3 +223,24 @@ def test_engine_add_request_takes_prompt_dicts(engine):
     out = drain(engine)
     assert out["d1"][0].num_prompt_tokens == 3
     assert sum(len(d.new_token_ids) for d in out["d2"]) == 2
+
+
+def test_chat_template_kwargs_reach_the_template(llm):
+    """#18: Qwen3-style template options (``enable_thinking``) could not be given."""
+    tok = llm.get_tokenizer()
+    saved = tok.chat_template
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}"
+                         "<no_think>{% endif %}<assistant>")
+    try:
+        msgs = [{"role": "user", "content": "Hi!"}]
+        assert llm.engine.render_chat(msgs) == "<user>Hi!<assistant>"
+        off = {"enable_thinking": False}
+        assert llm.engine.render_chat(msgs, off) == "<user>Hi!<no_think><assistant>"
+        (out,) = llm.chat(msgs, SamplingParams(max_tokens=2), chat_template_kwargs=off)
+        assert out.prompt == "<user>Hi!<no_think><assistant>"
+        for bad in ({"add_generation_prompt": False}, {"tokenize": True}, {1: "x"}, ["x"]):
+            with pytest.raises(InvalidRequestError, match="chat_template_kwargs"):
+                llm.engine.render_chat(msgs, bad)
+    finally:
+        tok.chat_template = saved

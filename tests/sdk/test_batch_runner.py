@@ -55,6 +55,10 @@ def test_body_mapping():
     assert chat == {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
                     "logprobs": 2, "temperature": 0.5, "top_p": 0.9, "stop": "x", "seed": 1}
     assert body_to_request("/v1/completions", {"prompt": [[1, 2]]}) == {"prompt_token_ids": [1, 2]}
+    qwen3 = body_to_request("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}],
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert qwen3["chat_template_kwargs"] == {"enable_thinking": False}
     for url, body, code in [
         ("/v1/chat/completions", {"messages": [{"role": "u", "content": "x"}], "foo": 1},
          "unsupported_field"),
@@ -62,6 +66,9 @@ def test_body_mapping():
          "unsupported_field"),
         ("/v1/completions", {"prompt": ["a", "b"]}, "invalid_request"),
         ("/v1/embeddings", {"input": "x"}, "invalid_url"),
+        ("/v1/completions", {"prompt": "x", "chat_template_kwargs": {"a": 1}}, "invalid_request"),
+        ("/v1/chat/completions", {"messages": [{"role": "u", "content": "x"}],
+                                  "chat_template_kwargs": "yes"}, "invalid_request"),
     ]:
         with pytest.raises(LineError) as err:
             body_to_request(url, body)
@@ -162,3 +169,20 @@ def test_batch_killed_halfway_then_resumed(sdk_url: str, tmp_path: Path):
     assert len(worker.processed) == len(set(worker.processed)) == 197
     summary = json.loads(stderr.decode().strip().splitlines()[-1])
     assert summary["skipped"] >= first
+
+
+def test_chat_template_kwargs_are_validated_before_enqueue():
+    from producer_sdk.errors import InvalidRequest
+    from producer_sdk.payloads import PayloadBuilder
+    from producer_sdk.protocol import Keys, decode_job
+    builder = PayloadBuilder(Keys())
+    msgs = [{"role": "user", "content": "hi"}]
+    job = decode_job(builder.build(messages=msgs, chat_template_kwargs={"enable_thinking": False},
+                                   max_tokens=3).payload)
+    assert job.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(InvalidRequest, match="chat_template_kwargs"):
+        builder.build("a prompt", chat_template_kwargs={"enable_thinking": False})
+    with pytest.raises(InvalidRequest, match="chat_template_kwargs"):
+        builder.build(messages=msgs, chat_template_kwargs={"pad": "x" * 70_000})
+    with pytest.raises(InvalidRequest, match="add_generation_prompt"):
+        builder.build(messages=msgs, chat_template_kwargs={"add_generation_prompt": False})

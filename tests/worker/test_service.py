@@ -100,6 +100,27 @@ def test_messages_logprobs_token_ids_and_drawn_seed(start_worker, r):
     assert isinstance(out["ids"][0].seed, int)  # drawn by the worker and recorded
 
 
+def test_chat_template_kwargs_reach_the_engine_and_need_messages(start_worker, r):
+    eng = FakeEngine()
+    start_worker(engine=eng)
+    msgs = [{"role": "user", "content": "hi"}]
+    submit(r, KEYS, {"job_id": "tmpl", "messages": msgs,
+                     "params": {"max_tokens": 3, "temperature": 0},
+                     "chat_template_kwargs": {"enable_thinking": False}})
+    submit(r, KEYS, None, raw=msgpack.packb({"v": 1, **job("tmpl-prompt", "x", 3),     # raw:
+                                             "chat_template_kwargs": {"enable_thinking": 0}}))
+    submit(r, KEYS, None, raw=msgpack.packb({"v": 1, "job_id": "tmpl-reserved", "messages": msgs,
+                                             "chat_template_kwargs": {"tokenize": True}}))
+    out = wait_for_terminal(r, KEYS, ["tmpl", "tmpl-prompt", "tmpl-reserved"])
+    rendered = eng.render_chat(msgs, {"enable_thinking": False})
+    assert rendered.endswith("<enable_thinking=False>")
+    assert tokens_text(out["tmpl"]) == fake_completion(rendered, 3)
+    for bad in ("tmpl-prompt", "tmpl-reserved"):
+        end = terminal(out[bad])
+        assert (end.type, end.code) == ("error", "invalid_request"), end
+        assert "chat_template_kwargs" in end.message
+
+
 def test_many_concurrent_jobs_of_mixed_lengths(start_worker, r):
     start_worker(engine=FakeEngine(max_num_seqs=8))
     ids = [f"m{i}" for i in range(60)]
