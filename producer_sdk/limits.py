@@ -153,6 +153,19 @@ def check_metadata(metadata: Any, limits: Limits, field: str = "metadata") -> No
                     "max_metadata_bytes")
 
 
+def readable_metadata(value: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """``value`` if it is metadata a valid job could carry (a map with string keys, within
+    ``limits``), else ``{}``; never raises. An invalid payload's error event echoes only this:
+    a hostile map (integer keys, deep or huge values) must not break the error event itself."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        return {}
+    try:
+        check_metadata(value, limits)
+    except Exception:  # LimitExceeded, or anything a hostile value provokes
+        return {}
+    return value
+
+
 def container_depth(value: Any, stop_after: int) -> int:
     """Nesting depth of dicts/lists/tuples in ``value`` (a scalar is 0, ``{}`` is 1), counted
     with an explicit stack; returns as soon as the depth exceeds ``stop_after``."""

@@ -24,7 +24,7 @@ from producer_sdk.events import (EVENT_TYPES, TERMINAL_TYPES, DoneEvent, ErrorEv
                                  StartedEvent, Timings, TokenEvent, Usage, encode_event,
                                  is_terminal)
 from producer_sdk.limits import (DEFAULT_LIMITS, LimitExceeded, Limits, check_job_limits,
-                                 check_metadata, check_payload_size, scan_job_id)
+                                 check_payload_size, readable_metadata, scan_job_id)
 from producer_sdk.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -84,19 +84,6 @@ class ProtocolError(ValueError):
 def readable_job_id(value: Any) -> Optional[str]:
     """``value`` if it is a valid job id, else None (never raises)."""
     return value if isinstance(value, str) and _JOB_ID_RE.match(value) else None
-
-
-def readable_metadata(value: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
-    """``value`` if it is metadata a valid job could carry (a map with string keys, within
-    ``limits``), else ``{}``; never raises. An invalid payload's error event echoes only this:
-    a hostile map (integer keys, deep or huge values) must not break the error event itself."""
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        return {}
-    try:
-        check_metadata(value, limits)
-    except Exception:  # LimitExceeded, or anything a hostile value provokes
-        return {}
-    return value
 
 
 def validate_job_id(job_id: str) -> str:
