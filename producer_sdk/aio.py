@@ -25,6 +25,7 @@ from producer_sdk.job import (Deadline, Delta, JobHandle, JobState, Result, Stre
                               feed_states, timeout_error)
 from producer_sdk.payloads import Prepared
 from producer_sdk.protocol import DEFAULT_LIMITS, Limits, now_ms, validate_job_id
+from producer_sdk.status import JobStatus, Plan, status_plan
 
 
 class AsyncJob(JobHandle):
@@ -206,6 +207,19 @@ class AsyncClient(ClientCore[aioredis.Redis]):
             if status == "lost":
                 j.state.mark_lost()
         return statuses
+
+    async def status(self, job_id: str) -> JobStatus:
+        validate_job_id(job_id)
+        return await self._run_plan(status_plan(self.keys, job_id))
+
+    async def _run_plan(self, plan: Plan) -> Any:
+        reply = None
+        while True:
+            try:
+                step = plan.send(reply)
+            except StopIteration as done:
+                return done.value
+            reply = await self._call(step.pipeline(self.redis).execute, False)
 
     async def cancel(self, job_id: str) -> None:
         await self._call(self.redis.set, self.keys.cancel(job_id), b"1",

@@ -1,8 +1,8 @@
-"""``python -m producer_sdk {submit,batch,stats,cancel}``: the SDK from a shell.
+"""``python -m producer_sdk {submit,batch,stats,cancel,status,result}``: the SDK from a shell.
 
 Every command takes ``--redis-url`` (default ``$TOKENRELAY_REDIS_URL``), ``--namespace`` and
 ``--queue``. Exit codes: 0 ok, 1 job failed, 2 bad request, 3 Redis unreachable, 4 queue full,
-5 timeout.
+5 timeout, 6 unknown job id.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from typing import Any, Optional, Sequence
 from producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS
 from producer_sdk.client import Client
 from producer_sdk.config import default_redis_url
-from producer_sdk.errors import InvalidRequest, JobFailed, QueueFull, RedisUnavailable
+from producer_sdk.errors import InvalidRequest, JobFailed, JobNotFound, QueueFull, RedisUnavailable
 from producer_sdk.protocol import GROUP, Keys
 
 EXIT_FAILED, EXIT_INVALID, EXIT_UNAVAILABLE, EXIT_FULL, EXIT_TIMEOUT = 1, 2, 3, 4, 5
+EXIT_UNKNOWN = 6                # status/result of a job id Redis does not know
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a worker is live if it beat within this many seconds")
     cancel = sub.add_parser("cancel", help="cancel a job by id")
     cancel.add_argument("job_id")
+    status = sub.add_parser("status", help="where a job stands (queued, running, done, ...)")
+    status.add_argument("job_id")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a line")
+    result = sub.add_parser("result", help="wait for a job and print its output")
+    result.add_argument("job_id")
+    result.add_argument("--timeout", type=float, default=None, help="seconds to wait")
+    result.add_argument("--json", action="store_true", help="print the Result as JSON")
     for p in sub.choices.values():
         _common(p)
     return parser
@@ -87,6 +95,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return cmd_submit(client, args)
             if args.command == "batch":
                 return cmd_batch(client, args)
+            if args.command == "status":
+                return cmd_status(client, args)
+            if args.command == "result":
+                return cmd_result(client, args)
             client.cancel(args.job_id)
             print(f"cancel requested for {args.job_id}")
             return 0
@@ -105,6 +117,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except TimeoutError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_TIMEOUT
+    except JobNotFound as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNKNOWN
+    except ValueError as exc:       # e.g. a job id with spaces or braces
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
 
 
 def cmd_submit(client: Client, args: argparse.Namespace) -> int:
@@ -133,6 +151,24 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
         return 130
     print(f"finish_reason={result.finish_reason} tokens={result.usage.completion_tokens}",
           file=sys.stderr)
+    return 0
+
+
+def cmd_status(client: Client, args: argparse.Namespace) -> int:
+    """Exit 0 for a known job, 6 for an unknown id."""
+    st = client.status(args.job_id)
+    if args.json:
+        print(st.model_dump_json())
+    else:
+        shown = {k: v for k, v in st.model_dump(exclude={"job_id", "state"}).items()
+                 if v not in (None, False, 0) or (k == "position" and v == 0)}
+        print(" ".join([st.job_id, st.state, *(f"{k}={v}" for k, v in shown.items())]))
+    return EXIT_UNKNOWN if st.state == "unknown" else 0
+
+
+def cmd_result(client: Client, args: argparse.Namespace) -> int:
+    result = client.get(args.job_id).result(timeout=args.timeout)
+    print(result.model_dump_json() if args.json else result.text)
     return 0
 
 

@@ -21,6 +21,7 @@ from producer_sdk.errors import DUPLICATE, JobFailed, JobNotFound, QueueFull, Re
 from producer_sdk.job import Deadline, Delta, Job, JobState, Result, feed_states
 from producer_sdk.payloads import Prepared
 from producer_sdk.protocol import DEFAULT_LIMITS, Limits, now_ms, validate_job_id
+from producer_sdk.status import JobStatus, Plan, status_plan
 
 XREAD_COUNT = 512
 
@@ -244,6 +245,23 @@ class Client(ClientCore[redis.Redis]):
             if status == "lost":
                 j.state.mark_lost()
         return statuses
+
+    def status(self, job_id: str) -> JobStatus:
+        """Where a job stands: queued (lane, approximate position), running (worker, tokens so
+        far), done, cancelled, failed, expired or unknown (producer_sdk/status.py). Reads only:
+        two round trips, four for a queued job."""
+        validate_job_id(job_id)
+        return self._run_plan(status_plan(self.keys, job_id))
+
+    def _run_plan(self, plan: Plan) -> Any:
+        """Drive an I/O-free plan: each step's pipeline executed, its replies sent back."""
+        reply = None
+        while True:
+            try:
+                step = plan.send(reply)
+            except StopIteration as done:
+                return done.value
+            reply = self._call(step.pipeline(self.redis).execute, False)
 
     def cancel(self, job_id: str) -> None:
         """Set the job's cancel flag (with a TTL); idempotent, works for unknown ids too."""

@@ -60,3 +60,21 @@ def test_unreachable_redis_exits_3_quickly():
     res = cli("submit", "x", "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
     assert res.returncode == 3 and "cannot reach Redis" in res.stderr
     assert time.monotonic() - t0 < 15
+
+
+def test_status_and_result_commands(sdk_url: str):
+    with Client(sdk_url) as c:
+        c.submit("waiting", max_tokens=3, job_id="st1")
+        c.submit("waiting too", max_tokens=3, job_id="st2")
+    queued = cli("status", "st2", "--redis-url", sdk_url)
+    assert queued.returncode == 0 and queued.stdout.split()[:2] == ["st2", "queued"], queued
+    assert "lane=default" in queued.stdout and "position=1" in queued.stdout
+    unknown = cli("status", "nobody", "--redis-url", sdk_url, "--json")
+    assert unknown.returncode == 6 and json.loads(unknown.stdout)["state"] == "unknown"
+    assert cli("result", "nobody", "--redis-url", sdk_url).returncode == 6
+    assert cli("status", "has space", "--redis-url", sdk_url).returncode == 2
+    with FakeWorker(sdk_url):
+        res = cli("result", "st1", "--redis-url", sdk_url, "--timeout", "20")
+        assert res.returncode == 0 and res.stdout == " t0 t1 t2\n", res
+        done = cli("status", "st1", "--redis-url", sdk_url, "--json")
+        assert json.loads(done.stdout)["state"] == "done"

@@ -1,0 +1,169 @@
+"""A job's status as queue users expect it (BullMQ's ``getState``, Celery's ``AsyncResult.state``),
+read from what Redis already holds; workers write nothing for it.
+
+States: ``queued`` (in its lane, not yet taken, or handed back by a draining worker), ``running``
+(held by a worker), ``done``, ``cancelled``, ``failed`` (an error event; ``expired`` when its
+deadline passed before it started), ``expired`` also when the job is known but its results have
+expired, and ``unknown``. The reads are I/O-free here, shared by ``Client.status`` and
+``AsyncClient.status``: ``queue_snapshot`` adds one MULTI to a pipeline and ``fold_status`` turns
+its replies into a ``JobStatus``; for a queued job ``queue_position_reads`` and
+``fold_position`` count the entries ahead of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+from producer_sdk._wire import record_location
+from producer_sdk.protocol import (EVENT_FIELD, GROUP, PARKING_CONSUMER, ErrorEvent, Keys,
+                                   ProtocolError, decode_event)
+
+State = Literal["queued", "running", "done", "cancelled", "failed", "expired", "unknown"]
+POSITION_CAP = 1000     # entries counted ahead of a queued job in its own lane, at most
+
+
+class JobStatus(BaseModel):
+    """Where one job stands. ``position`` (queued only, approximate: workers read concurrently)
+    counts the jobs ahead of it: not yet taken in more urgent lanes, and before it in its own
+    lane (at most POSITION_CAP of those)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str
+    state: State
+    lane: Optional[str] = None              # urgent | default | bulk
+    position: Optional[int] = None
+    worker_id: Optional[str] = None         # running: the worker holding it
+    tokens: int = 0                         # output tokens written so far
+    deliveries: int = 0                     # times a worker was given the entry
+    finish_reason: Optional[str] = None     # done / cancelled
+    error_code: Optional[str] = None        # failed / expired
+    message: Optional[str] = None
+    cancel_requested: bool = False
+
+
+@dataclass(frozen=True)
+class Step:
+    """One round trip of a plan: a pipeline (MULTI when ``transaction``) and what it queues."""
+
+    transaction: bool
+    queue: Callable[[Any], Any]
+
+    def pipeline(self, redis: Any) -> Any:
+        pipe = redis.pipeline(transaction=self.transaction)
+        self.queue(pipe)
+        return pipe
+
+
+# An I/O-free sequence of round trips: it yields Steps, is sent each one's replies (errors as
+# values) and returns its answer; Client and AsyncClient drive it (``_run_plan``).
+Plan = Generator[Step, Any, Any]
+
+
+def status_plan(keys: Keys, job_id: str) -> Plan:
+    """The reads of ``Client.status``: the dedupe record, one MULTI snapshot, and for a queued
+    job the lanes' groups and the entries ahead of it in its lane."""
+    (record,) = yield Step(False, lambda p: p.get(keys.dedupe(job_id)))
+    replies = yield Step(True, lambda p: queue_snapshot(p, keys, job_id, record))
+    status = fold_status(keys, job_id, record, replies)
+    if status.state != "queued" or status.position is not None:
+        return status
+    ahead, span = position_range(keys, record, (yield Step(
+        False, lambda p: queue_position_reads(p, keys))))
+    if span is not None:
+        (entries,) = yield Step(False, lambda p: p.xrange(*span, count=POSITION_CAP))
+        ahead += len(entries) if isinstance(entries, list) else 0
+    return status.model_copy(update={"position": ahead})
+
+
+def queue_snapshot(pipe: Any, keys: Keys, job_id: str, record: Any) -> None:
+    """Queue the reads of one job (5 replies) on a MULTI pipeline, after its dedupe record."""
+    lane, entry = record_location(keys, record)
+    pipe.xrevrange(keys.results(job_id), "+", "-", count=1)
+    pipe.xrange(lane, entry, entry, count=1)
+    pipe.xpending_range(lane, GROUP, min=entry, max=entry, count=1)
+    pipe.get(keys.owner(job_id))
+    pipe.exists(keys.cancel(job_id))
+
+
+def fold_status(keys: Keys, job_id: str, record: Any, replies: list[Any]) -> JobStatus:
+    last, in_lane, pending, owner, cancel = replies
+    lane_key, _ = record_location(keys, record)
+    lane = {keys.lane(n): n for n in Keys.LANES}.get(lane_key) if record else None
+    event = _last_event(last)
+    base = dict(job_id=job_id, lane=lane, cancel_requested=cancel == 1, tokens=_tokens(event))
+    if event is not None and event.type == "done":
+        state = "cancelled" if event.finish_reason == "cancelled" else "done"
+        return JobStatus(state=state, finish_reason=event.finish_reason, **base)
+    if isinstance(event, ErrorEvent):
+        state = "expired" if event.code == "expired" else "failed"
+        return JobStatus(state=state, error_code=event.code, message=event.message, **base)
+    row = pending[0] if isinstance(pending, list) and pending else None
+    if row is not None:
+        consumer, deliveries = _text(row["consumer"]), int(row["times_delivered"])
+        if consumer == PARKING_CONSUMER:    # handed back by a draining worker: taken first
+            return JobStatus(state="queued", position=0, deliveries=deliveries, **base)
+        worker = _text(owner).rsplit(":", 1)[0] if owner else consumer
+        return JobStatus(state="running", worker_id=worker, deliveries=deliveries, **base)
+    if isinstance(in_lane, list) and in_lane:
+        return JobStatus(state="queued", **base)
+    if event is not None:       # written to, no longer held: between a holder and its successor
+        return JobStatus(state="running", **base)
+    return JobStatus(state="expired" if record else "unknown", **base)
+
+
+def queue_position_reads(pipe: Any, keys: Keys) -> None:
+    """For every lane: XINFO GROUPS and XLEN (2 replies each, read order)."""
+    for lane in keys.lanes():
+        pipe.xinfo_groups(lane)
+        pipe.xlen(lane)
+
+
+def position_range(keys: Keys, record: Any, replies: list[Any]) -> tuple[int, Optional[tuple]]:
+    """Jobs not yet taken in more urgent lanes, and the XRANGE (lane, after, up to) that counts
+    the ones ahead in the job's own lane (None when its group has not read that lane yet)."""
+    lane_key, entry = record_location(keys, record)
+    ahead = 0
+    for i, lane in enumerate(keys.lanes()):
+        group = _group(replies[2 * i])
+        if lane == lane_key:
+            after = _text(group["last-delivered-id"]) if group else "0-0"
+            return ahead, (lane, f"({after}", f"({entry}")
+        taken = int(group["pending"]) if group else 0
+        ahead += max(0, int(replies[2 * i + 1] or 0) - taken)
+    return ahead, None
+
+
+def _group(reply: Any) -> Optional[dict]:
+    if isinstance(reply, list):
+        for g in reply:
+            if _text(g.get("name")) == GROUP:
+                return g
+    return None
+
+
+def _last_event(reply: Any) -> Any:
+    if not isinstance(reply, list) or not reply:
+        return None
+    try:
+        return decode_event(reply[0][1][EVENT_FIELD])
+    except (ProtocolError, KeyError, IndexError, TypeError):
+        return None
+
+
+def _tokens(event: Any) -> int:
+    if event is None:
+        return 0
+    if event.type == "token":
+        return event.index + len(event.token_ids)
+    if event.type == "started":
+        return event.resumed_tokens
+    usage = getattr(event, "usage", None)
+    return usage.completion_tokens if usage is not None else 0
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

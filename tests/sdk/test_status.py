@@ -1,0 +1,74 @@
+"""Client.status / AsyncClient.status on a real redis-server with an in-process worker (#18):
+every state a job passes through, read from what Redis holds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+
+from producer_sdk import AsyncClient, Client
+from producer_sdk.protocol import PAYLOAD_FIELD, Keys
+from tests.fault_harness import wait_for
+from worker.fake_engine import FakeEngine
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def client(redis_server):
+    with Client(redis_server.url) as c:
+        yield c
+
+
+def test_unknown_and_queued_with_lane_and_position(client):
+    assert client.status("never-submitted").state == "unknown"
+    jobs = [client.submit(f"p{i}", max_tokens=2, job_id=f"q{i}") for i in range(3)]
+    urgent = client.submit("u", max_tokens=2, priority=-1, job_id="urgent")
+    bulk = client.submit("b", max_tokens=2, priority=5, job_id="bulk")
+    third = client.status(jobs[2].id)
+    assert (third.state, third.lane) == ("queued", "default")
+    assert third.position == 1 + 2           # the urgent job, then q0 and q1
+    assert client.status(urgent.id).position == 0
+    assert client.status(bulk.id).position == 1 + 3          # every job of the other lanes
+    client.cancel(jobs[0].id)
+    assert client.status(jobs[0].id).cancel_requested
+
+
+def test_running_done_cancelled_failed_and_expired(client, redis_server, start_worker):
+    r = redis_server.client()
+    start_worker(engine=FakeEngine(step_delay=0.02))
+    long = client.submit("long", max_tokens=400, temperature=0.0, job_id="long")
+    short = client.submit("short", max_tokens=3, temperature=0.0, job_id="short")
+    wait_for(lambda: client.status(long.id).tokens >= 3, 20, what="long running")
+    running = client.status(long.id)
+    assert (running.state, running.worker_id, running.deliveries) == ("running", "w1", 1)
+    short.result(timeout=20)
+    done = client.status(short.id)
+    assert (done.state, done.finish_reason, done.tokens) == ("done", "length", 3)
+    long.cancel()
+    long.result(timeout=20)
+    assert client.status(long.id).state == "cancelled"
+    r.xadd(Keys().lane("default"), {PAYLOAD_FIELD: msgpack.packb(
+        {"v": 1, "job_id": "bad", "prompt": 5})})
+    wait_for(lambda: client.status("bad").state == "failed", 20, what="bad failed")
+    bad = client.status("bad")
+    assert bad.error_code == "invalid_request" and "prompt" in bad.message
+    late = client.submit("late", max_tokens=2, deadline_s=0.001, job_id="late")
+    wait_for(lambda: client.status(late.id).state == "expired", 20, what="deadline passed")
+    assert client.status(late.id).error_code == "expired"
+    r.delete(Keys().results(short.id))              # what the result TTL does
+    assert client.status(short.id).state == "expired"
+    r.close()
+
+
+def test_async_status_reads_the_same(client, redis_server):
+    client.submit("a", max_tokens=2, job_id="a1")
+    client.submit("b", max_tokens=2, job_id="a2")
+
+    async def main():
+        async with AsyncClient(redis_server.url) as ac:
+            return [await ac.status(j) for j in ("a1", "a2", "nope")]
+
+    assert asyncio.run(main()) == [client.status(j) for j in ("a1", "a2", "nope")]
