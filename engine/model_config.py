@@ -8,11 +8,14 @@ here with :class:`UnsupportedModelError`, so a bad checkpoint fails at load, not
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.errors import UnsupportedModelError
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")    # "org/name", as on the Hugging Face hub
 
 # architectures entry -> family; model_type -> family (fallback when `architectures` is absent).
 SUPPORTED_ARCHITECTURES = {
@@ -119,10 +122,17 @@ class ModelConfig:
         """Read ``config.json`` (and eos ids from ``generation_config.json``) in folder ``path``."""
         folder = Path(path)
         cfg_file = folder / "config.json"
+        if not folder.exists() and _HUB_ID.match(str(path)):
+            raise FileNotFoundError(
+                f"{path!r} looks like a Hugging Face hub id, and there is no such folder: "
+                "tokenrelay loads local checkpoint folders and never downloads; fetch it "
+                f"elsewhere (`huggingface-cli download {path} --local-dir DIR`) and pass DIR, "
+                "or the snapshot folder of a mounted Hugging Face cache")
         if not cfg_file.is_file():
             raise FileNotFoundError(
                 f"no config.json in {folder}: pass a Hugging Face checkpoint folder "
-                "(make one with `python -m engine.tiny OUT`)")
+                "(make one with `python -m engine.tiny OUT` or `python -m engine.fetch smollm2 "
+                "OUT`)")
         cfg = cls.from_dict(json.loads(cfg_file.read_text()))
         gen_file = folder / "generation_config.json"
         if gen_file.is_file():

@@ -185,6 +185,9 @@ class BatchRunner:
         self._seen: set[int] = set()
         if not self.input.is_file():
             raise FileNotFoundError(f"batch input {self.input} does not exist")
+        for path in (self.output, self.errors):
+            if not path.parent.is_dir():
+                raise FileNotFoundError(f"the folder of {path} does not exist; create it first")
 
     def run(self) -> BatchSummary:
         t0 = time.monotonic()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -51,8 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None,
                    help="Redis URL [default: $TOKENRELAY_REDIS_URL or redis://127.0.0.1:6379/0]")
-    p.add_argument("--namespace", default="tokenrelay", help="key prefix [tokenrelay]")
-    p.add_argument("--queue", default=None, help="queue name [default; stats: all queues]")
+    p.add_argument("--namespace", default=os.environ.get("TOKENRELAY_NAMESPACE", "tokenrelay"),
+                   help="key prefix [default: $TOKENRELAY_NAMESPACE or tokenrelay]")
+    p.add_argument("--queue", default=os.environ.get("TOKENRELAY_QUEUE"),
+                   help="queue name [default: $TOKENRELAY_QUEUE or default; stats: all queues]")
 
 
 def _submit_parser(p: argparse.ArgumentParser) -> None:
@@ -120,6 +123,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except JobNotFound as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNKNOWN
+    except BrokenPipeError:         # the reader left: cli_exit.run_cli ends quietly
+        raise
+    except OSError as exc:          # a missing batch input, output folder, ...
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     except ValueError as exc:       # e.g. a job id with spaces or braces
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID
@@ -184,6 +192,10 @@ def cmd_batch(client: Client, args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     print(json.dumps(summary.as_dict()), file=sys.stderr)
+    if summary.total_lines and not (summary.succeeded + summary.failed + summary.skipped):
+        print(f"error: no line of {args.input} is a valid request (see {runner.errors})",
+              file=sys.stderr)
+        return EXIT_INVALID
     return 0
 
 

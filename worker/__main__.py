@@ -24,9 +24,14 @@ def main(argv: Optional[list[str]] = None,
     if argv[:1] == ["admin"]:
         from worker.admin import main as admin_main
         return admin_main(argv[1:])
-    from worker.config import build_parser, settings_from_args
+    from pydantic import ValidationError
+
+    from worker.config import build_parser, describe_settings_error, settings_from_args
     args = build_parser().parse_args(argv)
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        build_parser().error(describe_settings_error(exc))
     if not settings.model:
         build_parser().error("--model (or TOKENRELAY_MODEL) is required")
     # OpenMP threads that spin long after each parallel region starve the Redis flush, the

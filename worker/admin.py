@@ -20,6 +20,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import redis as redis_lib
 
+from producer_sdk._wire import redact_url
 from producer_sdk.protocol import (
     GROUP, PAYLOAD_FIELD, DeadLetter, ErrorCode, Keys, decode_job,
 )
@@ -206,9 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _url(args: argparse.Namespace) -> str:
+    import os
+    return args.redis_url or os.environ.get("TOKENRELAY_REDIS_URL", "redis://localhost:6379/0")
+
+
 def _connect(args: argparse.Namespace) -> tuple[Any, Keys]:
     import os
-    url = args.redis_url or os.environ.get("TOKENRELAY_REDIS_URL", "redis://localhost:6379/0")
+    url = _url(args)
     keys = Keys(args.namespace or os.environ.get("TOKENRELAY_NAMESPACE", "tokenrelay"),
                 args.queue or os.environ.get("TOKENRELAY_QUEUE", "default"))
     return redis_lib.Redis.from_url(url, socket_timeout=10), keys
@@ -231,8 +237,28 @@ def _dead_row(eid: str, letter: DeadLetter) -> dict:
             "payload_bytes": len(letter.data)}
 
 
+EXIT_UNREACHABLE = 3     # as python -m producer_sdk
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Redis errors end the command with one line: 3 when Redis cannot be reached, 78 for a
+    configuration error (password, ACL, TLS), 1 for anything else Redis refused."""
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except redis_lib.RedisError as exc:
+        from worker.connection import EXIT_CONFIG, ErrorKind, classify, describe_permanent
+        url = _url(args)
+        if classify(exc) is ErrorKind.PERMANENT:
+            print(f"error: {describe_permanent(exc, url)}", file=sys.stderr)
+            return EXIT_CONFIG
+        unreachable = isinstance(exc, (redis_lib.ConnectionError, redis_lib.TimeoutError))
+        what = "cannot reach Redis" if unreachable else "Redis refused the command"
+        print(f"error: {what} at {redact_url(url)}: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE if unreachable else 1
+
+
+def _run(args: argparse.Namespace) -> int:
     r, keys = _connect(args)
     if args.cmd == "pending":
         _emit(args, (asdict(p) for p in list_pending(r, keys)),

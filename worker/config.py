@@ -12,7 +12,7 @@ import re
 import socket
 from typing import Any, Optional, Sequence
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producer_sdk.protocol import PARKING_CONSUMER, Keys, Limits
@@ -198,3 +198,13 @@ def build_health_parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     """Flags over env vars over defaults (pydantic-settings gives init kwargs precedence)."""
     return WorkerSettings(**vars(args))
+
+
+def describe_settings_error(exc: ValidationError) -> str:
+    """One line per bad setting, named as the user typed it (flag and environment variable)."""
+    lines = []
+    for err in exc.errors():
+        name = str(err["loc"][0]) if err.get("loc") else "settings"
+        flag, env = "--" + name.replace("_", "-"), "TOKENRELAY_" + name.upper()
+        lines.append(f"{flag} / {env}: {err['msg']} (got {err.get('input')!r:.60})")
+    return "; ".join(lines)

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import redis
 
+from engine.errors import UnsupportedModelError
 from producer_sdk.protocol import Keys
 from worker.admission import Admission
 from worker.config import WorkerSettings
@@ -107,9 +108,8 @@ class Worker:
 
     def run(self) -> int:
         try:
-            if self.engine is None:
-                self.log.info("engine loading", model=self.s.model)
-                self.engine = self.jobs.engine = self._engine_factory(self.s)
+            if self.engine is None and not self._load_engine():
+                return self.exit_code
             self.log.info("engine loaded")
             if not self._connect() or not self._claim_worker_id():
                 return self.exit_code
@@ -129,6 +129,19 @@ class Worker:
             raise
         finally:
             self._shutdown()
+
+    def _load_engine(self) -> bool:
+        """A model that cannot be loaded (no such folder, no config.json, an unsupported
+        architecture) is a configuration error: one line, exit 78, no traceback."""
+        self.log.info("engine loading", model=self.s.model)
+        try:
+            self.engine = self.jobs.engine = self._engine_factory(self.s)
+        except (OSError, UnsupportedModelError) as exc:
+            self.exit_code = EXIT_CONFIG
+            self.log.error("cannot load the model", model=self.s.model, error=str(exc),
+                           exit_code=self.exit_code)
+            return False
+        return True
 
     def _claim_worker_id(self) -> bool:
         if self.liveness.claim_worker_id():

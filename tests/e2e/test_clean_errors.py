@@ -1,0 +1,92 @@
+"""A user's mistake ends a command with one clear line and a non-zero exit, never a traceback
+(#18): Redis unreachable or refusing the password, a model path that is not a checkpoint, a hub
+id, a mistyped flag, missing batch files, a batch file with no valid line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.fixtures_redis import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(120)
+DOWN = "redis://127.0.0.1:1/0"          # nothing listens on port 1
+
+
+def run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+    return subprocess.run([sys.executable, "-m", *argv], cwd=str(REPO_ROOT), text=True,
+                          capture_output=True, timeout=90, env={**os.environ, **(env or {})})
+
+
+def assert_clean(out: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    text = out.stdout + out.stderr
+    assert out.returncode == code, (out.returncode, text[-2000:])
+    assert "Traceback" not in text, text[-2000:]
+    for w in words:
+        assert w in text, (w, text[-2000:])
+
+
+@pytest.mark.parametrize("argv, code, words", [
+    (("worker", "admin", "--redis-url", DOWN, "workers"), 3, ("cannot reach Redis",)),
+    (("worker", "admin", "--redis-url", DOWN, "dead", "list"), 3, ("cannot reach Redis",)),
+    (("worker", "health", "--redis-url", DOWN, "--worker-id", "w"), 1, ("unreachable",)),
+    (("producer_sdk", "stats", "--redis-url", DOWN), 3, ("cannot reach Redis",)),
+    (("producer_sdk", "status", "j1", "--redis-url", DOWN), 3, ("cannot reach Redis",)),
+], ids=lambda v: " ".join(v) if isinstance(v, tuple) and len(v) > 2 else None)
+def test_redis_unreachable(argv, code, words):
+    assert_clean(run(*argv), code, *words)
+
+
+def test_wrong_password_for_admin_is_a_configuration_error(redis_server):
+    redis_server.client().config_set("requirepass", "right")
+    url = f"redis://:wrong@127.0.0.1:{redis_server.port}/0"
+    out = run("worker", "admin", "--redis-url", url, "pending")
+    assert_clean(out, 78, "redis configuration error")
+    assert "wrong" not in out.stderr                     # the password is never printed
+
+
+@pytest.mark.parametrize("model, words", [
+    ("/nonexistent/checkpoint", ("no config.json",)),
+    ("Qwen/Qwen3-8B", ("hub id", "never downloads", "--local-dir")),
+])
+def test_a_model_that_cannot_be_loaded_is_one_line_and_exit_78(model, words):
+    out = run("worker", "--model", model, "--device", "cpu", "--redis-url", DOWN)
+    assert_clean(out, 78, *words)
+    errors = [json.loads(x) for x in out.stderr.splitlines() + out.stdout.splitlines()
+              if x.startswith("{") and json.loads(x).get("level") == "error"]
+    assert len(errors) == 1 and errors[0]["exit_code"] == 78, errors   # the log says the code
+
+
+def test_a_mistyped_setting_names_the_flag_and_its_variable():
+    assert_clean(run("worker", "--model", "fake:", "--max-num-seqs", "abc"), 2,
+                 "--max-num-seqs / TOKENRELAY_MAX_NUM_SEQS", "'abc'")
+    assert_clean(run("worker", "--model", "fake:", env={"TOKENRELAY_BLOCK_MS": "soon"}), 2,
+                 "--block-ms / TOKENRELAY_BLOCK_MS")
+
+
+def test_batch_files(tmp_path, redis_server):
+    url = ("--redis-url", redis_server.url)
+    assert_clean(run("producer_sdk", "batch", str(tmp_path / "missing.jsonl"),
+                     str(tmp_path / "out.jsonl"), *url), 2, "does not exist")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"custom_id": "a"}\nnot json\n')
+    assert_clean(run("producer_sdk", "batch", str(bad), str(tmp_path / "no" / "out.jsonl"),
+                     *url), 2, "create it first")
+    assert_clean(run("producer_sdk", "batch", str(bad), str(tmp_path / "out.jsonl"),
+                     "--no-progress", *url), 2, "no line of")
+
+
+def test_the_producer_cli_honours_tokenrelay_namespace(redis_server):
+    out = run("producer_sdk", "status", "nobody", "--redis-url", redis_server.url, "--json",
+              env={"TOKENRELAY_NAMESPACE": "tenant-x"})
+    assert out.returncode == 6 and json.loads(out.stdout)["state"] == "unknown"
+    from producer_sdk import Client
+    with Client(redis_server.url, namespace="tenant-x") as c:
+        c.submit("hi", job_id="in-x")
+    out = run("producer_sdk", "status", "in-x", "--redis-url", redis_server.url,
+              env={"TOKENRELAY_NAMESPACE": "tenant-x"})
+    assert out.returncode == 0 and out.stdout.split()[:2] == ["in-x", "queued"], out
