@@ -44,17 +44,22 @@ def build_parser() -> argparse.ArgumentParser:
     result.add_argument("job_id")
     result.add_argument("--timeout", type=float, default=None, help="seconds to wait")
     result.add_argument("--json", action="store_true", help="print the Result as JSON")
+    _common(parser, top=True)
     for p in sub.choices.values():
-        _common(p)
+        _common(p, top=False)
     return parser
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=None,
+def _common(p: argparse.ArgumentParser, top: bool) -> None:
+    """The connection flags, before or after the subcommand (below the top they default to
+    SUPPRESS, so they never undo a value given above)."""
+    def default(value: Any) -> dict[str, Any]:
+        return {"default": value if top else argparse.SUPPRESS}
+    p.add_argument("--redis-url", **default(None),
                    help="Redis URL [default: $TOKENRELAY_REDIS_URL or redis://127.0.0.1:6379/0]")
-    p.add_argument("--namespace", default=os.environ.get("TOKENRELAY_NAMESPACE", "tokenrelay"),
+    p.add_argument("--namespace", **default(os.environ.get("TOKENRELAY_NAMESPACE", "tokenrelay")),
                    help="key prefix [default: $TOKENRELAY_NAMESPACE or tokenrelay]")
-    p.add_argument("--queue", default=os.environ.get("TOKENRELAY_QUEUE"),
+    p.add_argument("--queue", **default(os.environ.get("TOKENRELAY_QUEUE")),
                    help="queue name [default: $TOKENRELAY_QUEUE or default; stats: all queues]")
 
 

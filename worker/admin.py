@@ -183,27 +183,40 @@ def drain_requested(r: Any, keys: Keys, worker_id: str) -> bool:
 # CLI
 # --------------------------------------------------------------------------------------------
 
+def _global_flags(p: argparse.ArgumentParser, top: bool) -> None:
+    """The connection flags, on the command and on every subcommand, so they may come before or
+    after it; below the top they default to SUPPRESS and so never undo a value given above."""
+    unset = {} if top else {"default": argparse.SUPPRESS}
+    p.add_argument("--redis-url", **({"default": None} | unset),
+                   help="default: $TOKENRELAY_REDIS_URL or redis://localhost:6379/0")
+    p.add_argument("--namespace", **({"default": None} | unset),
+                   help="default: $TOKENRELAY_NAMESPACE or tokenrelay")
+    p.add_argument("--queue", **({"default": None} | unset),
+                   help="default: $TOKENRELAY_QUEUE or default")
+    p.add_argument("--json", action="store_true", **unset, help="machine-readable output")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m worker admin",
                                 description="Inspect pending jobs and workers, manage dead "
                                             "letters, drain a worker.")
-    p.add_argument("--redis-url", default=None, help="default: $TOKENRELAY_REDIS_URL or "
-                   "redis://localhost:6379/0")
-    p.add_argument("--namespace", default=None, help="default: $TOKENRELAY_NAMESPACE or tokenrelay")
-    p.add_argument("--queue", default=None, help="default: $TOKENRELAY_QUEUE or default")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _global_flags(p, top=True)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("pending", help="pending jobs: owner, idle time, delivery count")
-    sub.add_parser("workers", help="workers and their last heartbeat")
+    leaves = [sub.add_parser("pending", help="pending jobs: owner, idle time, delivery count"),
+              sub.add_parser("workers", help="workers and their last heartbeat")]
     dead = sub.add_parser("dead", help="dead letters").add_subparsers(dest="action", required=True)
     ls = dead.add_parser("list", help="list dead letters")
+    leaves.append(ls)
     ls.add_argument("--count", type=int, default=None)
     for name, what in (("replay", "re-enqueue"), ("purge", "delete")):
         a = dead.add_parser(name, help=f"{what} dead letters")
         a.add_argument("ids", nargs="*", help="dead-letter entry ids")
         a.add_argument("--all", action="store_true", help=f"{what} every dead letter")
+        leaves.append(a)
     d = sub.add_parser("drain", help="ask a worker to finish or hand back its jobs and exit")
     d.add_argument("worker_id")
+    for leaf in [*leaves, d]:
+        _global_flags(leaf, top=False)
     return p
 
 

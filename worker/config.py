@@ -162,13 +162,19 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# What an unset (None) setting means, for --help.
+_NONE_MEANS = {"model": "none, required", "worker_id": "<hostname>-<device>",
+               "device": "cuda when available, else cpu"}
+
+
 def add_setting_flags(parser: argparse.ArgumentParser, only: Optional[Sequence[str]] = None) -> None:
     """One flag per settings field. Defaults are SUPPRESSed so env vars are not overridden."""
     for name, field in WorkerSettings.model_fields.items():
         if only is not None and name not in only:
             continue
         env = f"TOKENRELAY_{name.upper()}"
-        help_text = f"{field.description or ''} [env {env}; default {field.default!r}]"
+        default = _NONE_MEANS.get(name, "the engine's") if field.default is None else field.default
+        help_text = f"{field.description or ''} [env {env}; default: {default}]"
         annotation = str(field.annotation)
         if "bool" in annotation:
             parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction,
@@ -181,7 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m worker",
         description="tokenrelay worker: pulls jobs from Redis Streams, runs them on the engine, "
-                    "streams tokens back. Subcommand: 'health' (exit 0 when the worker is alive).")
+                    "streams tokens back.",
+        epilog="subcommands: 'python -m worker health' (exit 0 when the worker is alive), "
+               "'python -m worker admin {pending,workers,dead,drain}' (inspect and repair the "
+               "queue); each takes --help.")
     add_setting_flags(parser)
     return parser
 

@@ -90,3 +90,24 @@ def test_the_producer_cli_honours_tokenrelay_namespace(redis_server):
     out = run("producer_sdk", "status", "in-x", "--redis-url", redis_server.url,
               env={"TOKENRELAY_NAMESPACE": "tenant-x"})
     assert out.returncode == 0 and out.stdout.split()[:2] == ["in-x", "queued"], out
+
+
+@pytest.mark.parametrize("argv", [
+    ("worker", "admin", "--redis-url", "URL", "--json", "workers"),
+    ("worker", "admin", "workers", "--redis-url", "URL", "--json"),
+    ("worker", "admin", "--redis-url", "redis://127.0.0.1:1/0", "workers", "--redis-url", "URL",
+     "--json"),
+    ("producer_sdk", "--redis-url", "URL", "status", "x", "--json"),
+    ("producer_sdk", "status", "x", "--redis-url", "URL", "--json"),
+])
+def test_connection_flags_go_before_or_after_the_subcommand(redis_server, argv):
+    """The value nearest the end wins, as with any flag given twice."""
+    out = run(*[redis_server.url if a == "URL" else a for a in argv])
+    assert out.returncode in (0, 6), out.stderr
+    json.loads(out.stdout)
+
+
+def test_worker_help_lists_admin_and_says_what_each_default_is():
+    out = run("worker", "--help")
+    assert out.returncode == 0 and "python -m worker admin" in out.stdout
+    assert "default None" not in out.stdout and "default: none, required" in out.stdout
