@@ -12,26 +12,10 @@ import re
 import socket
 from typing import Any, Optional, Sequence
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import ByteSize, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producer_sdk.protocol import PARKING_CONSUMER, Keys, Limits
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_SIZE_MULT = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
-              "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "ki": 1024, "kib": 1024, "mi": 1024**2,
-              "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4}
-
-
-def parse_size(value: Any) -> Optional[int]:
-    """Bytes from ``2147483648``, ``2GiB`` or ``512MB``; operators type sizes, not byte counts."""
-    if value is None or isinstance(value, int):
-        return value
-    m = _SIZE_RE.match(str(value))
-    if not m:
-        raise ValueError(f"expected a size such as 2GiB or 512MB, got {value!r}")
-    return int(float(m.group(1)) * _SIZE_MULT[(m.group(2) or "").lower()])
-
 
 class WorkerSettings(BaseSettings):
     """Every knob of ``python -m worker``. ``None`` engine options mean "the engine's default"."""
@@ -51,7 +35,7 @@ class WorkerSettings(BaseSettings):
     max_num_seqs: Optional[int] = Field(None, ge=1, description="Max running sequences.")
     max_num_batched_tokens: Optional[int] = Field(None, ge=1, description="Token budget per step.")
     block_size: Optional[int] = Field(None, ge=1, description="KV cache block size in tokens.")
-    kv_cache_memory: Optional[int] = Field(None, ge=1, description="KV pool size, e.g. 2GiB.")
+    kv_cache_memory: Optional[ByteSize] = Field(None, ge=1, description="KV pool size, e.g. 2GiB.")
     num_kv_blocks: Optional[int] = Field(None, ge=1, description="KV pool size in blocks "
                                          "(overrides --kv-cache-memory).")
     max_model_len: Optional[int] = Field(None, ge=1, description="Max prompt+output tokens.")
@@ -74,30 +58,26 @@ class WorkerSettings(BaseSettings):
                             "when the worker creates the binding (the SDK's dedupe_ttl_s).")
     dead_letter_maxlen: int = Field(10_000, ge=1, description="The dead-letter stream is capped at "
                                     "about this many entries.")
-    dead_letter_payload_bytes: int = Field(65_536, ge=0, description="Bytes of a dead-lettered "
+    dead_letter_payload_bytes: ByteSize = Field(65_536, ge=0, description="Bytes of a dead-lettered "
                                            "payload kept (size and truncated record the rest).")
     # Producer-facing limits (producer_sdk.protocol.Limits), checked by decode_job: a job past
     # one ends alone with invalid_request naming the field.
-    max_payload_bytes: int = Field(8 * 1024 * 1024, ge=1, description="Largest job payload "
+    max_payload_bytes: ByteSize = Field(8 * 1024 * 1024, ge=1, description="Largest job payload "
                                    "(checked before unpacking).")
-    max_prompt_bytes: int = Field(4 * 1024 * 1024, ge=1, description="Largest prompt (or sum of "
+    max_prompt_bytes: ByteSize = Field(4 * 1024 * 1024, ge=1, description="Largest prompt (or sum of "
                                   "message contents), UTF-8 bytes.")
     max_prompt_token_ids: int = Field(1_000_000, ge=1, description="Most prompt_token_ids.")
     max_messages: int = Field(10_000, ge=1, description="Most chat messages.")
     max_stop_strings: int = Field(64, ge=0, description="Most stop strings per job.")
     max_stop_string_chars: int = Field(512, ge=1, description="Longest stop string.")
     max_stop_token_ids: int = Field(1024, ge=0, description="Most stop token ids per job.")
-    max_metadata_bytes: int = Field(64 * 1024, ge=0, description="Largest metadata (packed).")
+    max_metadata_bytes: ByteSize = Field(64 * 1024, ge=0, description="Largest metadata (packed).")
     max_metadata_depth: int = Field(32, ge=1, description="Deepest metadata nesting.")
     max_logprobs: int = Field(20, ge=0, description="Largest logprobs (top-k per token).")
     max_n: int = Field(1, ge=1, description="Largest n (completions per job).")
     log_level: str = Field("info", description="debug, info, warning, error.")
     log_prompts: bool = Field(False, description="Log prompt text (debug only; off by default).")
 
-    @field_validator("kv_cache_memory", mode="before")
-    @classmethod
-    def _size(cls, v: Any) -> Optional[int]:
-        return parse_size(v)
 
     @field_validator("namespace", "queue")
     @classmethod

@@ -10,7 +10,7 @@ import fakeredis
 import pytest
 
 from producer_sdk.protocol import PARKING_CONSUMER, Keys
-from worker.config import WorkerSettings, build_parser, parse_size, settings_from_args
+from worker.config import WorkerSettings, build_parser, settings_from_args
 from worker.health import check_health
 
 
@@ -38,11 +38,16 @@ def test_settings_from_env_and_flags(monkeypatch):
     assert s2.enable_prefix_caching is True
 
 
-def test_parse_size():
-    assert parse_size("512MB") == 512 * 10**6 and parse_size("2GiB") == 2 * 2**30
-    assert parse_size(123) == 123 and parse_size("77") == 77
+def test_sizes_are_parsed_by_pydantic_bytesize():
+    s = WorkerSettings(kv_cache_memory="2GiB", max_payload_bytes="4MiB",
+                       dead_letter_payload_bytes="64KB")
+    assert s.kv_cache_memory == 2 * 2**30 and s.max_payload_bytes == 4 * 2**20
+    assert s.dead_letter_payload_bytes == 64_000
+    assert WorkerSettings(kv_cache_memory="512MB").kv_cache_memory == 512 * 10**6
+    assert WorkerSettings(kv_cache_memory=123).kv_cache_memory == 123
+    assert s.decode_limits().max_payload_bytes == 4 * 2**20
     with pytest.raises(ValueError):
-        parse_size("lots")
+        WorkerSettings(kv_cache_memory="lots")
 
 
 def test_default_worker_id_is_stable():
