@@ -29,6 +29,7 @@ class KVCacheStats:
     block_size: int
     prefix_cache_hit_rate: float        # cached tokens / prompt tokens admitted
     prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int      # prompt tokens looked up in the prefix cache
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -71,7 +72,8 @@ class BlockManager:
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(self.num_blocks, self.num_used_blocks, self.block_size,
-                            self.prefix_cache_hit_rate(), self.num_hit_tokens)
+                            self.prefix_cache_hit_rate(), self.num_hit_tokens,
+                            self.num_query_tokens)
 
     def pool_shortfall(self, num_tokens: int) -> Optional[str]:
         """None if a sequence of ``num_tokens`` tokens fits in the whole pool; otherwise why

@@ -315,6 +315,7 @@ class LLMEngine:
             "kv_utilization_peak": sched.kv_utilization_peak,
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
             "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
+            "prefix_cache_query_tokens": kv.prefix_cache_query_tokens,
             "num_running": sched.num_running,
             "num_waiting": sched.num_waiting,
             "num_running_peak": sched.num_running_peak,

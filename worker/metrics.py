@@ -1,7 +1,11 @@
 """Prometheus metrics, vLLM-style names with a ``tokenrelay_`` prefix.
 
 Each Worker owns a registry (several in-process workers in one test must not collide); the
-HTTP server is started only when ``--metrics-port`` is non-zero.
+HTTP server is started only when ``--metrics-port`` is non-zero. Every sample carries a
+``model_name`` label, as vLLM's do, added once at export (``_Labelled``) rather than at every
+call site. Counters are exported with prometheus_client's ``_total`` suffix; the prefix cache is
+two counters (tokens queried, tokens hit), which sum across workers where a hit-rate gauge
+cannot: ``rate(hits) / rate(queries)`` is the fleet's hit rate.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
             7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -16,9 +21,28 @@ _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
         0.75, 1.0, 2.5)
 
 
+class _Labelled:
+    """A collector that re-exports another registry's metrics with constant labels added."""
+
+    def __init__(self, inner: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.inner = inner
+        self.labels = labels
+
+    def collect(self) -> Any:
+        for family in self.inner.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                out.add_sample(s.name, {**s.labels, **self.labels}, s.value, s.timestamp,
+                               s.exemplar)
+            yield out
+
+
 class WorkerMetrics:
-    def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
+    def __init__(self, registry: Optional[CollectorRegistry] = None,
+                 model_name: str = "") -> None:
         r = self.registry = registry or CollectorRegistry()
+        self.exported = CollectorRegistry(auto_describe=True)
+        self.exported.register(_Labelled(r, {"model_name": model_name}))
         self.running = Gauge("tokenrelay_num_requests_running", "Requests running in the engine.",
                              registry=r)
         self.waiting = Gauge("tokenrelay_num_requests_waiting", "Requests waiting in the engine.",
@@ -38,8 +62,10 @@ class WorkerMetrics:
                                          "Generated tokens.", registry=r)
         self.kv_usage = Gauge("tokenrelay_kv_cache_usage_perc", "KV blocks in use (0-1).",
                               registry=r)
-        self.prefix_hit_rate = Gauge("tokenrelay_prefix_cache_hit_rate",
-                                     "Prefix cache hit rate (0-1).", registry=r)
+        self.prefix_queries = Counter("tokenrelay_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_hits = Counter("tokenrelay_prefix_cache_hits",
+                                   "Prompt tokens served from the prefix cache.", registry=r)
         self.preemptions = Counter("tokenrelay_num_preemptions", "Engine preemptions.", registry=r)
         self.stream_lag = Gauge("tokenrelay_stream_lag", "Entries not yet delivered to any worker.",
                                 ["lane"], registry=r)
@@ -58,12 +84,12 @@ class WorkerMetrics:
                                     registry=r)
         self.engine_step = Histogram("tokenrelay_engine_step_seconds",
                                      "Duration of engine.step().", buckets=_ITL, registry=r)
-        self._preemptions_seen = 0
+        self._seen: dict[str, int] = {}     # engine totals already added to the counters
         self._server: Any = None
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         if port:
-            self._server = start_http_server(port, addr=host, registry=self.registry)
+            self._server = start_http_server(port, addr=host, registry=self.exported)
 
     def close(self) -> None:
         if self._server is not None:
@@ -77,8 +103,10 @@ class WorkerMetrics:
         total = stats.get("kv_blocks_total") or 0
         if total:
             self.kv_usage.set(stats.get("kv_blocks_used", 0) / total)
-        self.prefix_hit_rate.set(stats.get("prefix_cache_hit_rate", 0.0) or 0.0)
-        pre = int(stats.get("num_preemptions", 0) or 0)
-        if pre > self._preemptions_seen:
-            self.preemptions.inc(pre - self._preemptions_seen)
-        self._preemptions_seen = pre
+        for key, counter in (("num_preemptions", self.preemptions),
+                             ("prefix_cache_query_tokens", self.prefix_queries),
+                             ("prefix_cache_hit_tokens", self.prefix_hits)):
+            total = int(stats.get(key, 0) or 0)
+            if total > self._seen.get(key, 0):
+                counter.inc(total - self._seen.get(key, 0))
+            self._seen[key] = total

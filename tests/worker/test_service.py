@@ -16,6 +16,7 @@ import pytest
 
 from producer_sdk.protocol import (GROUP, PARKING_CONSUMER, DeadLetter, Keys, now_ms)
 from tests.fault_harness import read_events, submit, wait_for, wait_for_terminal
+from tests.fixtures_redis import REPO_ROOT
 from worker.fake_engine import FakeEngine, fake_completion
 
 @pytest.fixture
@@ -489,8 +490,18 @@ def test_metrics_endpoint(start_worker, r):
                  "tokenrelay_time_to_first_token_seconds_bucket",
                  "tokenrelay_inter_token_latency_seconds_bucket",
                  "tokenrelay_e2e_request_latency_seconds_bucket",
-                 "tokenrelay_prompt_tokens_total", "tokenrelay_generation_tokens_total 3.0",
-                 "tokenrelay_kv_cache_usage_perc", "tokenrelay_prefix_cache_hit_rate",
+                 "tokenrelay_prompt_tokens_total", 'tokenrelay_generation_tokens_total{model_name='
+                 '"fake:"} 3.0', "tokenrelay_kv_cache_usage_perc",
+                 "tokenrelay_prefix_cache_queries_total", "tokenrelay_prefix_cache_hits_total",
                  "tokenrelay_num_preemptions_total", 'tokenrelay_request_errors_total{code='
-                 '"invalid_request"} 1.0'):
+                 '"invalid_request",model_name="fake:"} 1.0'):
         assert name in body, name
+    samples = [line for line in body.splitlines() if line.startswith("tokenrelay_")]
+    assert samples and all('model_name="fake:"' in line for line in samples), samples[:5]
+    assert "hit_rate" not in body           # a ratio gauge cannot be summed across workers
+    documented = (REPO_ROOT / "docs" / "operations.md").read_text()
+    for metric in {line.split("{")[0].split(" ")[0] for line in samples}:
+        base = metric.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
+        if base.endswith("_created"):
+            continue
+        assert f"`{base}" in documented, f"{base} is exported but not in docs/operations.md"
