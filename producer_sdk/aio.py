@@ -97,11 +97,13 @@ class AsyncClient(ClientCore[aioredis.Redis]):
                      metadata: Optional[dict[str, Any]] = None, block: bool = False,
                      block_timeout: Optional[float] = None,
                      chat_template_kwargs: Optional[dict[str, Any]] = None,
+                     traceparent: Optional[str] = None,
                      **sampling: Any) -> AsyncJob:
         prepared = self._builder.build(prompt, messages, prompt_token_ids, job_id=job_id,
                                        priority=priority, deadline_s=deadline_s, stream=stream,
                                        metadata=metadata,
-                                       chat_template_kwargs=chat_template_kwargs, **sampling)
+                                       chat_template_kwargs=chat_template_kwargs,
+                                       traceparent=traceparent, **sampling)
         return (await self.enqueue([prepared], block=block, block_timeout=block_timeout))[0]
 
     async def submit_many(self, requests: Iterable[Any], *, block: bool = True,

@@ -102,19 +102,22 @@ class Client(ClientCore[redis.Redis]):
                priority: int = 0, deadline_s: Optional[float] = None, stream: bool = True,
                metadata: Optional[dict[str, Any]] = None, block: bool = False,
                block_timeout: Optional[float] = None,
-               chat_template_kwargs: Optional[dict[str, Any]] = None, **sampling: Any) -> Job:
+               chat_template_kwargs: Optional[dict[str, Any]] = None,
+               traceparent: Optional[str] = None, **sampling: Any) -> Job:
         """Enqueue one job. Sampling fields are validated first (ValueError names a bad one).
 
         Raises QueueFull past the queue's high-water mark unless ``block`` (then waits up to
         ``block_timeout`` seconds), RedisUnavailable when Redis cannot be reached. Submitting a
         ``job_id`` that is already known returns a handle on the existing job.
         ``chat_template_kwargs`` (with ``messages``) are variables for the model's chat
-        template, e.g. ``{"enable_thinking": False}`` for Qwen3.
+        template, e.g. ``{"enable_thinking": False}`` for Qwen3. ``traceparent`` (W3C Trace
+        Context) is carried with the job and logged by the worker with every line of it.
         """
         prepared = self._builder.build(prompt, messages, prompt_token_ids, job_id=job_id,
                                        priority=priority, deadline_s=deadline_s, stream=stream,
                                        metadata=metadata,
-                                       chat_template_kwargs=chat_template_kwargs, **sampling)
+                                       chat_template_kwargs=chat_template_kwargs,
+                                       traceparent=traceparent, **sampling)
         return self.enqueue([prepared], block=block, block_timeout=block_timeout)[0]
 
     def submit_many(self, requests: Iterable[Any], *, block: bool = True,

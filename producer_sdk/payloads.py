@@ -24,7 +24,8 @@ from producer_sdk.sampling_params import SAMPLING_FIELDS, SamplingParams
 
 # Keyword arguments of submit() that are job fields rather than sampling fields.
 JOB_FIELDS = frozenset({"prompt", "messages", "prompt_token_ids", "job_id", "priority",
-                        "deadline_s", "stream", "metadata", "chat_template_kwargs"})
+                        "deadline_s", "stream", "metadata", "chat_template_kwargs",
+                        "traceparent"})
 
 
 def _freeze(value: Any) -> Any:
@@ -135,7 +136,7 @@ class PayloadBuilder:
               deadline_s: Optional[float] = None, stream: bool = True,
               metadata: Optional[Mapping[str, Any]] = None, submitted_ms: Optional[int] = None,
               chat_template_kwargs: Optional[Mapping[str, Any]] = None,
-              **sampling: Any) -> Prepared:
+              traceparent: Optional[str] = None, **sampling: Any) -> Prepared:
         """Validate and encode one job. Raises InvalidRequest naming the bad field."""
         params = self.params.validate(sampling)
         payload: dict[str, Any] = {"v": PROTOCOL_VERSION,
@@ -151,6 +152,8 @@ class PayloadBuilder:
             if not isinstance(metadata, Mapping):
                 raise InvalidRequest("metadata must be a dict", field="metadata")
             payload["metadata"] = dict(metadata)
+        if traceparent is not None:
+            payload["traceparent"] = traceparent
         if chat_template_kwargs is not None:
             payload["chat_template_kwargs"] = (dict(chat_template_kwargs)
                                                if isinstance(chat_template_kwargs, Mapping)

@@ -200,6 +200,9 @@ def parse_dedupe_record(value: Union[str, bytes]) -> tuple[str, str]:
 # Job payload
 # --------------------------------------------------------------------------------------------
 
+# W3C Trace Context (https://www.w3.org/TR/trace-context/): version-trace id-parent id-flags.
+TRACEPARENT_PATTERN = r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
+
 # What an engine itself passes to the chat template renderer: a job's template variables may
 # not replace them (the engine checks the same set for LLM.chat).
 RESERVED_CHAT_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize",
@@ -234,6 +237,7 @@ class JobRequest(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     submitted_ms: Optional[int] = Field(default=None, ge=0)
     chat_template_kwargs: Optional[dict[str, Any]] = None   # with messages: template variables
+    traceparent: Optional[str] = Field(default=None, pattern=TRACEPARENT_PATTERN)
 
     @field_validator("job_id")
     @classmethod

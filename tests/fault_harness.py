@@ -240,7 +240,7 @@ def pending_summary(r: redis.Redis, keys) -> list[tuple[str, str, int, int]]:
 # without torch, tokens a pure function of (prompt, seed, position), so resumes are checkable.
 FAKE_MODEL = "fake:step_delay={delay}"
 FAST_FLAGS = {"lease-ms": 1000, "max-deliveries": 3, "heartbeat-ms": 200, "block-ms": 100,
-              "result-ttl": 120, "drain-timeout": 5, "device": "cpu", "log-level": "info"}
+              "result-ttl": 120, "drain-timeout": 5, "device": "cpu", "log-level": "debug"}
 
 
 class FaultEnv:

@@ -99,8 +99,8 @@ class Admission:
         return decode_job(e.payload, self.w.limits)
 
     def _log_received(self, e: Entry, job_id: Optional[str]) -> None:
-        self.w.log.info("received", job_id=job_id, entry_id=e.entry_id, lane=e.lane,
-                        source=e.source, deliveries=e.deliveries)
+        self.w.log.debug("received", job_id=job_id, entry_id=e.entry_id, lane=e.lane,
+                         source=e.source, deliveries=e.deliveries)
 
     def _reject(self, e: Entry, code: ErrorCode, message: str, job_id: Optional[str],
                 metadata: dict) -> None:

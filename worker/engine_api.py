@@ -53,6 +53,23 @@ class EngineAPI(Protocol):
     def stats(self) -> Mapping[str, Any]: ...
 
 
+_SUMMARY_FIELDS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                   "max_model_len", "enable_prefix_caching", "attention_backend",
+                   "enforce_eager")
+
+
+def describe_engine(engine: EngineAPI) -> dict[str, Any]:
+    """The engine's configuration in one log line at start-up: the resolved settings (an
+    engine with a ``config``, as LLMEngine has) and the size of its KV pool."""
+    config = getattr(engine, "config", None)
+    out = {name: str(getattr(config, name)) for name in _SUMMARY_FIELDS
+           if config is not None and hasattr(config, name)}
+    stats = engine.stats()
+    out["kv_blocks"] = stats.get("kv_blocks_total")
+    out["engine"] = type(engine).__name__
+    return out
+
+
 def load_engine(settings: WorkerSettings) -> EngineAPI:
     """Build the engine named by ``--model``; ``fake:k=v,...`` builds the FakeEngine (producers
     test their code with it, no model needed): max_num_seqs, step_delay, max_model_len."""

@@ -79,7 +79,12 @@ class Job:
         return "".join(self.out_text)
 
     def log_fields(self) -> dict[str, Any]:
-        return {"job_id": self.job_id, "entry_id": self.entry.entry_id, "lane": self.entry.lane}
+        """What every log line of this job carries; the producer's W3C traceparent too, so a
+        request can be followed from the web backend's trace into the worker's log."""
+        fields = {"job_id": self.job_id, "entry_id": self.entry.entry_id, "lane": self.entry.lane}
+        if self.request.traceparent:
+            fields["traceparent"] = self.request.traceparent
+        return fields
 
     # ------------------------------------------------------------------ events
     def queue_started(self) -> None:

@@ -135,8 +135,8 @@ class Outbox:
                 w.log.warning("not acked: another worker holds the entry", job_id=a.job_id,
                               entry_id=a.entry_id)
             else:
-                w.log.info("acked", job_id=a.job_id, entry_id=a.entry_id, reason=a.reason,
-                           was_pending=AckStatus(int(code)) is AckStatus.ACKED)
+                w.log.debug("acked", job_id=a.job_id, entry_id=a.entry_id, reason=a.reason,
+                            was_pending=AckStatus(int(code)) is AckStatus.ACKED)
 
     # ---------------------------------------------------------------- event writes
     def _ttl_due(self, job: Job, now: float) -> bool:

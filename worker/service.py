@@ -32,7 +32,7 @@ from worker.connection import (EXIT_CONFIG, Backoff, ErrorKind, PermanentRedisEr
                                connect, describe_permanent)
 from worker.deadletters import DeadLetterWriter
 from worker.drain import Drain
-from worker.engine_api import EngineAPI, load_engine
+from worker.engine_api import EngineAPI, describe_engine, load_engine
 from worker.fencing import Fence
 from worker.intake import Intake
 from worker.jobs import JobTable
@@ -118,7 +118,7 @@ class Worker:
         try:
             if self.engine is None and not self._load_engine():
                 return self.exit_code
-            self.log.info("engine loaded")
+            self.log.info("engine loaded", model=self.s.model, **describe_engine(self.engine))
             if not self._connect() or not self._claim_worker_id():
                 return self.exit_code
             self.metrics.serve(self.s.metrics_port, self.s.metrics_host)

@@ -48,7 +48,7 @@ class Stepper:
         for job, d, prev, first, ts in self._stepped:
             if first:
                 m.ttft.observe(max(0.0, ts - job.enqueued_ms / 1000))
-                log.info("first_token", **job.log_fields())
+                log.debug("first_token", **job.log_fields())
             n = len(d.new_token_ids)
             if n:
                 m.generation_tokens.inc(n)

@@ -195,7 +195,7 @@ class Procs:
                 "--namespace", namespace, "--queue", "q", "--worker-id", worker_id,
                 "--lease-ms", "1000", "--heartbeat-ms", "200", "--block-ms", "100",
                 "--max-deliveries", str(max_deliveries), "--drain-timeout", "0.5", "--result-ttl", "300",
-                "--device", "cpu", *flags)
+                "--device", "cpu", "--log-level", "debug", *flags)
         wp = WorkerProcess(args=args, env=self.env(**(env or {})), module=module,
                            log_path=self.tmp_path / f"{worker_id}-{len(self.workers)}.log")
         self.workers.append(wp)

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from producer_sdk import AsyncClient, Client
-from producer_sdk.protocol import PAYLOAD_FIELD, Keys
+from producer_sdk.protocol import PAYLOAD_FIELD, Keys, now_ms
 from tests.fault_harness import wait_for
 from worker.fake_engine import FakeEngine
 
@@ -55,9 +55,10 @@ def test_running_done_cancelled_failed_and_expired(client, redis_server, start_w
     wait_for(lambda: client.status("bad").state == "failed", 20, what="bad failed")
     bad = client.status("bad")
     assert bad.error_code == "invalid_request" and "prompt" in bad.message
-    late = client.submit("late", max_tokens=2, deadline_s=0.001, job_id="late")
-    wait_for(lambda: client.status(late.id).state == "expired", 20, what="deadline passed")
-    assert client.status(late.id).error_code == "expired"
+    r.xadd(Keys().lane("default"), {PAYLOAD_FIELD: msgpack.packb(     # its deadline passed
+        {"v": 1, "job_id": "late", "prompt": "late", "deadline_ms": now_ms() - 1000})})
+    wait_for(lambda: client.status("late").state == "expired", 20, what="deadline passed")
+    assert client.status("late").error_code == "expired"
     r.delete(Keys().results(short.id))              # what the result TTL does
     assert client.status(short.id).state == "expired"
     r.close()
