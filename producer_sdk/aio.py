@@ -25,7 +25,7 @@ from producer_sdk.job import (Deadline, Delta, JobHandle, JobState, Result, Stre
                               feed_states, timeout_error)
 from producer_sdk.payloads import Prepared
 from producer_sdk.protocol import DEFAULT_LIMITS, Limits, now_ms, validate_job_id
-from producer_sdk.status import JobStatus, Plan, status_plan
+from producer_sdk.status import JobStatus, Lockstep, status_plan
 
 
 class AsyncJob(JobHandle):
@@ -211,17 +211,15 @@ class AsyncClient(ClientCore[aioredis.Redis]):
         return statuses
 
     async def status(self, job_id: str) -> JobStatus:
-        validate_job_id(job_id)
-        return await self._run_plan(status_plan(self.keys, job_id))
+        return (await self.statuses([job_id]))[0]
 
-    async def _run_plan(self, plan: Plan) -> Any:
-        reply = None
-        while True:
-            try:
-                step = plan.send(reply)
-            except StopIteration as done:
-                return done.value
-            reply = await self._call(step.pipeline(self.redis).execute, False)
+    async def statuses(self, job_ids: Sequence[str]) -> list[JobStatus]:
+        for job_id in job_ids:
+            validate_job_id(job_id)
+        lock = Lockstep([status_plan(self.keys, j) for j in job_ids])
+        while (steps := lock.round()) is not None:
+            lock.feed([await self._call(s.pipeline(self.redis).execute, False) for s in steps])
+        return lock.results
 
     async def cancel(self, job_id: str) -> None:
         await self._call(self.redis.set, self.keys.cancel(job_id), b"1",

@@ -37,8 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a worker is live if it beat within this many seconds")
     cancel = sub.add_parser("cancel", help="cancel a job by id")
     cancel.add_argument("job_id")
-    status = sub.add_parser("status", help="where a job stands (queued, running, done, ...)")
-    status.add_argument("job_id")
+    status = sub.add_parser("status", help="where a job stands (queued, running, done, ...), "
+                                           "or every job of a batch (--batch INPUT)")
+    status.add_argument("job_id", nargs="?")
+    status.add_argument("--batch", default=None, metavar="INPUT",
+                        help="the batch input JSONL: one line per job, then the counts by state")
+    status.add_argument("--batch-id", default=None,
+                        help="the batch's id, when it was given to 'batch' [hash of INPUT]")
     status.add_argument("--json", action="store_true", help="print JSON instead of a line")
     result = sub.add_parser("result", help="wait for a job and print its output")
     result.add_argument("job_id")
@@ -169,14 +174,47 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_status(client: Client, args: argparse.Namespace) -> int:
     """Exit 0 for a known job, 6 for an unknown id."""
+    if args.batch is not None:
+        return cmd_batch_status(client, args)
+    if args.job_id is None:
+        raise InvalidRequest("status needs a JOB_ID or --batch INPUT")
     st = client.status(args.job_id)
-    if args.json:
-        print(st.model_dump_json())
-    else:
-        shown = {k: v for k, v in st.model_dump(exclude={"job_id", "state"}).items()
-                 if v not in (None, False, 0) or (k == "position" and v == 0)}
-        print(" ".join([st.job_id, st.state, *(f"{k}={v}" for k, v in shown.items())]))
+    print(st.model_dump_json() if args.json else _status_line(st.job_id, st))
     return EXIT_UNKNOWN if st.state == "unknown" else 0
+
+
+def _status_line(name: str, st: Any) -> str:
+    shown = {k: v for k, v in st.model_dump(exclude={"job_id", "state"}).items()
+             if v not in (None, False, 0) or (k == "position" and v == 0)}
+    return " ".join([name, st.state, *(f"{k}={v}" for k, v in shown.items())])
+
+
+def cmd_batch_status(client: Client, args: argparse.Namespace) -> int:
+    """Every job of a batch, found from its input file (job ids are derived from the batch id
+    and each line's custom_id, as the batch runner names them); then the counts by state."""
+    from pathlib import Path
+
+    from producer_sdk.batch import scan_input
+    from producer_sdk.openai_format import job_id_for
+    path = Path(args.batch)
+    batch_id = args.batch_id or f"batch_{scan_input(path)[1][:24]}"
+    custom_ids = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                cid = json.loads(line).get("custom_id")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(cid, str) and cid:
+                custom_ids.append(cid)
+    statuses = client.statuses([job_id_for(batch_id, c) for c in custom_ids])
+    counts: dict[str, int] = {}
+    for cid, st in zip(custom_ids, statuses):
+        counts[st.state] = counts.get(st.state, 0) + 1
+        print(json.dumps({"custom_id": cid, **st.model_dump()}) if args.json
+              else _status_line(cid, st))
+    print(json.dumps({"batch_id": batch_id, "jobs": len(statuses), **counts}), file=sys.stderr)
+    return 0
 
 
 def cmd_result(client: Client, args: argparse.Namespace) -> int:

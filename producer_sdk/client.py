@@ -21,7 +21,7 @@ from producer_sdk.errors import DUPLICATE, JobFailed, JobNotFound, QueueFull, Re
 from producer_sdk.job import Deadline, Delta, Job, JobState, Result, feed_states
 from producer_sdk.payloads import Prepared
 from producer_sdk.protocol import DEFAULT_LIMITS, Limits, now_ms, validate_job_id
-from producer_sdk.status import JobStatus, Plan, status_plan
+from producer_sdk.status import JobStatus, Lockstep, status_plan
 
 XREAD_COUNT = 512
 
@@ -253,18 +253,16 @@ class Client(ClientCore[redis.Redis]):
         """Where a job stands: queued (lane, approximate position), running (worker, tokens so
         far), done, cancelled, failed, expired or unknown (producer_sdk/status.py). Reads only:
         two round trips, four for a queued job."""
-        validate_job_id(job_id)
-        return self._run_plan(status_plan(self.keys, job_id))
+        return self.statuses([job_id])[0]
 
-    def _run_plan(self, plan: Plan) -> Any:
-        """Drive an I/O-free plan: each step's pipeline executed, its replies sent back."""
-        reply = None
-        while True:
-            try:
-                step = plan.send(reply)
-            except StopIteration as done:
-                return done.value
-            reply = self._call(step.pipeline(self.redis).execute, False)
+    def statuses(self, job_ids: Sequence[str]) -> list[JobStatus]:
+        """``status`` of many jobs in the round trips of one (e.g. every line of a batch)."""
+        for job_id in job_ids:
+            validate_job_id(job_id)
+        lock = Lockstep([status_plan(self.keys, j) for j in job_ids])
+        while (steps := lock.round()) is not None:
+            lock.feed([self._call(s.pipeline(self.redis).execute, False) for s in steps])
+        return lock.results
 
     def cancel(self, job_id: str) -> None:
         """Set the job's cancel flag (with a TTL); idempotent, works for unknown ids too."""

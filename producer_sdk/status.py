@@ -59,8 +59,69 @@ class Step:
 
 
 # An I/O-free sequence of round trips: it yields Steps, is sent each one's replies (errors as
-# values) and returns its answer; Client and AsyncClient drive it (``_run_plan``).
+# values) and returns its answer; Client and AsyncClient drive plans through Lockstep.
 Plan = Generator[Step, Any, Any]
+
+
+class _Counting:
+    """A pipeline stand-in that counts the commands a step queues (its share of the replies)."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe, self.n = pipe, 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.pipe, name)
+
+        def queued(*args: Any, **kwargs: Any) -> Any:
+            self.n += 1
+            return method(*args, **kwargs)
+        return queued
+
+
+class Lockstep:
+    """Many plans at once: each round merges every live plan's next step into at most two
+    pipelines (plain, MULTI), so N jobs' statuses cost the round trips of one. I/O-free: the
+    driver executes ``round()``'s steps and ``feed``s their replies, in order."""
+
+    def __init__(self, plans: list[Plan]) -> None:
+        self.plans = plans
+        self.results: list[Any] = [None] * len(plans)
+        self._replies: dict[int, Any] = {i: None for i in range(len(plans))}
+        self._shares: list[list[tuple[int, int]]] = []
+
+    def round(self) -> Optional[list[Step]]:
+        steps: dict[int, Step] = {}
+        for i, reply in self._replies.items():
+            try:
+                steps[i] = self.plans[i].send(reply)
+            except StopIteration as done:
+                self.results[i] = done.value
+        if not steps:
+            return None
+        merged, self._shares = [], []
+        for transaction in (False, True):
+            mine = [(i, s) for i, s in steps.items() if s.transaction is transaction]
+            if mine:
+                shares: list[tuple[int, int]] = []
+                merged.append(Step(transaction, lambda p, mine=mine, shares=shares:
+                                   _queue_all(p, mine, shares)))
+                self._shares.append(shares)
+        return merged
+
+    def feed(self, replies: list[list[Any]]) -> None:
+        self._replies = {}
+        for shares, reply in zip(self._shares, replies):
+            at = 0
+            for i, n in shares:
+                self._replies[i] = reply[at:at + n]
+                at += n
+
+
+def _queue_all(pipe: Any, steps: list[tuple[int, Step]], shares: list) -> None:
+    for i, step in steps:
+        counting = _Counting(pipe)
+        step.queue(counting)
+        shares.append((i, counting.n))
 
 
 def status_plan(keys: Keys, job_id: str) -> Plan:

@@ -73,3 +73,41 @@ def test_async_status_reads_the_same(client, redis_server):
             return [await ac.status(j) for j in ("a1", "a2", "nope")]
 
     assert asyncio.run(main()) == [client.status(j) for j in ("a1", "a2", "nope")]
+
+
+def test_many_statuses_in_the_round_trips_of_one(client, monkeypatch):
+    ids = [client.submit(f"m{i}", max_tokens=2, job_id=f"m{i}").id for i in range(40)]
+    one_by_one = [client.status(j) for j in ids + ["nope"]]
+    pipelines = []
+    real = client.redis.pipeline
+    monkeypatch.setattr(client.redis, "pipeline",
+                        lambda *a, **k: pipelines.append(k) or real(*a, **k))
+    got = client.statuses(ids + ["nope"])
+    assert got == one_by_one
+    assert [s.position for s in got[:-1]] == list(range(40)) and got[-1].state == "unknown"
+    # the rounds of one queued job (record, snapshot, lanes, its place), whatever the count
+    assert len(pipelines) == 4, pipelines
+
+
+def test_batch_status_lists_every_line(tmp_path, redis_server):
+    import json
+    import subprocess
+    import sys
+
+    from producer_sdk.openai_format import job_id_for
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST",
+                                       "url": "/v1/completions",
+                                       "body": {"prompt": f"p{i}", "max_tokens": 2}}) + "\n"
+                           for i in range(3)))
+    with Client(redis_server.url) as c:
+        c.submit("p0", max_tokens=2, job_id=job_id_for("my-batch", "c0"))
+    out = subprocess.run([sys.executable, "-m", "producer_sdk", "status", "--batch", str(src),
+                          "--batch-id", "my-batch", "--redis-url", redis_server.url, "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(x) for x in out.stdout.splitlines()]
+    assert [(r["custom_id"], r["state"]) for r in rows] == [
+        ("c0", "queued"), ("c1", "unknown"), ("c2", "unknown")]
+    assert json.loads(out.stderr.splitlines()[-1]) == {"batch_id": "my-batch", "jobs": 3,
+                                                       "queued": 1, "unknown": 2}
