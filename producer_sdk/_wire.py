@@ -145,16 +145,6 @@ def record_location(keys: Keys, record: Any) -> tuple[str, str]:
     return keys.lane("default"), "0-0"
 
 
-def probe_statuses(records: Sequence[Any], replies: Sequence[Any]) -> list[str]:
-    """Per job of a probe: 'active', 'lost' or 'unknown', from its dedupe record and the
-    (EXISTS result stream, XRANGE of the recorded entry) reply pair read in one MULTI."""
-    out = []
-    for k, rec in enumerate(records):
-        has_results, queued = replies[2 * k], bool(rec) and bool(replies[2 * k + 1])
-        out.append("active" if has_results or queued else ("lost" if rec else "unknown"))
-    return out
-
-
 def normalize_xread(reply: Any) -> list[tuple[str, list[tuple[bytes, dict]]]]:
     """XREAD replies as [(key, [(entry id, fields)])] for both RESP2 and RESP3 shapes."""
     if not reply:

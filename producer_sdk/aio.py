@@ -15,8 +15,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, ResponseError
 
-from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, is_oom, merge_xreads, normalize_xread,
-                                probe_statuses, record_location)
+from producer_sdk._wire import ENQUEUE_LUA, EnqueuePlan, is_oom, merge_xreads, normalize_xread
 from producer_sdk.client import (XREAD_COUNT, _len_or_none, _outcome, map_defaults,
                                  progress_bar, take_batch)
 from producer_sdk.client_core import NET_ERRORS, ClientCore
@@ -25,7 +24,7 @@ from producer_sdk.job import (Deadline, Delta, JobHandle, JobState, Result, Stre
                               feed_states, timeout_error)
 from producer_sdk.payloads import Prepared
 from producer_sdk.protocol import DEFAULT_LIMITS, Limits, now_ms, validate_job_id
-from producer_sdk.status import JobStatus, Lockstep, status_plan
+from producer_sdk.status import JobStatus, Lockstep, liveness, status_plan
 
 
 class AsyncJob(JobHandle):
@@ -195,20 +194,11 @@ class AsyncClient(ClientCore[aioredis.Redis]):
         return job
 
     async def probe(self, jobs: Sequence[AsyncJob]) -> list[str]:
-        pipe = self.redis.pipeline(transaction=False)
-        for j in jobs:
-            pipe.get(self.keys.dedupe(j.id))
-        records = await self._call(pipe.execute)
-        pipe = self.redis.pipeline(transaction=True)
-        for j, rec in zip(jobs, records):
-            lane, entry = record_location(self.keys, rec)
-            pipe.exists(self.keys.results(j.id))
-            pipe.xrange(lane, entry, entry, count=1)
-        statuses = probe_statuses(records, await self._call(pipe.execute))
-        for j, status in zip(jobs, statuses):
-            if status == "lost":
+        found = [liveness(s) for s in await self._statuses([j.id for j in jobs], position=False)]
+        for j, state in zip(jobs, found):
+            if state == "lost":
                 j.state.mark_lost()
-        return statuses
+        return found
 
     async def status(self, job_id: str) -> JobStatus:
         return (await self.statuses([job_id]))[0]
@@ -216,7 +206,10 @@ class AsyncClient(ClientCore[aioredis.Redis]):
     async def statuses(self, job_ids: Sequence[str]) -> list[JobStatus]:
         for job_id in job_ids:
             validate_job_id(job_id)
-        lock = Lockstep([status_plan(self.keys, j) for j in job_ids])
+        return await self._statuses(job_ids)
+
+    async def _statuses(self, job_ids: Sequence[str], position: bool = True) -> list[JobStatus]:
+        lock = Lockstep([status_plan(self.keys, j, position) for j in job_ids])
         while (steps := lock.round()) is not None:
             lock.feed([await self._call(s.pipeline(self.redis).execute, False) for s in steps])
         return lock.results

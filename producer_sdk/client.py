@@ -14,14 +14,13 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 import redis
 from redis.exceptions import NoScriptError
 
-from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, is_oom, merge_xreads, normalize_xread,
-                                probe_statuses, record_location)
+from producer_sdk._wire import ENQUEUE_LUA, EnqueuePlan, is_oom, merge_xreads, normalize_xread
 from producer_sdk.client_core import NET_ERRORS, ClientCore
 from producer_sdk.errors import DUPLICATE, JobFailed, JobNotFound, QueueFull, RedisUnavailable
 from producer_sdk.job import Deadline, Delta, Job, JobState, Result, feed_states
 from producer_sdk.payloads import Prepared
 from producer_sdk.protocol import DEFAULT_LIMITS, Limits, now_ms, validate_job_id
-from producer_sdk.status import JobStatus, Lockstep, status_plan
+from producer_sdk.status import JobStatus, Lockstep, liveness, status_plan
 
 XREAD_COUNT = 512
 
@@ -227,27 +226,13 @@ class Client(ClientCore[redis.Redis]):
         return job
 
     def probe(self, jobs: Sequence[Job]) -> list[str]:
-        """Per job: 'active' (queued, running or has results), 'lost' or 'unknown'; marks lost.
-
-        Lost means the dedupe record exists but the entry left the queue and no result stream is
-        left: results expired before anyone read them. The check of entry and result stream runs
-        in one MULTI, and workers write their first event before acknowledging, so an active job
-        is never reported lost.
-        """
-        pipe = self.redis.pipeline(transaction=False)
-        for j in jobs:
-            pipe.get(self.keys.dedupe(j.id))
-        records = self._call(pipe.execute)
-        pipe = self.redis.pipeline(transaction=True)
-        for j, rec in zip(jobs, records):
-            lane, entry = record_location(self.keys, rec)
-            pipe.exists(self.keys.results(j.id))
-            pipe.xrange(lane, entry, entry, count=1)
-        statuses = probe_statuses(records, self._call(pipe.execute))
-        for j, status in zip(jobs, statuses):
-            if status == "lost":
+        """Per job: 'active' (queued, running or has results), 'lost' or 'unknown' (see
+        ``status.liveness``); marks lost jobs so reading them fails at once."""
+        found = [liveness(s) for s in self._statuses([j.id for j in jobs], position=False)]
+        for j, state in zip(jobs, found):
+            if state == "lost":
                 j.state.mark_lost()
-        return statuses
+        return found
 
     def status(self, job_id: str) -> JobStatus:
         """Where a job stands: queued (lane, approximate position), running (worker, tokens so
@@ -259,7 +244,10 @@ class Client(ClientCore[redis.Redis]):
         """``status`` of many jobs in the round trips of one (e.g. every line of a batch)."""
         for job_id in job_ids:
             validate_job_id(job_id)
-        lock = Lockstep([status_plan(self.keys, j) for j in job_ids])
+        return self._statuses(job_ids)
+
+    def _statuses(self, job_ids: Sequence[str], position: bool = True) -> list[JobStatus]:
+        lock = Lockstep([status_plan(self.keys, j, position) for j in job_ids])
         while (steps := lock.round()) is not None:
             lock.feed([self._call(s.pipeline(self.redis).execute, False) for s in steps])
         return lock.results

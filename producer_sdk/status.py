@@ -124,13 +124,13 @@ def _queue_all(pipe: Any, steps: list[tuple[int, Step]], shares: list) -> None:
         shares.append((i, counting.n))
 
 
-def status_plan(keys: Keys, job_id: str) -> Plan:
-    """The reads of ``Client.status``: the dedupe record, one MULTI snapshot, and for a queued
-    job the lanes' groups and the entries ahead of it in its lane."""
+def status_plan(keys: Keys, job_id: str, position: bool = True) -> Plan:
+    """The reads of ``Client.status``: the dedupe record, one MULTI snapshot, and (``position``)
+    for a queued job the lanes' groups and the entries ahead of it in its lane."""
     (record,) = yield Step(False, lambda p: p.get(keys.dedupe(job_id)))
     replies = yield Step(True, lambda p: queue_snapshot(p, keys, job_id, record))
     status = fold_status(keys, job_id, record, replies)
-    if status.state != "queued" or status.position is not None:
+    if not position or status.state != "queued" or status.position is not None:
         return status
     ahead, span = position_range(keys, record, (yield Step(
         False, lambda p: queue_position_reads(p, keys))))
@@ -138,6 +138,16 @@ def status_plan(keys: Keys, job_id: str) -> Plan:
         (entries,) = yield Step(False, lambda p: p.xrange(*span, count=POSITION_CAP))
         ahead += len(entries) if isinstance(entries, list) else 0
     return status.model_copy(update={"position": ahead})
+
+
+def liveness(status: JobStatus) -> str:
+    """What reattaching needs of a status: 'active' (queued, running or results to read),
+    'lost' (known, but its entry left the queue and its results expired before anyone read
+    them) or 'unknown'. The snapshot is one MULTI, and workers write their first event before
+    acknowledging, so an active job is never reported lost."""
+    if status.state == "unknown":
+        return "unknown"
+    return "lost" if status.state == "expired" and status.error_code is None else "active"
 
 
 def queue_snapshot(pipe: Any, keys: Keys, job_id: str, record: Any) -> None:

@@ -9,6 +9,7 @@ import msgpack
 import pytest
 
 from producer_sdk import AsyncClient, Client
+from producer_sdk.errors import JobFailed
 from producer_sdk.protocol import PAYLOAD_FIELD, Keys, now_ms
 from tests.fault_harness import wait_for
 from worker.fake_engine import FakeEngine
@@ -59,6 +60,9 @@ def test_running_done_cancelled_failed_and_expired(client, redis_server, start_w
         {"v": 1, "job_id": "late", "prompt": "late", "deadline_ms": now_ms() - 1000})})
     wait_for(lambda: client.status("late").state == "expired", 20, what="deadline passed")
     assert client.status("late").error_code == "expired"
+    with pytest.raises(JobFailed) as err:        # an expired deadline is a result, not "lost"
+        client.get("late").result(timeout=5)
+    assert err.value.code == "expired"
     r.delete(Keys().results(short.id))              # what the result TTL does
     assert client.status(short.id).state == "expired"
     r.close()
