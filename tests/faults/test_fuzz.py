@@ -10,6 +10,8 @@ A valid job follows each one. The oracle, checked after every example:
   or error) on its result stream, and nothing after it;
 * every valid job finishes with exactly the fake engine's output (worker.fake_engine).
 
+Every job field is drawn, the optional ones (``chat_template_kwargs``, ``traceparent``) too.
+
 One redis-server and one worker serve the whole module; every example uses fresh job ids.
 Shrinking is off: each example costs real round trips, and the failure message prints the
 payloads instead.
@@ -75,6 +77,10 @@ plausible = {
     "priority": st.integers(min_value=-3, max_value=3), "stream": st.booleans(),
     "deadline_ms": st.sampled_from([0, 1, 2**62]), "submitted_ms": st.integers(0, 2**41),
     "metadata": st.dictionaries(st.text(max_size=8), scalars, max_size=3),
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(
+        ["enable_thinking", "tokenize", "add_generation_prompt", "x"]), scalars, max_size=3),
+    "traceparent": st.sampled_from(["00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                                    "00-xyz", ""]),
 }
 plausible_params = {
     "max_tokens": st.integers(min_value=0, max_value=12), "temperature": st.floats(0, 2),
@@ -82,6 +88,17 @@ plausible_params = {
     "stop": st.lists(st.text(max_size=5), max_size=4), "n": st.integers(0, 3),
     "logprobs": st.integers(0, 30), "stop_token_ids": st.lists(st.integers(0, 300), max_size=4),
 }
+
+
+# Every JobRequest field but job_id and params, which job_maps draws on their own.
+JOB_FIELDS = ("v", "prompt", "messages", "prompt_token_ids", "priority", "deadline_ms", "stream",
+              "metadata", "submitted_ms", "chat_template_kwargs", "traceparent")
+
+
+def test_every_job_field_is_fuzzed():
+    """A field added to the protocol is drawn here too, or this fails."""
+    from producer_sdk.protocol import JobRequest
+    assert set(JOB_FIELDS) | {"job_id", "params"} == set(JobRequest.model_fields)
 
 
 def field_value(name: str, table: dict) -> st.SearchStrategy:
@@ -96,8 +113,7 @@ def job_maps(draw) -> Payload:
     """A job-shaped map with a random subset of fields, each plausible or of a random type."""
     job_id = new_id("map")
     obj: dict[Any, Any] = {}
-    for name in ("v", "prompt", "messages", "prompt_token_ids", "priority", "deadline_ms",
-                 "stream", "metadata", "submitted_ms"):
+    for name in JOB_FIELDS:
         if draw(st.integers(0, 9)) < (9 if name in ("v", "prompt") else 2):
             obj[name] = draw(field_value(name, plausible))
     if draw(st.booleans()):
