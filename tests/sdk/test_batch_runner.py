@@ -109,6 +109,14 @@ def test_batch_200_lines_with_3_malformed(sdk_url: str, tmp_path: Path):
     assert body["usage"]["completion_tokens"] == 3 and body["usage"]["total_tokens"] >= 3
     comp = next(o for o in outputs if o["custom_id"] == "req-0")["response"]["body"]
     assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == " t0 t1"
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+    for o in outputs:           # every body is what the openai package itself would parse
+        body = o["response"]["body"]
+        model = ChatCompletion if body["object"] == "chat.completion" else Completion
+        parsed = model.model_validate(body, strict=True)
+        usage = parsed.usage
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     # A rerun has nothing left to do and writes nothing twice.
     with Client(sdk_url) as client:
         again = BatchRunner(client, inp, out, err, batch_id="t200", progress=False).run()
