@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any, Optional, Sequence
 
 from producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS
+from producer_sdk.cli_common import add_connection_flags
 from producer_sdk.client import Client
 from producer_sdk.config import default_redis_url
 from producer_sdk.errors import InvalidRequest, JobFailed, JobNotFound, QueueFull, RedisUnavailable
@@ -49,23 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     result.add_argument("job_id")
     result.add_argument("--timeout", type=float, default=None, help="seconds to wait")
     result.add_argument("--json", action="store_true", help="print the Result as JSON")
-    _common(parser, top=True)
+    add_connection_flags(parser, top=True, queue_help="; stats: all queues")
     for p in sub.choices.values():
-        _common(p, top=False)
+        add_connection_flags(p, top=False, queue_help="; stats: all queues")
     return parser
-
-
-def _common(p: argparse.ArgumentParser, top: bool) -> None:
-    """The connection flags, before or after the subcommand (below the top they default to
-    SUPPRESS, so they never undo a value given above)."""
-    def default(value: Any) -> dict[str, Any]:
-        return {"default": value if top else argparse.SUPPRESS}
-    p.add_argument("--redis-url", **default(None),
-                   help="Redis URL [default: $TOKENRELAY_REDIS_URL or redis://127.0.0.1:6379/0]")
-    p.add_argument("--namespace", **default(os.environ.get("TOKENRELAY_NAMESPACE", "tokenrelay")),
-                   help="key prefix [default: $TOKENRELAY_NAMESPACE or tokenrelay]")
-    p.add_argument("--queue", **default(os.environ.get("TOKENRELAY_QUEUE")),
-                   help="queue name [default: $TOKENRELAY_QUEUE or default; stats: all queues]")
 
 
 def _submit_parser(p: argparse.ArgumentParser) -> None:
@@ -133,7 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except JobNotFound as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNKNOWN
-    except BrokenPipeError:         # the reader left: cli_exit.run_cli ends quietly
+    except BrokenPipeError:         # the reader left: cli_common.run_cli ends quietly
         raise
     except OSError as exc:          # a missing batch input, output folder, ...
         print(f"error: {exc}", file=sys.stderr)

@@ -57,5 +57,5 @@ def main(argv: Optional[list[str]] = None,
 
 
 if __name__ == "__main__":
-    from producer_sdk.cli_exit import run_cli
+    from producer_sdk.cli_common import run_cli
     sys.exit(run_cli(main))

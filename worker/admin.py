@@ -21,6 +21,8 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import redis as redis_lib
 
 from producer_sdk._wire import redact_url
+from producer_sdk.cli_common import add_connection_flags
+from producer_sdk.config import default_redis_url
 from producer_sdk.protocol import (
     GROUP, PAYLOAD_FIELD, DeadLetter, ErrorCode, Keys, decode_job,
 )
@@ -184,16 +186,9 @@ def drain_requested(r: Any, keys: Keys, worker_id: str) -> bool:
 # --------------------------------------------------------------------------------------------
 
 def _global_flags(p: argparse.ArgumentParser, top: bool) -> None:
-    """The connection flags, on the command and on every subcommand, so they may come before or
-    after it; below the top they default to SUPPRESS and so never undo a value given above."""
-    unset = {} if top else {"default": argparse.SUPPRESS}
-    p.add_argument("--redis-url", **({"default": None} | unset),
-                   help="default: $TOKENRELAY_REDIS_URL or redis://localhost:6379/0")
-    p.add_argument("--namespace", **({"default": None} | unset),
-                   help="default: $TOKENRELAY_NAMESPACE or tokenrelay")
-    p.add_argument("--queue", **({"default": None} | unset),
-                   help="default: $TOKENRELAY_QUEUE or default")
-    p.add_argument("--json", action="store_true", **unset, help="machine-readable output")
+    add_connection_flags(p, top)
+    p.add_argument("--json", action="store_true", **({} if top else {"default": argparse.SUPPRESS}),
+                   help="machine-readable output")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,16 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _url(args: argparse.Namespace) -> str:
-    import os
-    return args.redis_url or os.environ.get("TOKENRELAY_REDIS_URL", "redis://localhost:6379/0")
+    return args.redis_url or default_redis_url()
 
 
 def _connect(args: argparse.Namespace) -> tuple[Any, Keys]:
-    import os
-    url = _url(args)
-    keys = Keys(args.namespace or os.environ.get("TOKENRELAY_NAMESPACE", "tokenrelay"),
-                args.queue or os.environ.get("TOKENRELAY_QUEUE", "default"))
-    return redis_lib.Redis.from_url(url, socket_timeout=10), keys
+    keys = Keys(args.namespace, args.queue or "default")
+    return redis_lib.Redis.from_url(_url(args), socket_timeout=10), keys
 
 
 def _emit(args: argparse.Namespace, rows: Iterable[dict], columns: Sequence[str]) -> None:

@@ -43,9 +43,11 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
                "xautoclaim", "xpending", "xrange", "xrevrange",
                "get", "set", "mget", "exists", "del", "pexpire",
                "hset", "hget", "hgetall", "zadd", "zrem"),
-    # producer_sdk.Client / AsyncClient / python -m producer_sdk submit|cancel|batch
+    # producer_sdk.Client / AsyncClient / python -m producer_sdk submit|cancel|batch|status
+    # (status and reattach read the job's pending row, last event and the lanes' groups)
     "producer": ("ping", "evalsha", "script|load", "xadd", "xlen", "xread", "xrange",
-                 "get", "set", "exists", "hget", "multi", "exec"),
+                 "xrevrange", "xpending", "xinfo|groups", "get", "set", "exists", "hget",
+                 "multi", "exec"),
     # python -m worker admin ... and python -m producer_sdk stats --queue Q
     "admin": ("evalsha", "eval", "xpending", "xrange", "xadd", "xdel", "xlen", "xinfo|groups",
               "get", "set", "exists", "del", "hget", "hset", "zrange", "zcount", "zcard"),
@@ -318,6 +320,9 @@ def test_acl_users_run_worker_sdk_admin_and_health(acl_redis, procs):
         long.cancel()
         assert long.result(timeout=60).finish_reason == "cancelled"
         assert client.get("s1").result(timeout=10).text == text        # reattach by id
+        assert client.status("s1").state == "done"                      # status by id
+        queued = client.submit("waits for nobody", max_tokens=2, job_id="s1q", priority=7)
+        assert client.status(queued.id).state in ("queued", "running", "done")
         srv.client().xadd(keys.lane("default"), {PAYLOAD_FIELD: b"\xc1 not msgpack"})
 
         # health as the worker user; admin commands as the admin user
