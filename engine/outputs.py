@@ -16,11 +16,19 @@ class ResumeState:
 
     output_token_ids: list[int]
     output_text: str
+    # Set when this choice had already finished (its last event was delivered): it is not run.
+    finish_reason: Optional[str] = None
+    stop_reason: Union[str, int, None] = None
 
 
 @dataclass
 class RequestDelta:
-    """What one step produced for one request (at most one per request per step)."""
+    """What one step produced for one choice of one request (at most one per choice per step).
+
+    A request with ``n`` choices ends when each choice has had its ``finished`` delta. Beam
+    search requests return nothing until the search ends, then one delta per beam, best first
+    (``index`` = rank), each holding the whole beam.
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -32,6 +40,8 @@ class RequestDelta:
     stop_reason: Union[str, int, None]              # the stop string or token id that matched
     num_prompt_tokens: int
     num_output_tokens: int                          # total so far, resumed ones included
+    index: int = 0                                  # the choice (sample or beam rank)
+    cumulative_logprob: Optional[float] = None      # of this choice's output so far
 
 
 @dataclass

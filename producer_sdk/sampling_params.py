@@ -19,6 +19,16 @@ from typing import Any, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+# The schema's own ceiling on ``n`` and ``beam_width``; engines and workers set lower bounds of
+# their own (EngineConfig.max_n / max_beam_width, the worker's Limits).
+MAX_N = 256
+
+# Beam search is deterministic: it scores every continuation by log-probability. Fields that
+# shape sampling or stopping in ways it cannot honour are refused with it instead of ignored.
+_NOT_WITH_BEAM_SEARCH = ("stop", "stop_token_ids", "logprobs", "repetition_penalty",
+                         "presence_penalty", "frequency_penalty")
+
+
 class SamplingParams(BaseModel):
     """How to sample one request. ``temperature == 0`` means greedy.
 
@@ -28,7 +38,14 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=False, validate_assignment=True, strict=True)
 
-    n: int = Field(default=1, ge=1, le=1, description="Completions per request (only 1 is supported).")
+    n: int = Field(default=1, ge=1, le=MAX_N,
+                   description="Sampled completions (choices) of one prompt; its blocks are shared.")
+    beam_width: Optional[int] = Field(
+        default=None, ge=1, le=MAX_N,
+        description="Beam search with this many beams instead of sampling (all are returned, "
+                    "best first); None samples.")
+    length_penalty: float = Field(default=1.0, ge=-10.0, le=10.0,
+                                  description="Beam search: score = cum_logprob / len**this.")
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, description="-1 (or 0) disables top-k.")
@@ -47,7 +64,7 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty")
+                     "presence_penalty", "frequency_penalty", "length_penalty")
     @classmethod
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):
@@ -88,7 +105,27 @@ class SamplingParams(BaseModel):
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.beam_width is not None:
+            if self.n not in (1, self.beam_width):
+                raise ValueError(f"n ({self.n}) with beam_width ({self.beam_width}): beam search "
+                                 f"returns all beam_width beams; leave n at 1")
+            defaults = type(self).model_fields
+            bad = [f for f in _NOT_WITH_BEAM_SEARCH
+                   if getattr(self, f) != defaults[f].get_default(call_default_factory=True)]
+            if bad:
+                raise ValueError(f"beam_width: beam search does not take {bad}")
+        elif self.length_penalty != 1.0:
+            raise ValueError("length_penalty applies to beam search only (set beam_width)")
         return self
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width is not None
+
+    @property
+    def num_choices(self) -> int:
+        """How many outputs the request returns: the beams, or the n samples."""
+        return self.beam_width if self.beam_width is not None else self.n
 
     @property
     def greedy(self) -> bool:
