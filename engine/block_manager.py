@@ -9,6 +9,12 @@ hash and its own token ids, so equal hashes mean equal whole prefixes. A hit is 
 the stored (parent hash, token ids) key, so a hash collision can never serve wrong KV. Blocks
 nobody references stay in the free queue with their contents and hash intact, reusable until a
 fresh allocation evicts them, least recently freed first.
+
+Forks (parallel samples, beams): ``fork`` gives a sibling the same block table, one more
+reference on each block. Full blocks are never written again, so sharing them is free; the one
+partly filled last block is copied when a sibling first writes into it while others still hold
+it (copy on write): ``allocate`` swaps in a fresh block and records (source, destination) in
+``pending_copies`` for the model runner to copy before the step's forward pass.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class BlockManager:
         # Blocks with ref count 0, in eviction order (front is reused first). Blocks without a
         # hash go to the front: reusing them costs nothing, evicting cached ones loses a prefix.
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Copy-on-write copies (src, dst) decided by allocate, run before the next forward.
+        self.pending_copies: list[tuple[int, int]] = []
         # Prefix cache statistics (tokens):
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
@@ -84,10 +92,19 @@ class BlockManager:
         return (f"needs {need} KV blocks of {self.block_size} tokens, the pool has "
                 f"{self.num_blocks}")
 
-    def num_shared_token_copies(self) -> int:
-        """Token slots that a sum over sequences counts more than once: shared blocks are full
-        prefix blocks, so a block held by r sequences adds ``(r - 1) * block_size``."""
-        return self.block_size * sum(rc - 1 for rc in self.ref_counts if rc > 1)
+    def num_shared_blocks(self) -> int:
+        """Blocks held by more than one sequence (shared prefixes, forked choices)."""
+        return sum(1 for rc in self.ref_counts if rc > 1)
+
+    def num_shared_token_copies(self, seqs: Iterable[Sequence]) -> int:
+        """Token slots a sum of ``num_computed_tokens`` over ``seqs`` counts more than once:
+        a block held by r of them adds ``(r - 1)`` times the tokens it holds."""
+        holders: dict[int, list[int]] = {}
+        for s in seqs:
+            for i, b in enumerate(s.block_table):
+                filled = min(self.block_size, max(0, s.num_computed_tokens - i * self.block_size))
+                holders.setdefault(b, []).append(filled)
+        return sum(sum(f) - max(f) for f in holders.values() if len(f) > 1)
 
     # -- prefix cache ----------------------------------------------------------------------
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
@@ -128,12 +145,21 @@ class BlockManager:
         self.num_hit_tokens += num_hit_tokens
 
     # -- allocation ------------------------------------------------------------------------
+    def _needs_copy(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Would writing the next tokens land in a partly filled block others still hold?"""
+        c = seq.num_computed_tokens
+        if num_new_tokens <= 0 or c % self.block_size == 0:
+            return False
+        i = c // self.block_size
+        return i < len(seq.block_table) and self.ref_counts[seq.block_table[i]] > 1
+
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int,
                           cached_blocks: Iterable[int] = ()) -> int:
-        """Free-queue blocks an ``allocate`` call would consume (fresh plus revived cached)."""
+        """Free-queue blocks an ``allocate`` call would consume (fresh, copied, revived)."""
         if not cached_blocks:  # the per-step path of every running sequence
             total = seq.num_computed_tokens + num_new_tokens
-            return max(0, -(-total // self.block_size) - len(seq.block_table))
+            fresh = max(0, -(-total // self.block_size) - len(seq.block_table))
+            return fresh + self._needs_copy(seq, num_new_tokens)
         cached = list(cached_blocks)
         have = len(seq.block_table) + len(cached)
         total_tokens = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
@@ -166,6 +192,13 @@ class BlockManager:
         if cached:
             seq.block_table.extend(cached)
             seq.num_cached_blocks = len(cached)
+        if self._needs_copy(seq, num_new_tokens):
+            i = seq.num_computed_tokens // self.block_size
+            src = seq.block_table[i]
+            self.ref_counts[src] -= 1
+            dst = self._take_fresh_block()
+            seq.block_table[i] = dst
+            self.pending_copies.append((src, dst))
         total_tokens = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
         for _ in range(self.blocks_for(total_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_fresh_block())
@@ -180,6 +213,18 @@ class BlockManager:
             self.block_key[block] = None
         self.ref_counts[block] = 1
         return block
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` (made by ``parent.fork``) now holds every block of ``parent`` too."""
+        if child.block_table != parent.block_table:
+            raise ValueError("fork: the child must start with the parent's block table")
+        for b in child.block_table:
+            self.ref_counts[b] += 1
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies decided since the last call, for the model runner."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references. Tail blocks first, so they are evicted first."""

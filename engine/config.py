@@ -50,6 +50,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
     enable_prefix_caching: bool = True
+    # Upper bounds on SamplingParams.n and beam_width: a request past them is refused.
+    max_n: int = 16
+    max_beam_width: int = 16
     attention_backend: str = "auto"
     # Unless True: on CUDA with the triton backend decode steps replay CUDA graphs
     # (engine/cuda_graphs.py); on CPU in float32 decode attention and Q/K norm + RoPE run
@@ -82,7 +85,7 @@ class EngineConfig:
                              f"got {self.cpu_gemm_backend!r}")
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
-        for name in ("block_size", "max_num_seqs"):
+        for name in ("block_size", "max_num_seqs", "max_n", "max_beam_width"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

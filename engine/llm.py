@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 from typing import Any, Mapping, Optional, Sequence as Seq, Union
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, PromptType
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, RequestDelta, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
 ParamsType = Union[SamplingParams, Seq[SamplingParams], None]
@@ -88,8 +89,35 @@ class LLM:
             o.prompt = text
         return outs
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
-             priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
+    def beam_search(self, prompts: Union[PromptType, Seq[PromptType]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's ``LLM.beam_search``): per prompt, the
+        ``beam_width`` finished beams, best first, ranked as transformers'
+        ``generate(num_beams=k, early_stopping=True)`` ranks them."""
+        sp = SamplingParams(beam_width=params.beam_width, max_tokens=params.max_tokens,
+                            ignore_eos=params.ignore_eos, length_penalty=params.length_penalty,
+                            min_tokens=params.min_tokens, temperature=0.0)
+        prompts = self._prompt_list(prompts)
+        ids, _, firsts, deltas = self._drive(prompts, [sp] * len(prompts),
+                                             [0] * len(prompts), False)
+        outputs = []
+        for rid in ids:
+            seqs = []
+            for d in sorted(deltas[rid], key=lambda d: d.index):
+                score = d.cumulative_logprob / (len(d.new_token_ids) ** params.length_penalty)
+                seqs.append(BeamSearchSequence(
+                    token_ids=d.new_token_ids, text=d.new_text, cum_logprob=d.cumulative_logprob,
+                    score=score, finish_reason=d.finish_reason, logprobs=d.token_logprobs))
+            first = firsts[rid]
+            outputs.append(BeamSearchOutput(seqs, first.prompt_token_ids, first.prompt))
+        return outputs
+
+    def _drive(self, prompts: list[PromptType], params_list: list[SamplingParams],
+               priorities: list[int], use_tqdm: bool
+               ) -> tuple[list[str], dict[str, Any], dict[str, Any],
+                          dict[str, list[RequestDelta]]]:
+        """Add every request, step until each has ended; (ids, each request's group, its
+        first sequence (the prompt), its deltas)."""
         engine = self.engine
         ids: list[str] = []
         try:
@@ -101,8 +129,9 @@ class LLM:
             for rid in ids:
                 engine.abort_request(rid)
             raise
-        seqs = {rid: engine.requests[rid] for rid in ids}
-        texts: dict[str, list[str]] = {rid: [] for rid in ids}
+        groups = {rid: engine.requests[rid] for rid in ids}
+        firsts = {rid: groups[rid].seqs[0] for rid in ids}
+        deltas: dict[str, list[RequestDelta]] = {rid: [] for rid in ids}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -110,31 +139,44 @@ class LLM:
         pending = set(ids)
         while pending:
             for d in engine.step():
-                if d.request_id in texts:
-                    texts[d.request_id].append(d.new_text)
-                    if d.finished:
-                        pending.discard(d.request_id)
-                        if bar is not None:
-                            bar.update(1)
+                if d.request_id in deltas:
+                    deltas[d.request_id].append(d)
+            for rid in [r for r in pending if r not in engine.requests]:
+                pending.discard(rid)
+                if bar is not None:
+                    bar.update(1)
             if pending and not engine.has_unfinished_requests():
                 raise RuntimeError("engine went idle with requests still pending")
         if bar is not None:
             bar.close()
+        return ids, groups, firsts, deltas
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
+             priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
+        ids, groups, firsts, deltas = self._drive(prompts, params_list, priorities, use_tqdm)
         outputs = []
         for rid in ids:
-            seq = seqs[rid]
-            completion = CompletionOutput(
-                index=0,
-                text="".join(texts[rid]),
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
+            first, group = firsts[rid], groups[rid]
+            texts: dict[int, list[str]] = {}
+            for d in deltas[rid]:
+                texts.setdefault(d.index, []).append(d.new_text)
+            completions = []
+            for index in sorted(group.finished):
+                seq = group.finished[index]
+                completions.append(CompletionOutput(
+                    index=index,
+                    text="".join(texts.get(index, [])),
+                    token_ids=seq.output_token_ids,
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                ))
+            ends = [s.finished_time for s in group.finished.values() if s.finished_time]
+            firsts_t = [s.first_token_time for s in group.finished.values() if s.first_token_time]
             outputs.append(RequestOutput(
-                request_id=rid, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-                outputs=[completion], finished=True,
-                metrics=RequestMetrics(seq.arrival_time, seq.first_token_time,
-                                       seq.finished_time)))
+                request_id=rid, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+                outputs=completions, finished=True,
+                metrics=RequestMetrics(first.arrival_time, min(firsts_t, default=None),
+                                       max(ends, default=None))))
         return outputs

@@ -11,18 +11,22 @@ import itertools
 import numbers
 import random
 import time
-from typing import Any, Mapping, Optional, TypedDict, Union
+from typing import Any, Mapping, Optional, Sequence as Seq, TypedDict, Union
 
+import torch
+
+from engine.beam_search import BeamSearch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, detokenize_step
 from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.forks import advance_beams, beam_deltas, branch_seed, fork_samples
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestDelta, ResumeState
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceGroup
 from producer_sdk.protocol import RESERVED_CHAT_TEMPLATE_KWARGS
 
 class TextPrompt(TypedDict):
@@ -114,7 +118,7 @@ class LLMEngine:
                                    typical_request_tokens=min(self.max_model_len, 512))
         self.eos_token_ids = _eos_ids(config, tokenizer)
         self.sampler = Sampler(self.vocab_size, sorted(self.eos_token_ids))
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, SequenceGroup] = {}
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
         # Statistics of the steps (the scheduler keeps those of its queues and the KV pool):
@@ -155,9 +159,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: Union[SamplingParams, Mapping[str, Any], None] = None,
-                    priority: int = 0, resume: Optional[ResumeState] = None) -> None:
+                    priority: int = 0,
+                    resume: Union[ResumeState, Seq[ResumeState], None] = None) -> None:
         """Queue a request. Raises InvalidRequestError / PromptTooLongError (with the numbers)
-        or pydantic's ValidationError for bad sampling fields; on error nothing is changed."""
+        or pydantic's ValidationError for bad sampling fields; on error nothing is changed.
+
+        ``resume``: for ``n == 1`` a ResumeState; for ``n > 1`` one per choice (a choice with
+        ``finish_reason`` set already ended and is not run). Beam search is never resumed."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id: must be a non-empty string")
         if request_id in self.requests:
@@ -171,58 +179,119 @@ class LLMEngine:
                 f"params: expected SamplingParams, got {type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority: must be an integer, got {priority!r}")
+        self._check_width(params)
         prompt = prompt_of(prompt)
         prompt_ids = self._prompt_ids(prompt)
-        resumed: list[int] = []
-        if resume is not None:
-            resumed = list(resume.output_token_ids)
-            self._check_token_ids("resume.output_token_ids", resumed)
-            if len(resumed) >= params.max_tokens:
-                raise InvalidRequestError(
-                    f"resume: {len(resumed)} tokens already emitted, max_tokens is "
-                    f"{params.max_tokens}; nothing left to generate")
+        states = self._resume_states(resume, params)
         p, m = len(prompt_ids), params.max_tokens
         if p + m > self.max_model_len:
             raise PromptTooLongError(
                 f"prompt ({p} tokens) + max_tokens ({m}) = {p + m} exceeds max_model_len "
                 f"({self.max_model_len})")
-        # The last sampled token never needs KV, hence the -1.
-        shortfall = self.block_manager.pool_shortfall(p + m - 1)
-        if shortfall is not None:
-            raise PromptTooLongError(f"prompt ({p} tokens) + max_tokens ({m}) {shortfall}")
+        self._check_pool(p, params)
 
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(request_id, prompt_ids, params, priority=priority,
-                       arrival_index=next(self._arrivals), seed=seed,
-                       prompt=prompt if isinstance(prompt, str) else None)
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
-        if resumed:
-            seq.token_ids.extend(resumed)
-            seq.detokenizer.replay(resumed, resume.output_text)  # type: ignore[union-attr]
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        beam = None
+        if params.use_beam_search:
+            beam = BeamSearch(params.num_choices, length_penalty=params.length_penalty,
+                              eos_token_ids=sorted(self.eos_token_ids),
+                              ignore_eos=params.ignore_eos, max_tokens=m,
+                              min_tokens=params.min_tokens)
+        group = SequenceGroup(request_id, params.num_choices, params=params, seed=seed, beam=beam)
+        arrival = next(self._arrivals)
+        text = prompt if isinstance(prompt, str) else None
+        runs = [(0, None)] if states is None else [
+            (i, st) for i, st in enumerate(states) if st.finish_reason is None]
+        group.forked = group.forked or states is not None
+        seqs = []
+        for index, state in runs:
+            seq = Sequence(request_id, prompt_ids, params, priority=priority,
+                           arrival_index=arrival, seed=branch_seed(seed, index), prompt=text,
+                           index=index, group=group)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+            if state is not None and state.output_token_ids:
+                seq.token_ids.extend(state.output_token_ids)
+                seq.detokenizer.replay(list(state.output_token_ids), state.output_text)
+            seqs.append(seq)
+        self.requests[request_id] = group
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _check_width(self, params: SamplingParams) -> None:
+        """Choices past the configured bounds, or more than could ever run at once, are the
+        request's error (naming the field) rather than a request that stalls the scheduler."""
+        field, limit = (("beam_width", self.config.max_beam_width) if params.use_beam_search
+                        else ("n", self.config.max_n))
+        width = params.num_choices
+        if width > limit:
+            raise InvalidRequestError(f"{field}: {width} exceeds this engine's limit of {limit} "
+                                      f"(EngineConfig.max_{field})")
+        for knob in ("max_num_seqs", "max_num_batched_tokens"):
+            cap = int(getattr(self.config, knob))
+            if width > 1 and width > cap:
+                raise InvalidRequestError(f"{field}: {width} choices cannot run together with "
+                                          f"{knob}={cap}")
+
+    def _resume_states(self, resume: Any, params: SamplingParams) -> Optional[list[ResumeState]]:
+        """One ResumeState per choice, or None when nothing was delivered (a fresh start)."""
+        if resume is None:
+            return None
+        if params.use_beam_search:
+            raise InvalidRequestError("resume: beam search is not resumed; run it again")
+        states = [resume] if isinstance(resume, ResumeState) else list(resume)
+        if len(states) != params.n or not all(isinstance(s, ResumeState) for s in states):
+            raise InvalidRequestError(f"resume: expected {params.n} ResumeState (one per choice)")
+        for st in states:
+            self._check_token_ids("resume.output_token_ids", st.output_token_ids)
+            if st.finish_reason is None and len(st.output_token_ids) >= params.max_tokens:
+                raise InvalidRequestError(
+                    f"resume: {len(st.output_token_ids)} tokens already emitted, max_tokens is "
+                    f"{params.max_tokens}; nothing left to generate")
+        if all(st.finish_reason is not None for st in states):
+            raise InvalidRequestError("resume: every choice has already finished")
+        if all(not st.output_token_ids and st.finish_reason is None for st in states):
+            return None
+        return states
+
+    def _check_pool(self, p: int, params: SamplingParams) -> None:
+        """The request with all its choices must fit the whole pool: the prompt's full blocks
+        once, and each choice's own blocks (its copy of the partial block included)."""
+        bm = self.block_manager
+        m, width = params.max_tokens, params.num_choices
+        shortfall = bm.pool_shortfall(p + m - 1)   # the last sampled token needs no KV
+        if shortfall is not None:
+            raise PromptTooLongError(f"prompt ({p} tokens) + max_tokens ({m}) {shortfall}")
+        shared = p // bm.block_size
+        need = shared + width * (bm.blocks_for(p + m - 1) - shared)
+        if width > 1 and need > bm.num_blocks:
+            field = "beam_width" if params.use_beam_search else "n"
+            raise PromptTooLongError(
+                f"{field}: {width} choices of prompt ({p} tokens) + max_tokens ({m}) need "
+                f"{need} KV blocks of {bm.block_size} tokens, the pool has {bm.num_blocks}")
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request in any state and free its blocks at once. Silent: no delta follows."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
+        group = self.requests.pop(request_id, None)
+        if group is None:
             return False
-        self.scheduler.finish(seq, "abort")
-        seq.finished_time = time.time()
+        now = time.time()
+        for seq in list(group.seqs):
+            self.scheduler.finish(seq, "abort")
+            seq.finished_time = now
         return True
 
     def request_seed(self, request_id: str) -> int:
         """The sampling seed of a live request (drawn at add time when it gave none)."""
-        seq = self.requests.get(request_id)
-        if seq is None:
+        group = self.requests.get(request_id)
+        if group is None:
             raise KeyError(f"no unfinished request {request_id!r}")
-        return seq.seed
+        return group.seed
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished()
+        return len(self.requests)
 
     def free_capacity(self) -> int:
         """How many more requests could start soon (see Scheduler.free_capacity)."""
@@ -236,15 +305,56 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        logits, rows = self.model_runner.execute(out.seqs, out.num_new_tokens)
+        logits, rows = self.model_runner.execute(out.seqs, out.num_new_tokens, out.block_copies)
         self.scheduler.update(out)
         self._num_steps += 1
         self._num_computed_tokens += out.num_batched_tokens
         if not rows:
             return []
-        seqs = [out.seqs[i] for i in rows]
-        sampled = self.sampler(logits, seqs)
-        return self._process_samples(seqs, sampled)
+        sample_seqs: list[Sequence] = []
+        sample_rows: list[int] = []
+        beam_rows: dict[int, tuple[SequenceGroup, dict[int, int]]] = {}
+        for row, i in enumerate(rows):
+            seq = out.seqs[i]
+            group = seq.group
+            if group.beam is not None:
+                beam_rows.setdefault(id(group), (group, {}))[1][id(seq)] = row
+                continue
+            branches = [seq] if group.forked else fork_samples(seq, self.scheduler,
+                                                               self.tokenizer)
+            sample_seqs.extend(branches)
+            sample_rows.extend([row] * len(branches))
+        deltas: list[RequestDelta] = []
+        if sample_seqs:
+            if len(sample_rows) != logits.shape[0] or sample_rows != list(range(len(sample_rows))):
+                logits_s = logits[torch.tensor(sample_rows, device=logits.device)]
+            else:
+                logits_s = logits
+            deltas.extend(self._process_samples(sample_seqs, self.sampler(logits_s, sample_seqs)))
+        for group, by_seq in beam_rows.values():
+            deltas.extend(self._beam_step(group, by_seq, logits))
+        return deltas
+
+    def _beam_step(self, group: SequenceGroup, rows: dict[int, int],
+                   logits: torch.Tensor) -> list[RequestDelta]:
+        """Rank the beams' continuations; fork and free beams, or return the finished beams."""
+        order = [rows[id(s)] for s in group.seqs]
+        logprobs = torch.log_softmax(logits[torch.tensor(order, device=logits.device)].float(),
+                                     dim=-1).cpu()
+        beam = group.beam
+        num_prompt = group.seqs[0].num_prompt_tokens
+        at_limit = (beam.gen_len + 1 >= group.params.max_tokens
+                    or num_prompt + beam.gen_len + 1 >= self.max_model_len)
+        step = beam.step(logprobs, length_limit=at_limit)
+        now = time.time()
+        if not step.done:
+            advance_beams(group, step, self.scheduler)
+            return []
+        deltas = beam_deltas(group, self.scheduler, self.tokenizer)
+        group.finished_time = now
+        del self.requests[group.request_id]
+        self._num_generated_tokens += sum(len(d.new_token_ids) for d in deltas)
+        return deltas
 
     def _process_samples(self, seqs: list[Sequence], sampled) -> list[RequestDelta]:
         now = time.time()
@@ -283,10 +393,7 @@ class LLMEngine:
             if stop_str is not None:
                 reason, stop_reason = "stop", stop_str
             if reason is not None:
-                seq.stop_reason = stop_reason
-                seq.finished_time = now
-                self.scheduler.finish(seq, reason)
-                del self.requests[seq.request_id]
+                self._finish_choice(seq, reason, stop_reason, now)
             deltas.append(RequestDelta(
                 request_id=seq.request_id,
                 new_token_ids=[tok],
@@ -298,9 +405,22 @@ class LLMEngine:
                 stop_reason=stop_reason,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 num_output_tokens=seq.num_output_tokens,
+                index=seq.index,
+                cumulative_logprob=seq.cumulative_logprob,
             ))
         self._num_generated_tokens += len(deltas)
         return deltas
+
+    def _finish_choice(self, seq: Sequence, reason: str, stop_reason: Union[str, int, None],
+                       now: float) -> None:
+        """One choice ended: free what only it holds; the request ends with its last choice."""
+        seq.stop_reason = stop_reason
+        seq.finished_time = now
+        group = seq.group
+        self.scheduler.finish(seq, reason)
+        group.finished[seq.index] = seq
+        if not group.seqs:
+            del self.requests[seq.request_id]
 
     # -- statistics ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -311,6 +431,7 @@ class LLMEngine:
             "num_preemptions": sched.num_preemptions,
             "kv_blocks_total": kv.blocks_total,
             "kv_blocks_used": kv.blocks_used,
+            "kv_blocks_shared": self.block_manager.num_shared_blocks(),
             "kv_blocks_peak": sched.kv_blocks_peak,
             "kv_utilization_peak": sched.kv_utilization_peak,
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,

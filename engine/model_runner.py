@@ -164,9 +164,24 @@ class ModelRunner:
         return ids, positions.to(dev, non_blocking=True), meta, last.to(dev), sample_rows
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy on write: block ``dst`` gets ``src``'s K and V in every layer, before the step
+        writes into ``dst`` (a forked choice's first token in a shared, partly filled block)."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence], num_new_tokens: list[int],
+                block_copies: Optional[list[tuple[int, int]]] = None
                 ) -> tuple[Optional[torch.Tensor], list[int]]:
-        """Run one forward pass. Returns (logits[N, vocab] float32 or None, sample_rows)."""
+        """Run one forward pass (after the step's copy-on-write copies). Returns
+        (logits[N, vocab] float32 or None, sample_rows)."""
+        self.copy_blocks(block_copies or [])
         ids, positions, meta, last, sample_rows = self.prepare(seqs, num_new_tokens)
         hidden = None
         if meta.is_decode and self.decode_graphs is not None:

@@ -13,6 +13,12 @@ Each step (the vLLM v1 scheme):
    No new sequence is admitted in a step whose decodes had to preempt, to avoid thrashing.
 4. A waiting sequence that does not fit may preempt running ones of strictly lower priority
    (a larger priority number), so priority holds under load too.
+
+Requests with several choices are a ``SequenceGroup``: preemption takes a whole group (its
+choices share blocks; recomputing one alone would break the sharing), and a group counts its
+``width`` against ``max_num_seqs`` from admission on, so its fork always has room. A beam group
+moves in lockstep: its beams decode in the same step or not at all, and a beam being recomputed
+stops one token short, so no beam reaches the sampler before its siblings.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)   # copy on write (src, dst)
 
     @property
     def is_empty(self) -> bool:
@@ -84,14 +91,21 @@ class Scheduler:
             seq.num_prompt_tokens + seq.params.max_tokens)
         self._request_count += 1
 
+    def add_fork(self, child: Sequence) -> None:
+        """A choice forked from a running sequence runs at once (its blocks are shared)."""
+        child.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, child, key=Sequence.sort_key)
+
     def finish(self, seq: Sequence, reason: Optional[str] = None) -> None:
-        """Remove a sequence from whichever queue holds it and free its blocks at once."""
+        """Remove a sequence from whichever queue holds it and its group, free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+        if seq in seq.group.seqs:
+            seq.group.seqs.remove(seq)
         if reason is not None:
             seq.finish_reason = reason
 
@@ -101,11 +115,14 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def _slots_used(self) -> int:
+        return sum(1 if s.group.forked else s.group.width for s in self.running)
+
     def free_capacity(self) -> int:
         """How many more requests could start soon: free sequence slots, bounded by the free
         KV blocks left after the waiting prompts, divided by the average request's blocks."""
         bm = self.block_manager
-        slots = self.max_num_seqs - self.num_unfinished()
+        slots = self.max_num_seqs - self._slots_used() - len(self.waiting)
         pending = sum(bm.blocks_for(s.num_tokens) for s in self.waiting)
         headroom = bm.num_free_blocks - pending
         if self._request_count:
@@ -114,13 +131,35 @@ class Scheduler:
             per_request = bm.blocks_for(self.typical_request_tokens)
         return max(0, min(slots, headroom // per_request))
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+    def _preempt(self, seq: Sequence) -> list[Sequence]:
+        """Send ``seq``'s whole group back to waiting; returns the sequences preempted."""
+        members = [s for s in seq.group.seqs if s.status is SequenceStatus.RUNNING]
+        for s in members:
+            self.running.remove(s)
+            self.block_manager.free(s)
+            s.num_computed_tokens = 0
+            s.status = SequenceStatus.WAITING
+            bisect.insort(self.waiting, s, key=Sequence.sort_key)
         self.num_preemptions += 1
+        return members
+
+    def _preempt_last(self, scheduled: dict[Sequence, int], preempted: list[Sequence]) -> int:
+        """Preempt the lowest-priority running group; returns the budget it gave back."""
+        freed = 0
+        for v in self._preempt(self.running[-1]):
+            preempted.append(v)
+            freed += scheduled.pop(v, 0)
+        return freed
+
+    def _needed(self, seqs: list[Sequence], n: int) -> int:
+        return sum(self.block_manager.num_blocks_needed(s, n) for s in seqs)
+
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int) -> int:
+        """Tokens to compute for a sequence still prefilling: a beam being recomputed beside
+        siblings stops one short (its last token decodes with theirs)."""
+        hold = 1 if seq.group.lockstep else 0
+        return min(seq.num_uncomputed_tokens - hold, budget)
 
     # -- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -131,19 +170,23 @@ class Scheduler:
 
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         chunks = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        done_groups: set[int] = set()
         for seq in decodes + chunks:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed_tokens, budget)
-            while not bm.can_allocate(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim in scheduled:
-                    budget += scheduled.pop(victim)
-                if victim is seq:
+            if seq.group.lockstep and seq.num_uncomputed_tokens == 1:
+                if id(seq.group) not in done_groups:
+                    done_groups.add(id(seq.group))
+                    budget = self._schedule_lockstep(seq.group, budget, scheduled, preempted)
+                continue
+            n = self._chunk(seq, budget)
+            if n <= 0:
+                continue
+            while self._needed([seq], n) > bm.num_free_blocks:
+                budget += self._preempt_last(scheduled, preempted)
+                if seq.status is not SequenceStatus.RUNNING:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
@@ -154,31 +197,74 @@ class Scheduler:
         decode_pressure = bool(preempted)
         while not decode_pressure and self.waiting and budget > 0:
             seq = self.waiting[0]
-            cached = bm.match_prefix(seq)
-            num_cached_tokens = len(cached) * bm.block_size
-            n = min(seq.num_tokens - num_cached_tokens, budget)
-            reserve = self.watermark_blocks if self.running else 0
-            if (len(self.running) >= self.max_num_seqs
-                    or bm.num_blocks_needed(seq, n, cached) + reserve > bm.num_free_blocks):
+            members = [s for s in self.waiting if s.group is seq.group]
+            if not seq.group.lockstep:
+                members = [seq]     # independent choices are admitted one by one
+            plans = self._admission_plans(members, budget)
+            # The watermark keeps room for other requests' decodes; a group waiting only on
+            # itself must not be kept out by it.
+            others = any(s.group is not seq.group for s in self.running)
+            reserve = self.watermark_blocks if others else 0
+            slots = len(members) if seq.group.forked else seq.group.width
+            need = sum(bm.num_blocks_needed(s, n, cached) for s, cached, n in plans)
+            if (self._slots_used() + slots > self.max_num_seqs
+                    or need + reserve > bm.num_free_blocks):
                 # No room. A strictly lower-priority running sequence yields its place.
                 victim = self.running[-1] if self.running else None
                 if victim is None or victim.priority <= seq.priority:
                     break
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim in scheduled:
-                    budget += scheduled.pop(victim)
+                budget += self._preempt_last(scheduled, preempted)
                 continue
-            self.waiting.pop(0)
-            bm.allocate(seq, n, cached)
-            bm.record_query(seq.num_tokens, num_cached_tokens)
-            seq.num_computed_tokens = num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=Sequence.sort_key)
-            scheduled[seq] = n
-            budget -= n
+            for s, cached, n in plans:
+                self._admit(s, cached, n, scheduled)
+                budget -= n
 
-        return SchedulerOutput(list(scheduled), list(scheduled.values()), preempted)
+        return SchedulerOutput(list(scheduled), list(scheduled.values()), preempted,
+                               bm.take_copies())
+
+    def _schedule_lockstep(self, group, budget: int, scheduled: dict[Sequence, int],
+                           preempted: list[Sequence]) -> int:
+        """Decode every beam of ``group`` this step, or none; returns the budget left."""
+        members = list(group.seqs)
+        ready = all(s.status is SequenceStatus.RUNNING and s.num_uncomputed_tokens == 1
+                    for s in members)
+        if not ready or budget < len(members):
+            return budget
+        bm = self.block_manager
+        while self._needed(members, 1) > bm.num_free_blocks:
+            budget += self._preempt_last(scheduled, preempted)
+            if members[0].status is not SequenceStatus.RUNNING:
+                return budget
+        for s in members:
+            bm.allocate(s, 1)
+            scheduled[s] = 1
+        return budget - len(members)
+
+    def _admission_plans(self, members: list[Sequence], budget: int
+                         ) -> list[tuple[Sequence, list[int], int]]:
+        """(sequence, cached blocks, tokens to compute now) for each sequence to admit."""
+        bm = self.block_manager
+        plans = []
+        for s in members:
+            cached = bm.match_prefix(s)
+            hold = 1 if s.group.lockstep else 0
+            n = max(0, min(s.num_tokens - len(cached) * bm.block_size - hold, budget))
+            budget -= n
+            plans.append((s, cached, n))
+        return plans
+
+    def _admit(self, seq: Sequence, cached: list[int], n: int,
+               scheduled: dict[Sequence, int]) -> None:
+        bm = self.block_manager
+        self.waiting.remove(seq)
+        bm.allocate(seq, n, cached)
+        num_cached_tokens = len(cached) * bm.block_size
+        bm.record_query(seq.num_tokens, num_cached_tokens)
+        seq.num_computed_tokens = num_cached_tokens
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=Sequence.sort_key)
+        if n:
+            scheduled[seq] = n
 
     def update(self, out: SchedulerOutput) -> None:
         """After the model ran: the scheduled tokens now have KV; publish full blocks."""
@@ -198,7 +284,8 @@ class Scheduler:
         if used <= self._kv_blocks_peak:
             return
         self._kv_blocks_peak = used
-        stored = sum(s.num_computed_tokens for s in self.running) - bm.num_shared_token_copies()
+        stored = (sum(s.num_computed_tokens for s in self.running)
+                  - bm.num_shared_token_copies(self.running))
         self._kv_utilization_peak = stored / (used * bm.block_size)
 
     def stats(self) -> SchedulerStats:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from engine.sampling_params import SamplingParams
 
@@ -25,13 +25,47 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"    # done or aborted; owns nothing
 
 
+class SequenceGroup:
+    """The sequences of one request: one per choice (``n`` samples or the beams).
+
+    A fresh request is one sequence, its prompt; when the prompt's last token is computed it
+    forks into ``width`` sequences that share the prompt's KV blocks by reference count
+    (copy on write for the partly filled block). A beam group moves in lockstep: all its beams
+    decode in the same step, because each beam step ranks the continuations of all of them.
+    The scheduler preempts and frees a group as a whole.
+    """
+
+    def __init__(self, request_id: str, width: int, *, params: Optional[SamplingParams] = None,
+                 seed: int = 0, beam: Optional[Any] = None) -> None:
+        self.request_id = request_id
+        self.width = width                  # choices the request returns
+        self.params = params
+        self.seed = seed                    # the request's; choice i samples with branch_seed
+        self.seqs: list["Sequence"] = []    # live (unfinished) sequences
+        self.finished: dict[int, "Sequence"] = {}   # sampled choices that ended, by index
+        self.forked = width == 1            # True once the choices have their own sequences
+        self.beam = beam                    # engine.beam_search.BeamSearch for beam requests
+
+    @property
+    def lockstep(self) -> bool:
+        return self.beam is not None and len(self.seqs) > 1
+
+    def slots(self) -> int:
+        """Sequence slots the group holds or will hold once forked (for max_num_seqs)."""
+        return len(self.seqs) if self.forked else self.width
+
+
 class Sequence:
-    """Token ids (prompt then outputs), KV block table and sampling state of one request."""
+    """Token ids (prompt then outputs), KV block table and sampling state of one choice."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, priority: int, arrival_index: int, seed: int,
-                 prompt: Optional[str] = None) -> None:
+                 prompt: Optional[str] = None, index: int = 0,
+                 group: Optional[SequenceGroup] = None) -> None:
         self.request_id = request_id
+        self.index = index                      # the choice: sample i of n, or beam slot
+        self.group = group if group is not None else SequenceGroup(request_id, 1)
+        self.group.seqs.append(self)
         self.prompt = prompt
         self.params = params
         self.priority = priority
@@ -83,6 +117,24 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def fork(self, index: int, seed: int) -> "Sequence":
+        """A sibling with the same tokens and block table (the caller takes the block
+        references, see BlockManager.fork) and its own sampling state from here on."""
+        child = Sequence(self.request_id, self.prompt_token_ids, self.params,
+                         priority=self.priority, arrival_index=self.arrival_index, seed=seed,
+                         prompt=self.prompt, index=index, group=self.group)
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_table = list(self.block_table)
+        child.block_hashes = list(self.block_hashes)
+        child.num_cached_blocks = self.num_cached_blocks
+        child.status = self.status
+        child.output_logprobs = list(self.output_logprobs)
+        child.cumulative_logprob = self.cumulative_logprob
+        child.arrival_time = self.arrival_time
+        child.first_token_time = self.first_token_time
+        return child
 
     def sort_key(self) -> tuple[int, int]:
         """Lower runs first: priority number, then arrival order."""

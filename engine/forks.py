@@ -1,0 +1,92 @@
+"""Forks: how one request's choices come to share KV blocks, and how beams fork and die.
+
+Parallel sampling (``n > 1``): the prompt is one sequence until its last token is computed;
+then, before that token's logits are sampled, it forks into ``n`` sequences that hold the same
+blocks (one more reference each) and sample the same logits row with their own seeds. Choice i
+draws with ``branch_seed(seed, i)`` at every position, so it is the same however it is batched,
+and choice 0 is exactly the ``n = 1`` request with that seed.
+
+Beam search: each step ``BeamSearch`` picks the next beams as (parent, token). The first beam
+that continues a parent takes the parent's sequence itself; every further one forks it; a
+parent that nobody continues is freed, and with it every block only it held.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.beam_search import BeamStep
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import RequestDelta
+from engine.sampler import mix_seed
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceGroup
+
+
+def branch_seed(seed: int, index: int) -> int:
+    """Choice ``index``'s seed: choice 0 keeps the request's, the others are spread from it."""
+    return seed if index == 0 else mix_seed(seed ^ 0x5DEECE66D, -(index + 1))
+
+
+def _fork(parent: Sequence, index: int, seed: int, scheduler: Scheduler) -> Sequence:
+    child = parent.fork(index, seed)
+    scheduler.block_manager.fork(parent, child)
+    scheduler.add_fork(child)
+    return child
+
+
+def fork_samples(seq: Sequence, scheduler: Scheduler, tokenizer: Any) -> list[Sequence]:
+    """Fork a prompt whose last token was just computed into its group's ``n`` choices."""
+    group = seq.group
+    children = [seq]
+    for i in range(1, group.width):
+        child = _fork(seq, i, branch_seed(group.seed, i), scheduler)
+        child.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, seq.params)
+        children.append(child)
+    group.forked = True
+    return children
+
+
+def advance_beams(group: SequenceGroup, step: BeamStep, scheduler: Scheduler) -> None:
+    """Make ``group.seqs`` the beams ``step`` chose, each with its new token appended."""
+    old = list(group.seqs)
+    taken: set[int] = set()
+    chosen: list[tuple[Sequence, int, float]] = []
+    for parent_idx, token, logprob in step.beams:
+        parent = old[parent_idx] if group.forked else old[0]
+        if id(parent) in taken:
+            child = _fork(parent, len(chosen), group.seed, scheduler)
+        else:
+            taken.add(id(parent))
+            child = parent
+        chosen.append((child, token, logprob))
+    for s in old:
+        if id(s) not in taken:
+            scheduler.finish(s, "beam_pruned")
+    for i, (s, token, logprob) in enumerate(chosen):
+        s.index = i
+        s.token_ids.append(token)
+        s.cumulative_logprob += logprob
+    group.seqs = [s for s, _, _ in chosen]
+    group.forked = True
+
+
+def beam_deltas(group: SequenceGroup, scheduler: Scheduler, tokenizer: Any
+                ) -> list[RequestDelta]:
+    """The finished search as one delta per beam, best first; frees what the beams held."""
+    prompt_token_ids = group.seqs[0].prompt_token_ids
+    for s in list(group.seqs):
+        scheduler.finish(s, "beam_done")
+    params = group.params
+    deltas = []
+    for rank, h in enumerate(group.beam.results()):
+        text_ids = h.token_ids[:-1] if h.ended_on_eos else h.token_ids
+        detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        text, _ = detok.add(text_ids, final=True)
+        deltas.append(RequestDelta(
+            request_id=group.request_id, new_token_ids=list(h.token_ids), new_text=text,
+            logprobs=None, token_logprobs=list(h.logprobs), finished=True,
+            finish_reason="stop" if h.ended_on_eos else "length", stop_reason=None,
+            num_prompt_tokens=len(prompt_token_ids), num_output_tokens=len(h.token_ids),
+            index=rank, cumulative_logprob=h.cum_logprob))
+    return deltas
