@@ -198,26 +198,18 @@ class Scheduler:
         while not decode_pressure and self.waiting and budget > 0:
             seq = self.waiting[0]
             members = [s for s in self.waiting if s.group is seq.group]
-            if not seq.group.lockstep:
-                members = [seq]     # independent choices are admitted one by one
-            plans = self._admission_plans(members, budget)
-            # The watermark keeps room for other requests' decodes; a group waiting only on
-            # itself must not be kept out by it.
-            others = any(s.group is not seq.group for s in self.running)
-            reserve = self.watermark_blocks if others else 0
             slots = len(members) if seq.group.forked else seq.group.width
-            need = sum(bm.num_blocks_needed(s, n, cached) for s, cached, n in plans)
-            if (self._slots_used() + slots > self.max_num_seqs
-                    or need + reserve > bm.num_free_blocks):
+            used = None
+            if self._slots_used() + slots <= self.max_num_seqs:
+                used = self._admit_group(members, budget, scheduled)
+            if used is None:
                 # No room. A strictly lower-priority running sequence yields its place.
                 victim = self.running[-1] if self.running else None
                 if victim is None or victim.priority <= seq.priority:
                     break
                 budget += self._preempt_last(scheduled, preempted)
                 continue
-            for s, cached, n in plans:
-                self._admit(s, cached, n, scheduled)
-                budget -= n
+            budget -= used
 
         return SchedulerOutput(list(scheduled), list(scheduled.values()), preempted,
                                bm.take_copies())
@@ -240,27 +232,70 @@ class Scheduler:
             scheduled[s] = 1
         return budget - len(members)
 
-    def _admission_plans(self, members: list[Sequence], budget: int
-                         ) -> list[tuple[Sequence, list[int], int]]:
-        """(sequence, cached blocks, tokens to compute now) for each sequence to admit."""
+    def _admit_group(self, members: list[Sequence], budget: int,
+                     scheduled: dict[Sequence, int]) -> Optional[int]:
+        """Admit a group's waiting sequences together, or none of them (None).
+
+        A choice being recomputed shares the leading blocks a sibling admitted before it in
+        this step computes (the step stores every token's K/V before any attention reads), so
+        a preempted group regains its sharing instead of needing one full copy per choice.
+        Returns the tokens scheduled."""
         bm = self.block_manager
-        plans = []
+        group = members[0].group
+        others = any(s.group is not group for s in self.running)
+        # The watermark keeps room for other requests' decodes; a group waiting only on
+        # itself must not be kept out by it.
+        reserve = self.watermark_blocks if others else 0
+        hold = 1 if group.lockstep else 0
+        done: list[tuple[Sequence, list[int]]] = []
+        used = 0
         for s in members:
             cached = bm.match_prefix(s)
-            hold = 1 if s.group.lockstep else 0
-            n = max(0, min(s.num_tokens - len(cached) * bm.block_size - hold, budget))
-            budget -= n
-            plans.append((s, cached, n))
-        return plans
+            shared = self._sibling_blocks(s, [d for d, _ in done], scheduled)
+            blocks = shared if len(shared) > len(cached) else cached
+            n = max(0, min(s.num_tokens - len(blocks) * bm.block_size - hold, budget - used))
+            if bm.num_blocks_needed(s, n, blocks) + reserve > bm.num_free_blocks:
+                self._undo_admission([d for d, _ in done], scheduled)
+                return None
+            self._admit(s, blocks, n, scheduled)
+            done.append((s, cached if blocks is cached else []))
+            used += n
+        for s, cached in done:
+            bm.record_query(s.num_tokens, len(cached) * bm.block_size)
+        return used
+
+    def _sibling_blocks(self, seq: Sequence, siblings: list[Sequence],
+                        scheduled: dict[Sequence, int]) -> list[int]:
+        """The longest run of leading blocks an admitted sibling fills by the end of this step
+        with exactly ``seq``'s tokens (at most ``num_tokens - 1`` tokens, as match_prefix)."""
+        bs = self.block_manager.block_size
+        best: list[int] = []
+        limit = (seq.num_tokens - 1) // bs
+        for sib in siblings:
+            filled = (sib.num_computed_tokens + scheduled.get(sib, 0)) // bs
+            i = 0
+            while (i < min(limit, filled)
+                   and sib.token_ids[i * bs:(i + 1) * bs] == seq.token_ids[i * bs:(i + 1) * bs]):
+                i += 1
+            if i > len(best):
+                best = sib.block_table[:i]
+        return best
+
+    def _undo_admission(self, seqs: list[Sequence], scheduled: dict[Sequence, int]) -> None:
+        for s in seqs:
+            self.running.remove(s)
+            self.block_manager.free(s)
+            s.num_computed_tokens = 0
+            s.status = SequenceStatus.WAITING
+            scheduled.pop(s, None)
+            bisect.insort(self.waiting, s, key=Sequence.sort_key)
 
     def _admit(self, seq: Sequence, cached: list[int], n: int,
                scheduled: dict[Sequence, int]) -> None:
         bm = self.block_manager
         self.waiting.remove(seq)
         bm.allocate(seq, n, cached)
-        num_cached_tokens = len(cached) * bm.block_size
-        bm.record_query(seq.num_tokens, num_cached_tokens)
-        seq.num_computed_tokens = num_cached_tokens
+        seq.num_computed_tokens = len(cached) * bm.block_size
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=Sequence.sort_key)
         if n:

@@ -3,8 +3,11 @@
 Invariants checked after every operation:
 - ref counts are never negative and equal the number of live block tables holding the block;
 - the free queue holds exactly the blocks nobody references;
-- a block shared by two live sequences is full and already computed for both (read-only), and
-  the slots written in one step are distinct (no two sequences own one physical slot);
+- a block shared by two live sequences holds the same tokens for both (a prefix block, or the
+  partly filled block of forked choices); a step writes into a shared block only where every
+  holder has the very same tokens there (a preempted group's siblings recomputing one prefix),
+  never into a forked choice's block that a sibling still holds (copy on write), and into
+  distinct slots;
 - a step never exceeds the token budget nor max_num_seqs;
 - when everything finished or was aborted, every block is free.
 """
@@ -48,11 +51,12 @@ def check_invariants(sched: Scheduler, live: list[Sequence]) -> None:
         assert rc >= 0
         assert rc == len(holders.get(b, []))
         assert (rc == 0) == (b in bm.free_queue)
+    bs = bm.block_size
     for b, hs in holders.items():
         if len(hs) > 1:
-            for s, i in hs:
-                assert (i + 1) * bm.block_size <= s.num_computed_tokens, \
-                    f"block {b} shared but not a full computed block of {s}"
+            upto = min(min(s.num_computed_tokens, (i + 1) * bs) for s, i in hs)
+            contents = {tuple(s.token_ids[i * bs:upto]) for s, i in hs}
+            assert len(contents) == 1, f"block {b} shared by sequences with different tokens"
     for s in live:
         if s.status is SequenceStatus.WAITING:
             assert s.block_table == []
@@ -67,7 +71,15 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert n >= 1
         assert s.num_computed_tokens + n <= s.num_tokens
         for pos in range(s.num_computed_tokens, s.num_computed_tokens + n):
-            slot = s.block_table[pos // bm.block_size] * bm.block_size + pos % bm.block_size
+            block = s.block_table[pos // bm.block_size]
+            if bm.ref_counts[block] > 1:    # only siblings writing the very same tokens
+                bs, i = bm.block_size, pos // bm.block_size
+                holders = [h for h in sched.running if block in h.block_table]
+                assert len(holders) == bm.ref_counts[block]
+                assert all(h.block_table.index(block) == i and
+                           h.token_ids[i * bs:(i + 1) * bs] == s.token_ids[i * bs:(i + 1) * bs]
+                           for h in holders), f"step writes into shared block {block}"
+            slot = block * bm.block_size + pos % bm.block_size
             assert slot not in written
             written.add(slot)
 
@@ -127,38 +139,75 @@ def engine_path(tiny_checkpoint):
     return str(tiny_checkpoint("llama"))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+# Engine ops also draw the request's choices: n sampled (width > 0) or beams (width < 0).
+engine_op = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 2), st.integers(1, 40), st.integers(1, 12),
+              st.integers(-1, 2), st.sampled_from([1, 1, 2, 3, -2, -3])),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+)
+
+
+def _params(pfx: int, max_tokens: int, prio: int, width: int) -> SamplingParams:
+    if width < 0:
+        return SamplingParams(beam_width=-width, max_tokens=max_tokens, temperature=0.0)
+    return SamplingParams(n=width, max_tokens=max_tokens, temperature=1.0 if prio else 0.0,
+                          stop=["e"] if pfx == 2 else [])
+
+
+def _fits(bm: BlockManager, plen: int, max_tokens: int, width: int, num_blocks: int) -> bool:
+    shared = plen // bm.block_size
+    own = bm.blocks_for(plen + max_tokens - 1) - shared
+    return bm.blocks_for(plen + max_tokens - 1) <= num_blocks and (
+        abs(width) == 1 or shared + abs(width) * own <= num_blocks)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(op, min_size=5, max_size=25))
+@given(ops=st.lists(engine_op, min_size=5, max_size=25))
 def test_engine_never_leaks_blocks(engine_path, ops):
+    """Adds (with parallel samples and beams), steps, aborts and the preemptions a 12-block
+    pool forces: the block invariants hold after every operation, and every block comes back."""
     from engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_kwargs(model=engine_path, num_kv_blocks=12, block_size=4,
                                    max_num_batched_tokens=24, max_num_seqs=4)
     bm = engine.block_manager
+    schedule = engine.scheduler.schedule
+
+    def checked_schedule() -> SchedulerOutput:
+        out = schedule()
+        check_step(engine.scheduler, out)
+        return out
+
+    engine.scheduler.schedule = checked_schedule
     ids: list[str] = []
     counter = itertools.count()
     for o in ops:
         if o[0] == "add":
-            _, pfx, plen, max_tokens, prio = o
+            _, pfx, plen, max_tokens, prio, width = o
             rid = f"r{next(counter)}"
-            params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if prio else 0.0,
-                                    stop=["e"] if pfx == 2 else [])
+            prompt = PREFIXES[pfx] + [30 + i for i in range(plen)]
             try:
-                engine.add_request(rid, PREFIXES[pfx] + [30 + i for i in range(plen)], params,
+                engine.add_request(rid, prompt, _params(pfx, max_tokens, prio, width),
                                    priority=prio)
                 ids.append(rid)
             except ValueError:
-                assert bm.blocks_for(len(PREFIXES[pfx]) + plen + max_tokens - 1) > 12
+                assert not _fits(bm, len(prompt), max_tokens, width, 12)
         elif o[0] == "step":
             deltas = engine.step()
-            assert len({d.request_id for d in deltas}) == len(deltas)
+            assert len({(d.request_id, d.index) for d in deltas}) == len(deltas)
         elif ids:
             engine.abort_request(ids[o[1] % len(ids)])
-        live = list(engine.requests.values())
+        live = [s for g in engine.requests.values() for s in g.seqs]
         check_invariants(engine.scheduler, live)
-    while engine.has_unfinished_requests():
+    for _ in range(3000):
+        if not engine.has_unfinished_requests():
+            break
         engine.step()
+        check_invariants(engine.scheduler, [s for g in engine.requests.values() for s in g.seqs])
+    assert not engine.requests
     assert bm.num_free_blocks == 12 and all(rc == 0 for rc in bm.ref_counts)
     assert engine.stats()["kv_blocks_used"] == 0
 
