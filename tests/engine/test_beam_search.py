@@ -52,7 +52,8 @@ def hf_beams(model, tok, prompt_ids: list[int], k: int, max_tokens: int,
                          early_stopping=True, length_penalty=length_penalty,
                          num_return_sequences=k, max_new_tokens=max_tokens,
                          return_dict_in_generate=True, output_scores=True)
-    eos = set(model.generation_config.eos_token_id)
+    eos_ids = model.generation_config.eos_token_id
+    eos = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
     beams = []
     for seq, score in zip(out.sequences, out.sequences_scores):
         gen = seq[len(prompt_ids):].tolist()

@@ -130,3 +130,22 @@ def test_a_worker_streams_the_real_model_through_redis(llm, start_worker, redis_
     assert streamed == offline.outputs[0].text and "Paris" in streamed
     assert result.token_ids == offline.outputs[0].token_ids
     assert result.finish_reason == offline.outputs[0].finish_reason
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_beam_search_matches_transformers(llm, hf, k):
+    """``LLM.beam_search`` and transformers' ``generate(num_beams=k, early_stopping=True)``: the
+    same beams in the same order, scores within 1e-4, on plain and chat-templated prompts."""
+    from engine.beam_search import BeamSearchParams
+    from tests.engine.test_beam_search import assert_same_beams, hf_beams
+
+    tok, model = hf
+    chat = tok.apply_chat_template(CHATS[0], add_generation_prompt=True, tokenize=True)
+    chat = chat["input_ids"] if not isinstance(chat, list) else chat
+    prompts = [tok(PROMPTS[0]).input_ids, tok(PROMPTS[2]).input_ids, list(chat)]
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                           BeamSearchParams(beam_width=k, max_tokens=12))
+    for ids, ours in zip(prompts, outs):
+        with torch.no_grad():
+            assert_same_beams(ours, hf_beams(model, tok, ids, k, 12))
+    assert llm.stats()["kv_blocks_used"] == 0
