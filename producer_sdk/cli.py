@@ -1,7 +1,7 @@
 """``python -m producer_sdk {submit,batch,stats,cancel,status,result}``: the SDK from a shell.
 
-Every command takes ``--redis-url`` (default ``$TOKENRELAY_REDIS_URL``), ``--namespace`` and
-``--queue``. Exit codes: 0 ok, 1 job failed, 2 bad request, 3 Redis unreachable, 4 queue full,
+Every command takes ``--redis-url``, ``--namespace`` and ``--queue`` (before or after it); each
+option is also a ``TOKENRELAY_<NAME>`` variable (producer_sdk/cli_common.py). Exit codes: 0 ok, 1 job failed, 2 bad request, 3 Redis unreachable, 4 queue full,
 5 timeout, 6 unknown job id.
 """
 
@@ -13,92 +13,121 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+from pydantic import Field
+
 from producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS
-from producer_sdk.cli_common import add_connection_flags
+from producer_sdk.cli_common import (
+    CliSettings, ConnectionSettings, JsonOutput, add_settings_flags, parse_settings, unset,
+)
 from producer_sdk.client import Client
-from producer_sdk.config import default_redis_url
 from producer_sdk.errors import InvalidRequest, JobFailed, JobNotFound, QueueFull, RedisUnavailable
 from producer_sdk.protocol import GROUP, Keys
 
 EXIT_FAILED, EXIT_INVALID, EXIT_UNAVAILABLE, EXIT_FULL, EXIT_TIMEOUT = 1, 2, 3, 4, 5
 EXIT_UNKNOWN = 6                # status/result of a job id Redis does not know
+SERVER_DEFAULT = unset("the worker's")
+
+
+class WaitOption(CliSettings):
+    timeout: Optional[float] = Field(None, gt=0, description="Seconds to wait for the result.",
+                                     json_schema_extra=unset("wait as long as it takes"))
+
+
+class BatchIdOption(CliSettings):
+    batch_id: Optional[str] = Field(None, description="The batch's id: names its jobs, so reruns "
+                                    "with the same id resume.",
+                                    json_schema_extra=unset("batch_<hash of the input file>"))
+
+
+class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption):
+    """``submit``: sampling parameters the CLI passes on (unset: the server's defaults)."""
+
+    chat: bool = Field(False, description="Send the prompt as one user chat message.")
+    stream: bool = Field(False, description="Print tokens as they arrive.")
+    max_tokens: Optional[int] = Field(None, description="Most tokens to generate.",
+                                      json_schema_extra=SERVER_DEFAULT)
+    temperature: Optional[float] = Field(None, description="Sampling temperature; 0 is greedy.",
+                                         json_schema_extra=SERVER_DEFAULT)
+    top_p: Optional[float] = Field(None, description="Nucleus sampling mass.",
+                                   json_schema_extra=SERVER_DEFAULT)
+    top_k: Optional[int] = Field(None, description="Sample from the k likeliest tokens.",
+                                 json_schema_extra=SERVER_DEFAULT)
+    seed: Optional[int] = Field(None, description="Sampling seed.",
+                                json_schema_extra=unset("random"))
+    stop: Optional[list[str]] = Field(None, description="Stop string.",
+                                      json_schema_extra=unset("none"))
+    priority: int = Field(0, description="Below 0: the urgent lane; above 0: the bulk lane.")
+    job_id: Optional[str] = Field(None, description="The job's id (a resubmission is deduped).",
+                                  json_schema_extra=unset("a fresh random id"))
+    block: bool = Field(False, description="Wait for room when the queue is full.")
+
+
+class BatchOptions(ConnectionSettings, BatchIdOption):
+    errors: Optional[str] = Field(None, description="Errors JSONL.",
+                                  json_schema_extra=unset("OUTPUT with .errors.jsonl"))
+    concurrency: int = Field(256, ge=1, description="Most jobs in flight.")
+    priority: int = Field(1, description="Job priority (1: the bulk lane).")
+    progress: bool = Field(True, description="Show a progress bar.")
+
+
+class StatsOptions(ConnectionSettings, JsonOutput):
+    queue: Optional[str] = Field(None, description="Queue to report.",   # type: ignore[assignment]
+                                 json_schema_extra=unset("every queue of the namespace"))
+    live_s: float = Field(10.0, gt=0, description="A worker is live if it beat within this many "
+                          "seconds.")
+
+
+class StatusOptions(ConnectionSettings, JsonOutput, BatchIdOption):
+    batch: Optional[str] = Field(None, description="The batch input JSONL: one line per job, "
+                                 "then the counts by state.", json_schema_extra=unset("none"))
+
+
+class ResultOptions(ConnectionSettings, JsonOutput, WaitOption):
+    pass
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m producer_sdk",
                                      description="tokenrelay producer: submit jobs, run OpenAI-"
                                                  "format batch files, inspect queues.")
+    add_settings_flags(parser, ConnectionSettings)
     sub = parser.add_subparsers(dest="command", required=True)
-    _submit_parser(sub.add_parser("submit", help="submit one prompt and print its output"))
-    _batch_parser(sub.add_parser("batch", help="run an OpenAI Batch JSONL file (resumable)"))
-    stats = sub.add_parser("stats", help="queue depth, lag, pending, workers, dead letters")
-    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    stats.add_argument("--live-s", type=float, default=10.0,
-                       help="a worker is live if it beat within this many seconds")
+    submit = sub.add_parser("submit", help="submit one prompt and print its output")
+    submit.add_argument("prompt")
+    add_settings_flags(submit, SubmitOptions)
+    batch = sub.add_parser("batch", help="run an OpenAI Batch JSONL file (resumable)")
+    batch.add_argument("input", help="OpenAI Batch input JSONL")
+    batch.add_argument("output", help="results JSONL (appended to; rerun to resume)")
+    add_settings_flags(batch, BatchOptions)
+    add_settings_flags(sub.add_parser("stats", help="queue depth, lag, pending, workers, dead "
+                                                    "letters"), StatsOptions)
     cancel = sub.add_parser("cancel", help="cancel a job by id")
     cancel.add_argument("job_id")
+    add_settings_flags(cancel, ConnectionSettings)
     status = sub.add_parser("status", help="where a job stands (queued, running, done, ...), "
                                            "or every job of a batch (--batch INPUT)")
     status.add_argument("job_id", nargs="?")
-    status.add_argument("--batch", default=None, metavar="INPUT",
-                        help="the batch input JSONL: one line per job, then the counts by state")
-    status.add_argument("--batch-id", default=None,
-                        help="the batch's id, when it was given to 'batch' [hash of INPUT]")
-    status.add_argument("--json", action="store_true", help="print JSON instead of a line")
+    add_settings_flags(status, StatusOptions)
     result = sub.add_parser("result", help="wait for a job and print its output")
     result.add_argument("job_id")
-    result.add_argument("--timeout", type=float, default=None, help="seconds to wait")
-    result.add_argument("--json", action="store_true", help="print the Result as JSON")
-    add_connection_flags(parser, top=True, queue_help="; stats: all queues")
-    for p in sub.choices.values():
-        add_connection_flags(p, top=False, queue_help="; stats: all queues")
+    add_settings_flags(result, ResultOptions)
     return parser
 
 
-def _submit_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt")
-    p.add_argument("--chat", action="store_true", help="send as one user chat message")
-    p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--priority", type=int, default=0, help="<0 urgent lane, >0 bulk lane")
-    p.add_argument("--job-id", default=None)
-    p.add_argument("--timeout", type=float, default=None, help="seconds to wait for the result")
-    p.add_argument("--block", action="store_true", help="wait for room when the queue is full")
-    p.add_argument("--json", action="store_true", help="print the final Result as JSON")
-
-
-def _batch_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("input", help="OpenAI Batch input JSONL")
-    p.add_argument("output", help="results JSONL (appended to; rerun to resume)")
-    p.add_argument("--errors", default=None, help="errors JSONL [OUTPUT with .errors.jsonl]")
-    p.add_argument("--concurrency", type=int, default=256, help="max jobs in flight [256]")
-    p.add_argument("--batch-id", default=None,
-                   help="names the jobs; reruns with the same id resume [hash of the input]")
-    p.add_argument("--priority", type=int, default=1, help="job priority [1: bulk lane]")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    url = args.redis_url or default_redis_url()
-    queue = args.queue or "default"
+    args, opts = parse_settings(build_parser(), argv)
     try:
         if args.command == "stats":
-            return cmd_stats(url, args)
-        with Client(url, queue=queue, namespace=args.namespace) as client:
+            return cmd_stats(opts)
+        with Client(opts.redis_url, queue=opts.queue, namespace=opts.namespace) as client:
             if args.command == "submit":
-                return cmd_submit(client, args)
+                return cmd_submit(client, args, opts)
             if args.command == "batch":
-                return cmd_batch(client, args)
+                return cmd_batch(client, args, opts)
             if args.command == "status":
-                return cmd_status(client, args)
+                return cmd_status(client, args, opts)
             if args.command == "result":
-                return cmd_result(client, args)
+                return cmd_result(client, args, opts)
             client.cancel(args.job_id)
             print(f"cancel requested for {args.job_id}")
             return 0
@@ -130,26 +159,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_INVALID
 
 
-def cmd_submit(client: Client, args: argparse.Namespace) -> int:
-    sampling = {k: v for k, v in (("max_tokens", args.max_tokens),
-                                  ("temperature", args.temperature), ("top_p", args.top_p),
-                                  ("top_k", args.top_k), ("seed", args.seed),
-                                  ("stop", args.stop)) if v is not None}
-    source = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {
+def cmd_submit(client: Client, args: argparse.Namespace, opts: SubmitOptions) -> int:
+    sampling = {k: v for k, v in (("max_tokens", opts.max_tokens),
+                                  ("temperature", opts.temperature), ("top_p", opts.top_p),
+                                  ("top_k", opts.top_k), ("seed", opts.seed),
+                                  ("stop", opts.stop)) if v is not None}
+    source = {"messages": [{"role": "user", "content": args.prompt}]} if opts.chat else {
         "prompt": args.prompt}
-    job = client.submit(**source, job_id=args.job_id, priority=args.priority,
-                        stream=args.stream, block=args.block, **sampling)
+    job = client.submit(**source, job_id=opts.job_id, priority=opts.priority,
+                        stream=opts.stream, block=opts.block, **sampling)
     print(f"job {job.id}", file=sys.stderr)
     try:
-        if args.stream:
-            for delta in job.stream(timeout=args.timeout):
+        if opts.stream:
+            for delta in job.stream(timeout=opts.timeout):
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
-            result = job.result(timeout=args.timeout)
+            result = job.result(timeout=opts.timeout)
             sys.stdout.write("\n")
         else:
-            result = job.result(timeout=args.timeout)
-            print(result.model_dump_json() if args.json else result.text)
+            result = job.result(timeout=opts.timeout)
+            print(result.model_dump_json() if opts.json else result.text)
     except KeyboardInterrupt:
         job.cancel()
         print(f"\ncancelled {job.id}", file=sys.stderr)
@@ -159,14 +188,14 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(client: Client, args: argparse.Namespace) -> int:
+def cmd_status(client: Client, args: argparse.Namespace, opts: StatusOptions) -> int:
     """Exit 0 for a known job, 6 for an unknown id."""
-    if args.batch is not None:
-        return cmd_batch_status(client, args)
+    if opts.batch is not None:
+        return cmd_batch_status(client, opts)
     if args.job_id is None:
         raise InvalidRequest("status needs a JOB_ID or --batch INPUT")
     st = client.status(args.job_id)
-    print(st.model_dump_json() if args.json else _status_line(st.job_id, st))
+    print(st.model_dump_json() if opts.json else _status_line(st.job_id, st))
     return EXIT_UNKNOWN if st.state == "unknown" else 0
 
 
@@ -176,15 +205,15 @@ def _status_line(name: str, st: Any) -> str:
     return " ".join([name, st.state, *(f"{k}={v}" for k, v in shown.items())])
 
 
-def cmd_batch_status(client: Client, args: argparse.Namespace) -> int:
+def cmd_batch_status(client: Client, opts: StatusOptions) -> int:
     """Every job of a batch, found from its input file (job ids are derived from the batch id
     and each line's custom_id, as the batch runner names them); then the counts by state."""
     from pathlib import Path
 
     from producer_sdk.batch import scan_input
     from producer_sdk.openai_format import job_id_for
-    path = Path(args.batch)
-    batch_id = args.batch_id or f"batch_{scan_input(path)[1][:24]}"
+    path = Path(opts.batch)
+    batch_id = opts.batch_id or f"batch_{scan_input(path)[1][:24]}"
     custom_ids = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -198,23 +227,23 @@ def cmd_batch_status(client: Client, args: argparse.Namespace) -> int:
     counts: dict[str, int] = {}
     for cid, st in zip(custom_ids, statuses):
         counts[st.state] = counts.get(st.state, 0) + 1
-        print(json.dumps({"custom_id": cid, **st.model_dump()}) if args.json
+        print(json.dumps({"custom_id": cid, **st.model_dump()}) if opts.json
               else _status_line(cid, st))
     print(json.dumps({"batch_id": batch_id, "jobs": len(statuses), **counts}), file=sys.stderr)
     return 0
 
 
-def cmd_result(client: Client, args: argparse.Namespace) -> int:
-    result = client.get(args.job_id).result(timeout=args.timeout)
-    print(result.model_dump_json() if args.json else result.text)
+def cmd_result(client: Client, args: argparse.Namespace, opts: ResultOptions) -> int:
+    result = client.get(args.job_id).result(timeout=opts.timeout)
+    print(result.model_dump_json() if opts.json else result.text)
     return 0
 
 
-def cmd_batch(client: Client, args: argparse.Namespace) -> int:
+def cmd_batch(client: Client, args: argparse.Namespace, opts: BatchOptions) -> int:
     from producer_sdk.batch import BatchRunner
-    runner = BatchRunner(client, args.input, args.output, args.errors, batch_id=args.batch_id,
-                         concurrency=args.concurrency, priority=args.priority,
-                         progress=not args.no_progress)
+    runner = BatchRunner(client, args.input, args.output, opts.errors, batch_id=opts.batch_id,
+                         concurrency=opts.concurrency, priority=opts.priority,
+                         progress=opts.progress)
     try:
         summary = runner.run()
     except KeyboardInterrupt:
@@ -281,15 +310,16 @@ def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
-def cmd_stats(url: str, args: argparse.Namespace) -> int:
+def cmd_stats(opts: StatsOptions) -> int:
     import redis
     from producer_sdk.client_core import NET_ERRORS, make_redis
     from producer_sdk.config import ClientConfig
     from producer_sdk._wire import redact_url
+    url = opts.redis_url
     r = make_redis(ClientConfig(redis_url=url))
     try:
-        queues = [args.queue] if args.queue else discover_queues(r, args.namespace)
-        stats = [queue_stats(r, Keys(args.namespace, q), args.live_s) for q in queues]
+        queues = [opts.queue] if opts.queue else discover_queues(r, opts.namespace)
+        stats = [queue_stats(r, Keys(opts.namespace, q), opts.live_s) for q in queues]
     except NET_ERRORS as exc:
         raise RedisUnavailable(redact_url(url), exc) from exc
     except redis.ResponseError as exc:
@@ -297,10 +327,10 @@ def cmd_stats(url: str, args: argparse.Namespace) -> int:
         return EXIT_FAILED
     finally:
         r.close()
-    if args.json:
+    if opts.json:
         print(json.dumps(stats, indent=2))
     else:
-        print(_table(stats, args.namespace))
+        print(_table(stats, opts.namespace))
     return 0
 
 

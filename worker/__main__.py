@@ -17,23 +17,18 @@ def main(argv: Optional[list[str]] = None,
          engine_factory: Optional[Callable[..., object]] = None) -> int:
     """The CLI; ``engine_factory`` (default worker.engine_api.load_engine) lets a test-only
     entry wrap the engine (tests/fault_worker.py)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["health"]:
-        from worker.health import main as health_main
-        return health_main(argv[1:])
-    if argv[:1] == ["admin"]:
-        from worker.admin import main as admin_main
-        return admin_main(argv[1:])
-    from pydantic import ValidationError
-
-    from worker.config import build_parser, describe_settings_error, settings_from_args
-    args = build_parser().parse_args(argv)
-    try:
-        settings = settings_from_args(args)
-    except ValidationError as exc:
-        build_parser().error(describe_settings_error(exc))
+    from producer_sdk.cli_common import parse_settings
+    from worker.config import build_parser
+    parser = build_parser()
+    args, settings = parse_settings(parser, sys.argv[1:] if argv is None else argv)
+    if args.command == "health":
+        from worker.health import run as run_health
+        return run_health(settings)
+    if args.command == "admin":
+        from worker.admin import run as run_admin
+        return run_admin(args, settings)
     if not settings.model:
-        build_parser().error("--model (or TOKENRELAY_MODEL) is required")
+        parser.error("--model (or TOKENRELAY_MODEL) is required")
     # OpenMP threads that spin long after each parallel region starve the Redis flush, the
     # server and readers on small CPU hosts (p99 token delivery 10 ms -> 5 ms on 2 cores); threads
     # that sleep at once pay a wake-up at every barrier of the compiled CPU kernels (throughput

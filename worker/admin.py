@@ -19,10 +19,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import redis as redis_lib
+from pydantic import Field
 
 from producer_sdk._wire import redact_url
-from producer_sdk.cli_common import add_connection_flags
-from producer_sdk.config import default_redis_url
+from producer_sdk.cli_common import (
+    ConnectionSettings, JsonOutput, add_settings_flags, parse_settings, unset,
+)
 from producer_sdk.protocol import (
     GROUP, PAYLOAD_FIELD, DeadLetter, ErrorCode, Keys, decode_job,
 )
@@ -185,48 +187,54 @@ def drain_requested(r: Any, keys: Keys, worker_id: str) -> bool:
 # CLI
 # --------------------------------------------------------------------------------------------
 
-def _global_flags(p: argparse.ArgumentParser, top: bool) -> None:
-    add_connection_flags(p, top)
-    p.add_argument("--json", action="store_true", **({} if top else {"default": argparse.SUPPRESS}),
-                   help="machine-readable output")
+class AdminSettings(ConnectionSettings, JsonOutput):
+    """What every admin subcommand takes: the connection and --json."""
+
+
+class DeadListSettings(AdminSettings):
+    count: Optional[int] = Field(None, ge=1, description="List at most this many, oldest first.",
+                                 json_schema_extra=unset("all"))
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    """The admin subcommands under ``p``; each level takes the admin settings, so they may come
+    before or after a subcommand. ``--all`` of replay/purge says which letters, like the ids, so
+    it is an argument and not a setting: an environment variable must never purge everything."""
+    add_settings_flags(p, AdminSettings)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, what in (("pending", "pending jobs: owner, idle time, delivery count"),
+                       ("workers", "workers and their last heartbeat")):
+        add_settings_flags(sub.add_parser(name, help=what), AdminSettings)
+    dead_parser = sub.add_parser("dead", help="dead letters")
+    add_settings_flags(dead_parser, AdminSettings)
+    dead = dead_parser.add_subparsers(dest="action", required=True)
+    add_settings_flags(dead.add_parser("list", help="list dead letters"), DeadListSettings)
+    for name, what in (("replay", "re-enqueue"), ("purge", "delete")):
+        a = dead.add_parser(name, help=f"{what} dead letters")
+        a.add_argument("ids", nargs="*", help="dead-letter entry ids")
+        a.add_argument("--all", action="store_true", help=f"{what} every dead letter")
+        add_settings_flags(a, AdminSettings)
+    d = sub.add_parser("drain", help="ask a worker to finish or hand back its jobs and exit")
+    d.add_argument("worker_id")
+    add_settings_flags(d, AdminSettings)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m worker admin",
                                 description="Inspect pending jobs and workers, manage dead "
                                             "letters, drain a worker.")
-    _global_flags(p, top=True)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    leaves = [sub.add_parser("pending", help="pending jobs: owner, idle time, delivery count"),
-              sub.add_parser("workers", help="workers and their last heartbeat")]
-    dead = sub.add_parser("dead", help="dead letters").add_subparsers(dest="action", required=True)
-    ls = dead.add_parser("list", help="list dead letters")
-    leaves.append(ls)
-    ls.add_argument("--count", type=int, default=None)
-    for name, what in (("replay", "re-enqueue"), ("purge", "delete")):
-        a = dead.add_parser(name, help=f"{what} dead letters")
-        a.add_argument("ids", nargs="*", help="dead-letter entry ids")
-        a.add_argument("--all", action="store_true", help=f"{what} every dead letter")
-        leaves.append(a)
-    d = sub.add_parser("drain", help="ask a worker to finish or hand back its jobs and exit")
-    d.add_argument("worker_id")
-    for leaf in [*leaves, d]:
-        _global_flags(leaf, top=False)
+    configure_parser(p)
     return p
 
 
-def _url(args: argparse.Namespace) -> str:
-    return args.redis_url or default_redis_url()
+def _connect(settings: AdminSettings) -> tuple[Any, Keys]:
+    keys = Keys(settings.namespace, settings.queue)
+    return redis_lib.Redis.from_url(settings.redis_url, socket_timeout=10), keys
 
 
-def _connect(args: argparse.Namespace) -> tuple[Any, Keys]:
-    keys = Keys(args.namespace, args.queue or "default")
-    return redis_lib.Redis.from_url(_url(args), socket_timeout=10), keys
-
-
-def _emit(args: argparse.Namespace, rows: Iterable[dict], columns: Sequence[str]) -> None:
+def _emit(settings: AdminSettings, rows: Iterable[dict], columns: Sequence[str]) -> None:
     rows = list(rows)
-    if args.json:
+    if settings.json:
         print(json.dumps(rows, default=str))
         return
     print("  ".join(columns))
@@ -245,14 +253,19 @@ EXIT_UNREACHABLE = 3     # as python -m producer_sdk
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m worker admin`` on its own (``python -m worker`` parses the same tree)."""
+    args, settings = parse_settings(build_parser(), argv)
+    return run(args, settings)
+
+
+def run(args: argparse.Namespace, settings: AdminSettings) -> int:
     """Redis errors end the command with one line: 3 when Redis cannot be reached, 78 for a
     configuration error (password, ACL, TLS), 1 for anything else Redis refused."""
-    args = build_parser().parse_args(argv)
     try:
-        return _run(args)
+        return _run(args, settings)
     except redis_lib.RedisError as exc:
         from worker.connection import EXIT_CONFIG, ErrorKind, classify, describe_permanent
-        url = _url(args)
+        url = settings.redis_url
         if classify(exc) is ErrorKind.PERMANENT:
             print(f"error: {describe_permanent(exc, url)}", file=sys.stderr)
             return EXIT_CONFIG
@@ -262,21 +275,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_UNREACHABLE if unreachable else 1
 
 
-def _run(args: argparse.Namespace) -> int:
-    r, keys = _connect(args)
+def _run(args: argparse.Namespace, settings: AdminSettings) -> int:
+    r, keys = _connect(settings)
     if args.cmd == "pending":
-        _emit(args, (asdict(p) for p in list_pending(r, keys)),
+        _emit(settings, (asdict(p) for p in list_pending(r, keys)),
               ("lane", "entry_id", "job_id", "consumer", "consumer_alive", "idle_ms",
                "deliveries", "owner"))
     elif args.cmd == "workers":
-        _emit(args, list_workers(r, keys),
+        _emit(settings, list_workers(r, keys),
               ("worker_id", "last_beat_ms_ago", "heartbeat_key", "draining"))
     elif args.cmd == "drain":
         alive = request_drain(r, keys, args.worker_id)
         print(f"drain requested for {args.worker_id}"
               + ("" if alive else " (warning: no live heartbeat under that id)"))
     elif args.action == "list":
-        _emit(args, (_dead_row(e, d) for e, d in list_dead(r, keys, args.count)),
+        assert isinstance(settings, DeadListSettings)
+        _emit(settings, (_dead_row(e, d) for e, d in list_dead(r, keys, settings.count)),
               ("dead_id", "job_id", "code", "deliveries", "lane", "entry_id", "worker_id",
                "reason"))
     else:

@@ -9,11 +9,11 @@ error classified (transient, or a permanent configuration error such as a wrong 
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 import redis
 
 from producer_sdk.protocol import Keys, now_ms
+from worker.config import WorkerIdentity
 from worker.connection import ErrorKind, classify, describe_permanent, redact_url
 
 
@@ -36,10 +36,8 @@ def check_health(client: redis.Redis, keys: Keys, worker_id: str,
                   + (f"; waiting out a redis error: {waiting}" if waiting else ""))
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    from worker.config import build_health_parser, settings_from_args
-    args = build_health_parser().parse_args(argv)
-    settings = settings_from_args(args)
+def run(settings: WorkerIdentity) -> int:
+    """Probe the worker ``settings`` name (``python -m worker health`` parses them)."""
     worker_id = settings.resolved_worker_id()
     try:
         client = redis.Redis.from_url(settings.redis_url, socket_timeout=3,

@@ -38,7 +38,8 @@ def test_help_lists_every_flag():
 
 def test_engine_options_reach_the_engine_config_only_when_set(monkeypatch):
     """Unset engine flags keep the engine's defaults; a flag or its env var is passed through."""
-    from worker.config import build_parser, settings_from_args
+    from producer_sdk.cli_common import settings_from_args
+    from worker.config import build_parser
 
     monkeypatch.delenv("TOKENRELAY_ENFORCE_EAGER", raising=False)
     base = settings_from_args(build_parser().parse_args(["--model", "m"])).engine_kwargs()

@@ -10,7 +10,8 @@ import fakeredis
 import pytest
 
 from producer_sdk.protocol import PARKING_CONSUMER, Keys
-from worker.config import WorkerSettings, build_parser, settings_from_args
+from producer_sdk.cli_common import settings_from_args
+from worker.config import WorkerSettings, build_parser
 from worker.health import check_health
 
 
