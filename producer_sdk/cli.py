@@ -65,6 +65,11 @@ def _submit_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--n", type=int, help="sampled choices; with more than one, each output "
+                   "line starts with [choice]")
+    p.add_argument("--beam-width", type=int, help="beam search with this many beams (each "
+                   "printed, best first, as [rank] lines)")
+    p.add_argument("--length-penalty", type=float, help="beam search length penalty")
     p.add_argument("--priority", type=int, default=0, help="<0 urgent lane, >0 bulk lane")
     p.add_argument("--job-id", default=None)
     p.add_argument("--timeout", type=float, default=None, help="seconds to wait for the result")
@@ -134,22 +139,39 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
     sampling = {k: v for k, v in (("max_tokens", args.max_tokens),
                                   ("temperature", args.temperature), ("top_p", args.top_p),
                                   ("top_k", args.top_k), ("seed", args.seed),
-                                  ("stop", args.stop)) if v is not None}
+                                  ("stop", args.stop), ("n", args.n),
+                                  ("beam_width", args.beam_width),
+                                  ("length_penalty", args.length_penalty)) if v is not None}
     source = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {
         "prompt": args.prompt}
     job = client.submit(**source, job_id=args.job_id, priority=args.priority,
                         stream=args.stream, block=args.block, **sampling)
     print(f"job {job.id}", file=sys.stderr)
+    several = (args.n or 1) > 1 or args.beam_width is not None
     try:
         if args.stream:
+            lines = ChoiceLines(sys.stdout) if several else None
             for delta in job.stream(timeout=args.timeout):
-                sys.stdout.write(delta.text)
+                if lines is not None:
+                    lines.feed(delta)
+                else:
+                    sys.stdout.write(delta.text)
                 sys.stdout.flush()
             result = job.result(timeout=args.timeout)
-            sys.stdout.write("\n")
+            if lines is not None:
+                lines.close()
+            else:
+                sys.stdout.write("\n")
         else:
             result = job.result(timeout=args.timeout)
-            print(result.model_dump_json() if args.json else result.text)
+            if args.json:
+                print(result.model_dump_json())
+            elif several:
+                lines = ChoiceLines(sys.stdout)
+                for out in result.outputs:
+                    lines.write(out.index, out.text)
+            else:
+                print(result.text)
     except KeyboardInterrupt:
         job.cancel()
         print(f"\ncancelled {job.id}", file=sys.stderr)
@@ -157,6 +179,35 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
     print(f"finish_reason={result.finish_reason} tokens={result.usage.completion_tokens}",
           file=sys.stderr)
     return 0
+
+
+class ChoiceLines:
+    """Prints several choices as lines that each start with ``[choice] ``: streamed tokens of
+    different choices interleave, so each choice's text is held until it completes a line (or
+    the choice finishes) and printed whole."""
+
+    def __init__(self, out: Any) -> None:
+        self.out = out
+        self.held: dict[int, str] = {}
+
+    def feed(self, delta: Any) -> None:
+        text = self.held.pop(delta.index, "") + delta.text
+        *lines, rest = text.split("\n")
+        for line in lines:
+            self.out.write(f"[{delta.index}] {line}\n")
+        if rest and delta.finish_reason is not None:
+            self.write(delta.index, rest)
+        elif rest:
+            self.held[delta.index] = rest
+
+    def write(self, index: int, text: str) -> None:
+        for line in text.split("\n"):
+            self.out.write(f"[{index}] {line}\n")
+
+    def close(self) -> None:
+        for index in sorted(self.held):
+            self.write(index, self.held[index])
+        self.held.clear()
 
 
 def cmd_status(client: Client, args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ def _entries(events: list[dict[str, Any]]) -> list[tuple[bytes, dict]]:
 
 
 def _token(seq: int, index: int, text: str, ids: list[int]) -> dict[str, Any]:
-    return {"type": "token", "seq": seq, "index": index, "text": text, "token_ids": ids,
+    return {"type": "token", "seq": seq, "position": index, "text": text, "token_ids": ids,
             "ts": 1.0}
 
 

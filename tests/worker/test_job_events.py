@@ -3,6 +3,8 @@ tests/worker/test_protocol.py, which covers the wire protocol only)."""
 
 from __future__ import annotations
 
+import pytest
+
 from producer_sdk.protocol import JobRequest, TokenEvent, decode_event, encode_event
 from worker.pending import Entry
 from worker.jobs import Job
@@ -31,7 +33,7 @@ def test_job_events_stream_and_final():
     assert job.on_delta(_delta([6, 7], "yz", True, 3), 1.5) is False
     evs = [decode_event(b) for b in job.pending]
     assert [e.type for e in evs] == ["started", "token", "token", "done"]
-    assert (evs[2].seq, evs[2].index, evs[2].token_ids) == (1, 1, [6, 7])
+    assert (evs[2].seq, evs[2].position, evs[2].token_ids) == (1, 1, [6, 7])
     assert evs[3].usage.completion_tokens == 3 and evs[3].metadata == {"a": 1}
     assert evs[3].usage.total_tokens == 3 + 3          # prompt + completion, as OpenAI names it
     assert evs[3].text is None  # streamed jobs do not repeat the text
@@ -46,13 +48,20 @@ def test_non_streaming_job_carries_text_only_in_done():
     assert evs[0].text == "xy" and evs[0].token_ids == [5, 6]
 
 
-def test_fast_token_encoding_matches_the_model():
+@pytest.mark.parametrize("lp", [None, [{5: -0.25, 7: -1.5}]])
+@pytest.mark.parametrize("end", [{}, {"finish_reason": "length"},
+                                 {"finish_reason": "stop", "stop_reason": "!",
+                                  "cumulative_logprob": -1.25},
+                                 {"finish_reason": "stop", "stop_reason": 7}])
+@pytest.mark.parametrize("choice", [0, 2])
+def test_fast_token_encoding_is_byte_equal_to_the_model(lp, end, choice):
     from worker.jobs import encode_token_event
-    for lp in (None, [{5: -0.25, 7: -1.5}]):
-        fast = decode_event(encode_token_event(3, 9, "é", [5], lp, 12.5))
-        slow = decode_event(encode_event(TokenEvent(seq=3, index=9, text="é", token_ids=[5],
-                                                    logprobs=lp, ts=12.5)))
-        assert fast == slow
+    fast = encode_token_event(3, choice, 9, "é", [5], lp, 12.5, end.get("finish_reason"),
+                              end.get("stop_reason"), end.get("cumulative_logprob"))
+    slow = encode_event(TokenEvent(seq=3, choice=choice, position=9, text="é", token_ids=[5],
+                                   logprobs=lp, ts=12.5, **end))
+    assert fast == slow
+    assert decode_event(fast) == decode_event(slow)
 
 
 def test_batch_id_is_unique_per_owner_and_batch():
