@@ -85,7 +85,8 @@ plausible = {
 plausible_params = {
     "max_tokens": st.integers(min_value=0, max_value=12), "temperature": st.floats(0, 2),
     "top_p": st.floats(0, 1), "top_k": st.integers(-1, 50), "seed": st.integers(0, 2**32),
-    "stop": st.lists(st.text(max_size=5), max_size=4), "n": st.integers(0, 3),
+    "stop": st.lists(st.text(max_size=5), max_size=4), "n": st.integers(0, 4),
+    "beam_width": st.one_of(st.none(), st.integers(0, 4)), "length_penalty": st.floats(-11, 11),
     "logprobs": st.integers(0, 30), "stop_token_ids": st.lists(st.integers(0, 300), max_size=4),
 }
 

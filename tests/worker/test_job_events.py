@@ -82,3 +82,81 @@ def test_usage_total_tokens_is_on_the_wire_and_derived_for_older_writers():
     older = msgpack.packb({"type": "done", "finish_reason": "stop",
                            "usage": {"prompt_tokens": 5, "completion_tokens": 2}})
     assert decode_event(older).usage.total_tokens == 7
+
+
+# ------------------------------------------------------------------------------------------
+# several choices
+# ------------------------------------------------------------------------------------------
+
+def _choice_delta(index, ids, finished=False, reason="length", cum=None):
+    return RequestDelta("j", ids, "".join(chr(96 + i) for i in ids), None, [], finished,
+                        reason if finished else None, None, 3, 2 if finished else 1,
+                        index=index, cumulative_logprob=cum)
+
+
+def _several(n: int, **kw) -> Job:
+    job = _job(**kw)
+    job.shape(n, several=True)
+    return job
+
+
+def test_each_choice_streams_with_its_index_and_position_and_its_end():
+    job = _several(2)
+    job.on_delta(_choice_delta(1, [1]), 1.0)
+    job.on_delta(_choice_delta(0, [2]), 1.0)
+    job.on_delta(_choice_delta(1, [3], True, "stop", -1.5), 2.0)
+    assert job.terminal is None            # choice 0 still runs
+    job.on_delta(_choice_delta(0, [4], True), 3.0)
+    evs = [decode_event(b) for b in job.pending]
+    tokens = [e for e in evs if e.type == "token"]
+    assert [(e.seq, e.choice, e.position, e.finish_reason) for e in tokens] == [
+        (0, 1, 0, None), (1, 0, 0, None), (2, 1, 1, "stop"), (3, 0, 1, "length")]
+    assert tokens[2].cumulative_logprob == -1.5
+    (done,) = [e for e in evs if e.type == "done"]
+    assert done.finish_reason == "length"              # choice 0's
+    assert [(c.index, c.finish_reason, c.completion_tokens) for c in done.choices] == [
+        (0, "length", 2), (1, "stop", 2)]
+    assert done.usage.completion_tokens == 4 and done.text is None
+
+
+def test_a_choice_that_ends_without_output_still_says_so_while_others_run():
+    job = _several(2)
+    job.on_delta(_choice_delta(0, [1]), 1.0)
+    job.on_delta(_choice_delta(0, [], True, "stop"), 2.0)    # e.g. a trimmed stop string
+    evs = [decode_event(b) for b in job.pending]
+    assert [(e.choice, e.token_ids, e.finish_reason) for e in evs] == [(0, [1], None),
+                                                                       (0, [], "stop")]
+
+
+def test_non_streaming_choices_are_in_the_done_event():
+    job = _several(2, stream=False)
+    job.on_delta(_choice_delta(0, [1], True), 1.0)
+    job.on_delta(_choice_delta(1, [2, 3], True), 1.0)
+    (done,) = [decode_event(b) for b in job.pending]
+    assert [(c.index, c.text, c.token_ids) for c in done.choices] == [(0, "a", [1]),
+                                                                      (1, "bc", [2, 3])]
+    assert (done.text, done.token_ids) == ("a", [1])
+
+
+def test_cancel_ends_every_running_choice_and_keeps_the_finished_ones():
+    job = _several(2)
+    job.on_delta(_choice_delta(0, [1], True, "stop"), 1.0)
+    job.on_delta(_choice_delta(1, [2]), 1.0)
+    job.finish("cancelled")
+    done = decode_event(job.pending[-1])
+    assert done.finish_reason == "cancelled"
+    assert [(c.index, c.finish_reason) for c in done.choices] == [(0, "stop"), (1, "cancelled")]
+    assert done.usage.completion_tokens == 3
+
+
+def test_a_rerun_beam_search_writes_only_the_beams_the_stream_lacks():
+    """A takeover of a beam job reruns it; the beams already delivered (finished in the fold)
+    are dropped, so the stream holds each beam once."""
+    job = _several(2)
+    job.choices[0].ids, job.choices[0].finish_reason = [1, 2], "length"   # already delivered
+    job.next_seq = 1
+    job.on_delta(_choice_delta(0, [1, 2], True), 1.0)
+    job.on_delta(_choice_delta(1, [3, 4], True), 1.0)
+    evs = [decode_event(b) for b in job.pending]
+    assert [(e.type, getattr(e, "choice", None), getattr(e, "seq", None)) for e in evs] == [
+        ("token", 1, 1), ("done", None, None)]
