@@ -162,6 +162,10 @@ class Admission:
         job.attempt = progress.attempts + 1
         if req.stream and progress.choices:
             resume_choices(job, progress)
+        params = self._params(job)
+        if params is None:
+            return
+        job.shape(params.num_choices, params.num_choices > 1 or params.use_beam_search)
         if cancelled:
             w.jobs.cancel(job, "cancel flag set before start")
             return
@@ -170,16 +174,12 @@ class Admission:
             w.jobs.fail(job, ErrorCode.EXPIRED, f"deadline_ms={req.deadline_ms} passed {late} ms "
                         "before a worker could start the job; raise the deadline or add workers")
             return
-        params = self._params(job)
-        if params is None:
-            return
         seed = progress.seed if progress.seed is not None else params.seed
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
         params.seed = job.seed = seed
         job.want_logprobs = params.logprobs is not None
         job.params = params
-        job.shape(params.num_choices, params.num_choices > 1 or params.use_beam_search)
         for c in job.choices:   # taken over right after a choice's last token
             if c.finish_reason is None and len(c.ids) >= params.max_tokens:
                 c.finish_reason = FinishReason.LENGTH.value

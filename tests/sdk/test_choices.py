@@ -123,3 +123,14 @@ def test_batch_runner_maps_n_to_openai_choices(redis_server, start_worker, tmp_p
     assert [(c.index, c.text) for c in comp.choices] == \
         list(enumerate(expected("batch ways", 2, 4)))
     assert (chat.usage.completion_tokens, comp.usage.completion_tokens) == (9, 8)
+
+
+def test_a_job_cancelled_before_it_starts_ends_every_choice(redis_server, start_worker):
+    with Client(redis_server.url) as client:
+        job = client.submit("never", n=2, max_tokens=4, seed=SEED)
+        job.cancel()
+        start_worker()
+        result = job.result(timeout=30)
+    assert result.finish_reason == "cancelled"
+    assert [(o.index, o.finish_reason, o.text) for o in result.outputs] == \
+        [(0, "cancelled", ""), (1, "cancelled", "")]
