@@ -198,7 +198,9 @@ def raw_payloads(draw) -> Payload:
     if kind == "empty":
         return Payload(b"", None, "empty")
     full = msgpack.packb({"v": 1, "prompt": "cut", "job_id": new_id("cut")}, use_bin_type=True)
-    return Payload(full[:draw(st.integers(0, len(full) - 1))], None, "truncated job")
+    # The cut is drawn independently of len(full), which grows with the id counter: a draw
+    # bounded by it made replays generate differently (hypothesis FlakyStrategyDefinition).
+    return Payload(full[:draw(st.integers(0, 2**16)) % len(full)], None, "truncated job")
 
 
 payloads = st.one_of(job_maps(), job_maps(), deep_payloads(), huge_payloads(), raw_payloads())
