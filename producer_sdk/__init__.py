@@ -21,6 +21,7 @@ _LAZY = {
     "AsyncJob": "producer_sdk.aio",
     "Job": "producer_sdk.job",
     "Result": "producer_sdk.job",
+    "CompletionOutput": "producer_sdk.job",
     "Delta": "producer_sdk.job",
     "ClientConfig": "producer_sdk.config",
     "SamplingParams": "producer_sdk.sampling_params",

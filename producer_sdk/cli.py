@@ -56,6 +56,13 @@ class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption):
                                 json_schema_extra=unset("random"))
     stop: Optional[list[str]] = Field(None, description="Stop string.",
                                       json_schema_extra=unset("none"))
+    n: Optional[int] = Field(None, description="Sampled choices; with more than one, each output "
+                             "line starts with [choice].", json_schema_extra=SERVER_DEFAULT)
+    beam_width: Optional[int] = Field(None, description="Beam search with this many beams (each "
+                                      "printed, best first, as [rank] lines).",
+                                      json_schema_extra=unset("sampling, no beam search"))
+    length_penalty: Optional[float] = Field(None, description="Beam search length penalty.",
+                                            json_schema_extra=SERVER_DEFAULT)
     priority: int = Field(0, description="Below 0: the urgent lane; above 0: the bulk lane.")
     job_id: Optional[str] = Field(None, description="The job's id (a resubmission is deduped).",
                                   json_schema_extra=unset("a fresh random id"))
@@ -163,22 +170,39 @@ def cmd_submit(client: Client, args: argparse.Namespace, opts: SubmitOptions) ->
     sampling = {k: v for k, v in (("max_tokens", opts.max_tokens),
                                   ("temperature", opts.temperature), ("top_p", opts.top_p),
                                   ("top_k", opts.top_k), ("seed", opts.seed),
-                                  ("stop", opts.stop)) if v is not None}
+                                  ("stop", opts.stop), ("n", opts.n),
+                                  ("beam_width", opts.beam_width),
+                                  ("length_penalty", opts.length_penalty)) if v is not None}
     source = {"messages": [{"role": "user", "content": args.prompt}]} if opts.chat else {
         "prompt": args.prompt}
     job = client.submit(**source, job_id=opts.job_id, priority=opts.priority,
                         stream=opts.stream, block=opts.block, **sampling)
     print(f"job {job.id}", file=sys.stderr)
+    several = (opts.n or 1) > 1 or opts.beam_width is not None
     try:
         if opts.stream:
+            lines = ChoiceLines(sys.stdout) if several else None
             for delta in job.stream(timeout=opts.timeout):
-                sys.stdout.write(delta.text)
+                if lines is not None:
+                    lines.feed(delta)
+                else:
+                    sys.stdout.write(delta.text)
                 sys.stdout.flush()
             result = job.result(timeout=opts.timeout)
-            sys.stdout.write("\n")
+            if lines is not None:
+                lines.close()
+            else:
+                sys.stdout.write("\n")
         else:
             result = job.result(timeout=opts.timeout)
-            print(result.model_dump_json() if opts.json else result.text)
+            if opts.json:
+                print(result.model_dump_json())
+            elif several:
+                lines = ChoiceLines(sys.stdout)
+                for out in result.outputs:
+                    lines.write(out.index, out.text)
+            else:
+                print(result.text)
     except KeyboardInterrupt:
         job.cancel()
         print(f"\ncancelled {job.id}", file=sys.stderr)
@@ -186,6 +210,35 @@ def cmd_submit(client: Client, args: argparse.Namespace, opts: SubmitOptions) ->
     print(f"finish_reason={result.finish_reason} tokens={result.usage.completion_tokens}",
           file=sys.stderr)
     return 0
+
+
+class ChoiceLines:
+    """Prints several choices as lines that each start with ``[choice] ``: streamed tokens of
+    different choices interleave, so each choice's text is held until it completes a line (or
+    the choice finishes) and printed whole."""
+
+    def __init__(self, out: Any) -> None:
+        self.out = out
+        self.held: dict[int, str] = {}
+
+    def feed(self, delta: Any) -> None:
+        text = self.held.pop(delta.index, "") + delta.text
+        *lines, rest = text.split("\n")
+        for line in lines:
+            self.out.write(f"[{delta.index}] {line}\n")
+        if rest and delta.finish_reason is not None:
+            self.write(delta.index, rest)
+        elif rest:
+            self.held[delta.index] = rest
+
+    def write(self, index: int, text: str) -> None:
+        for line in text.split("\n"):
+            self.out.write(f"[{index}] {line}\n")
+
+    def close(self) -> None:
+        for index in sorted(self.held):
+            self.write(index, self.held[index])
+        self.held.clear()
 
 
 def cmd_status(client: Client, args: argparse.Namespace, opts: StatusOptions) -> int:

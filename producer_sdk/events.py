@@ -11,7 +11,7 @@ import time
 from typing import Any, Literal, Optional, Union
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 
 class _Event(BaseModel):
@@ -31,16 +31,34 @@ class StartedEvent(_Event):
 
 
 class TokenEvent(_Event):
-    """New tokens of one engine step. ``seq`` numbers token events 0, 1, 2, ... per job;
-    ``index`` is the output position of the first token in ``token_ids``."""
+    """New tokens of one choice in one engine step. ``seq`` numbers the token events of a job
+    0, 1, 2, ... across all its choices; ``choice`` is the choice they belong to (sample i of
+    ``n``, or the beam's rank) and ``position`` the output position, within that choice, of the
+    first token in ``token_ids``. A choice's last token event carries its ``finish_reason``
+    (and ``stop_reason``, ``cumulative_logprob``): a worker taking the job over then knows that
+    choice is done and does not run it again.
+
+    v1 writers before choices named the position ``index``; it is read as ``position``."""
 
     type: Literal["token"] = "token"
     seq: int
-    index: int
+    choice: int = Field(default=0, ge=0)
+    position: int
     text: str
     token_ids: list[int]
     logprobs: Optional[list[dict[int, float]]] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[str, int]] = None
+    cumulative_logprob: Optional[float] = None
     ts: float = Field(default_factory=time.time)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_index(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "position" not in data and "index" in data:
+            data = {**data, "position": data["index"]}
+            del data["index"]
+        return data
 
 
 class Usage(BaseModel):
@@ -62,8 +80,26 @@ class Timings(BaseModel):
     total_ms: Optional[float] = None
 
 
+class DoneChoice(BaseModel):
+    """One choice's end, in the ``done`` event of a job with several (``n > 1`` or beam
+    search): why it finished, its token count and, for ``stream=False`` jobs, its output."""
+
+    model_config = ConfigDict(extra="allow")
+
+    index: int = Field(ge=0)
+    finish_reason: str
+    stop_reason: Optional[Union[str, int]] = None
+    completion_tokens: int = 0
+    cumulative_logprob: Optional[float] = None
+    text: Optional[str] = None
+    token_ids: Optional[list[int]] = None
+
+
 class DoneEvent(_Event):
-    """Terminal success (or cancellation). For ``stream=False`` jobs it carries the whole output."""
+    """Terminal success (or cancellation). For ``stream=False`` jobs it carries the whole output.
+    ``finish_reason``, ``stop_reason``, ``text`` and ``token_ids`` are those of choice 0;
+    ``choices`` (jobs with several) has every choice, and ``usage.completion_tokens`` is their
+    sum, as OpenAI counts it."""
 
     type: Literal["done"] = "done"
     finish_reason: str
@@ -73,6 +109,7 @@ class DoneEvent(_Event):
     text: Optional[str] = None
     token_ids: Optional[list[int]] = None
     stop_reason: Optional[Union[str, int]] = None
+    choices: Optional[list[DoneChoice]] = None
     ts: float = Field(default_factory=time.time)
 
 

@@ -17,8 +17,12 @@ engine from another. So both use this class, and the rule is written once:
 * The fold only ever appends. A reader that printed a delta never has to take it back, and the
   token ids and the text always describe the same events (the earlier resume-read cut token ids
   at ``index`` but kept the text, so the two could disagree).
+* Choices: each token event belongs to one ``choice`` (0 unless ``n > 1`` or beam search)
+  and is appended to that choice's output; ``seq`` stays one sequence for the whole job, so
+  the duplicate rule above is unchanged. A token event carrying ``finish_reason`` ends its
+  choice (``finish_reason``, ``stop_reason`` and ``cumulative_logprob`` are recorded).
 * ``done`` of a job whose stream had no token event carries the whole output (``stream=False``):
-  it is surfaced as one delta.
+  it is surfaced as one delta per choice (``choices[i].text``, or ``text`` for choice 0).
 * Unknown event types are additive protocol changes and are ignored.
 
 The fold works on decoded msgpack maps and validates token events by hand (a pydantic model per
@@ -39,27 +43,53 @@ from producer_sdk.protocol import DoneEvent, ErrorEvent, ProtocolError, describe
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """New output of one engine step: ``text`` to append, its ``token_ids`` (and logprobs)."""
+    """New output of one engine step for one choice: ``text`` to append, its ``token_ids`` (and
+    logprobs). ``index`` is the choice (as in OpenAI and vLLM), ``position`` the output position
+    of its first token within that choice, ``seq`` the token event's number in the job.
+    ``finish_reason`` is set on a choice's last delta."""
 
     text: str
     token_ids: list[int]
     logprobs: Optional[list[dict[int, float]]] = None
     index: int = 0
     seq: int = 0
+    position: int = 0
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[str, int]] = None
+
+
+class ChoiceFold:
+    """One choice's output so far."""
+
+    __slots__ = ("parts", "token_ids", "logprobs", "finish_reason", "stop_reason",
+                 "cumulative_logprob")
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: Optional[list[dict[int, float]]] = None
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Optional[Union[str, int]] = None
+        self.cumulative_logprob: Optional[float] = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+_NONE: tuple = ()
+_EMPTY = ChoiceFold()   # what a choice nothing was folded of reads as (never written to)
 
 
 class ResultFold:
     """Everything one result stream says so far (sans-IO; the rule is in the module docstring)."""
 
-    __slots__ = ("job_id", "next_seq", "parts", "token_ids", "logprobs", "attempts", "seed",
-                 "terminal")
+    __slots__ = ("job_id", "next_seq", "choices", "attempts", "seed", "terminal")
 
     def __init__(self, job_id: str = "") -> None:
         self.job_id = job_id
         self.next_seq = 0
-        self.parts: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: Optional[list[dict[int, float]]] = None
+        self.choices: dict[int, ChoiceFold] = {}
         self.attempts = 0
         self.seed: Optional[int] = None
         self.terminal: Optional[Union[DoneEvent, ErrorEvent]] = None
@@ -68,11 +98,24 @@ class ResultFold:
     def finished(self) -> bool:
         return self.terminal is not None
 
+    def choice(self, index: int) -> ChoiceFold:
+        """Choice ``index`` as folded so far (empty when nothing of it was folded)."""
+        return self.choices.get(index, _EMPTY)
+
+    # choice 0, which is the whole output of an n == 1 job
     @property
     def text(self) -> str:
-        return "".join(self.parts)
+        return self.choice(0).text
 
-    def apply_raw(self, raw: Any) -> Optional[Delta]:
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choice(0).token_ids
+
+    @property
+    def logprobs(self) -> Optional[list[dict[int, float]]]:
+        return self.choice(0).logprobs
+
+    def apply_raw(self, raw: Any) -> tuple[Delta, ...]:
         """Apply one entry's ``data`` field (msgpack bytes); ProtocolError if it is not an event."""
         try:
             event = msgpack.unpackb(raw, raw=False, strict_map_key=False)
@@ -82,10 +125,11 @@ class ResultFold:
             raise self._error(f"result event is not a map: {event!r:.80}")
         return self.apply(event)
 
-    def apply(self, event: Mapping[str, Any]) -> Optional[Delta]:
-        """Apply one decoded event; the new delta, if it added output."""
+    def apply(self, event: Mapping[str, Any]) -> tuple[Delta, ...]:
+        """Apply one decoded event; the new deltas it added (one, or several for the ``done``
+        of a ``stream=False`` job with several choices)."""
         if self.terminal is not None:
-            return None
+            return _NONE
         kind = event.get("type")
         if kind == "token":
             return self._token(event)
@@ -93,7 +137,7 @@ class ResultFold:
             self._started(event)
         elif kind in ("done", "error"):
             return self._finish(event)
-        return None
+        return _NONE
 
     def _error(self, message: str) -> ProtocolError:
         prefix = f"job {self.job_id}: " if self.job_id else ""
@@ -108,25 +152,36 @@ class ResultFold:
         if seed is not None:
             self.seed = seed
 
-    def _token(self, event: Mapping[str, Any]) -> Optional[Delta]:
-        seq, index, text = event.get("seq"), event.get("index", 0), event.get("text")
+    def _token(self, event: Mapping[str, Any]) -> tuple[Delta, ...]:
+        seq, choice, text = event.get("seq"), event.get("choice", 0), event.get("text")
+        position = event.get("position", event.get("index", 0))   # "index": older v1 writers
         ids, lp = event.get("token_ids"), event.get("logprobs")
-        if (type(seq) is not int or type(index) is not int or not isinstance(text, str)
+        reason, stop = event.get("finish_reason"), event.get("stop_reason")
+        if (type(seq) is not int or type(choice) is not int or choice < 0
+                or type(position) is not int or not isinstance(text, str)
                 or not isinstance(ids, list) or any(type(t) is not int for t in ids)
-                or not (lp is None or isinstance(lp, list))):
+                or not (lp is None or isinstance(lp, list))
+                or not (reason is None or isinstance(reason, str))):
             raise self._error(f"malformed token event {dict(event)!r:.120}")
         if seq < self.next_seq:
-            return None
+            return _NONE
         self.next_seq = seq + 1
-        self.parts.append(text)
-        self.token_ids.extend(ids)
+        c = self.choices.get(choice)
+        if c is None:
+            c = self.choices[choice] = ChoiceFold()
+        c.parts.append(text)
+        c.token_ids.extend(ids)
         if lp is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(lp)
-        return Delta(text, ids, lp, index, seq)
+            if c.logprobs is None:
+                c.logprobs = []
+            c.logprobs.extend(lp)
+        if reason is not None:
+            c.finish_reason, c.stop_reason = reason, stop
+            cum = event.get("cumulative_logprob")
+            c.cumulative_logprob = cum if isinstance(cum, (int, float)) else None
+        return (Delta(text, ids, lp, choice, seq, position, reason, stop),)
 
-    def _finish(self, event: Mapping[str, Any]) -> Optional[Delta]:
+    def _finish(self, event: Mapping[str, Any]) -> tuple[Delta, ...]:
         model = DoneEvent if event["type"] == "done" else ErrorEvent
         try:
             self.terminal = model.model_validate(event)
@@ -134,6 +189,12 @@ class ResultFold:
             raise self._error(f"malformed {event['type']} event: "
                               f"{describe_validation_error(exc)}") from None
         t = self.terminal
-        if isinstance(t, DoneEvent) and t.text and self.next_seq == 0:
-            return Delta(t.text, list(t.token_ids or []), None, 0, 0)
-        return None
+        if not isinstance(t, DoneEvent) or self.next_seq != 0:
+            return _NONE
+        if t.choices:
+            return tuple(Delta(c.text, list(c.token_ids or []), None, c.index, 0, 0,
+                               c.finish_reason, c.stop_reason) for c in t.choices if c.text)
+        if t.text:
+            return (Delta(t.text, list(t.token_ids or []), None, 0, 0, 0, t.finish_reason,
+                          t.stop_reason),)
+        return _NONE

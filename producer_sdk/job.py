@@ -22,8 +22,25 @@ from producer_sdk.protocol import EVENT_FIELD, DoneEvent, ErrorEvent, Timings, U
 _EVENT_KEY = EVENT_FIELD.decode()
 
 
+class CompletionOutput(BaseModel):
+    """One choice of a finished job (sample i of ``n``, or the beam of rank i), named as
+    vLLM's ``CompletionOutput``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    index: int
+    text: str
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[str, int]] = None
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[list[dict[int, float]]] = None
+
+
 class Result(BaseModel):
-    """A finished job. ``finish_reason`` is stop, length or cancelled."""
+    """A finished job. ``finish_reason`` is stop, length or cancelled. ``outputs`` lists every
+    choice (one unless ``n > 1`` or beam search), best beam first; ``text``, ``token_ids`` and
+    ``logprobs`` are those of the first, ``usage.completion_tokens`` counts them all."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -37,6 +54,7 @@ class Result(BaseModel):
     logprobs: Optional[list[dict[int, float]]] = None
     stop_reason: Optional[Union[str, int]] = None
     attempts: int = 0
+    outputs: list[CompletionOutput] = Field(default_factory=list)
 
 
 def _entry_key(entry_id: bytes) -> tuple[int, int]:
@@ -97,9 +115,7 @@ class JobState:
                 self.last_id, last = eid, key
                 raw = fields.get(EVENT_FIELD, fields.get(_EVENT_KEY)) if fields else None
                 if raw is not None:
-                    d = self.fold.apply_raw(raw)
-                    if d is not None:
-                        deltas.append(d)
+                    deltas.extend(self.fold.apply_raw(raw))
             self.delta_count += len(deltas)
             if self.streamers:
                 self.log.extend(deltas)
@@ -143,13 +159,42 @@ class JobState:
             raise RuntimeError(f"job {self.job_id} has not finished yet")
         if isinstance(t, ErrorEvent):
             raise JobFailed(self.job_id, t.code, t.message)
-        fold = self.fold
-        text = t.text if t.text is not None else fold.text
-        ids = list(t.token_ids) if t.token_ids is not None else fold.token_ids
-        logprobs = fold.logprobs if fold.logprobs is not None else getattr(t, "logprobs", None)
-        return Result(job_id=self.job_id, text=text, token_ids=ids, finish_reason=t.finish_reason,
-                      usage=t.usage, timings=t.timings, metadata=t.metadata, logprobs=logprobs,
-                      stop_reason=t.stop_reason, attempts=fold.attempts)
+        outputs = job_outputs(self.fold, t)
+        first = outputs[0]
+        return Result(job_id=self.job_id, text=first.text, token_ids=first.token_ids,
+                      finish_reason=t.finish_reason, usage=t.usage, timings=t.timings,
+                      metadata=t.metadata, logprobs=first.logprobs, stop_reason=t.stop_reason,
+                      attempts=self.fold.attempts, outputs=outputs)
+
+
+def job_outputs(fold: ResultFold, done: DoneEvent) -> list[CompletionOutput]:
+    """Every choice of a finished job: the streamed output of each (the fold), or the ``done``
+    event's own (``stream=False``); why each finished from ``done.choices`` when it has them,
+    else from the choice's last token event (choice 0: the ``done`` event itself)."""
+    by_index = {c.index: c for c in (done.choices or ())}
+    outputs = []
+    for i in sorted(set(by_index) | set(fold.choices) | {0}):
+        c, d = fold.choice(i), by_index.get(i)
+        text, ids = c.text, c.token_ids
+        if d is not None and d.text is not None:
+            text, ids = d.text, list(d.token_ids or [])
+        elif i == 0 and done.text is not None:
+            text, ids = done.text, list(done.token_ids or [])
+        if d is not None:
+            reason, stop = d.finish_reason, d.stop_reason
+        elif i == 0:
+            reason, stop = done.finish_reason, done.stop_reason
+        else:
+            reason, stop = c.finish_reason, c.stop_reason
+        cum = d.cumulative_logprob if d is not None and d.cumulative_logprob is not None \
+            else c.cumulative_logprob
+        lp = c.logprobs
+        if lp is None and i == 0:   # a stream=False writer may put them in done (extra field)
+            lp = getattr(done, "logprobs", None)
+        outputs.append(CompletionOutput(index=i, text=text, token_ids=list(ids),
+                                        finish_reason=reason, stop_reason=stop,
+                                        cumulative_logprob=cum, logprobs=lp))
+    return outputs
 
 
 def feed_states(by_key: dict[str, JobState], read: list[tuple[str, list]],

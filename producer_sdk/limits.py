@@ -44,7 +44,8 @@ class Limits(BaseModel):
                                     description="msgpack-encoded size of metadata")
     max_metadata_depth: int = Field(default=32, ge=1, description="nesting of maps and lists")
     max_logprobs: int = Field(default=20, ge=0)
-    max_n: int = Field(default=1, ge=1)
+    max_n: int = Field(default=16, ge=1, description="sampled choices per job (params.n)")
+    max_beam_width: int = Field(default=16, ge=1, description="beams per job (params.beam_width)")
 
 
 DEFAULT_LIMITS = Limits()
@@ -129,7 +130,8 @@ def _check_params(params: dict, limits: Limits) -> None:
     if isinstance(ids, (list, tuple)) and len(ids) > limits.max_stop_token_ids:
         raise _over("params.stop_token_ids", "count", len(ids), limits.max_stop_token_ids,
                     "max_stop_token_ids")
-    for name, limit in (("logprobs", limits.max_logprobs), ("n", limits.max_n)):
+    for name, limit in (("logprobs", limits.max_logprobs), ("n", limits.max_n),
+                        ("beam_width", limits.max_beam_width)):
         value = params.get(name)
         if type(value) is int and value > limit:
             raise _over(f"params.{name}", "value", value, limit, f"max_{name}")

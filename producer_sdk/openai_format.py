@@ -12,18 +12,18 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from producer_sdk.job import Result
+from producer_sdk.job import CompletionOutput, Result
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 DEFAULT_MODEL = "tokenrelay"
 # OpenAI body fields that map onto SamplingParams one to one (vLLM extensions included).
-_SAMPLING_PASSTHROUGH = ("temperature", "top_p", "seed", "stop", "presence_penalty",
+_SAMPLING_PASSTHROUGH = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty",
                          "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
                          "stop_token_ids", "ignore_eos", "skip_special_tokens",
                          "include_stop_str_in_output")
 # Accepted only with the value that means "the default behaviour".
-_ONLY_DEFAULT = {"n": (1, None), "stream": (False, None), "stream_options": (None,),
+_ONLY_DEFAULT = {"stream": (False, None), "stream_options": (None,),
                  "echo": (False, None), "best_of": (1, None), "suffix": (None, ""),
                  "logit_bias": (None, {}), "parallel_tool_calls": (None,),
                  "tools": (None, []), "tool_choice": (None, "none"),
@@ -165,31 +165,38 @@ def job_id_for(batch_id: str, custom_id: str) -> str:
 
 
 def response_line(tag: LineTag, result: Result) -> dict[str, Any]:
+    """The OpenAI-shaped output line: one choice per output (``n`` of them), each with its
+    index, message (chat) or text, logprobs and finish_reason; usage sums every choice."""
     usage = {"prompt_tokens": result.usage.prompt_tokens,
              "completion_tokens": result.usage.completion_tokens,
              "total_tokens": result.usage.total_tokens}
     created = int(time.time())
-    lp = _format_logprobs(tag, result) if tag.logprobs else None
+    choices = [_choice(tag, out) for out in result.outputs]
     if tag.url == CHAT_URL:
         body = {"id": f"chatcmpl-{result.job_id}", "object": "chat.completion", "created": created,
-                "model": tag.model, "choices": [{
-                    "index": 0, "message": {"role": "assistant", "content": result.text},
-                    "logprobs": lp, "finish_reason": result.finish_reason}], "usage": usage}
+                "model": tag.model, "choices": choices, "usage": usage}
     else:
         body = {"id": f"cmpl-{result.job_id}", "object": "text_completion", "created": created,
-                "model": tag.model, "choices": [{
-                    "index": 0, "text": result.text, "logprobs": lp,
-                    "finish_reason": result.finish_reason}], "usage": usage}
+                "model": tag.model, "choices": choices, "usage": usage}
     return {"id": f"batch_req_{result.job_id}", "custom_id": tag.custom_id,
             "response": {"status_code": 200, "request_id": result.job_id, "body": body},
             "error": None}
 
 
-def _format_logprobs(tag: LineTag, result: Result) -> Optional[dict[str, Any]]:
+def _choice(tag: LineTag, out: CompletionOutput) -> dict[str, Any]:
+    lp = _format_logprobs(tag, out) if tag.logprobs else None
+    if tag.url == CHAT_URL:
+        return {"index": out.index, "message": {"role": "assistant", "content": out.text},
+                "logprobs": lp, "finish_reason": out.finish_reason}
+    return {"index": out.index, "text": out.text, "logprobs": lp,
+            "finish_reason": out.finish_reason}
+
+
+def _format_logprobs(tag: LineTag, out: CompletionOutput) -> Optional[dict[str, Any]]:
     """Logprobs by token id (the worker sends ids, not token strings)."""
-    if not result.logprobs:
+    if not out.logprobs:
         return None
-    pairs = list(zip(result.token_ids, result.logprobs))
+    pairs = list(zip(out.token_ids, out.logprobs))
     if tag.url == CHAT_URL:
         return {"content": [{"token_id": tid, "logprob": top.get(tid),
                              "top_logprobs": [{"token_id": k, "logprob": v}

@@ -20,7 +20,8 @@ from typing import Any, Literal, Optional, Union
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from producer_sdk.events import (EVENT_TYPES, TERMINAL_TYPES, DoneEvent, ErrorEvent, Event,
+from producer_sdk.events import (EVENT_TYPES, TERMINAL_TYPES, DoneChoice, DoneEvent, ErrorEvent,
+                                 Event,
                                  StartedEvent, Timings, TokenEvent, Usage, encode_event,
                                  is_terminal)
 from producer_sdk.limits import (DEFAULT_LIMITS, LimitExceeded, Limits, check_job_limits,
@@ -439,6 +440,7 @@ __all__ = [
     "dedupe_record", "parse_dedupe_record", "Limits", "DEFAULT_LIMITS", "scan_job_id",
     "ChatMessage", "JobRequest", "encode_job", "decode_job", "validate_job",
     "describe_validation_error", "StartedEvent", "TokenEvent", "Usage", "Timings", "DoneEvent",
+    "DoneChoice",
     "ErrorEvent", "Event", "EVENT_TYPES", "TERMINAL_TYPES", "encode_event", "decode_event",
     "is_terminal", "DeadLetter", "ResultFold", "Delta", "RESERVED_CHAT_TEMPLATE_KWARGS",
 ]

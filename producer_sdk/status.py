@@ -229,7 +229,7 @@ def _tokens(event: Any) -> int:
     if event is None:
         return 0
     if event.type == "token":
-        return event.index + len(event.token_ids)
+        return event.position + len(event.token_ids)
     if event.type == "started":
         return event.resumed_tokens
     usage = getattr(event, "usage", None)

@@ -147,8 +147,9 @@ class StreamReport:
     """One job's result stream, decoded, with every violation of "each token exactly once"."""
 
     job_id: str
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)   # choice 0 (all of an n == 1 job)
     text: str = ""
+    choices: dict[int, "ChoiceReport"] = field(default_factory=dict)   # every choice by index
     terminal: Optional[object] = None          # the DoneEvent / ErrorEvent
     started: list[object] = field(default_factory=list)
     num_token_events: int = 0
@@ -167,11 +168,22 @@ class StreamReport:
         return f"done:{t.finish_reason}" if t.type == "done" else f"error:{t.code}"
 
 
+@dataclass
+class ChoiceReport:
+    """One choice of a result stream: its output and how its last token event ended it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: Optional[str] = None
+    num_token_events: int = 0
+
+
 def check_stream(r: redis.Redis, keys, job_id: str) -> StreamReport:
-    """Decode a result stream and list every duplicate, gap, misplaced index or extra terminal."""
+    """Decode a result stream and list every duplicate, gap, misplaced position, token after
+    its choice finished, or extra terminal. Each choice is checked on its own: positions
+    contiguous from 0 within it; seq is contiguous across the whole job."""
     from producer_sdk.protocol import EVENT_FIELD, decode_event
     rep = StreamReport(job_id)
-    parts: list[str] = []
     for entry_id, fields in r.xrange(keys.results(job_id)):
         ev = decode_event(fields[EVENT_FIELD])
         if rep.terminal is not None:
@@ -180,20 +192,35 @@ def check_stream(r: redis.Redis, keys, job_id: str) -> StreamReport:
         if ev.type == "started":
             rep.started.append(ev)
         elif ev.type == "token":
-            if ev.seq != rep.num_token_events:
-                rep.problems.append(f"token seq {ev.seq}, expected {rep.num_token_events}")
-            if ev.index != len(rep.token_ids):
-                rep.problems.append(f"token index {ev.index}, expected {len(rep.token_ids)}")
-            rep.num_token_events += 1
-            rep.token_ids.extend(ev.token_ids)
-            parts.append(ev.text)
+            _check_token(rep, ev)
         else:
             rep.terminal = ev
-    rep.text = "".join(parts)
-    if rep.terminal is not None and rep.terminal.type == "done" and rep.terminal.text is not None:
-        rep.text = rep.terminal.text                        # stream=False jobs
-        rep.token_ids = list(rep.terminal.token_ids or [])
+    t = rep.terminal
+    if t is not None and t.type == "done" and t.text is not None:    # stream=False jobs
+        rep.choices.setdefault(0, ChoiceReport())
+        for c in t.choices or [t]:
+            out = rep.choices.setdefault(getattr(c, "index", 0), ChoiceReport())
+            out.text, out.token_ids = c.text or "", list(c.token_ids or [])
+            out.finish_reason = c.finish_reason
+    first = rep.choices.get(0, ChoiceReport())
+    rep.text, rep.token_ids = first.text, first.token_ids
     return rep
+
+
+def _check_token(rep: StreamReport, ev: Any) -> None:
+    if ev.seq != rep.num_token_events:
+        rep.problems.append(f"token seq {ev.seq}, expected {rep.num_token_events}")
+    c = rep.choices.setdefault(ev.choice, ChoiceReport())
+    if c.finish_reason is not None:
+        rep.problems.append(f"choice {ev.choice}: token event after its finish_reason")
+    if ev.position != len(c.token_ids):
+        rep.problems.append(f"choice {ev.choice}: token position {ev.position}, expected "
+                            f"{len(c.token_ids)}")
+    rep.num_token_events += 1
+    c.num_token_events += 1
+    c.token_ids.extend(ev.token_ids)
+    c.text += ev.text
+    c.finish_reason = ev.finish_reason
 
 
 def wait_all_ended(r: redis.Redis, keys, job_ids: Sequence[str], timeout: float,

@@ -155,7 +155,8 @@ class FakeWorker(threading.Thread):
             ids.append(tid)
             if job.stream:
                 lp = [{tid: -0.5}] if job.params.get("logprobs") is not None else None
-                ev = {"type": "token", "seq": seq, "index": i, "text": text, "token_ids": [tid]}
+                ev = {"type": "token", "seq": seq, "choice": 0, "position": i, "text": text,
+                      "token_ids": [tid]}
                 if lp:
                     ev["logprobs"] = lp
                 self._emit(job.job_id, ev)
@@ -178,8 +179,8 @@ class FakeWorker(threading.Thread):
         self._emit(job_id, {"type": "started", "worker_id": self.worker_id + "-b", "attempt": 2,
                             "seed": 1234, "resumed_tokens": 2})
         for j in (1, 2):  # a resume that overlaps what was already streamed
-            self._emit(job_id, {"type": "token", "seq": j, "index": j, "text": f" t{j}",
-                                "token_ids": [100 + j]})
+            self._emit(job_id, {"type": "token", "seq": j, "choice": 0, "position": j,
+                                "text": f" t{j}", "token_ids": [100 + j]})
 
 
 def env_with_repo(extra: Optional[dict[str, str]] = None) -> dict[str, str]:

@@ -11,7 +11,7 @@ the result stream (resume), and add the request to the engine.
 from __future__ import annotations
 
 import random
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
@@ -22,7 +22,7 @@ from producer_sdk.protocol import (ErrorCode, FinishReason, JobRequest, Protocol
 from worker.connection import ErrorKind, classify
 from worker.deadletters import Rejection, payload_job_id
 from worker.fencing import bound, new_owner_value
-from worker.jobs import Job
+from worker.jobs import Choice, Job
 from worker.pending import Entry
 from worker.recovery import JobProgress, progress_from_entries
 from worker.scripts import ScriptPipeline, text
@@ -160,10 +160,12 @@ class Admission:
             w.outbox.owe_ack(job.entry, job.job_id, "already finished")
             return
         job.attempt = progress.attempts + 1
-        if req.stream and progress.token_ids:
-            job.next_seq = progress.next_seq
-            job.out_ids, job.out_text = list(progress.token_ids), [progress.text]
-            job.resumed_tokens = len(progress.token_ids)
+        if req.stream and progress.choices:
+            resume_choices(job, progress)
+        params = self._params(job)
+        if params is None:
+            return
+        job.shape(params.num_choices, params.num_choices > 1 or params.use_beam_search)
         if cancelled:
             w.jobs.cancel(job, "cancel flag set before start")
             return
@@ -172,18 +174,18 @@ class Admission:
             w.jobs.fail(job, ErrorCode.EXPIRED, f"deadline_ms={req.deadline_ms} passed {late} ms "
                         "before a worker could start the job; raise the deadline or add workers")
             return
-        params = self._params(job)
-        if params is None:
-            return
         seed = progress.seed if progress.seed is not None else params.seed
         if seed is None:
             seed = random.SystemRandom().randrange(2**63)
         params.seed = job.seed = seed
         job.want_logprobs = params.logprobs is not None
         job.params = params
-        if len(job.out_ids) >= params.max_tokens:  # taken over right after its last token
-            job.finish(FinishReason.LENGTH.value, completion_tokens=len(job.out_ids))
-            w.log.info("finished", finish_reason="length", tokens=len(job.out_ids),
+        for c in job.choices:   # taken over right after a choice's last token
+            if c.finish_reason is None and len(c.ids) >= params.max_tokens:
+                c.finish_reason = FinishReason.LENGTH.value
+        if job.all_finished():
+            job.finish()
+            w.log.info("finished", finish_reason=job.finish_reason, tokens=job.tokens,
                        **job.log_fields())
             return
         self._add_to_engine(job)
@@ -222,8 +224,7 @@ class Admission:
         error event; never raises."""
         w = self.w
         try:
-            resume = (ResumeState(output_token_ids=list(job.out_ids), output_text=job.text)
-                      if job.out_ids else None)
+            resume = resume_state(job)
             w.engine.add_request(job.job_id, self._prompt(job.request), job.params,
                                  priority=job.request.priority, resume=resume)
             job.in_engine = True
@@ -234,3 +235,31 @@ class Admission:
         except Exception as exc:
             w.log.exception("engine refused the job unexpectedly", **job.log_fields())
             w.jobs.fail(job, ErrorCode.INTERNAL, f"engine error on add_request: {exc}")
+
+
+def resume_choices(job: Job, progress: JobProgress) -> None:
+    """What the client already holds of each choice (the fold of its stream), and which choices
+    it already saw finish: the job continues from there, seq after the last token event."""
+    job.next_seq = progress.next_seq
+    top = max(progress.choices) + 1
+    job.choices = [Choice() for _ in range(top)]
+    for index, folded in progress.choices.items():
+        job.choices[index] = Choice(ids=list(folded.token_ids), parts=[folded.text],
+                                    finish_reason=folded.finish_reason,
+                                    stop_reason=folded.stop_reason,
+                                    cumulative_logprob=folded.cumulative_logprob)
+    job.resumed_tokens = job.tokens
+
+
+def resume_state(job: Job) -> Union[None, ResumeState, list[ResumeState]]:
+    """The engine's resume argument (docs/contracts.md): None for a fresh job and for beam
+    search (rerun: it is deterministic, and the beams a takeover already delivered are dropped
+    by ``Job.on_delta``); one ResumeState for n == 1; one per choice for n > 1."""
+    if job.params.use_beam_search:
+        return None
+    states = [ResumeState(output_token_ids=list(c.ids), output_text=c.text,
+                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+              for c in job.choices]
+    if not any(s.output_token_ids or s.finish_reason for s in states):
+        return None
+    return states[0] if len(states) == 1 else states

@@ -104,7 +104,9 @@ class WorkerSettings(WorkerIdentity):
     max_metadata_bytes: ByteSize = Field(64 * 1024, ge=0, description="Largest metadata (packed).")
     max_metadata_depth: int = Field(32, ge=1, description="Deepest metadata nesting.")
     max_logprobs: int = Field(20, ge=0, description="Largest logprobs (top-k per token).")
-    max_n: int = Field(1, ge=1, description="Largest n (completions per job).")
+    max_n: int = Field(16, ge=1, description="Largest n (sampled choices per job).")
+    max_beam_width: int = Field(16, ge=1, description="Largest beam_width (beam search beams "
+                                "per job).")
     log_level: str = Field("info", description="debug, info, warning, error.")
     log_prompts: bool = Field(False, description="Log prompt text (debug only; off by default).")
 
@@ -120,6 +122,8 @@ class WorkerSettings(WorkerIdentity):
                  "enforce_eager")
         out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         out["model"] = self.model
+        # The job limits bound choices before admission; the engine holds the same bounds.
+        out["max_n"], out["max_beam_width"] = self.max_n, self.max_beam_width
         return out
 
 

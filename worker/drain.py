@@ -76,5 +76,5 @@ class Drain:
                                      error=str(res[i]))
                 for job in jobs:
                     self.w.jobs.pop(job.job_id, None)
-                    self.w.log.info("handed back", tokens=len(job.out_ids), **job.log_fields())
+                    self.w.log.info("handed back", tokens=job.tokens, **job.log_fields())
         return handle

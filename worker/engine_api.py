@@ -80,7 +80,8 @@ def load_engine(settings: WorkerSettings) -> EngineAPI:
         kw = dict(p.split("=", 1) for p in settings.model[5:].split(",") if p)
         return FakeEngine(max_num_seqs=int(kw.get("max_num_seqs", settings.max_num_seqs or 8)),
                           step_delay=float(kw.get("step_delay", 0.0)),
-                          max_model_len=int(kw.get("max_model_len", settings.max_model_len or 4096)))
+                          max_model_len=int(kw.get("max_model_len", settings.max_model_len or 4096)),
+                          max_n=settings.max_n, max_beam_width=settings.max_beam_width)
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     return LLMEngine(EngineConfig(**settings.engine_kwargs()))

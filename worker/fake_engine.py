@@ -7,6 +7,13 @@ seed, output position), like the real engine's sampling contract, so a resumed r
 continues exactly and tests can predict every token.
 
 Tokens are characters: token id = ``ord(char)``; outputs are lowercase letters.
+
+Choices: with ``n > 1`` choice i draws its tokens from (prompt, seed, i, position) -- greedy
+choices are identical, as a real engine's are -- one delta per running choice per step, and a
+resumed request continues each choice from its own ResumeState (a finished one is not run).
+Beam search (``beam_width = k``) takes ``max_tokens`` steps with no output, then returns k
+fake beams of ``max_tokens`` tokens in one step, best first (``fake_beams``); it is a function
+of the prompt only, so a rerun returns the same beams.
 """
 
 from __future__ import annotations
@@ -35,6 +42,12 @@ class FakeTokenizer:
 
 
 @dataclass
+class _Choice:
+    out_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
 class _Request:
     request_id: str
     prompt_ids: list[int]
@@ -42,20 +55,44 @@ class _Request:
     priority: int
     arrival: int
     seed: int
-    out_ids: list[int] = field(default_factory=list)
+    choices: list[_Choice] = field(default_factory=list)
+    beam_steps: int = 0                 # beam search: steps searched so far
 
 
-def fake_token(prompt_ids: list[int], seed: int, position: int, greedy: bool) -> int:
-    """The token at ``position``: a function of the prompt, the seed (when sampling) and position."""
-    h = hashlib.blake2b(repr((sum(prompt_ids), len(prompt_ids), position,
-                              None if greedy else seed)).encode(), digest_size=4)
+def fake_token(prompt_ids: list[int], seed: int, position: int, greedy: bool,
+               choice: int = 0) -> int:
+    """The token at ``position`` of ``choice``: a function of the prompt, the seed and choice
+    (when sampling) and the position. Choice 0 hashes as before choices existed."""
+    key = (sum(prompt_ids), len(prompt_ids), position, None if greedy else seed)
+    if choice and not greedy:
+        key += (choice,)
+    h = hashlib.blake2b(repr(key).encode(), digest_size=4)
     return 97 + int.from_bytes(h.digest(), "little") % 26
 
 
-def fake_completion(prompt: str, max_tokens: int, seed: int = 0, greedy: bool = True) -> str:
+def fake_completion(prompt: str, max_tokens: int, seed: int = 0, greedy: bool = True,
+                    choice: int = 0) -> str:
     """What FakeEngine generates for ``prompt`` (length-limited, no stops): for assertions."""
     ids = [ord(c) for c in prompt]
-    return "".join(chr(fake_token(ids, seed, i, greedy)) for i in range(max_tokens))
+    return "".join(chr(fake_token(ids, seed, i, greedy, choice)) for i in range(max_tokens))
+
+
+def fake_beam(prompt_ids: list[int], max_tokens: int, rank: int) -> list[int]:
+    """The beam of rank ``rank`` (0 = best) that FakeEngine's beam search returns."""
+    h = [hashlib.blake2b(repr((sum(prompt_ids), len(prompt_ids), "beam", rank, i)).encode(),
+                         digest_size=4).digest() for i in range(max_tokens)]
+    return [97 + int.from_bytes(d, "little") % 26 for d in h]
+
+
+def fake_beams(prompt: str, max_tokens: int, beam_width: int) -> list[str]:
+    """FakeEngine's beams for ``prompt``, best first: for assertions."""
+    ids = [ord(c) for c in prompt]
+    return ["".join(map(chr, fake_beam(ids, max_tokens, r))) for r in range(beam_width)]
+
+
+def fake_beam_logprob(max_tokens: int, rank: int) -> float:
+    """The cumulative logprob FakeEngine gives the beam of ``rank``: lower for a worse rank."""
+    return -0.5 * max_tokens - rank
 
 
 class FakeEngine:
@@ -63,8 +100,10 @@ class FakeEngine:
     (then arrival) first, at most ``max_num_seqs`` scheduled per step."""
 
     def __init__(self, max_num_seqs: int = 8, max_model_len: int = 4096, step_delay: float = 0.0,
-                 fail_on: Optional[Callable[[list[str]], bool]] = None) -> None:
+                 fail_on: Optional[Callable[[list[str]], bool]] = None, max_n: int = 16,
+                 max_beam_width: int = 16) -> None:
         self.max_num_seqs = max_num_seqs
+        self.max_n, self.max_beam_width = max_n, max_beam_width
         self.max_model_len = max_model_len
         self.step_delay = step_delay
         self.fail_on = fail_on            # fail_on(scheduled ids) -> True makes step() raise
@@ -84,17 +123,39 @@ class FakeEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         if not ids:
             raise InvalidRequestError("prompt is empty")
+        if params.n > self.max_n:
+            raise InvalidRequestError(f"params.n: {params.n} is over max_n={self.max_n}")
+        if (params.beam_width or 0) > self.max_beam_width:
+            raise InvalidRequestError(f"params.beam_width: {params.beam_width} is over "
+                                      f"max_beam_width={self.max_beam_width}")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}; together "
                 f"they exceed max_model_len={self.max_model_len}")
         seed = params.seed if params.seed is not None else random.randrange(2**63)
-        req = _Request(request_id, ids, params, priority, next(self._arrivals), seed)
-        if resume is not None:
-            req.out_ids = list(resume.output_token_ids)
+        req = _Request(request_id, ids, params, priority, next(self._arrivals), seed,
+                       self._choices(params, resume))
         with self._lock:
             self._requests[request_id] = req
         self.added.append(request_id)
+
+    @staticmethod
+    def _choices(params: SamplingParams,
+                 resume: Union[None, ResumeState, list[ResumeState]]) -> list[_Choice]:
+        """Each choice's state, resumed as docs/contracts.md says (or InvalidRequestError)."""
+        if params.use_beam_search:
+            if resume is not None:
+                raise InvalidRequestError("resume: beam search is rerun, never resumed")
+            return [_Choice() for _ in range(params.beam_width or 1)]
+        if resume is None:
+            return [_Choice() for _ in range(params.n)]
+        states = [resume] if isinstance(resume, ResumeState) else list(resume)
+        if len(states) != params.n:
+            raise InvalidRequestError(f"resume: {len(states)} ResumeStates for n={params.n}")
+        choices = [_Choice(list(s.output_token_ids), s.finish_reason is not None) for s in states]
+        if all(c.finished for c in choices):
+            raise InvalidRequestError("resume: every choice has already finished")
+        return choices
 
     def request_seed(self, request_id: str) -> int:
         return self._requests[request_id].seed
@@ -108,20 +169,41 @@ class FakeEngine:
             raise RuntimeError("injected engine failure")
         if self.step_delay:
             time.sleep(self.step_delay)
-        return [self._advance(r) for r in scheduled]
+        return [d for r in scheduled for d in self._advance(r)]
 
-    def _advance(self, r: _Request) -> RequestDelta:
-        tok = fake_token(r.prompt_ids, r.seed, len(r.out_ids), r.params.greedy)
-        r.out_ids.append(tok)
-        finished = len(r.out_ids) >= r.params.max_tokens or tok in r.params.stop_token_ids
-        reason = None
-        if finished:
-            reason = "stop" if tok in r.params.stop_token_ids else "length"
+    def _advance(self, r: _Request) -> list[RequestDelta]:
+        deltas = (self._beam_step(r) if r.params.use_beam_search else
+                  [self._sample(r, i, c) for i, c in enumerate(r.choices) if not c.finished])
+        if all(c.finished for c in r.choices):
             with self._lock:
                 self._requests.pop(r.request_id, None)
+        return deltas
+
+    def _sample(self, r: _Request, index: int, c: _Choice) -> RequestDelta:
+        tok = fake_token(r.prompt_ids, r.seed, len(c.out_ids), r.params.greedy, index)
+        c.out_ids.append(tok)
+        c.finished = len(c.out_ids) >= r.params.max_tokens or tok in r.params.stop_token_ids
+        reason = None
+        if c.finished:
+            reason = "stop" if tok in r.params.stop_token_ids else "length"
         lp = None if r.params.logprobs is None else [{tok: -0.5}]
-        return RequestDelta(r.request_id, [tok], chr(tok), lp, [-0.5], finished, reason,
-                         tok if reason == "stop" else None, len(r.prompt_ids), len(r.out_ids))
+        return RequestDelta(r.request_id, [tok], chr(tok), lp, [-0.5], c.finished, reason,
+                            tok if reason == "stop" else None, len(r.prompt_ids), len(c.out_ids),
+                            index=index, cumulative_logprob=-0.5 * len(c.out_ids))
+
+    def _beam_step(self, r: _Request) -> list[RequestDelta]:
+        """Search silently for ``max_tokens`` steps, then every beam at once, best first."""
+        r.beam_steps += 1
+        if r.beam_steps < r.params.max_tokens:
+            return []
+        out = []
+        for rank, c in enumerate(r.choices):
+            c.out_ids, c.finished = fake_beam(r.prompt_ids, r.params.max_tokens, rank), True
+            out.append(RequestDelta(r.request_id, list(c.out_ids), "".join(map(chr, c.out_ids)),
+                                    None, [-0.5] * len(c.out_ids), True, "length", None,
+                                    len(r.prompt_ids), len(c.out_ids), index=rank,
+                                    cumulative_logprob=fake_beam_logprob(len(c.out_ids), rank)))
+        return out
 
     def abort_request(self, request_id: str) -> bool:
         with self._lock:

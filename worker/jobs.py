@@ -14,20 +14,64 @@ from typing import Any, Optional
 
 import msgpack
 
-from producer_sdk.protocol import (DoneEvent, ErrorCode, ErrorEvent, FinishReason, JobRequest,
+from producer_sdk.protocol import (DoneChoice, DoneEvent, ErrorCode, ErrorEvent, FinishReason,
+                                   JobRequest,
                                    StartedEvent, Timings, Usage, encode_event)
 from worker.pending import Entry
 
 
-def encode_token_event(seq: int, index: int, text: str, token_ids: list[int],
-                       logprobs: Optional[list[dict[int, float]]], ts: float) -> bytes:
+def encode_token_event(seq: int, choice: int, position: int, text: str, token_ids: list[int],
+                       logprobs: Optional[list[dict[int, float]]], ts: float,
+                       finish_reason: Optional[str] = None, stop_reason: Any = None,
+                       cumulative_logprob: Optional[float] = None) -> bytes:
     """``encode_event(TokenEvent(...))`` without pydantic: token events are the hot path (one per
-    running job per step) and this is 4x cheaper. Same bytes-level schema (test_protocol)."""
-    ev: dict[str, Any] = {"type": "token", "seq": seq, "index": index, "text": text,
-                          "token_ids": [int(t) for t in token_ids], "ts": ts}
+    running choice per step) and this is 4x cheaper. The same bytes, keys in the model's order
+    (test_job_events holds them equal). ``finish_reason`` (with ``stop_reason`` and
+    ``cumulative_logprob``) is given on a choice's last event only."""
+    ev: dict[str, Any] = {"type": "token", "seq": seq, "choice": choice, "position": position,
+                          "text": text, "token_ids": [int(t) for t in token_ids]}
     if logprobs is not None:
         ev["logprobs"] = [{int(k): float(v) for k, v in d.items()} for d in logprobs]
+    if finish_reason is not None:
+        ev["finish_reason"] = finish_reason
+        if stop_reason is not None:
+            ev["stop_reason"] = stop_reason
+        if cumulative_logprob is not None:
+            ev["cumulative_logprob"] = float(cumulative_logprob)
+    ev["ts"] = ts
     return msgpack.packb(ev, use_bin_type=True)
+
+
+@dataclass
+class Choice:
+    """One choice's output so far, resumed tokens included (sample i of n, or a beam)."""
+
+    ids: list[int] = field(default_factory=list)
+    parts: list[str] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: Any = None
+    cumulative_logprob: Optional[float] = None
+    completion_tokens: Optional[int] = None     # the engine's count at its end
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def summary(self, index: int, full: bool) -> DoneChoice:
+        """Its entry in the done event (with its output when the job does not stream)."""
+        return DoneChoice(index=index, finish_reason=self.finish_reason or FinishReason.STOP.value,
+                          stop_reason=self.stop_reason, completion_tokens=self.tokens,
+                          cumulative_logprob=self.cumulative_logprob,
+                          text=self.text if full else None,
+                          token_ids=list(self.ids) if full else None)
+
+    @property
+    def tokens(self) -> int:
+        return self.completion_tokens if self.completion_tokens is not None else len(self.ids)
 
 
 @dataclass
@@ -40,8 +84,8 @@ class Job:
     attempt: int = 1
     want_logprobs: bool = False
     next_seq: int = 0                    # seq of the next token event
-    out_ids: list[int] = field(default_factory=list)    # all output tokens (incl. resumed)
-    out_text: list[str] = field(default_factory=list)   # all output text pieces (incl. resumed)
+    choices: list[Choice] = field(default_factory=lambda: [Choice()])   # by choice index
+    several: bool = False                # n > 1 or beam search: done carries every choice
     resumed_tokens: int = 0
     prompt_tokens: int = 0
     admitted_at: float = field(default_factory=time.time)
@@ -76,7 +120,23 @@ class Job:
 
     @property
     def text(self) -> str:
-        return "".join(self.out_text)
+        """Choice 0's text (all of an n == 1 job)."""
+        return self.choices[0].text
+
+    @property
+    def tokens(self) -> int:
+        """Output tokens of every choice so far."""
+        return sum(len(c.ids) for c in self.choices)
+
+    def shape(self, num_choices: int, several: bool) -> None:
+        """Make room for every choice of the request (resumed ones are already there; a stream
+        naming choices past ``num_choices`` was not written by a worker, they are dropped)."""
+        self.choices.extend(Choice() for _ in range(num_choices - len(self.choices)))
+        del self.choices[num_choices:]
+        self.several = several
+
+    def all_finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
 
     def log_fields(self) -> dict[str, Any]:
         """What every log line of this job carries; the producer's W3C traceparent too, so a
@@ -93,38 +153,61 @@ class Job:
             resumed_tokens=self.resumed_tokens)))
 
     def on_delta(self, delta: Any, ts: float) -> bool:
-        """Record one engine delta; queue a token event (stream jobs) and, when finished, the
-        done event. Returns True when this delta carried the first token of this attempt."""
+        """Record one engine delta of one choice; queue its token event (stream jobs) and, once
+        every choice has finished, the done event. A delta of a choice already finished (a
+        beam search rerun after a takeover re-delivers beams the stream holds) is dropped.
+        Returns True when this delta carried the first token of this attempt."""
+        index = delta.index
+        c = self.choices[index] if 0 <= index < len(self.choices) else None
+        if c is None or c.finish_reason is not None:
+            return False
+        if delta.cumulative_logprob is not None:
+            c.cumulative_logprob = delta.cumulative_logprob
+        reason = None
+        if delta.finished:
+            reason = c.finish_reason = delta.finish_reason or FinishReason.STOP.value
+            c.stop_reason, c.completion_tokens = delta.stop_reason, delta.num_output_tokens
+        over = reason is not None and self.all_finished()
         first = False
-        if delta.new_token_ids or delta.new_text:
-            if self.first_token_at is None:
-                self.first_token_at, first = ts, True
-            self.last_token_at = ts
+        if delta.new_token_ids or delta.new_text or (reason is not None and not over):
+            if delta.new_token_ids or delta.new_text:
+                if self.first_token_at is None:
+                    self.first_token_at, first = ts, True
+                self.last_token_at = ts
             if self.request.stream:
                 self.pending.append(encode_token_event(
-                    self.next_seq, len(self.out_ids), delta.new_text, delta.new_token_ids,
-                    delta.logprobs if self.want_logprobs else None, ts))
+                    self.next_seq, index, len(c.ids), delta.new_text, delta.new_token_ids,
+                    delta.logprobs if self.want_logprobs else None, ts, reason, c.stop_reason,
+                    c.cumulative_logprob))
                 self.next_seq += 1
-            self.out_ids.extend(delta.new_token_ids)
-            self.out_text.append(delta.new_text)
+            c.ids.extend(delta.new_token_ids)
+            c.parts.append(delta.new_text)
         self.prompt_tokens = delta.num_prompt_tokens or self.prompt_tokens
-        if delta.finished:
-            self.finish(delta.finish_reason or FinishReason.STOP.value, delta.stop_reason,
-                        completion_tokens=delta.num_output_tokens)
+        if over:
+            self.finish()
         return first
 
-    def finish(self, reason: str, stop_reason: Any = None,
-               completion_tokens: Optional[int] = None) -> None:
+    def finish(self, reason: Optional[str] = None) -> None:
+        """Queue the done event: once every choice finished, or with ``reason`` (cancelled, or
+        the length a taken-over job had already reached), which ends every choice that has not
+        finished and is the job's finish reason."""
+        for c in self.choices:
+            if c.finish_reason is None:
+                c.finish_reason = reason or FinishReason.STOP.value
+        first = self.choices[0]
         self.finished_at = time.time()
-        self.terminal, self.finish_reason = "done", reason
+        self.terminal = "done"
+        self.finish_reason = reason or first.finish_reason
         full = not self.request.stream
         self.pending.append(encode_event(DoneEvent(
-            finish_reason=reason, stop_reason=stop_reason,
+            finish_reason=self.finish_reason,
+            stop_reason=first.stop_reason if self.finish_reason == first.finish_reason else None,
             usage=Usage(prompt_tokens=self.prompt_tokens,
-                        completion_tokens=(completion_tokens if completion_tokens is not None
-                                           else len(self.out_ids))),
+                        completion_tokens=sum(c.tokens for c in self.choices)),
             timings=self.timings(), metadata=self.request.metadata,
-            text=self.text if full else None, token_ids=list(self.out_ids) if full else None)))
+            text=first.text if full else None, token_ids=list(first.ids) if full else None,
+            choices=([c.summary(i, full) for i, c in enumerate(self.choices)]
+                     if self.several else None))))
 
     def fail(self, code: str, message: str) -> None:
         self.finished_at = time.time()
@@ -170,7 +253,7 @@ class JobTable(dict):
         self._out_of_engine(job)
         job.finish(FinishReason.CANCELLED.value)
         self.metrics.finished.labels("cancelled").inc()
-        self.log.info("cancelled", why=why, tokens=len(job.out_ids), **job.log_fields())
+        self.log.info("cancelled", why=why, tokens=job.tokens, **job.log_fields())
 
     def drop(self, job: Job, why: str) -> None:
         """Stop working on a job we no longer own or can no longer report on; writes nothing."""

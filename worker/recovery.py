@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional
 
 import redis
 
+from producer_sdk.fold import ChoiceFold
 from producer_sdk.protocol import EVENT_FIELD, Event, Keys, ProtocolError, ResultFold
 
 
@@ -26,8 +27,9 @@ class JobProgress:
     attempts: int = 0                      # attempts so far (``started`` events, see ResultFold)
     seed: Optional[int] = None             # seed of the latest ``started`` event that had one
     next_seq: int = 0                      # seq the next token event must carry
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)   # choice 0 (all of an n == 1 job)
     text: str = ""
+    choices: dict[int, ChoiceFold] = field(default_factory=dict)   # every choice, by index
     terminal: Optional[Event] = None       # the done/error event, if the job already ended
     last_entry_id: Optional[str] = None
     undecodable: int = 0                   # entries that were not protocol events (skipped)
@@ -60,6 +62,7 @@ def progress_from_entries(entries: Iterable[tuple[Any, dict[Any, Any]]]) -> JobP
             prog.undecodable += 1
     prog.attempts, prog.seed, prog.next_seq = fold.attempts, fold.seed, fold.next_seq
     prog.token_ids, prog.text, prog.terminal = fold.token_ids, fold.text, fold.terminal
+    prog.choices = fold.choices
     return prog
 
 

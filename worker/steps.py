@@ -20,7 +20,7 @@ from worker.jobs import Job
 class Stepper:
     def __init__(self, worker: Any) -> None:
         self.w = worker
-        self._stepped: list[tuple] = []     # (job, delta, prev token time, first, ts)
+        self._stepped: list[tuple] = []     # (job, delta, prev token time, first, ts, ended)
 
     def step(self) -> None:
         w = self.w
@@ -36,16 +36,17 @@ class Stepper:
             job = w.jobs.get(d.request_id)
             if job is None or not job.in_engine:
                 continue
-            prev = job.last_token_at
+            prev, open_ = job.last_token_at, job.terminal is None
             first = job.on_delta(d, ts)
-            if d.finished:
+            ended = open_ and job.terminal is not None   # its last choice finished
+            if ended:
                 job.in_engine = False
-            self._stepped.append((job, d, prev, first, ts))
+            self._stepped.append((job, d, prev, first, ts, ended))
 
     def account(self) -> None:
         """Logs and metrics of the last step (after its flush)."""
         m, log = self.w.metrics, self.w.log
-        for job, d, prev, first, ts in self._stepped:
+        for job, d, prev, first, ts, ended in self._stepped:
             if first:
                 m.ttft.observe(max(0.0, ts - job.enqueued_ms / 1000))
                 log.debug("first_token", **job.log_fields())
@@ -55,11 +56,11 @@ class Stepper:
                 if prev is not None:
                     for _ in range(n):
                         m.itl.observe((ts - prev) / n)
-            if d.finished:
+            if ended:
                 m.prompt_tokens.inc(job.prompt_tokens)
                 m.e2e.observe(max(0.0, time.time() - job.enqueued_ms / 1000))
                 m.finished.labels(job.finish_reason or "stop").inc()
-                log.info("finished", finish_reason=job.finish_reason, tokens=len(job.out_ids),
+                log.info("finished", finish_reason=job.finish_reason, tokens=job.tokens,
                          **job.log_fields())
         self._stepped.clear()
 

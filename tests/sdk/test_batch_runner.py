@@ -53,7 +53,9 @@ def test_body_mapping():
         "max_completion_tokens": 5, "temperature": 0.5, "top_p": 0.9, "stop": "x", "seed": 1,
         "n": 1, "logprobs": True, "top_logprobs": 2, "user": "u"})
     assert chat == {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
-                    "logprobs": 2, "temperature": 0.5, "top_p": 0.9, "stop": "x", "seed": 1}
+                    "logprobs": 2, "n": 1, "temperature": 0.5, "top_p": 0.9, "stop": "x",
+                    "seed": 1}
+    assert body_to_request("/v1/completions", {"prompt": "x", "n": 3})["n"] == 3
     assert body_to_request("/v1/completions", {"prompt": [[1, 2]]}) == {"prompt_token_ids": [1, 2]}
     qwen3 = body_to_request("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}],
@@ -62,7 +64,7 @@ def test_body_mapping():
     for url, body, code in [
         ("/v1/chat/completions", {"messages": [{"role": "u", "content": "x"}], "foo": 1},
          "unsupported_field"),
-        ("/v1/chat/completions", {"messages": [{"role": "u", "content": "x"}], "n": 2},
+        ("/v1/chat/completions", {"messages": [{"role": "u", "content": "x"}], "best_of": 2},
          "unsupported_field"),
         ("/v1/completions", {"prompt": ["a", "b"]}, "invalid_request"),
         ("/v1/embeddings", {"input": "x"}, "invalid_url"),
@@ -146,7 +148,7 @@ def run_cli_batch(sdk_url: str, inp: Path, out: Path, err: Path) -> subprocess.P
 
 def test_batch_killed_halfway_then_resumed(sdk_url: str, tmp_path: Path):
     inp, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
-    write_input(inp, 200, {7: "[]", 99: "oops", 150: chat_line(150, n=3)})
+    write_input(inp, 200, {7: "[]", 99: "oops", 150: chat_line(150, best_of=3)})
     worker = FakeWorker(sdk_url, token_delay=0.004)
     worker.start()
     proc = run_cli_batch(sdk_url, inp, out, err)

@@ -28,7 +28,7 @@ def _entries(events: list[dict[str, Any]]) -> list[tuple[bytes, dict]]:
 
 
 def _token(seq: int, index: int, text: str, ids: list[int]) -> dict[str, Any]:
-    return {"type": "token", "seq": seq, "index": index, "text": text, "token_ids": ids,
+    return {"type": "token", "seq": seq, "position": index, "text": text, "token_ids": ids,
             "ts": 1.0}
 
 
@@ -173,3 +173,127 @@ def test_regrouped_reemission_keeps_text_and_ids_together():
     stream = [_token(0, 0, "ab", [1, 2]), _token(1, 1, "bc", [2, 3])]
     prog = progress_from_entries(_entries(stream))
     assert prog.text == "abbc" and prog.token_ids == [1, 2, 2, 3]
+
+
+# ------------------------------------------------------------------------------------------
+# several choices (n > 1, beam search): one seq for the job, output folded per choice
+# ------------------------------------------------------------------------------------------
+
+def _choice_token(seq: int, choice: int, position: int, text: str, ids: list[int],
+                  reason: Any = None) -> dict[str, Any]:
+    ev = {"type": "token", "seq": seq, "choice": choice, "position": position, "text": text,
+          "token_ids": ids, "ts": 1.0}
+    if reason is not None:
+        ev["finish_reason"] = reason
+    return ev
+
+
+@st.composite
+def interleaved_outputs(draw) -> list[dict[str, Any]]:
+    """One correct run of a job with 1-3 choices: per step, the choices still running in a
+    random order each get a token event; a choice's last event carries its finish_reason."""
+    lengths = draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))
+    made = [0] * len(lengths)
+    positions = [0] * len(lengths)
+    events: list[dict[str, Any]] = []
+    while any(m < n for m, n in zip(made, lengths)):
+        running = [i for i, (m, n) in enumerate(zip(made, lengths)) if m < n]
+        for i in draw(st.permutations(running)):
+            ids = draw(_ids)
+            made[i] += 1
+            reason = "length" if made[i] == lengths[i] else None
+            events.append(_choice_token(len(events), i, positions[i], draw(_text), ids, reason))
+            positions[i] += len(ids)
+    return events
+
+
+@st.composite
+def observed_interleaved(draw):
+    """(clean events, the stream as workers may write it: duplicates and takeovers)."""
+    clean = draw(interleaved_outputs())
+    stream: list[dict[str, Any]] = [{"type": "started", "worker_id": "w1", "attempt": 1,
+                                     "seed": 7, "ts": 1.0}]
+    attempt, i = 1, 0
+    while i < len(clean):
+        stream.append(clean[i])
+        i += 1
+        action = draw(st.sampled_from(["next", "next", "dup", "resume"]))
+        if action == "dup":
+            stream.append(clean[draw(st.integers(0, i - 1))])
+        elif action == "resume":
+            attempt += 1
+            stream.append({"type": "started", "worker_id": f"w{attempt}", "attempt": attempt,
+                           "seed": 7, "ts": 1.0})
+            i = draw(st.integers(0, i))
+    stream.append({"type": "done", "finish_reason": "length", "ts": 1.0,
+                   "choices": [{"index": c, "finish_reason": "length"}
+                               for c in sorted({e["choice"] for e in clean})]})
+    return clean, stream
+
+
+def _per_choice(events: list[dict[str, Any]]) -> dict[int, tuple[str, list[int]]]:
+    out: dict[int, tuple[str, list[int]]] = {}
+    for e in events:
+        text, ids = out.get(e["choice"], ("", []))
+        out[e["choice"]] = (text + e["text"], ids + e["token_ids"])
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(observed_interleaved(), st.lists(st.integers(0, 40), max_size=4))
+def test_interleaved_choices_fold_to_each_clean_output(pair, cuts):
+    clean, stream = pair
+    want = _per_choice(clean)
+    entries = _entries(stream)
+    state, deltas = _sdk_fold(entries, cuts)
+    result = state.result()
+    assert {o.index: (o.text, o.token_ids) for o in result.outputs} == want
+    assert all(o.finish_reason == "length" for o in result.outputs)
+    assert (result.text, result.token_ids) == want[0]
+    assert _per_choice([{"choice": d.index, "text": d.text, "token_ids": d.token_ids}
+                        for d in deltas]) == want
+    assert [d.seq for d in deltas] == list(range(len(clean)))
+    assert [(d.index, d.position) for d in deltas] == [(e["choice"], e["position"])
+                                                       for e in clean]
+    prog = progress_from_entries(entries)
+    assert {i: (c.text, c.token_ids) for i, c in prog.choices.items()} == want
+    assert prog.next_seq == len(clean)
+
+
+@settings(max_examples=200, deadline=None)
+@given(observed_interleaved(), st.integers(0, 60))
+def test_a_takeover_after_any_prefix_knows_each_choice_and_which_finished(pair, cut):
+    """What a worker resumes from (recovery) is what the client holds (SDK), choice by choice,
+    and a choice counts as finished exactly when its last event is in the prefix."""
+    clean, stream = pair
+    prefix = _entries(stream)[:cut]
+    prog = progress_from_entries(prefix)
+    seen = clean[:prog.next_seq]
+    assert {i: (c.text, c.token_ids) for i, c in prog.choices.items()} == _per_choice(seen)
+    ended = {e["choice"] for e in seen if e.get("finish_reason")}
+    assert {i for i, c in prog.choices.items() if c.finish_reason} == ended
+    state, _ = _sdk_fold(prefix, [])
+    assert {i: (c.text, c.token_ids) for i, c in state.fold.choices.items()} == \
+        {i: (c.text, c.token_ids) for i, c in prog.choices.items()}
+
+
+def test_done_of_a_non_streaming_job_with_choices_is_one_delta_per_choice():
+    done = {"type": "done", "finish_reason": "stop", "text": "ab", "token_ids": [1, 2],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 3}, "ts": 1.0,
+            "choices": [{"index": 0, "finish_reason": "stop", "text": "ab", "token_ids": [1, 2],
+                         "cumulative_logprob": -0.5},
+                        {"index": 1, "finish_reason": "length", "text": "c", "token_ids": [3]}]}
+    state, deltas = _sdk_fold(_entries([done]), [])
+    assert [(d.index, d.text, d.finish_reason) for d in deltas] == [(0, "ab", "stop"),
+                                                                    (1, "c", "length")]
+    result = state.result()
+    assert [(o.index, o.text, o.token_ids, o.finish_reason, o.cumulative_logprob)
+            for o in result.outputs] == [(0, "ab", [1, 2], "stop", -0.5),
+                                         (1, "c", [3], "length", None)]
+    assert result.text == "ab" and result.usage.completion_tokens == 3
+
+
+def test_an_older_writers_index_is_read_as_the_position():
+    fold = ResultFold()
+    (delta,) = fold.apply({"type": "token", "seq": 0, "index": 4, "text": "a", "token_ids": [1]})
+    assert (delta.index, delta.position, fold.text) == (0, 4, "a")

@@ -28,6 +28,9 @@ _sampling = st.fixed_dictionaries({}, optional={
     "logprobs": st.integers(0, 25),
     "ignore_eos": st.one_of(st.booleans(), st.just("yes")),
     "stop_token_ids": st.lists(st.integers(-1, 9), max_size=3),
+    "n": st.integers(0, 20),                                   # max_n is 16
+    "beam_width": st.one_of(st.none(), st.integers(0, 20)),    # max_beam_width is 16
+    "length_penalty": st.one_of(st.floats(-12, 12, allow_nan=False), st.just("1")),
 })
 _job_fields = st.fixed_dictionaries({}, optional={
     "priority": st.one_of(st.integers(-(2**32), 2**32), st.just(True), st.just(1.5)),

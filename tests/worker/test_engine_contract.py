@@ -7,7 +7,7 @@ request continues where it stopped, abort frees capacity at once."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
@@ -103,3 +103,86 @@ def run_steps(eng, rid: str, n: int) -> list[RequestDelta]:
     while sum(len(d.new_token_ids) for d in out) < n:
         out += [d for d in eng.step() if d.request_id == rid]
     return out
+
+
+# ------------------------------------------------------------------------------------------
+# choices (n > 1) and beam search
+# ------------------------------------------------------------------------------------------
+
+def sampled(n: int, max_tokens: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, seed=11, ignore_eos=True,
+                          **kw)
+
+
+def run_choices(eng, rid: str, steps: Optional[int] = None) -> dict[int, list[RequestDelta]]:
+    """Step until every choice of ``rid`` finished (or ``steps`` steps): its deltas by index,
+    checking that a step never returns two deltas for one (request, index)."""
+    out: dict[int, list[RequestDelta]] = {}
+    taken = 0
+    while eng.has_unfinished_requests() and (steps is None or taken < steps):
+        deltas = list(eng.step())
+        taken += 1
+        keys = [(d.request_id, d.index) for d in deltas]
+        assert len(set(keys)) == len(keys), f"two deltas for one choice in one step: {keys}"
+        for d in deltas:
+            if d.request_id == rid:
+                out.setdefault(d.index, []).append(d)
+    return out
+
+
+def tokens(deltas: list[RequestDelta]) -> list[int]:
+    return [t for d in deltas for t in d.new_token_ids]
+
+
+def test_n_choices_stream_per_choice_and_each_ends_once(eng):
+    eng.add_request("n3", "three choices of one prompt", sampled(3, 5))
+    got = run_choices(eng, "n3")
+    assert sorted(got) == [0, 1, 2]
+    for index, deltas in got.items():
+        assert len(tokens(deltas)) == 5, index
+        assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True], index
+        last = deltas[-1]
+        assert last.finish_reason == "length" and last.num_output_tokens == 5
+    assert not eng.has_unfinished_requests()
+    assert len({tuple(tokens(d)) for d in got.values()}) > 1, "sampled choices all identical"
+
+
+def test_n_choices_resume_per_choice(eng):
+    params = sampled(3, 6)
+    eng.add_request("whole", "resume each choice", params)
+    full = {i: tokens(d) for i, d in run_choices(eng, "whole").items()}
+    eng.add_request("cut", "resume each choice", sampled(3, 6))
+    part = {i: tokens(d) for i, d in run_choices(eng, "cut", steps=2).items()}
+    eng.abort_request("cut")
+    assert part and all(len(part.get(i, [])) < 6 for i in range(3))
+    resume = [ResumeState(part.get(0, []), ""),
+              ResumeState(full[1], "", finish_reason="length"),   # already finished: not rerun
+              ResumeState([], "")]                                 # nothing delivered of it
+    eng.add_request("rest", "resume each choice", sampled(3, 6), resume=resume)
+    rest = run_choices(eng, "rest")
+    assert 1 not in rest, "a finished choice was run again"
+    assert part.get(0, []) + tokens(rest[0]) == full[0]
+    assert tokens(rest[2]) == full[2]
+    assert rest[0][-1].finished and rest[2][-1].finished
+    assert not eng.has_unfinished_requests()
+
+
+def test_beam_search_returns_every_beam_in_one_final_step(eng):
+    params = SamplingParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    eng.add_request("beam", "search two beams", params)
+    steps: list[list[RequestDelta]] = []
+    while eng.has_unfinished_requests():
+        steps.append([d for d in eng.step() if d.request_id == "beam"])
+    with_output = [s for s in steps if s]
+    assert len(with_output) == 1 and steps[-1], "beams must arrive together, in the last step"
+    beams = with_output[0]
+    assert [d.index for d in beams] == [0, 1]
+    assert all(d.finished and d.new_token_ids and len(d.new_token_ids) == d.num_output_tokens
+               for d in beams)
+    scores = [d.cumulative_logprob for d in beams]
+    if None not in scores:
+        assert scores[0] >= scores[1], "beams must come best first"
+    eng.add_request("again", "search two beams", params)       # deterministic: a rerun is exact
+    again = [d for _ in iter(eng.has_unfinished_requests, False) for d in eng.step()
+             if d.request_id == "again"]
+    assert [d.new_token_ids for d in again] == [d.new_token_ids for d in beams]

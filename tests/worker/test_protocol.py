@@ -165,7 +165,7 @@ def test_metadata_depth_within_msgpack_but_over_the_limit():
 SMALL = Limits(max_payload_bytes=4096, max_prompt_bytes=100, max_prompt_token_ids=10,
                max_messages=3, max_stop_strings=2, max_stop_string_chars=5,
                max_stop_token_ids=2, max_metadata_bytes=50, max_metadata_depth=3,
-               max_logprobs=2, max_n=1)
+               max_logprobs=2, max_n=1, max_beam_width=2)
 
 
 @pytest.mark.parametrize("fields, field, name", [
@@ -181,6 +181,7 @@ SMALL = Limits(max_payload_bytes=4096, max_prompt_bytes=100, max_prompt_token_id
     ({"params": {"stop_token_ids": [1, 2, 3]}}, "params.stop_token_ids", "max_stop_token_ids"),
     ({"params": {"logprobs": 3}}, "params.logprobs", "max_logprobs"),
     ({"params": {"n": 2}}, "params.n", "max_n"),
+    ({"params": {"beam_width": 3}}, "params.beam_width", "max_beam_width"),
     ({"metadata": {"k": "v" * 60}}, "metadata", "max_metadata_bytes"),
     ({"metadata": {"a": {"b": {"c": {}}}}}, "metadata", "max_metadata_depth"),
     ({"prompt": "x" * 5000}, None, "max_payload_bytes"),
@@ -201,8 +202,8 @@ def test_default_limits_match_the_contract():
     assert (d.max_payload_bytes, d.max_prompt_bytes, d.max_metadata_bytes) == \
         (8 * 2**20, 4 * 2**20, 64 * 2**10)
     assert (d.max_prompt_token_ids, d.max_messages, d.max_stop_strings, d.max_stop_string_chars,
-            d.max_stop_token_ids, d.max_metadata_depth, d.max_logprobs, d.max_n) == \
-        (1_000_000, 10_000, 64, 512, 1024, 32, 20, 1)
+            d.max_stop_token_ids, d.max_metadata_depth, d.max_logprobs, d.max_n,
+            d.max_beam_width) == (1_000_000, 10_000, 64, 512, 1024, 32, 20, 16, 16)
 
 
 def test_oversized_payload_is_refused_before_unpacking():
@@ -263,7 +264,7 @@ def test_sampling_params_errors_name_the_field():
 # ------------------------------------------------------------------------------------------
 
 def test_events_roundtrip_and_terminal():
-    evs = [StartedEvent(worker_id="w", seed=7), TokenEvent(seq=0, index=0, text="a", token_ids=[1],
+    evs = [StartedEvent(worker_id="w", seed=7), TokenEvent(seq=0, position=0, text="a", token_ids=[1],
                                                            logprobs=[{1: -0.1}]),
            DoneEvent(finish_reason="stop", metadata={"m": 1}),
            ErrorEvent(code="expired", message="late")]
@@ -310,10 +311,10 @@ def _stream(*events):
 
 def test_read_progress_of_a_partial_stream():
     r = _stream(StartedEvent(worker_id="a", seed=11),
-                TokenEvent(seq=0, index=0, text="he", token_ids=[1, 2]),
-                TokenEvent(seq=1, index=2, text="llo", token_ids=[3]),
+                TokenEvent(seq=0, position=0, text="he", token_ids=[1, 2]),
+                TokenEvent(seq=1, position=2, text="llo", token_ids=[3]),
                 StartedEvent(worker_id="b", attempt=2, seed=11, resumed_tokens=3),
-                TokenEvent(seq=2, index=3, text="!", token_ids=[4]))
+                TokenEvent(seq=2, position=3, text="!", token_ids=[4]))
     p = read_progress(r, Keys(), "j", page=2)  # paging across several XRANGE calls
     assert (p.exists, p.attempts, p.seed, p.next_seq, p.last_seq) == (True, 2, 11, 3, 2)
     assert p.token_ids == [1, 2, 3, 4] and p.text == "hello!" and not p.finished
@@ -321,8 +322,8 @@ def test_read_progress_of_a_partial_stream():
 
 def test_read_progress_terminal_duplicates_and_garbage():
     r = _stream(StartedEvent(worker_id="a", seed=1),
-                TokenEvent(seq=0, index=0, text="a", token_ids=[1]),
-                TokenEvent(seq=0, index=0, text="a", token_ids=[1]),   # duplicate: skipped
+                TokenEvent(seq=0, position=0, text="a", token_ids=[1]),
+                TokenEvent(seq=0, position=0, text="a", token_ids=[1]),   # duplicate: skipped
                 DoneEvent(finish_reason="length"))
     r.xadd(Keys().results("j"), {EVENT_FIELD: b"\xc1"})
     p = read_progress(r, Keys(), "j")

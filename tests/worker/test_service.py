@@ -62,7 +62,7 @@ def test_streams_tokens_and_acks(start_worker, r):
     assert tokens_text(events) == fake_completion("hello", 6)
     toks = [e for e in events if e.type == "token"]
     assert [e.seq for e in toks] == list(range(len(toks)))
-    assert [e.index for e in toks] == list(range(6))
+    assert [e.position for e in toks] == list(range(6))
     done = terminal(events)
     assert done.type == "done" and done.finish_reason == "length"
     assert done.usage.prompt_tokens == 5 and done.usage.completion_tokens == 6
