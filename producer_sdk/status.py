@@ -37,7 +37,8 @@ class JobStatus(BaseModel):
     lane: Optional[str] = None              # urgent | default | bulk
     position: Optional[int] = None
     worker_id: Optional[str] = None         # running: the worker holding it
-    tokens: int = 0                         # output tokens written so far
+    tokens: int = 0                         # output tokens written so far (several choices:
+                                            # those of the choice written last; done: all)
     deliveries: int = 0                     # times a worker was given the entry
     finish_reason: Optional[str] = None     # done / cancelled
     error_code: Optional[str] = None        # failed / expired
