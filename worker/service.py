@@ -52,9 +52,18 @@ def freeze_heap() -> None:
 
     Why: a full collection walks all of them; measured 136 ms in the bench worker, i.e. a stall
     of every running stream whenever one landed between a step and its write. After the freeze
-    collections only look at what the loop itself allocates (events, deltas), well under 1 ms."""
+    collections only look at what the loop itself allocates (events, deltas), well under 1 ms.
+    ``thaw_heap`` undoes it when the loop ends."""
     gc.collect()
     gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Hand the frozen objects back to the collector. Frozen objects are never collected, not
+    even at interpreter exit, so without this, extension objects caught in reference cycles
+    (triton's, imported by torch's compiler) outlive their modules and nanobind prints pages of
+    "leaked instances" at exit."""
+    gc.unfreeze()
 
 
 def model_name(model: Optional[str]) -> str:
@@ -137,6 +146,7 @@ class Worker:
             raise
         finally:
             self._shutdown()
+            thaw_heap()
 
     def _load_engine(self) -> bool:
         """A model that cannot be loaded (no such folder, no config.json, an unsupported
