@@ -48,16 +48,28 @@ def test_sigkill_mid_stream_second_worker_resumes_exactly(env, tiny_checkpoint):
     texts = prompts(20)
     params = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
     jobs = env.submit(texts, **params)
+    # Jobs with three sampled choices each: every choice resumes from what it delivered.
+    n_texts = prompts(4, "several")
+    n_params = dict(max_tokens=40, temperature=1.0, seed=5, n=3, ignore_eos=True)
+    n_jobs = env.submit(n_texts, prefix="n3", **n_params)
     wait_for(lambda: env.tokens_streamed(jobs) >= 20 * 8, 60, what="tokens flowing")
     victim = max(workers, key=lambda wid: len(env.held_by(wid)))
     survivor = "w2" if victim == "w1" else "w1"
     held = env.held_by(victim)
     workers[victim].kill()                                # SIGKILL, mid-generation
-    reports = env.wait_ended(jobs, timeout=120)
+    reports = env.wait_ended(jobs + n_jobs, timeout=120)
     env.assert_exactly_once(reports)
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
-    offline = LLM(model, device="cpu", dtype="float32").generate(texts, SamplingParams(**params))
+    llm = LLM(model, device="cpu", dtype="float32")
+    offline = llm.generate(texts, SamplingParams(**params))
+    for job_id, out in zip(n_jobs, llm.generate(n_texts, SamplingParams(**n_params))):
+        rep = reports[job_id]
+        assert rep.kind == "done:length"
+        assert sorted(rep.choices) == [0, 1, 2]
+        for c in out.outputs:
+            assert rep.choices[c.index].token_ids == c.token_ids, (job_id, c.index)
+            assert rep.choices[c.index].text == c.text, (job_id, c.index)
     for job_id, out in zip(jobs, offline):
         rep = reports[job_id]
         assert rep.kind == "done:length"
