@@ -102,6 +102,33 @@ def test_sync_submit_stream_result_cancel_reattach(sdk_url: str, llm, worker: Re
     assert res.text == expected
 
 
+def test_choices_and_beams_through_the_queue_equal_the_offline_engine(sdk_url: str, llm,
+                                                                       worker: RealWorker):
+    """An n = 3 job streams three choices, each equal to the offline engine's; a beam search
+    job delivers the offline beams, best first, when the search ends."""
+    from engine.beam_search import BeamSearchParams
+    from engine.sampling_params import SamplingParams
+    prompt = "Several choices of one prompt"
+    with Client(sdk_url) as c:
+        job = c.submit(prompt, n=3, seed=4, temperature=1.0, max_tokens=10, ignore_eos=True)
+        texts: dict[int, str] = {0: "", 1: "", 2: ""}
+        for d in job.stream(timeout=60):
+            texts[d.index] += d.text
+        sampled = job.result(timeout=10)
+        beam = c.submit(prompt, beam_width=3, max_tokens=8, temperature=0.0).result(timeout=60)
+    worker.stop()  # the engine is free again: compare with offline generation
+    offline = llm.generate(prompt, SamplingParams(n=3, seed=4, temperature=1.0, max_tokens=10,
+                                                  ignore_eos=True))[0]
+    assert [o.index for o in sampled.outputs] == [0, 1, 2]
+    for got, want in zip(sampled.outputs, offline.outputs):
+        assert got.token_ids == want.token_ids and got.text == want.text == texts[got.index]
+    assert sampled.text == offline.outputs[0].text
+    assert sampled.usage.completion_tokens == 30
+    beams = llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=8))[0].sequences
+    assert [o.token_ids for o in beam.outputs] == [b.token_ids for b in beams]
+    assert [o.text for o in beam.outputs] == [b.text for b in beams]
+
+
 def test_async_submit_stream_result_cancel(sdk_url: str, worker: RealWorker):
     async def main():
         async with AsyncClient(sdk_url) as c:
