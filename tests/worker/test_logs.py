@@ -9,7 +9,7 @@ import json
 import pytest
 
 from producer_sdk.errors import InvalidRequest
-from tests.fault_harness import FaultEnv
+from tests.fault_harness import FaultEnv, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -34,6 +34,14 @@ def test_one_info_line_at_start_and_end_of_each_job_with_its_traceparent(env):
     traced.result(timeout=30)
     plain.result(timeout=30)
     env.wait_ended([traced.id, plain.id], timeout=30)
+
+    def ended_in_log() -> bool:
+        # A job's end line is logged after the flush that wrote its terminal event, so the
+        # client can see the result a moment before the line is in the log.
+        events = [(x.get("job_id"), x["event"]) for x in lines(w)]
+        return all((j.id, "finished") in events for j in (traced, plain))
+
+    wait_for(ended_in_log, 10, what="both end lines logged")
     log = lines(w)
     for job in (traced, plain):
         mine = [x["event"] for x in log if x.get("job_id") == job.id]
