@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.fault_harness import FaultEnv, wait_for
+from tests.fault_harness import FaultEnv
 from worker.fake_engine import fake_completion
 
 pytestmark = pytest.mark.timeout(180)
