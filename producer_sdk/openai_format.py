@@ -140,7 +140,7 @@ def _only_defaults(body: dict[str, Any], allowed: dict[str, tuple]) -> None:
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     stream, options = body.pop("stream", None), body.pop("stream_options", None)
-    if stream not in (None, True, False):
+    if stream is not None and type(stream) is not bool:
         raise LineError("invalid_request", "stream must be a boolean", "stream")
     if options is None:
         return bool(stream), False
@@ -151,7 +151,7 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
         raise LineError("invalid_request", "stream_options must be an object with include_usage",
                         "stream_options")
     usage = options.get("include_usage", False)
-    if usage not in (True, False):
+    if type(usage) is not bool:
         raise LineError("invalid_request", "stream_options.include_usage must be a boolean",
                         "stream_options.include_usage")
     return True, usage
@@ -225,7 +225,7 @@ def _max_tokens(body: dict[str, Any], req: dict[str, Any]) -> None:
 def _logprobs(url: str, body: dict[str, Any], req: dict[str, Any]) -> None:
     lp, top = body.pop("logprobs", None), body.pop("top_logprobs", None)
     if url == CHAT_URL:
-        if lp not in (None, False, True):
+        if lp is not None and type(lp) is not bool:
             raise LineError("invalid_request", "logprobs must be a boolean for chat", "logprobs")
         if top is not None and not lp:
             raise LineError("invalid_request", "top_logprobs requires logprobs: true",
