@@ -19,8 +19,8 @@ COPY kernels ./kernels
 COPY worker ./worker
 COPY producer_sdk ./producer_sdk
 RUN if [ -n "$TORCH_INSTALL" ]; then pip install $TORCH_INSTALL; fi \
- && pip install ".[worker]"
+ && pip install ".[worker,gateway]"
 USER tokenrelay
 ENV HF_HOME=/home/tokenrelay/.cache/huggingface
-EXPOSE 9400
+EXPOSE 9400 8000
 ENTRYPOINT ["python", "-m", "worker"]

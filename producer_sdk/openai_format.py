@@ -1,8 +1,10 @@
-"""The OpenAI side of bulk batches: request bodies to submit() arguments, results to lines.
+"""OpenAI's request and response shapes, for ``/v1/chat/completions`` and ``/v1/completions``.
 
-Kept apart from the runner (``batch.py``) because it is pure format mapping: what the OpenAI
-Batch API accepts and returns for ``/v1/chat/completions`` and ``/v1/completions``, and which of
-its fields tokenrelay supports. Nothing here does I/O.
+The one home of those shapes: the batch runner (``batch.py``, OpenAI Batch files) and the HTTP
+gateway (``producer_sdk.gateway``) both map request bodies with ``parse_request`` and build every
+response body, streamed chunk, logprobs object and error object here, so a field OpenAI spells
+one way is never spelled two ways by us. ``tests/gateway`` validates what these functions build
+against the ``openai`` package's own types. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from producer_sdk.job import CompletionOutput, Result
+from producer_sdk.logprobs import TokenLogprob, TopLogprob
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -23,21 +26,27 @@ _SAMPLING_PASSTHROUGH = ("n", "temperature", "top_p", "seed", "stop", "presence_
                          "stop_token_ids", "ignore_eos", "skip_special_tokens",
                          "include_stop_str_in_output")
 # Accepted only with the value that means "the default behaviour".
-_ONLY_DEFAULT = {"stream": (False, None), "stream_options": (None,),
-                 "echo": (False, None), "best_of": (1, None), "suffix": (None, ""),
+_ONLY_DEFAULT = {"echo": (False, None), "best_of": (1, None), "suffix": (None, ""),
                  "logit_bias": (None, {}), "parallel_tool_calls": (None,),
                  "tools": (None, []), "tool_choice": (None, "none"),
                  "response_format": (None, {"type": "text"})}
+# Streaming fields: a batch line cannot stream, so there they too only take their defaults.
+_STREAM_DEFAULTS = {"stream": (False, None), "stream_options": (None,)}
 _IGNORED = ("model", "user", "service_tier", "store")
+# The token text of a logprob entry when the worker sent only token ids: vLLM's spelling for
+# ``--return-tokens-as-token-ids``, so a client can still tell tokens apart.
+TOKEN_ID_PREFIX = "token_id:"
 
 
 class LineError(Exception):
-    """One input line that cannot become a job; goes to the errors file with ``code``."""
+    """A request body that cannot become a job: ``code`` says why (``invalid_request``,
+    ``unsupported_field``, ...), ``param`` names the body field when one is to blame."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, param: Optional[str] = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +60,48 @@ class LineTag:
     logprobs: bool
 
 
+@dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    """One parsed request body: the submit() arguments and what shapes the response."""
+
+    url: str
+    kwargs: dict[str, Any]          # submit() keyword arguments (input, sampling, template vars)
+    model: Optional[str]
+    stream: bool
+    include_usage: bool             # stream_options.include_usage
+    user: Optional[str]
+
+    @property
+    def chat(self) -> bool:
+        return self.url == CHAT_URL
+
+    @property
+    def logprobs(self) -> bool:
+        return self.kwargs.get("logprobs") is not None
+
+    @property
+    def n(self) -> int:
+        n = self.kwargs.get("n", 1)
+        return n if type(n) is int and n > 0 else 1
+
+
 # --------------------------------------------------------------------------------------------
 # OpenAI body -> submit() arguments
 # --------------------------------------------------------------------------------------------
 
 def body_to_request(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Map an OpenAI request body onto submit() keyword arguments; LineError if unsupported."""
+    """The submit() arguments of a batch line's body (no streaming); LineError if unsupported."""
+    return parse_request(url, body, streaming=False).kwargs
+
+
+def parse_request(url: str, body: Any, *, streaming: bool) -> OpenAIRequest:
+    """Map an OpenAI request body onto submit() arguments; LineError naming the field for what
+    tokenrelay cannot do. Sampling values are not range-checked here: the SDK validates them
+    with the wire schema (``sampling_params.py``) and names the field itself."""
     if url not in (CHAT_URL, COMPLETIONS_URL):
         raise LineError("invalid_url", f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}")
+    if not isinstance(body, dict):
+        raise LineError("invalid_request", "the request body must be a JSON object")
     body = dict(body)
     req: dict[str, Any] = {}
     if url == CHAT_URL:
@@ -68,50 +111,89 @@ def body_to_request(url: str, body: dict[str, Any]) -> dict[str, Any]:
     _max_tokens(body, req)
     _logprobs(url, body, req)
     for name in _SAMPLING_PASSTHROUGH:
-        if name in body:
-            value = body.pop(name)
-            if value is not None:
-                req[name] = value
-    meta = body.pop("metadata", None)
-    if meta is not None:
-        if not isinstance(meta, dict):
-            raise LineError("invalid_request", "body.metadata must be an object")
-        req["metadata"] = meta
-    template_vars = body.pop("chat_template_kwargs", None)      # vLLM's extension
-    if template_vars is not None:
-        if url != CHAT_URL or not isinstance(template_vars, dict):
-            raise LineError("invalid_request", "body.chat_template_kwargs must be an object, "
-                                               f"on {CHAT_URL} only")
-        req["chat_template_kwargs"] = template_vars
-    for name, allowed in _ONLY_DEFAULT.items():
-        if name in body and body.pop(name) not in allowed:
-            raise LineError("unsupported_field",
-                            f"body.{name} is only supported as {allowed[0]!r}")
+        value = body.pop(name, None)
+        if value is not None:
+            req[name] = value
+    _metadata(body, req)
+    _template_kwargs(url, body, req)
+    stream, include_usage = _stream(body) if streaming else (False, False)
+    model, user = body.get("model"), body.get("user")
+    if model is not None and not isinstance(model, str):
+        raise LineError("invalid_request", "model must be a string", "model")
+    if user is not None and not isinstance(user, str):
+        raise LineError("invalid_request", "user must be a string", "user")
+    _only_defaults(body, {**_ONLY_DEFAULT, **({} if streaming else _STREAM_DEFAULTS)})
     for name in _IGNORED:
         body.pop(name, None)
     if body:
-        raise LineError("unsupported_field", f"unsupported body field(s): {', '.join(sorted(body))}")
-    return req
+        raise LineError("unsupported_field", f"unsupported body field(s): {', '.join(sorted(body))}",
+                        sorted(body)[0])
+    return OpenAIRequest(url, req, model, stream, include_usage, user)
+
+
+def _only_defaults(body: dict[str, Any], allowed: dict[str, tuple]) -> None:
+    for name, values in allowed.items():
+        if name in body and body.pop(name) not in values:
+            raise LineError("unsupported_field", f"{name} is only supported as {values[0]!r}",
+                            name)
+
+
+def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream, options = body.pop("stream", None), body.pop("stream_options", None)
+    if stream is not None and type(stream) is not bool:
+        raise LineError("invalid_request", "stream must be a boolean", "stream")
+    if options is None:
+        return bool(stream), False
+    if not stream:
+        raise LineError("invalid_request", "stream_options is only allowed with stream: true",
+                        "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise LineError("invalid_request", "stream_options must be an object with include_usage",
+                        "stream_options")
+    usage = options.get("include_usage", False)
+    if type(usage) is not bool:
+        raise LineError("invalid_request", "stream_options.include_usage must be a boolean",
+                        "stream_options.include_usage")
+    return True, usage
+
+
+def _metadata(body: dict[str, Any], req: dict[str, Any]) -> None:
+    meta = body.pop("metadata", None)
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise LineError("invalid_request", "metadata must be an object", "metadata")
+        req["metadata"] = meta
+
+
+def _template_kwargs(url: str, body: dict[str, Any], req: dict[str, Any]) -> None:
+    template_vars = body.pop("chat_template_kwargs", None)      # vLLM's extension
+    if template_vars is not None:
+        if url != CHAT_URL or not isinstance(template_vars, dict):
+            raise LineError("invalid_request", "chat_template_kwargs must be an object, "
+                                               f"on {CHAT_URL} only", "chat_template_kwargs")
+        req["chat_template_kwargs"] = template_vars
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
-        raise LineError("invalid_request", "body.messages must be a non-empty array")
+        raise LineError("invalid_request", "messages must be a non-empty array", "messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise LineError("invalid_request", f"body.messages[{i}] needs a string role")
+            raise LineError("invalid_request", f"messages[{i}] needs a string role",
+                            f"messages[{i}].role")
         content = m.get("content")
         if isinstance(content, list):
             texts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text":
-                    raise LineError("unsupported_field", f"body.messages[{i}].content: only "
-                                    f"text parts are supported")
+                    raise LineError("unsupported_field", f"messages[{i}].content: only "
+                                    f"text parts are supported", f"messages[{i}].content")
                 texts.append(str(part.get("text", "")))
             content = "".join(texts)
         if not isinstance(content, str):
-            raise LineError("invalid_request", f"body.messages[{i}].content must be a string")
+            raise LineError("invalid_request", f"messages[{i}].content must be a string",
+                            f"messages[{i}].content")
         msg = {"role": m["role"], "content": content}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
@@ -126,14 +208,15 @@ def _prompt(prompt: Any) -> dict[str, Any]:
         return {"prompt": prompt}
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return {"prompt_token_ids": prompt}
-    raise LineError("invalid_request", "body.prompt must be a string, a list of token ids, or a "
-                    "one-element list of either (one prompt per line)")
+    raise LineError("invalid_request", "prompt must be a string, a list of token ids, or a "
+                    "one-element list of either (one prompt per request)", "prompt")
 
 
 def _max_tokens(body: dict[str, Any], req: dict[str, Any]) -> None:
     a, b = body.pop("max_tokens", None), body.pop("max_completion_tokens", None)
     if a is not None and b is not None and a != b:
-        raise LineError("invalid_request", "max_tokens and max_completion_tokens disagree")
+        raise LineError("invalid_request", "max_tokens and max_completion_tokens disagree",
+                        "max_completion_tokens")
     value = b if b is not None else a
     if value is not None:
         req["max_tokens"] = value
@@ -142,21 +225,160 @@ def _max_tokens(body: dict[str, Any], req: dict[str, Any]) -> None:
 def _logprobs(url: str, body: dict[str, Any], req: dict[str, Any]) -> None:
     lp, top = body.pop("logprobs", None), body.pop("top_logprobs", None)
     if url == CHAT_URL:
-        if lp not in (None, False, True):
-            raise LineError("invalid_request", "body.logprobs must be a boolean for chat")
+        if lp is not None and type(lp) is not bool:
+            raise LineError("invalid_request", "logprobs must be a boolean for chat", "logprobs")
         if top is not None and not lp:
-            raise LineError("invalid_request", "body.top_logprobs requires logprobs: true")
+            raise LineError("invalid_request", "top_logprobs requires logprobs: true",
+                            "top_logprobs")
         if lp:
             req["logprobs"] = top or 0
     else:
         if top is not None:
-            raise LineError("unsupported_field", "body.top_logprobs is a chat field; use logprobs")
+            raise LineError("unsupported_field", "top_logprobs is a chat field; use logprobs",
+                            "top_logprobs")
         if lp is not None:
             req["logprobs"] = lp
 
 
 # --------------------------------------------------------------------------------------------
-# Output lines
+# Logprobs: TokenLogprob records (or, from older workers, token ids) -> OpenAI's objects
+# --------------------------------------------------------------------------------------------
+
+def token_logprobs_from_ids(token_ids: Sequence[int],
+                            tops: Sequence[dict[int, float]]) -> list[TokenLogprob]:
+    """TokenLogprob records for a worker that sent only ids (``{id: logprob}`` per position,
+    the chosen token among them): each token named ``token_id:<id>`` with no bytes, because
+    without the tokenizer its text is unknown."""
+    out = []
+    for tid, top in zip(token_ids, tops):
+        alts = [TopLogprob(token_id=k, token=f"{TOKEN_ID_PREFIX}{k}", logprob=v)
+                for k, v in sorted(top.items(), key=lambda kv: -kv[1])]
+        out.append(TokenLogprob(token_id=tid, token=f"{TOKEN_ID_PREFIX}{tid}",
+                                logprob=top.get(tid, float("-inf")), top_logprobs=alts))
+    return out
+
+
+def token_logprobs_of(item: Any) -> list[TokenLogprob]:
+    """The TokenLogprob records of a Delta or CompletionOutput: its ``token_logprobs`` when the
+    worker sent token text, else built from its ids and ``logprobs`` maps; [] when none."""
+    records = getattr(item, "token_logprobs", None)
+    if records:
+        return list(records)
+    tops = getattr(item, "logprobs", None)
+    return token_logprobs_from_ids(item.token_ids, tops) if tops else []
+
+
+def _finite(value: float) -> float:
+    """JSON has no -inf; OpenAI reports an impossible token as -9999.0."""
+    return value if value > -9999.0 else -9999.0
+
+
+def _top_limit(records: Iterable[TokenLogprob], top: int) -> Iterable[tuple[TokenLogprob, list]]:
+    """Each record with its alternatives cut to the ``top`` asked for (the engine returns the
+    chosen token beside them, which OpenAI does not count)."""
+    for r in records:
+        yield r, list(r.top_logprobs)[:top]
+
+
+def chat_logprobs(records: Sequence[TokenLogprob], top: int) -> dict[str, Any]:
+    """``ChoiceLogprobs`` of a chat choice (or chunk): one entry per token, ``top`` alternatives."""
+    return {"content": [{"token": r.token, "bytes": list(r.bytes) or None,
+                         "logprob": _finite(r.logprob),
+                         "top_logprobs": [{"token": t.token, "bytes": list(t.bytes) or None,
+                                           "logprob": _finite(t.logprob)} for t in alts]}
+                        for r, alts in _top_limit(records, top)],
+            "refusal": None}
+
+
+def completion_logprobs(records: Sequence[TokenLogprob], top: int,
+                        text_offset: int = 0) -> dict[str, Any]:
+    """``Logprobs`` of a completion choice (or chunk); ``text_offset`` of the first token."""
+    offsets, at = [], text_offset
+    for r in records:
+        offsets.append(at)
+        at += len(r.token)
+    pairs = list(_top_limit(records, top))
+    return {"tokens": [r.token for r, _ in pairs],
+            "token_logprobs": [_finite(r.logprob) for r, _ in pairs],
+            "top_logprobs": [{t.token: _finite(t.logprob) for t in alts} for _, alts in pairs],
+            "text_offset": offsets}
+
+
+def logprobs_body(chat: bool, records: Sequence[TokenLogprob], top: int,
+                  text_offset: int = 0) -> dict[str, Any]:
+    return chat_logprobs(records, top) if chat else completion_logprobs(records, top, text_offset)
+
+
+# --------------------------------------------------------------------------------------------
+# Response bodies, chunks and errors
+# --------------------------------------------------------------------------------------------
+
+def response_id(chat: bool, job_id: str) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{job_id}"
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def choice_body(chat: bool, index: int, text: str, logprobs: Optional[dict[str, Any]],
+                finish_reason: Optional[str]) -> dict[str, Any]:
+    """One choice of a whole (non-streamed) response."""
+    if chat:
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_body(chat: bool, job_id: str, created: int, model: str,
+                    choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+    """A ``ChatCompletion`` or ``Completion``."""
+    return {"id": response_id(chat, job_id),
+            "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": choices, "usage": usage}
+
+
+def chunk_choice(chat: bool, index: int, text: Optional[str],
+                 logprobs: Optional[dict[str, Any]], finish_reason: Optional[str],
+                 role: bool = False) -> dict[str, Any]:
+    """One choice of a streamed chunk: chat's ``delta`` (the role on a choice's first chunk) or
+    a completion's ``text``."""
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        return {"index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text or "", "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def chunk_body(chat: bool, job_id: str, created: int, model: str,
+               choices: list[dict[str, Any]], usage: Any = ...) -> dict[str, Any]:
+    """A ``ChatCompletionChunk`` or streamed ``Completion``; ``usage`` is left out unless given
+    (``None`` on every chunk but the last when the client asked for include_usage)."""
+    body: dict[str, Any] = {"id": response_id(chat, job_id),
+                            "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": created, "model": model, "choices": choices}
+    if usage is not ...:
+        body["usage"] = usage
+    return body
+
+
+def error_body(message: str, type_: str, param: Optional[str] = None,
+               code: Optional[str] = None) -> dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def model_body(name: str, created: int, owned_by: str = "tokenrelay") -> dict[str, Any]:
+    """One ``Model`` of ``GET /v1/models``."""
+    return {"id": name, "object": "model", "created": created, "owned_by": owned_by}
+
+
+# --------------------------------------------------------------------------------------------
+# Batch output lines
 # --------------------------------------------------------------------------------------------
 
 def job_id_for(batch_id: str, custom_id: str) -> str:
@@ -164,46 +386,22 @@ def job_id_for(batch_id: str, custom_id: str) -> str:
     return "b-" + hashlib.sha256(f"{batch_id}\0{custom_id}".encode()).hexdigest()[:40]
 
 
-def response_line(tag: LineTag, result: Result) -> dict[str, Any]:
+def response_line(tag: LineTag, result: Result, top_logprobs: int = 20) -> dict[str, Any]:
     """The OpenAI-shaped output line: one choice per output (``n`` of them), each with its
     index, message (chat) or text, logprobs and finish_reason; usage sums every choice."""
-    usage = {"prompt_tokens": result.usage.prompt_tokens,
-             "completion_tokens": result.usage.completion_tokens,
-             "total_tokens": result.usage.total_tokens}
-    created = int(time.time())
-    choices = [_choice(tag, out) for out in result.outputs]
-    if tag.url == CHAT_URL:
-        body = {"id": f"chatcmpl-{result.job_id}", "object": "chat.completion", "created": created,
-                "model": tag.model, "choices": choices, "usage": usage}
-    else:
-        body = {"id": f"cmpl-{result.job_id}", "object": "text_completion", "created": created,
-                "model": tag.model, "choices": choices, "usage": usage}
+    chat = tag.url == CHAT_URL
+    choices = [_choice(chat, tag, out, top_logprobs) for out in result.outputs]
+    body = completion_body(chat, result.job_id, int(time.time()), tag.model, choices,
+                           usage_body(result.usage.prompt_tokens, result.usage.completion_tokens))
     return {"id": f"batch_req_{result.job_id}", "custom_id": tag.custom_id,
             "response": {"status_code": 200, "request_id": result.job_id, "body": body},
             "error": None}
 
 
-def _choice(tag: LineTag, out: CompletionOutput) -> dict[str, Any]:
-    lp = _format_logprobs(tag, out) if tag.logprobs else None
-    if tag.url == CHAT_URL:
-        return {"index": out.index, "message": {"role": "assistant", "content": out.text},
-                "logprobs": lp, "finish_reason": out.finish_reason}
-    return {"index": out.index, "text": out.text, "logprobs": lp,
-            "finish_reason": out.finish_reason}
-
-
-def _format_logprobs(tag: LineTag, out: CompletionOutput) -> Optional[dict[str, Any]]:
-    """Logprobs by token id (the worker sends ids, not token strings)."""
-    if not out.logprobs:
-        return None
-    pairs = list(zip(out.token_ids, out.logprobs))
-    if tag.url == CHAT_URL:
-        return {"content": [{"token_id": tid, "logprob": top.get(tid),
-                             "top_logprobs": [{"token_id": k, "logprob": v}
-                                              for k, v in top.items()]} for tid, top in pairs]}
-    return {"tokens": [str(t) for t, _ in pairs],
-            "token_logprobs": [top.get(t) for t, top in pairs],
-            "top_logprobs": [{str(k): v for k, v in top.items()} for _, top in pairs]}
+def _choice(chat: bool, tag: LineTag, out: CompletionOutput, top: int) -> dict[str, Any]:
+    records = token_logprobs_of(out) if tag.logprobs else []
+    lp = logprobs_body(chat, records, top) if records else None
+    return choice_body(chat, out.index, out.text, lp, out.finish_reason)
 
 
 def error_line(custom_id: Optional[str], line: int, code: str, message: str,

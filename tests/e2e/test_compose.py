@@ -217,3 +217,50 @@ def _wait_healthy(env: dict[str, str], timeout: float = 180.0) -> None:
         return subprocess.run([sys.executable, "-m", "worker", "health"], env=env, cwd=REPO,
                               capture_output=True, timeout=30).returncode == 0
     wait_for(healthy, timeout, interval=1.0, what="the cpu worker healthy")
+
+
+def test_gateway_service_shape_and_settings():
+    from producer_sdk.gateway.settings import GatewaySettings
+    gw = SERVICES["gateway"]
+    assert gw["entrypoint"] == ["python", "-m", "producer_sdk.gateway"]
+    assert gw["depends_on"]["redis"]["condition"] == "service_healthy"
+    env = interpolate(gw["environment"], env_example())
+    assert env["TOKENRELAY_PORT"] == "8000" and env["TOKENRELAY_HOST"] == "0.0.0.0"
+    assert interpolate(gw["ports"], env_example()) == ["127.0.0.1:8000:8000"]
+    assert "/health" in " ".join(gw["healthcheck"]["test"]) and ":8000/" in gw["healthcheck"]["test"][-1]
+    for name in gw["environment"]:          # every variable is a gateway setting
+        assert name.startswith("TOKENRELAY_") and name[11:].lower() in GatewaySettings.model_fields
+    GatewaySettings(**{k[11:].lower(): v for k, v in env.items()
+                       if k[11:].lower() not in ("api_keys",)})
+    assert "gateway" in (REPO / "Dockerfile").read_text().split("pip install")[-1]
+
+
+@pytest.mark.timeout(120)
+def test_gateway_service_runs_as_a_plain_process_and_passes_its_healthcheck(redis_server):
+    """The gateway service's command and environment, run here (a free port instead of 8000);
+    its healthcheck command exits 0 once it is up and 1 once Redis is gone."""
+    from tests.fixtures_redis import free_port
+    port = str(free_port())
+    env = {**os.environ, **{k: str(v) for k, v in
+                            interpolate(SERVICES["gateway"]["environment"], env_example()).items()}}
+    env.update(TOKENRELAY_REDIS_URL=redis_server.url, TOKENRELAY_PORT=port,
+               TOKENRELAY_HOST="127.0.0.1", PYTHONPATH=str(REPO))
+    cmd = _service_command("gateway")
+    check = [sys.executable if a == "python" else a.replace(":8000/", f":{port}/")
+             for a in SERVICES["gateway"]["healthcheck"]["test"][1:]]
+    proc = subprocess.Popen([sys.executable, *cmd[1:]], env=env, cwd=REPO,
+                            start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: subprocess.run(check, capture_output=True, timeout=10).returncode == 0,
+                 60, interval=0.5, what="the gateway's healthcheck to pass")
+        redis_server.kill()
+        wait_for(lambda: subprocess.run(check, capture_output=True, timeout=10).returncode != 0,
+                 30, interval=0.5, what="the healthcheck to fail without Redis")
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()

@@ -1,0 +1,45 @@
+"""``python -m producer_sdk.gateway``: serve the OpenAI-compatible API with uvicorn.
+
+Every flag is also a ``TOKENRELAY_<NAME>`` variable (``producer_sdk/cli_common.py``). A bad
+value or an unreadable key file ends with exit 2 and one line saying which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from producer_sdk.cli_common import EXIT_USAGE, add_settings_flags, parse_settings
+
+
+def parser() -> argparse.ArgumentParser:
+    from producer_sdk.gateway.settings import GatewaySettings
+    p = argparse.ArgumentParser(prog="python -m producer_sdk.gateway",
+                                description="OpenAI-compatible HTTP API over tokenrelay queues: "
+                                            "/v1/completions, /v1/chat/completions, /v1/models, "
+                                            "/health, /metrics.")
+    add_settings_flags(p, GatewaySettings)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import uvicorn
+
+    from producer_sdk.gateway.app import create_app
+    from producer_sdk.gateway.auth import KeyFileError
+    from producer_sdk.gateway.settings import GatewaySettings
+    _, settings = parse_settings(parser(), argv)
+    assert isinstance(settings, GatewaySettings)
+    try:
+        app = create_app(settings)
+    except (KeyFileError, ValueError) as exc:
+        print(f"python -m producer_sdk.gateway: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                lifespan="on", timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

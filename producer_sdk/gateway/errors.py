@@ -1,0 +1,90 @@
+"""Every way a gateway request fails, as OpenAI's error object with the status OpenAI uses.
+
+The SDK's exceptions say what happened; ``api_error`` turns each into the HTTP answer a client
+of the OpenAI API acts on (400 fix the request, 401 fix the key, 404 fix the model name, 429
+retry after Retry-After, 503 retry later or start a worker, 504 raise the deadline). The
+official ``openai`` client turns these into its own exception classes by status.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from producer_sdk.errors import InvalidRequest, JobFailed, QueueFull, RedisUnavailable
+from producer_sdk.openai_format import LineError, error_body
+
+# A job's terminal error code -> HTTP status and OpenAI error type.
+_JOB_CODES = {"invalid_request": (400, "invalid_request_error"),
+              "prompt_too_long": (400, "invalid_request_error"),
+              "expired": (504, "timeout_error"),
+              "poison": (500, "server_error"),
+              "internal": (500, "server_error")}
+
+
+class APIError(Exception):
+    """An HTTP error answer: ``status``, OpenAI's error object, extra headers."""
+
+    def __init__(self, status: int, message: str, type_: str, param: Optional[str] = None,
+                 code: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def _param(field: Optional[str]) -> Optional[str]:
+    """The body field an SDK error names: ``params.temperature`` is the body's ``temperature``."""
+    if not field:
+        return None
+    return field[len("params."):] if field.startswith("params.") else field
+
+
+def api_error(exc: BaseException, retry_after_s: int = 1) -> APIError:
+    """The HTTP answer for an exception the SDK or the body parser raised."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, LineError):
+        return APIError(400, exc.message, "invalid_request_error", exc.param, exc.code)
+    if isinstance(exc, InvalidRequest):
+        return APIError(400, str(exc), "invalid_request_error", _param(exc.field),
+                        "invalid_request")
+    if isinstance(exc, QueueFull):
+        return APIError(429, str(exc), "rate_limit_error", None, "queue_full",
+                        {"Retry-After": str(retry_after_s)})
+    if isinstance(exc, RedisUnavailable):
+        return APIError(503, str(exc), "service_unavailable", None, "redis_unavailable")
+    if isinstance(exc, JobFailed):
+        status, type_ = _JOB_CODES.get(exc.code, (500, "server_error"))
+        return APIError(status, exc.message, type_, None, exc.code)
+    return APIError(500, f"internal gateway error: {type(exc).__name__}: {exc}", "server_error",
+                    None, "internal")
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "missing or unknown API key: send 'Authorization: Bearer <key>' with "
+                    "a key from the gateway's --api-keys / --api-keys-file",
+                    "authentication_error", None, "invalid_api_key")
+
+
+def model_not_found(model: str, served: list[str]) -> APIError:
+    listed = ", ".join(served) if served else "none (no worker is live)"
+    return APIError(404, f"the model {model!r} does not exist here; served models: {listed} "
+                    f"(GET /v1/models)", "invalid_request_error", "model", "model_not_found")
+
+
+def no_live_worker(model: str, queue: str) -> APIError:
+    return APIError(503, f"no live worker serves {model!r} (queue {queue!r}) right now; retry "
+                    f"later or start one: python -m worker --queue {queue} --model ...",
+                    "service_unavailable", "model", "no_live_worker")
+
+
+def cancelled(job_id: str) -> APIError:
+    return APIError(500, f"job {job_id} was cancelled before it finished (python -m "
+                    f"producer_sdk status {job_id} says by whom)", "server_error", None,
+                    "cancelled")

@@ -1,0 +1,23 @@
+"""The gateway's Prometheus metrics (``GET /metrics``), in a registry of its own so several
+gateways in one process (tests) never collide."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("tokenrelay_gateway_requests", "HTTP requests answered",
+                                ("endpoint", "status"), registry=self.registry)
+        self.in_flight = Gauge("tokenrelay_gateway_in_flight", "Requests being answered",
+                               ("endpoint",), registry=self.registry)
+        self.tokens = Counter("tokenrelay_gateway_tokens", "Tokens of finished requests",
+                              ("kind",), registry=self.registry)
+        self.cancelled = Counter("tokenrelay_gateway_disconnect_cancels",
+                                 "Jobs cancelled because their client went away",
+                                 registry=self.registry)
+        self.ttft = Histogram("tokenrelay_gateway_time_to_first_token_seconds",
+                              "Request start to its first token", registry=self.registry,
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))

@@ -1,0 +1,117 @@
+"""The gateway in a uvicorn thread on a free port, and the SSE / validation helpers its tests
+share. Every server started here is stopped at teardown, also when the test failed."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import httpx
+import uvicorn
+
+from producer_sdk.gateway import GatewaySettings, create_app
+from tests.fault_harness import wait_for
+from tests.fixtures_redis import free_port
+
+# Fast for tests: the model list is read on every request, keep-alives and headers come quickly.
+FAST = dict(models_refresh_s=0.0, keepalive_s=0.2, status_wait_s=0.2)
+
+
+@dataclass
+class Gateway:
+    url: str                    # http://127.0.0.1:<port>
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        assert not self.thread.is_alive(), "gateway did not stop"
+
+
+def start_gateway(redis_url: str, **settings: Any) -> Gateway:
+    s = GatewaySettings(redis_url=redis_url, **{**FAST, **settings})
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(s), host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True, name=f"gateway-{port}")
+    thread.start()
+    wait_for(lambda: server.started or not thread.is_alive(), timeout=20, what="gateway up")
+    assert server.started, "gateway did not start"
+    return Gateway(f"http://127.0.0.1:{port}", server, thread)
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, Any]]:
+    """``("comment", text)`` for ``: ...`` lines, ``("data", obj)`` for JSON data, ``("done",
+    None)`` for ``data: [DONE]``."""
+    for line in lines:
+        if line.startswith(":"):
+            yield "comment", line[1:].strip()
+        elif line.startswith("data: "):
+            payload = line[6:]
+            yield ("done", None) if payload == "[DONE]" else ("data", json.loads(payload))
+
+
+def stream_raw(url: str, body: dict, headers: Optional[dict] = None,
+               timeout: float = 60) -> tuple[httpx.Response, list[tuple[str, Any]]]:
+    """POST a streaming request with httpx; the response and every SSE event of it."""
+    with httpx.stream("POST", url, json=body, headers=headers or {}, timeout=timeout) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            return resp, []
+        events = list(sse_events(resp.iter_lines()))
+    return resp, events
+
+
+def completion_chunk_type() -> type:
+    """The openai package's ``Completion``, with ``finish_reason`` optional: the package has no
+    completion chunk type (its client parses each streamed chunk as a ``Completion`` without
+    validating), and OpenAI itself streams ``"finish_reason": null`` until a choice ends.
+    Everything else is validated as ``Completion`` validates it."""
+    from typing import Literal, Optional
+
+    from openai.types import Completion, CompletionChoice
+
+    class ChunkChoice(CompletionChoice):
+        finish_reason: Optional[Literal["stop", "length", "content_filter"]] = None
+
+    class CompletionChunk(Completion):
+        choices: list[ChunkChoice]
+
+    return CompletionChunk
+
+
+def strict_chunks(chat: bool, events: list[tuple[str, Any]]) -> list[Any]:
+    """Every data event validated strictly as the openai package's chunk type; the stream
+    must end with exactly one ``[DONE]``."""
+    from openai.types.chat import ChatCompletionChunk
+    assert events and events[-1] == ("done", None), events[-3:]
+    assert [k for k, _ in events].count("done") == 1
+    model = ChatCompletionChunk if chat else completion_chunk_type()
+    return [model.model_validate(obj, strict=True) for kind, obj in events if kind == "data"]
+
+
+def chunk_texts(chat: bool, chunks: list[Any]) -> dict[int, str]:
+    """Each choice's streamed text."""
+    out: dict[int, str] = {}
+    for c in chunks:
+        for ch in c.choices:
+            piece = (ch.delta.content if chat else ch.text) or ""
+            out[ch.index] = out.get(ch.index, "") + piece
+    return out
+
+
+def finish_reasons(chunks: list[Any]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for c in chunks:
+        for ch in c.choices:
+            if ch.finish_reason is not None:
+                assert ch.index not in out, f"choice {ch.index} finished twice"
+                out[ch.index] = ch.finish_reason
+    return out
