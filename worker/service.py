@@ -19,7 +19,6 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import redis
@@ -66,13 +65,6 @@ def thaw_heap() -> None:
     gc.unfreeze()
 
 
-def model_name(model: Optional[str]) -> str:
-    """The ``model_name`` label: a checkpoint folder's name (``fake:...`` as given)."""
-    if not model or model.startswith("fake:"):
-        return model or ""
-    return Path(model.rstrip("/")).name or model
-
-
 class Worker:
     """Runs one worker; ``run()`` blocks until stopped, ``stop()`` may be called from any thread."""
 
@@ -83,7 +75,7 @@ class Worker:
         self.worker_id = settings.resolved_worker_id()
         self.engine = engine
         self._engine_factory = engine_factory
-        self.metrics = WorkerMetrics(model_name=model_name(settings.model))
+        self.metrics = WorkerMetrics(model_name=settings.served_model())
         self.log = get_logger(worker_id=self.worker_id, queue=settings.queue)
         self.log_limited = RateLimitedLog(self.log)
         self.ttl_ms = int(settings.result_ttl * 1000)
