@@ -41,6 +41,7 @@ from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox
 from worker.pending import PendingList
 from worker.steps import Stepper
+from worker.token_text import TokenTexts
 
 EXIT_ID_IN_USE = 3
 
@@ -97,6 +98,7 @@ class Worker:
         self.exit_code = 0
         self.engine_broken = False
         self.redis_error: Optional[str] = None   # the transient error we are waiting out
+        self._token_texts: Optional[TokenTexts] = None
         self._stop = threading.Event()
         self._force = threading.Event()
 
@@ -260,6 +262,13 @@ class Worker:
         """(lane key, entry id) of every entry this worker holds: renewed with the lease."""
         return ([j.entry.key for j in self.jobs.values()] + self.outbox.held()
                 + self.intake.held())
+
+    def token_texts(self) -> TokenTexts:
+        """The text and bytes of the engine's tokens, for jobs that ask for logprobs (made on
+        first use: a worker whose jobs never ask decodes nothing)."""
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self.engine.tokenizer)
+        return self._token_texts
 
     def engine_stats(self) -> dict:
         try:
