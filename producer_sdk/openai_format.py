@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from producer_sdk.job import CompletionOutput, Result
+from producer_sdk.logprobs import TokenLogprob
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -49,6 +50,7 @@ class LineTag:
     url: str
     model: str
     logprobs: bool
+    top_logprobs: int = 0        # alternatives per token asked for (chat top_logprobs, or logprobs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,17 +195,30 @@ def _choice(tag: LineTag, out: CompletionOutput) -> dict[str, Any]:
 
 
 def _format_logprobs(tag: LineTag, out: CompletionOutput) -> Optional[dict[str, Any]]:
-    """Logprobs by token id (the worker sends ids, not token strings)."""
-    if not out.logprobs:
+    if not out.token_logprobs:
         return None
-    pairs = list(zip(out.token_ids, out.logprobs))
-    if tag.url == CHAT_URL:
-        return {"content": [{"token_id": tid, "logprob": top.get(tid),
-                             "top_logprobs": [{"token_id": k, "logprob": v}
-                                              for k, v in top.items()]} for tid, top in pairs]}
-    return {"tokens": [str(t) for t, _ in pairs],
-            "token_logprobs": [top.get(t) for t, top in pairs],
-            "top_logprobs": [{str(k): v for k, v in top.items()} for _, top in pairs]}
+    return openai_logprobs(tag.url, out.token_logprobs, tag.top_logprobs)
+
+
+def openai_logprobs(url: str, tokens: list[TokenLogprob], top: int) -> dict[str, Any]:
+    """A choice's logprobs in OpenAI's shape: chat ``{"content": [ChatCompletionTokenLogprob]}``,
+    completions ``Logprobs`` (``text_offset`` counts the tokens' decoded characters). ``top``
+    alternatives per token: the SDK's ``top_logprobs`` also hold the chosen token when it is
+    not among the best ``top``, and OpenAI's do not, so they are cut at ``top``."""
+    if url == CHAT_URL:
+        return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes),
+                             "top_logprobs": [{"token": a.token, "logprob": a.logprob,
+                                               "bytes": list(a.bytes)}
+                                              for a in t.top_logprobs[:top]]}
+                            for t in tokens], "refusal": None}
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t.token)
+    return {"tokens": [t.token for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{a.token: a.logprob for a in t.top_logprobs[:top]} for t in tokens],
+            "text_offset": offsets}
 
 
 def error_line(custom_id: Optional[str], line: int, code: str, message: str,
