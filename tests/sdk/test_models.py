@@ -133,3 +133,24 @@ def test_only_loaded_undrained_workers_of_the_queue_count():
     models = _models(pairs, rows)
     assert list(models) == ["m"] and models["m"].workers == (("q", "ok"),)
     assert models["m"].created == 5
+
+
+def test_submit_to_another_queue_of_the_namespace(redis_server):
+    """How a router sends a request for a model to its queue with one client: ``queue=``."""
+    from producer_sdk import AsyncClient, Client
+    from producer_sdk.errors import InvalidRequest
+    with Client(redis_server.url, queue="qa") as client:
+        client.submit("x", queue="qb", job_id="to-qb", priority=1)
+        client.submit("x", job_id="to-qa")
+        with pytest.raises(InvalidRequest):
+            client.submit("x", queue="bad:name")
+        r = client.redis
+        assert [f[b"data"] for _, f in r.xrange(Keys(queue="qb").lane("bulk"))]
+        assert r.xlen(Keys(queue="qa").lane("default")) == 1
+        assert r.get(Keys().dedupe("to-qb")).decode().startswith(Keys(queue="qb").lane("bulk"))
+
+    async def run() -> None:
+        async with AsyncClient(redis_server.url, queue="qa") as aclient:
+            await aclient.submit("y", queue="qc", job_id="to-qc")
+    asyncio.run(run())
+    assert redis_server.client().xlen(Keys(queue="qc").lane("default")) == 1
