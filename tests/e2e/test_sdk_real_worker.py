@@ -50,6 +50,7 @@ class RealWorker:
         from worker.config import WorkerSettings
         from worker.service import Worker
         settings = WorkerSettings(redis_url=url, worker_id=worker_id, model="unused",
+                                  served_model_name="tiny",   # what the batch lines ask for
                                   block_ms=50, heartbeat_ms=200, drain_timeout=0.0)
         self.engine = engine
         self.worker = Worker(settings, engine=engine)
