@@ -179,6 +179,9 @@ class LLMEngine:
                 f"params: expected SamplingParams, got {type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority: must be an integer, got {priority!r}")
+        if params.min_tokens > params.max_tokens:   # SamplingParams checks it only when set
+            raise InvalidRequestError(f"min_tokens: {params.min_tokens} exceeds max_tokens "
+                                      f"({params.max_tokens})")
         self._check_width(params)
         prompt = prompt_of(prompt)
         prompt_ids = self._prompt_ids(prompt)

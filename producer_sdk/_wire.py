@@ -8,7 +8,7 @@ per chunk of jobs, pipelined, with the script's replies turned into per-job outc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from redis.exceptions import OutOfMemoryError, ResponseError
 
@@ -123,14 +123,16 @@ class EnqueueScript:
 
 def chunk_by_lane(indexes: Iterable[int], jobs: Sequence[Prepared],
                   size: int) -> list[list[int]]:
-    """Group job indexes into chunks of one lane each, preserving order within a lane."""
-    by_lane: dict[str, list[int]] = {}
+    """Group job indexes into chunks of one lane of one queue each (the client's queue first),
+    preserving order within a lane."""
+    by_lane: dict[tuple[str, str], list[int]] = {}
     for i in indexes:
-        by_lane.setdefault(jobs[i].lane, []).append(i)
+        by_lane.setdefault((jobs[i].queue or "", jobs[i].lane), []).append(i)
     chunks: list[list[int]] = []
-    for lane in Keys.LANES:
-        idx = by_lane.get(lane, [])
-        chunks.extend(idx[s:s + size] for s in range(0, len(idx), size))
+    for queue in sorted({q for q, _ in by_lane}):
+        for lane in Keys.LANES:
+            idx = by_lane.get((queue, lane), [])
+            chunks.extend(idx[s:s + size] for s in range(0, len(idx), size))
     return chunks
 
 
@@ -201,9 +203,10 @@ class EnqueuePlan:
     loaded. Because the script dedupes by job id, resending anything is always safe.
     """
 
-    def __init__(self, jobs: Sequence[Prepared], script: EnqueueScript, chunk_size: int) -> None:
+    def __init__(self, jobs: Sequence[Prepared], scripts: Callable[[Optional[str]], EnqueueScript],
+                 chunk_size: int) -> None:
         self.jobs = jobs
-        self.script = script
+        self.scripts = scripts          # queue (None: the client's) -> its enqueue script
         self.chunk_size = chunk_size
         self.entries: list[Optional[tuple[bool, str]]] = [None] * len(jobs)  # (known, value)
         self.todo: list[int] = list(range(len(jobs)))
@@ -215,8 +218,12 @@ class EnqueuePlan:
     def round(self) -> list[tuple[list[int], bytes]]:
         """The commands of the next round (empty when everything was answered)."""
         todo, self.todo = sorted(self.todo), []
-        return [(idx, self.script.command([self.jobs[i] for i in idx]))
+        return [(idx, self.scripts(self.jobs[idx[0]].queue).command([self.jobs[i] for i in idx]))
                 for idx in chunk_by_lane(todo, self.jobs, self.chunk_size)]
+
+    def refused_queue(self, default: str) -> str:
+        """The queue that refused (for QueueFull): that of the first refused job."""
+        return (self.jobs[self.refused[0]].queue if self.refused else None) or default
 
     def on_reply(self, indexes: list[int], reply: Sequence[Any]) -> None:
         out = parse_enqueue_reply(reply, indexes)

@@ -120,7 +120,7 @@ class AsyncClient(ClientCore[aioredis.Redis]):
         if not self._script_loaded:
             await self._call(self.redis.script_load, ENQUEUE_LUA)
             self._script_loaded = True
-        plan = EnqueuePlan(prepared, self._script, self.config.chunk_size)
+        plan = EnqueuePlan(prepared, self._scripts, self.config.chunk_size)
         deadline = Deadline(block_timeout)
         pause = 0.02
         while True:
@@ -133,7 +133,7 @@ class AsyncClient(ClientCore[aioredis.Redis]):
             if not block or deadline.expired:
                 accepted = [AsyncJob(self, plan.jobs[i].job_id, reattached=plan.entries[i][0])
                             for i in plan.accepted()]
-                raise QueueFull(self.keys.queue, plan.depth, plan.limit,
+                raise QueueFull(plan.refused_queue(self.keys.queue), plan.depth, plan.limit,
                                 reason="oom" if plan.oom else "high-water mark", accepted=accepted)
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.5)

@@ -24,7 +24,7 @@ import os
 import time
 from array import array
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional, TextIO
 
@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict
 from producer_sdk.client import Client, progress_bar
 from producer_sdk.errors import InvalidRequest, JobFailed
 from producer_sdk.job import Job
+from producer_sdk.models import ModelCache
 from producer_sdk.openai_format import (DEFAULT_MODEL, LineError, LineTag, body_to_request,
                                         error_line, job_id_for, response_line)
 
@@ -180,6 +181,7 @@ class BatchRunner:
         self.priority = priority
         self.progress = progress
         self.flush_every_s = flush_every_s
+        self.router = ModelRouter(client)
         # Digests of the custom_ids submitted in this run: OpenAI requires them unique, and two
         # lines with one id would map to one job and be answered twice.
         self._seen: set[int] = set()
@@ -252,8 +254,16 @@ class BatchRunner:
             return None
         job_id = job_id_for(batch_id, tag.custom_id)
         try:
+            queue, served = self.router.route(tag.model)
+        except LineError as exc:
+            writer.error(model_not_found_line(tag.custom_id, lineno, exc.message, job_id))
+            summary.failed += 1
+            return None
+        tag = replace(tag, model=served)
+        try:
+            # stream=False: the done event carries the output, logprobs and their tokens too
             prepared = self.client.prepare(kwargs, job_id=job_id, priority=self.priority,
-                                           stream=tag.logprobs)
+                                           stream=False, queue=queue)
         except InvalidRequest as exc:
             writer.error(error_line(tag.custom_id, lineno, "invalid_request", str(exc), job_id))
             summary.malformed += 1
@@ -297,9 +307,69 @@ def _parse(obj: dict[str, Any], lineno: int) -> tuple[LineTag, dict[str, Any]]:
         raise LineError("invalid_request", f"method must be POST, got {req.method!r}")
     kwargs = body_to_request(req.url, req.body)
     model = req.body.get("model")
-    tag = LineTag(cid, lineno, req.url, model if isinstance(model, str) else DEFAULT_MODEL,
-                  kwargs.get("logprobs") is not None)
+    if model is not None and (not isinstance(model, str) or not model):
+        raise LineError("invalid_request", "body.model must be a non-empty string")
+    tag = LineTag(cid, lineno, req.url, model or "", kwargs.get("logprobs") is not None,
+                  kwargs.get("logprobs") or 0)
     return tag, kwargs
+
+
+class ModelRouter:
+    """The queue a line's ``body.model`` goes to, and the model name its output shows.
+
+    * a model that live workers serve (``producer_sdk.models``): the queue they serve it on,
+      and the output's ``model`` is that served name;
+    * no ``model``: the runner's queue; the output names the model its live workers serve
+      (when they serve exactly one), else ``tokenrelay``;
+    * a model no live worker serves: ``model_not_found`` (the line goes to the errors file) --
+      unless no live worker of the namespace advertises any model and the namespace has no
+      queue but the runner's: then the line waits on that queue for workers to come (a batch
+      may be queued before any worker starts, as before models were routed), and the output
+      echoes the model asked for.
+
+    The listing is read at most every ``ttl_s`` seconds (``ModelCache``), so a batch follows
+    workers that come and go without a Redis read per line."""
+
+    def __init__(self, client: Client, ttl_s: float = 2.0) -> None:
+        self.client = client
+        self.queue = client.keys.queue
+        self.models = ModelCache(client.redis, client.keys.namespace, ttl_s)
+        self._only_queue: Optional[tuple[float, bool]] = None
+        self.ttl_s = ttl_s
+
+    def route(self, model: str) -> tuple[Optional[str], str]:
+        """(queue for ``prepare``, None for the runner's; the output's model); LineError
+        ``model_not_found`` when no live worker serves ``model``."""
+        models = self.models.get()
+        if not model:
+            here = [m.name for m in models.values() if self.queue in m.queues]
+            return None, here[0] if len(here) == 1 else DEFAULT_MODEL
+        found = models.get(model)
+        if found is not None:
+            return (None if found.queue == self.queue else found.queue), model
+        if not models and self._single_queue():
+            return None, model
+        served = ", ".join(sorted(models)) or "none"
+        raise LineError("model_not_found", f"The model `{model}` does not exist: no live worker "
+                        f"serves it (served now: {served})")
+
+    def _single_queue(self) -> bool:
+        now = time.monotonic()
+        if self._only_queue is None or now >= self._only_queue[0]:
+            names = {q.decode() if isinstance(q, bytes) else q
+                     for q in self.client.redis.smembers(self.client.keys.queues)}
+            self._only_queue = (now + self.ttl_s, names <= {self.queue})
+        return self._only_queue[1]
+
+
+def model_not_found_line(custom_id: str, line: int, message: str, job_id: str) -> dict[str, Any]:
+    """The errors-file line of a request for a model nobody serves, as OpenAI's Batch API
+    writes a failed request: its HTTP status and error object (``code`` model_not_found)."""
+    out = error_line(custom_id, line, "model_not_found", message, job_id)
+    out["response"] = {"status_code": 404, "request_id": None, "body": {"error": {
+        "message": message, "type": "invalid_request_error", "param": "model",
+        "code": "model_not_found"}}}
+    return out
 
 
 def _validated(obj: dict[str, Any]) -> BatchRequest:

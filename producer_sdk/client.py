@@ -144,7 +144,7 @@ class Client(ClientCore[redis.Redis]):
             # Load once up front: a NOSCRIPT reply would make the first round travel twice.
             self._call(self.redis.script_load, ENQUEUE_LUA)
             self._script_loaded = True
-        plan = EnqueuePlan(prepared, self._script, self.config.chunk_size)
+        plan = EnqueuePlan(prepared, self._scripts, self.config.chunk_size)
         deadline = Deadline(block_timeout)
         pause = 0.02
         while True:
@@ -164,7 +164,7 @@ class Client(ClientCore[redis.Redis]):
     def _queue_full(self, plan: EnqueuePlan) -> QueueFull:
         accepted = [Job(self, plan.jobs[i].job_id, reattached=plan.entries[i][0])
                     for i in plan.accepted()]
-        return QueueFull(self.keys.queue, plan.depth, plan.limit,
+        return QueueFull(plan.refused_queue(self.keys.queue), plan.depth, plan.limit,
                          reason="oom" if plan.oom else "high-water mark", accepted=accepted)
 
     def _run_round(self, plan: EnqueuePlan, cmds: list[tuple[list[int], bytes]]) -> None:

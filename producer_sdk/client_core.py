@@ -53,7 +53,21 @@ class ClientCore(Generic[R]):
         self._builder = PayloadBuilder(self.keys, limits=limits)
         self._script = EnqueueScript(self.keys, ENQUEUE_SHA, limit=self.config.max_queued_jobs,
                                      ttl_s=self.config.dedupe_ttl_s)
+        self._other_scripts: dict[str, EnqueueScript] = {}
         self._script_loaded = False
+
+    def _scripts(self, queue: Optional[str]) -> EnqueueScript:
+        """The enqueue script of ``queue`` (None or the client's own: the client's): a job
+        prepared for another queue of the namespace (``prepare(..., queue=q)``, how the batch
+        runner routes a line by its model) goes to that queue's lanes."""
+        if queue is None or queue == self.keys.queue:
+            return self._script
+        script = self._other_scripts.get(queue)
+        if script is None:
+            script = self._other_scripts[queue] = EnqueueScript(
+                Keys(self.keys.namespace, queue), ENQUEUE_SHA,
+                limit=self.config.max_queued_jobs, ttl_s=self.config.dedupe_ttl_s)
+        return script
 
     @property
     def redis(self) -> R:

@@ -30,6 +30,11 @@ class StartedEvent(_Event):
     ts: float = Field(default_factory=time.time)
 
 
+# token id -> (its text, its raw bytes) for every id a ``logprobs`` list names: what OpenAI's
+# logprobs show (``token``, ``bytes``) and a producer cannot compute without the tokenizer.
+LogprobTokens = dict[int, tuple[str, bytes]]
+
+
 class TokenEvent(_Event):
     """New tokens of one choice in one engine step. ``seq`` numbers the token events of a job
     0, 1, 2, ... across all its choices; ``choice`` is the choice they belong to (sample i of
@@ -37,6 +42,9 @@ class TokenEvent(_Event):
     first token in ``token_ids``. A choice's last token event carries its ``finish_reason``
     (and ``stop_reason``, ``cumulative_logprob``): a worker taking the job over then knows that
     choice is done and does not run it again.
+
+    With ``logprobs`` (only when the job asked for them) comes ``logprob_tokens``: the text and
+    bytes of every token id those maps name (``producer_sdk.fold.token_logprobs`` joins them).
 
     v1 writers before choices named the position ``index``; it is read as ``position``."""
 
@@ -47,6 +55,7 @@ class TokenEvent(_Event):
     text: str
     token_ids: list[int]
     logprobs: Optional[list[dict[int, float]]] = None
+    logprob_tokens: Optional[LogprobTokens] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[str, int]] = None
     cumulative_logprob: Optional[float] = None
@@ -93,13 +102,16 @@ class DoneChoice(BaseModel):
     cumulative_logprob: Optional[float] = None
     text: Optional[str] = None
     token_ids: Optional[list[int]] = None
+    logprobs: Optional[list[dict[int, float]]] = None      # stream=False jobs that asked
+    logprob_tokens: Optional[LogprobTokens] = None
 
 
 class DoneEvent(_Event):
     """Terminal success (or cancellation). For ``stream=False`` jobs it carries the whole output.
     ``finish_reason``, ``stop_reason``, ``text`` and ``token_ids`` are those of choice 0;
     ``choices`` (jobs with several) has every choice, and ``usage.completion_tokens`` is their
-    sum, as OpenAI counts it."""
+    sum, as OpenAI counts it. A ``stream=False`` job that asked for logprobs has them here
+    (``logprobs`` and ``logprob_tokens``, as token events carry them; per choice in ``choices``)."""
 
     type: Literal["done"] = "done"
     finish_reason: str
@@ -108,6 +120,8 @@ class DoneEvent(_Event):
     metadata: dict[str, Any] = Field(default_factory=dict)
     text: Optional[str] = None
     token_ids: Optional[list[int]] = None
+    logprobs: Optional[list[dict[int, float]]] = None      # stream=False jobs that asked
+    logprob_tokens: Optional[LogprobTokens] = None
     stop_reason: Optional[Union[str, int]] = None
     choices: Optional[list[DoneChoice]] = None
     ts: float = Field(default_factory=time.time)

@@ -38,7 +38,38 @@ from typing import Any, Mapping, Optional, Union
 import msgpack
 from pydantic import ValidationError
 
+from producer_sdk.logprobs import TokenLogprob, TopLogprob
 from producer_sdk.protocol import DoneEvent, ErrorEvent, ProtocolError, describe_validation_error
+
+
+def token_logprobs(token_ids: list[int], logprobs: Any,
+                   names: Any) -> Optional[list[TokenLogprob]]:
+    """Join what the wire carries per token -- the chosen id, its ``{token_id: logprob}`` map
+    (the top alternatives and the chosen) and ``logprob_tokens`` (id -> [text, bytes]) -- into
+    ``TokenLogprob`` records, alternatives best first. None without ``logprob_tokens`` (a
+    writer from before it); ValueError when the event does not hold together."""
+    if logprobs is None or names is None:
+        return None
+    if not isinstance(names, dict) or not isinstance(logprobs, list) \
+            or len(logprobs) != len(token_ids):
+        raise ValueError("logprobs, token_ids and logprob_tokens disagree")
+    out = []
+    for tid, top in zip(token_ids, logprobs):
+        if not isinstance(top, dict) or tid not in top:
+            raise ValueError(f"logprobs of token {tid} do not name it")
+        alts = [TopLogprob.model_construct(token_id=t, logprob=float(lp), **_named(names, t))
+                for t, lp in sorted(top.items(), key=lambda kv: -kv[1])]
+        out.append(TokenLogprob.model_construct(token_id=tid, logprob=float(top[tid]),
+                                                top_logprobs=alts, **_named(names, tid)))
+    return out
+
+
+def _named(names: dict, token_id: Any) -> dict[str, Any]:
+    entry = names.get(token_id)
+    if (type(token_id) is not int or not isinstance(entry, (list, tuple)) or len(entry) != 2
+            or not isinstance(entry[0], str) or not isinstance(entry[1], bytes)):
+        raise ValueError(f"logprob_tokens has no [text, bytes] for token {token_id!r}")
+    return {"token": entry[0], "bytes": list(entry[1])}
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,18 +87,20 @@ class Delta:
     position: int = 0
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[str, int]] = None
+    token_logprobs: Optional[list[TokenLogprob]] = None   # per token: its text, bytes, top
 
 
 class ChoiceFold:
     """One choice's output so far."""
 
-    __slots__ = ("parts", "token_ids", "logprobs", "finish_reason", "stop_reason",
-                 "cumulative_logprob")
+    __slots__ = ("parts", "token_ids", "logprobs", "token_logprobs", "finish_reason",
+                 "stop_reason", "cumulative_logprob")
 
     def __init__(self) -> None:
         self.parts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: Optional[list[dict[int, float]]] = None
+        self.token_logprobs: Optional[list[TokenLogprob]] = None
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[Union[str, int]] = None
         self.cumulative_logprob: Optional[float] = None
@@ -75,6 +108,16 @@ class ChoiceFold:
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+    def add_logprobs(self, logprobs: Optional[list], named: Optional[list[TokenLogprob]]) -> None:
+        if logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(logprobs)
+        if named is not None:
+            if self.token_logprobs is None:
+                self.token_logprobs = []
+            self.token_logprobs.extend(named)
 
 
 _NONE: tuple = ()
@@ -165,21 +208,26 @@ class ResultFold:
             raise self._error(f"malformed token event {dict(event)!r:.120}")
         if seq < self.next_seq:
             return _NONE
+        named = self._named(ids, lp, event.get("logprob_tokens"), event)
         self.next_seq = seq + 1
         c = self.choices.get(choice)
         if c is None:
             c = self.choices[choice] = ChoiceFold()
         c.parts.append(text)
         c.token_ids.extend(ids)
-        if lp is not None:
-            if c.logprobs is None:
-                c.logprobs = []
-            c.logprobs.extend(lp)
+        c.add_logprobs(lp, named)
         if reason is not None:
             c.finish_reason, c.stop_reason = reason, stop
             cum = event.get("cumulative_logprob")
             c.cumulative_logprob = cum if isinstance(cum, (int, float)) else None
-        return (Delta(text, ids, lp, choice, seq, position, reason, stop),)
+        return (Delta(text, ids, lp, choice, seq, position, reason, stop, named),)
+
+    def _named(self, ids: list[int], lp: Any, names: Any,
+               event: Mapping[str, Any]) -> Optional[list[TokenLogprob]]:
+        try:
+            return token_logprobs(ids, lp, names)
+        except ValueError as exc:
+            raise self._error(f"malformed token event ({exc}) {dict(event)!r:.120}") from None
 
     def _finish(self, event: Mapping[str, Any]) -> tuple[Delta, ...]:
         model = DoneEvent if event["type"] == "done" else ErrorEvent
@@ -191,10 +239,15 @@ class ResultFold:
         t = self.terminal
         if not isinstance(t, DoneEvent) or self.next_seq != 0:
             return _NONE
-        if t.choices:
-            return tuple(Delta(c.text, list(c.token_ids or []), None, c.index, 0, 0,
-                               c.finish_reason, c.stop_reason) for c in t.choices if c.text)
-        if t.text:
-            return (Delta(t.text, list(t.token_ids or []), None, 0, 0, 0, t.finish_reason,
-                          t.stop_reason),)
-        return _NONE
+        outputs = t.choices or [t]
+        deltas = []
+        for c in outputs:
+            index = getattr(c, "index", 0)
+            ids = list(c.token_ids or [])
+            named = self._named(ids, c.logprobs, c.logprob_tokens, event)
+            if c.logprobs is not None:   # the output of a stream=False job is all in done
+                self.choices.setdefault(index, ChoiceFold()).add_logprobs(c.logprobs, named)
+            if c.text:
+                deltas.append(Delta(c.text, ids, c.logprobs, index, 0, 0, c.finish_reason,
+                                    c.stop_reason, named))
+        return tuple(deltas)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from producer_sdk.errors import LOST, JobFailed
 from producer_sdk.fold import Delta, ResultFold
+from producer_sdk.logprobs import TokenLogprob
 from producer_sdk.protocol import EVENT_FIELD, DoneEvent, ErrorEvent, Timings, Usage
 
 _EVENT_KEY = EVENT_FIELD.decode()
@@ -35,12 +36,15 @@ class CompletionOutput(BaseModel):
     stop_reason: Optional[Union[str, int]] = None
     cumulative_logprob: Optional[float] = None
     logprobs: Optional[list[dict[int, float]]] = None
+    # the same logprobs with each token's text and bytes (OpenAI's shape); None when the job
+    # did not ask for logprobs, or its worker predates logprob_tokens
+    token_logprobs: Optional[list[TokenLogprob]] = None
 
 
 class Result(BaseModel):
     """A finished job. ``finish_reason`` is stop, length or cancelled. ``outputs`` lists every
-    choice (one unless ``n > 1`` or beam search), best beam first; ``text``, ``token_ids`` and
-    ``logprobs`` are those of the first, ``usage.completion_tokens`` counts them all."""
+    choice (one unless ``n > 1`` or beam search), best beam first; ``text``, ``token_ids``,
+    ``logprobs`` and ``token_logprobs`` are those of the first, ``usage.completion_tokens`` counts them all."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -52,6 +56,7 @@ class Result(BaseModel):
     timings: Timings = Field(default_factory=Timings)
     metadata: dict[str, Any] = Field(default_factory=dict)
     logprobs: Optional[list[dict[int, float]]] = None
+    token_logprobs: Optional[list[TokenLogprob]] = None
     stop_reason: Optional[Union[str, int]] = None
     attempts: int = 0
     outputs: list[CompletionOutput] = Field(default_factory=list)
@@ -163,7 +168,8 @@ class JobState:
         first = outputs[0]
         return Result(job_id=self.job_id, text=first.text, token_ids=first.token_ids,
                       finish_reason=t.finish_reason, usage=t.usage, timings=t.timings,
-                      metadata=t.metadata, logprobs=first.logprobs, stop_reason=t.stop_reason,
+                      metadata=t.metadata, logprobs=first.logprobs,
+                      token_logprobs=first.token_logprobs, stop_reason=t.stop_reason,
                       attempts=self.fold.attempts, outputs=outputs)
 
 
@@ -188,12 +194,10 @@ def job_outputs(fold: ResultFold, done: DoneEvent) -> list[CompletionOutput]:
             reason, stop = c.finish_reason, c.stop_reason
         cum = d.cumulative_logprob if d is not None and d.cumulative_logprob is not None \
             else c.cumulative_logprob
-        lp = c.logprobs
-        if lp is None and i == 0:   # a stream=False writer may put them in done (extra field)
-            lp = getattr(done, "logprobs", None)
         outputs.append(CompletionOutput(index=i, text=text, token_ids=list(ids),
                                         finish_reason=reason, stop_reason=stop,
-                                        cumulative_logprob=cum, logprobs=lp))
+                                        cumulative_logprob=cum, logprobs=c.logprobs,
+                                        token_logprobs=c.token_logprobs))
     return outputs
 
 

@@ -58,6 +58,7 @@ class LineTag:
     url: str
     model: str
     logprobs: bool
+    top_logprobs: int = 0        # alternatives per token asked for (chat top_logprobs, or logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,11 +387,12 @@ def job_id_for(batch_id: str, custom_id: str) -> str:
     return "b-" + hashlib.sha256(f"{batch_id}\0{custom_id}".encode()).hexdigest()[:40]
 
 
-def response_line(tag: LineTag, result: Result, top_logprobs: int = 20) -> dict[str, Any]:
+def response_line(tag: LineTag, result: Result) -> dict[str, Any]:
     """The OpenAI-shaped output line: one choice per output (``n`` of them), each with its
-    index, message (chat) or text, logprobs and finish_reason; usage sums every choice."""
+    index, message (chat) or text, logprobs (``tag.top_logprobs`` alternatives) and
+    finish_reason; usage sums every choice."""
     chat = tag.url == CHAT_URL
-    choices = [_choice(chat, tag, out, top_logprobs) for out in result.outputs]
+    choices = [_choice(chat, tag, out, tag.top_logprobs) for out in result.outputs]
     body = completion_body(chat, result.job_id, int(time.time()), tag.model, choices,
                            usage_body(result.usage.prompt_tokens, result.usage.completion_tokens))
     return {"id": f"batch_req_{result.job_id}", "custom_id": tag.custom_id,

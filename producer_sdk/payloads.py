@@ -25,7 +25,7 @@ from producer_sdk.sampling_params import SAMPLING_FIELDS, SamplingParams
 # Keyword arguments of submit() that are job fields rather than sampling fields.
 JOB_FIELDS = frozenset({"prompt", "messages", "prompt_token_ids", "job_id", "priority",
                         "deadline_s", "stream", "metadata", "chat_template_kwargs",
-                        "traceparent"})
+                        "traceparent", "queue"})
 
 
 def _freeze(value: Any) -> Any:
@@ -112,6 +112,7 @@ class Prepared:
     lane: str
     payload: bytes
     stream: bool
+    queue: Optional[str] = None     # another queue of the client's namespace; None: the client's
 
 
 class PayloadBuilder:
@@ -136,8 +137,16 @@ class PayloadBuilder:
               deadline_s: Optional[float] = None, stream: bool = True,
               metadata: Optional[Mapping[str, Any]] = None, submitted_ms: Optional[int] = None,
               chat_template_kwargs: Optional[Mapping[str, Any]] = None,
-              traceparent: Optional[str] = None, **sampling: Any) -> Prepared:
-        """Validate and encode one job. Raises InvalidRequest naming the bad field."""
+              traceparent: Optional[str] = None, queue: Optional[str] = None,
+              **sampling: Any) -> Prepared:
+        """Validate and encode one job. Raises InvalidRequest naming the bad field. ``queue``
+        sends it to another queue of the namespace than the client's (the payload is the same;
+        only the lanes differ)."""
+        if queue is not None:
+            try:
+                Keys(self.keys.namespace, queue)
+            except ValueError as exc:
+                raise InvalidRequest(f"queue: {exc}", field="queue") from None
         params = self.params.validate(sampling)
         payload: dict[str, Any] = {"v": PROTOCOL_VERSION,
                                    "job_id": self.new_id() if job_id is None else job_id}
@@ -179,7 +188,7 @@ class PayloadBuilder:
         if len(raw) > self.limits.max_payload_bytes:
             raise InvalidRequest(f"payload is {len(raw)} bytes, over the limit of "
                                  f"{self.limits.max_payload_bytes} (max_payload_bytes)")
-        return Prepared(payload["job_id"], Keys.lane_for_priority(priority), raw, stream)
+        return Prepared(payload["job_id"], Keys.lane_for_priority(priority), raw, stream, queue)
 
     def build_many(self, requests: Iterable[Any], defaults: Mapping[str, Any],
                    submitted_ms: int) -> list[Prepared]:

@@ -161,6 +161,13 @@ class Keys:
     def heartbeat(self, worker_id: str) -> str:
         return f"{self.namespace}:worker:{worker_id}"
 
+    @property
+    def queues(self) -> str:
+        """Set of the namespace's queue names that workers serve (each worker adds its queue at
+        every heartbeat): producers find every queue's workers without scanning the keyspace
+        (``producer_sdk.models``). Never pruned; a queue without live workers is just empty."""
+        return f"{self.namespace}:queues"
+
     def drain(self, worker_id: str) -> str:
         """Drain request for one worker (set by ``worker admin drain``, with a TTL): while it
         exists the worker drains as on SIGTERM, then exits 0."""

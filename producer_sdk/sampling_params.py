@@ -102,7 +102,9 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _min_le_max(self) -> "SamplingParams":
-        if self.min_tokens > self.max_tokens:
+        # Unset, max_tokens depends on the job (a chat job runs to the end of the context:
+        # worker/admission.py resolve_max_tokens sets it, and this check runs again then).
+        if "max_tokens" in self.model_fields_set and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.beam_width is not None:

@@ -179,7 +179,12 @@ class Admission:
             seed = random.SystemRandom().randrange(2**63)
         params.seed = job.seed = seed
         job.want_logprobs = params.logprobs is not None
+        if job.want_logprobs:
+            job.token_texts = w.token_texts()
         job.params = params
+        prompt = self._engine_prompt(job)
+        if prompt is None:
+            return
         for c in job.choices:   # taken over right after a choice's last token
             if c.finish_reason is None and len(c.ids) >= params.max_tokens:
                 c.finish_reason = FinishReason.LENGTH.value
@@ -188,7 +193,7 @@ class Admission:
             w.log.info("finished", finish_reason=job.finish_reason, tokens=job.tokens,
                        **job.log_fields())
             return
-        self._add_to_engine(job)
+        self._add_to_engine(job, prompt)
         if job.terminal is None:
             job.queue_started()
             w.metrics.queue_time.observe(max(0.0, job.admitted_at - job.enqueued_ms / 1000))
@@ -219,22 +224,56 @@ class Admission:
                                           req.chat_template_kwargs)
         return list(self.w.engine.tokenizer.encode(text_, add_special_tokens=False))
 
-    def _add_to_engine(self, job: Job) -> None:
-        """engine.add_request (chat template included), mapping every refusal to the job's
-        error event; never raises."""
-        w = self.w
+    def _engine_prompt(self, job: Job) -> Any:
+        """The prompt for the engine (a chat job's rendered and tokenized), with ``max_tokens``
+        resolved for a job that did not set it; None after failing the job."""
+        try:
+            prompt = self._prompt(job.request)
+            resolve_max_tokens(job.params, job.request, len(prompt) if isinstance(prompt, list)
+                               else 0, self.w.engine.max_model_len)
+            return prompt
+        except Exception as exc:
+            self._refused(job, exc, "the job's prompt could not be built")
+            return None
+
+    def _add_to_engine(self, job: Job, prompt: Any) -> None:
+        """engine.add_request, mapping every refusal to the job's error event; never raises."""
         try:
             resume = resume_state(job)
-            w.engine.add_request(job.job_id, self._prompt(job.request), job.params,
-                                 priority=job.request.priority, resume=resume)
+            self.w.engine.add_request(job.job_id, prompt, job.params,
+                                      priority=job.request.priority, resume=resume)
             job.in_engine = True
-        except PromptTooLongError as exc:
-            w.jobs.fail(job, ErrorCode.PROMPT_TOO_LONG, str(exc))
-        except (InvalidRequestError, ValidationError, ValueError, TypeError) as exc:
-            w.jobs.fail(job, ErrorCode.INVALID_REQUEST, f"{type(exc).__name__}: {exc}")
         except Exception as exc:
-            w.log.exception("engine refused the job unexpectedly", **job.log_fields())
-            w.jobs.fail(job, ErrorCode.INTERNAL, f"engine error on add_request: {exc}")
+            self._refused(job, exc, "engine refused the job unexpectedly")
+
+    def _refused(self, job: Job, exc: Exception, unexpected: str) -> None:
+        """End the job for ``exc``: the producer's fault (the engine's numbers or the field in
+        the message), or ``internal`` for anything else."""
+        w = self.w
+        if isinstance(exc, PromptTooLongError):
+            w.jobs.fail(job, ErrorCode.PROMPT_TOO_LONG, str(exc))
+        elif isinstance(exc, ValidationError):
+            w.jobs.fail(job, ErrorCode.INVALID_REQUEST, "invalid sampling params: "
+                        + _params_message(describe_validation_error(exc)))
+        elif isinstance(exc, (InvalidRequestError, ValueError, TypeError)):
+            w.jobs.fail(job, ErrorCode.INVALID_REQUEST, f"{type(exc).__name__}: {exc}")
+        else:
+            w.log.exception(unexpected, **job.log_fields())
+            w.jobs.fail(job, ErrorCode.INTERNAL, f"{unexpected}: {type(exc).__name__}: {exc}")
+
+
+def resolve_max_tokens(params: Any, request: JobRequest, prompt_tokens: int,
+                       max_model_len: int) -> None:
+    """``max_tokens`` of a job that did not set it (docs/protocol.md, Jobs): a chat job runs to
+    the end of the context, ``max_model_len`` minus its prompt, as OpenAI's and vLLM's chat
+    endpoints do; a completion keeps SamplingParams' 16, OpenAI's completions default. Set
+    explicitly either way, so ``min_tokens`` is checked against it (ValidationError)."""
+    if "max_tokens" in request.params:
+        return
+    if request.messages is not None:
+        params.max_tokens = max(1, max_model_len - prompt_tokens)   # past it: prompt_too_long
+    else:
+        params.max_tokens = params.max_tokens
 
 
 def resume_choices(job: Job, progress: JobProgress) -> None:

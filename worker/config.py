@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import re
 import socket
+from pathlib import Path
 from typing import Any, Optional
 
 from pydantic import ByteSize, Field, field_validator
@@ -53,6 +54,10 @@ class WorkerSettings(WorkerIdentity):
 
     model: Optional[str] = Field(None, description="Hugging Face checkpoint folder to serve.",
                                  json_schema_extra=unset("none, required"))
+    served_model_name: Optional[str] = Field(
+        None, description="Model name this worker advertises in its heartbeat: what a request's "
+        "model must say to be routed to its queue (and the metrics' model_name label).",
+        json_schema_extra=unset("the checkpoint folder's name; fake for fake: engines"))
     dtype: str = Field("auto", description="auto, float32, float16, bfloat16.")
     # None: the engine's default (EngineConfig), so the worker never restates it.
     max_num_seqs: Optional[int] = Field(None, ge=1, description="Max running sequences.",
@@ -111,6 +116,18 @@ class WorkerSettings(WorkerIdentity):
     log_prompts: bool = Field(False, description="Log prompt text (debug only; off by default).")
 
 
+    @field_validator("served_model_name")
+    @classmethod
+    def _served_model_name(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not SERVED_MODEL_NAME_RE.match(v):
+            raise ValueError(f"served_model_name must be 1-256 printable characters without "
+                             f"whitespace; got {v!r}")
+        return v
+
+    def served_model(self) -> str:
+        """The name this worker serves under: ``--served-model-name``, else the default."""
+        return self.served_model_name or default_served_model_name(self.model)
+
     def decode_limits(self) -> Limits:
         """The producer-facing limits ``decode_job`` checks, from the --max-* flags."""
         return Limits(**{name: getattr(self, name) for name in Limits.model_fields})
@@ -125,6 +142,20 @@ class WorkerSettings(WorkerIdentity):
         # The job limits bound choices before admission; the engine holds the same bounds.
         out["max_n"], out["max_beam_width"] = self.max_n, self.max_beam_width
         return out
+
+
+# OpenAI model ids look like "gpt-4o" or "meta-llama/Llama-3.1-8B": any visible characters.
+SERVED_MODEL_NAME_RE = re.compile(r"^[^\s\x00-\x1f\x7f]{1,256}$")
+
+
+def default_served_model_name(model: Optional[str]) -> str:
+    """A checkpoint folder's name (``/models/Qwen3-8B/`` -> ``Qwen3-8B``), ``fake`` for the
+    ``fake:`` engine: what vLLM names a model it was not given a name for."""
+    if not model:
+        return ""
+    if model.startswith("fake:"):
+        return "fake"
+    return Path(model.rstrip("/")).name or model
 
 
 def default_device() -> str:

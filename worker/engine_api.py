@@ -34,6 +34,7 @@ class EngineAPI(Protocol):
     """
 
     tokenizer: Tokenizer
+    max_model_len: int          # prompt + output tokens: a chat job without max_tokens fills it
 
     def add_request(self, request_id: str, prompt: Union[str, list[int]],
                     params: SamplingParams, priority: int = 0,

@@ -6,7 +6,8 @@ are about Redis and the loop, not about the model, so their tests run in millise
 seed, output position), like the real engine's sampling contract, so a resumed request
 continues exactly and tests can predict every token.
 
-Tokens are characters: token id = ``ord(char)``; outputs are lowercase letters.
+Tokens are characters: token id = ``ord(char)``; outputs are lowercase letters. The tokenizer
+decodes an id to its character (``FakeTokenizer``), so logprobs' token texts are testable too.
 
 Choices: with ``n > 1`` choice i draws its tokens from (prompt, seed, i, position) -- greedy
 choices are identical, as a real engine's are -- one delta per running choice per step, and a
@@ -38,7 +39,9 @@ class FakeTokenizer:
         return [ord(c) for c in text]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i) for i in ids if i > 0)
+        """Each id's character; EOS (0) is nothing, or ``</s>`` kept as a special token."""
+        return "".join(chr(i) if i > 0 else ("" if skip_special_tokens else "</s>")
+                       for i in ids)
 
 
 @dataclass
@@ -68,6 +71,16 @@ def fake_token(prompt_ids: list[int], seed: int, position: int, greedy: bool,
         key += (choice,)
     h = hashlib.blake2b(repr(key).encode(), digest_size=4)
     return 97 + int.from_bytes(h.digest(), "little") % 26
+
+
+def fake_logprobs(token: int, top: int) -> dict[int, float]:
+    """FakeEngine's logprobs at a position whose sampled token is ``token``, for
+    ``params.logprobs = top``: the token (-0.5, always the best) and the letters after it
+    (-1.5, -2.5, ...), ``top`` entries in all -- as the engine's top-N plus the chosen."""
+    out = {token: -0.5}
+    for j in range(1, top):
+        out[97 + (token - 97 + j) % 26] = -0.5 - j
+    return out
 
 
 def fake_completion(prompt: str, max_tokens: int, seed: int = 0, greedy: bool = True,
@@ -186,7 +199,7 @@ class FakeEngine:
         reason = None
         if c.finished:
             reason = "stop" if tok in r.params.stop_token_ids else "length"
-        lp = None if r.params.logprobs is None else [{tok: -0.5}]
+        lp = None if r.params.logprobs is None else [fake_logprobs(tok, r.params.logprobs)]
         return RequestDelta(r.request_id, [tok], chr(tok), lp, [-0.5], c.finished, reason,
                             tok if reason == "stop" else None, len(r.prompt_ids), len(c.out_ids),
                             index=index, cumulative_logprob=-0.5 * len(c.out_ids))
@@ -233,5 +246,6 @@ class FakeEngine:
         n = len(self._requests)
         running = min(n, self.max_num_seqs)
         return {"num_preemptions": 0, "kv_blocks_total": 1000, "kv_blocks_used": running,
+                "max_model_len": self.max_model_len,
                 "kv_utilization_peak": 0.0, "prefix_cache_hit_rate": 0.0,
                 "num_running": running, "num_waiting": n - running}

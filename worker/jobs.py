@@ -14,24 +14,30 @@ from typing import Any, Optional
 
 import msgpack
 
+from producer_sdk.events import LogprobTokens
 from producer_sdk.protocol import (DoneChoice, DoneEvent, ErrorCode, ErrorEvent, FinishReason,
                                    JobRequest,
                                    StartedEvent, Timings, Usage, encode_event)
 from worker.pending import Entry
+from worker.token_text import TokenTexts
 
 
 def encode_token_event(seq: int, choice: int, position: int, text: str, token_ids: list[int],
                        logprobs: Optional[list[dict[int, float]]], ts: float,
                        finish_reason: Optional[str] = None, stop_reason: Any = None,
-                       cumulative_logprob: Optional[float] = None) -> bytes:
+                       cumulative_logprob: Optional[float] = None,
+                       logprob_tokens: Optional[LogprobTokens] = None) -> bytes:
     """``encode_event(TokenEvent(...))`` without pydantic: token events are the hot path (one per
     running choice per step) and this is 4x cheaper. The same bytes, keys in the model's order
     (test_job_events holds them equal). ``finish_reason`` (with ``stop_reason`` and
-    ``cumulative_logprob``) is given on a choice's last event only."""
+    ``cumulative_logprob``) is given on a choice's last event only; ``logprob_tokens`` (text and
+    bytes of the ids ``logprobs`` names) only with logprobs."""
     ev: dict[str, Any] = {"type": "token", "seq": seq, "choice": choice, "position": position,
                           "text": text, "token_ids": [int(t) for t in token_ids]}
     if logprobs is not None:
         ev["logprobs"] = [{int(k): float(v) for k, v in d.items()} for d in logprobs]
+        if logprob_tokens is not None:
+            ev["logprob_tokens"] = logprob_tokens
     if finish_reason is not None:
         ev["finish_reason"] = finish_reason
         if stop_reason is not None:
@@ -52,6 +58,9 @@ class Choice:
     stop_reason: Any = None
     cumulative_logprob: Optional[float] = None
     completion_tokens: Optional[int] = None     # the engine's count at its end
+    # stream=False jobs that asked for logprobs: kept for the done event
+    logprobs: Optional[list[dict[int, float]]] = None
+    logprob_tokens: Optional[LogprobTokens] = None
 
     @property
     def text(self) -> str:
@@ -67,7 +76,16 @@ class Choice:
                           stop_reason=self.stop_reason, completion_tokens=self.tokens,
                           cumulative_logprob=self.cumulative_logprob,
                           text=self.text if full else None,
-                          token_ids=list(self.ids) if full else None)
+                          token_ids=list(self.ids) if full else None,
+                          logprobs=self.logprobs if full else None,
+                          logprob_tokens=self.logprob_tokens if full else None)
+
+    def keep_logprobs(self, logprobs: list[dict[int, float]], names: LogprobTokens) -> None:
+        """Collect a non-streaming choice's logprobs for its done event."""
+        if self.logprobs is None:
+            self.logprobs, self.logprob_tokens = [], {}
+        self.logprobs.extend({int(k): float(v) for k, v in d.items()} for d in logprobs)
+        self.logprob_tokens.update(names)
 
     @property
     def tokens(self) -> int:
@@ -83,6 +101,7 @@ class Job:
     seed: int = 0
     attempt: int = 1
     want_logprobs: bool = False
+    token_texts: Optional[TokenTexts] = None   # set with want_logprobs: names their tokens
     next_seq: int = 0                    # seq of the next token event
     choices: list[Choice] = field(default_factory=lambda: [Choice()])   # by choice index
     several: bool = False                # n > 1 or beam search: done carries every choice
@@ -174,12 +193,15 @@ class Job:
                 if self.first_token_at is None:
                     self.first_token_at, first = ts, True
                 self.last_token_at = ts
+            lp = delta.logprobs if self.want_logprobs else None
+            names = self.token_texts.for_logprobs(lp) if lp and self.token_texts else None
             if self.request.stream:
                 self.pending.append(encode_token_event(
                     self.next_seq, index, len(c.ids), delta.new_text, delta.new_token_ids,
-                    delta.logprobs if self.want_logprobs else None, ts, reason, c.stop_reason,
-                    c.cumulative_logprob))
+                    lp, ts, reason, c.stop_reason, c.cumulative_logprob, names))
                 self.next_seq += 1
+            elif lp is not None:
+                c.keep_logprobs(lp, names or {})
             c.ids.extend(delta.new_token_ids)
             c.parts.append(delta.new_text)
         self.prompt_tokens = delta.num_prompt_tokens or self.prompt_tokens
@@ -206,6 +228,8 @@ class Job:
                         completion_tokens=sum(c.tokens for c in self.choices)),
             timings=self.timings(), metadata=self.request.metadata,
             text=first.text if full else None, token_ids=list(first.ids) if full else None,
+            logprobs=first.logprobs if full else None,
+            logprob_tokens=first.logprob_tokens if full else None,
             choices=([c.summary(i, full) for i, c in enumerate(self.choices)]
                      if self.several else None))))
 

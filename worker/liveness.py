@@ -160,11 +160,13 @@ class Liveness:
         pipe.hset(key, mapping={
             "ts": now_ms(), "engine_loaded": int(not w.engine_broken), "pid": os.getpid(),
             "host": socket.gethostname(), "queue": w.s.queue, "model": str(w.s.model),
+            "served_model_name": w.s.served_model(),
             "started_ms": self._started_ms, "draining": int(w.draining), "held": len(w.jobs),
             "running": stats.get("num_running", 0), "waiting": stats.get("num_waiting", 0),
             "redis_error": w.redis_error or ""})
         pipe.pexpire(key, 5 * w.s.heartbeat_ms)
         pipe.zadd(w.keys.workers, {w.worker_id: now_ms()})
+        pipe.sadd(w.keys.queues, w.s.queue)
         pipe.exists(w.keys.drain(w.worker_id))
         return bool(pipe.execute()[-1])
 

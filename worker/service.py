@@ -19,7 +19,6 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import redis
@@ -42,6 +41,7 @@ from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox
 from worker.pending import PendingList
 from worker.steps import Stepper
+from worker.token_text import TokenTexts
 
 EXIT_ID_IN_USE = 3
 
@@ -66,13 +66,6 @@ def thaw_heap() -> None:
     gc.unfreeze()
 
 
-def model_name(model: Optional[str]) -> str:
-    """The ``model_name`` label: a checkpoint folder's name (``fake:...`` as given)."""
-    if not model or model.startswith("fake:"):
-        return model or ""
-    return Path(model.rstrip("/")).name or model
-
-
 class Worker:
     """Runs one worker; ``run()`` blocks until stopped, ``stop()`` may be called from any thread."""
 
@@ -83,7 +76,7 @@ class Worker:
         self.worker_id = settings.resolved_worker_id()
         self.engine = engine
         self._engine_factory = engine_factory
-        self.metrics = WorkerMetrics(model_name=model_name(settings.model))
+        self.metrics = WorkerMetrics(model_name=settings.served_model())
         self.log = get_logger(worker_id=self.worker_id, queue=settings.queue)
         self.log_limited = RateLimitedLog(self.log)
         self.ttl_ms = int(settings.result_ttl * 1000)
@@ -105,6 +98,7 @@ class Worker:
         self.exit_code = 0
         self.engine_broken = False
         self.redis_error: Optional[str] = None   # the transient error we are waiting out
+        self._token_texts: Optional[TokenTexts] = None
         self._stop = threading.Event()
         self._force = threading.Event()
 
@@ -268,6 +262,13 @@ class Worker:
         """(lane key, entry id) of every entry this worker holds: renewed with the lease."""
         return ([j.entry.key for j in self.jobs.values()] + self.outbox.held()
                 + self.intake.held())
+
+    def token_texts(self) -> TokenTexts:
+        """The text and bytes of the engine's tokens, for jobs that ask for logprobs (made on
+        first use: a worker whose jobs never ask decodes nothing)."""
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self.engine.tokenizer)
+        return self._token_texts
 
     def engine_stats(self) -> dict:
         try:

@@ -50,6 +50,7 @@ class RealWorker:
         from worker.config import WorkerSettings
         from worker.service import Worker
         settings = WorkerSettings(redis_url=url, worker_id=worker_id, model="unused",
+                                  served_model_name="tiny",   # what the batch lines ask for
                                   block_ms=50, heartbeat_ms=200, drain_timeout=0.0)
         self.engine = engine
         self.worker = Worker(settings, engine=engine)
@@ -235,3 +236,28 @@ def test_fastapi_example_streams_and_cancels(sdk_url: str, worker: RealWorker):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_logprobs_name_each_token_as_the_real_tokenizer_decodes_it(sdk_url: str, llm,
+                                                                   worker: RealWorker,
+                                                                   stream: bool):
+    """Every reported token (chosen and top) carries the tokenizer's decode of its single id,
+    and bytes that decode to it; the logprobs are the engine's own, alternatives best first."""
+    tok = llm.engine.tokenizer
+    with Client(sdk_url) as client:
+        job = client.submit(prompt="Once upon a time", max_tokens=8, temperature=0,
+                            logprobs=3, stream=stream, ignore_eos=True)
+        deltas = list(job.stream(timeout=60))
+        res = job.result(timeout=60)
+    assert res.token_logprobs is not None and len(res.token_logprobs) == 8
+    assert [t.token_id for t in res.token_logprobs] == res.token_ids
+    named = [t for d in deltas for t in (d.token_logprobs or [])]
+    assert named == res.token_logprobs
+    for t, raw in zip(res.token_logprobs, res.logprobs):
+        assert t.logprob == raw[t.token_id]
+        assert [a.token_id for a in t.top_logprobs] == sorted(raw, key=lambda k: -raw[k])
+        assert len(t.top_logprobs) in (3, 4)         # top 3, plus the chosen when not among them
+        for entry in (t, *t.top_logprobs):
+            assert entry.token == tok.decode([entry.token_id], skip_special_tokens=False)
+            assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token

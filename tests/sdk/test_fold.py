@@ -297,3 +297,27 @@ def test_an_older_writers_index_is_read_as_the_position():
     fold = ResultFold()
     (delta,) = fold.apply({"type": "token", "seq": 0, "index": 4, "text": "a", "token_ids": [1]})
     assert (delta.index, delta.position, fold.text) == (0, 4, "a")
+
+
+def test_logprob_tokens_fold_into_token_logprobs_and_malformed_ones_are_refused():
+    import pytest
+
+    from producer_sdk.protocol import ProtocolError
+    ev = {"type": "token", "seq": 0, "position": 0, "text": "é", "token_ids": [5],
+          "logprobs": [{7: -0.1, 5: -0.7}], "logprob_tokens": {5: ["é", b"\xc3\xa9"],
+                                                               7: ["\ufffd", b"\xc3"]}}
+    fold = ResultFold("j")
+    (delta,) = fold.apply(ev)
+    (t,) = delta.token_logprobs
+    assert (t.token_id, t.token, t.bytes, t.logprob) == (5, "é", [0xC3, 0xA9], -0.7)
+    assert [(a.token_id, a.token, a.bytes) for a in t.top_logprobs] == [
+        (7, "\ufffd", [0xC3]), (5, "é", [0xC3, 0xA9])]
+    assert fold.choice(0).token_logprobs == [t]
+    old = ResultFold("j")                        # a writer from before logprob_tokens
+    (d,) = old.apply({k: v for k, v in ev.items() if k != "logprob_tokens"})
+    assert d.token_logprobs is None and d.logprobs == ev["logprobs"]
+    for bad in ({5: ["é", b"x"]}, {5: ["é", "not bytes"], 7: ["a", b"a"]}, [1, 2]):
+        with pytest.raises(ProtocolError):
+            ResultFold("j").apply({**ev, "logprob_tokens": bad})
+    with pytest.raises(ProtocolError):
+        ResultFold("j").apply({**ev, "logprobs": [{7: -0.1}]})   # the chosen token unnamed

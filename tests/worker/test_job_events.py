@@ -48,18 +48,20 @@ def test_non_streaming_job_carries_text_only_in_done():
     assert evs[0].text == "xy" and evs[0].token_ids == [5, 6]
 
 
-@pytest.mark.parametrize("lp", [None, [{5: -0.25, 7: -1.5}]])
+@pytest.mark.parametrize("lp, names", [
+    (None, None), ([{5: -0.25, 7: -1.5}], None),
+    ([{5: -0.25, 7: -1.5}], {5: ("é", b"\xc3\xa9"), 7: ("\ufffd", b"\xc3")})])
 @pytest.mark.parametrize("end", [{}, {"finish_reason": "length"},
                                  {"finish_reason": "stop", "stop_reason": "!",
                                   "cumulative_logprob": -1.25},
                                  {"finish_reason": "stop", "stop_reason": 7}])
 @pytest.mark.parametrize("choice", [0, 2])
-def test_fast_token_encoding_is_byte_equal_to_the_model(lp, end, choice):
+def test_fast_token_encoding_is_byte_equal_to_the_model(lp, names, end, choice):
     from worker.jobs import encode_token_event
     fast = encode_token_event(3, choice, 9, "é", [5], lp, 12.5, end.get("finish_reason"),
-                              end.get("stop_reason"), end.get("cumulative_logprob"))
+                              end.get("stop_reason"), end.get("cumulative_logprob"), names)
     slow = encode_event(TokenEvent(seq=3, choice=choice, position=9, text="é", token_ids=[5],
-                                   logprobs=lp, ts=12.5, **end))
+                                   logprobs=lp, logprob_tokens=names, ts=12.5, **end))
     assert fast == slow
     assert decode_event(fast) == decode_event(slow)
 

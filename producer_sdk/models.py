@@ -1,0 +1,183 @@
+"""Which models the live workers of a namespace serve, and on which queues: the one listing.
+
+A worker advertises its ``served_model_name`` and its queue in its heartbeat hash
+(``Keys.heartbeat``, TTL 5 beats, deleted on a clean exit), lists itself in its queue's registry
+(``Keys.workers``) and its queue in the namespace's queue set (``Keys.queues``). A producer that
+must route a request by its ``model`` (the HTTP gateway, the batch runner) or answer
+``/v1/models`` reads those keys here, in three pipelined round trips whatever the number of
+queues and workers (no keyspace scan), so it is cheap enough per request; ``ModelCache`` /
+``AsyncModelCache`` add a short TTL for callers that want less than that.
+
+Live means: the heartbeat hash still exists (a dead or frozen worker's expires within 5 beats;
+its registry entry may linger, which is why the hash decides), its engine is loaded, it is not
+draining (it takes no new jobs), and it names this queue. The sync and async variants share all
+the logic (``_listing``, a generator of pipelines); they differ only in how they run them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Optional
+
+from producer_sdk.protocol import Keys
+
+# Heartbeat fields the listing reads, in this order.
+_FIELDS = ("served_model_name", "queue", "engine_loaded", "draining", "started_ms")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model name served by live workers: on which queues, by which workers, since when.
+
+    ``created`` (epoch seconds) is the start of its longest-running live worker: the
+    ``created`` of OpenAI's model object. ``workers`` are ``(queue, worker id)`` pairs."""
+
+    name: str
+    queues: tuple[str, ...]
+    workers: tuple[tuple[str, str], ...]
+    created: int
+
+    @property
+    def queue(self) -> str:
+        """The queue to send a request for this model to: the one with the most live workers
+        serving it (ties: the first by name), so a model served on several queues goes where
+        it is served most."""
+        count = {q: sum(1 for wq, _ in self.workers if wq == q) for q in self.queues}
+        return min(self.queues, key=lambda q: (-count[q], q))
+
+
+Pipeline = list[tuple[Any, ...]]   # Redis commands to send together
+
+
+def _s(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _listing(namespace: str) -> Generator[Pipeline, list[Any], dict[str, ServedModel]]:
+    """The listing as a sans-IO plan: yields each round trip's commands, receives its replies."""
+    ns = Keys(namespace)
+    (queues,) = yield [("SMEMBERS", ns.queues)]
+    names = sorted(_s(q) for q in queues or ())
+    if not names:
+        return {}
+    registries = yield [("ZRANGE", Keys(namespace, q).workers, 0, -1) for q in names]
+    pairs = [(q, _s(w)) for q, ids in zip(names, registries) for w in ids or ()]
+    if not pairs:
+        return {}
+    rows = yield [("HMGET", ns.heartbeat(w), *_FIELDS) for _, w in pairs]
+    return _models(pairs, rows)
+
+
+def _models(pairs: list[tuple[str, str]], rows: list[Any]) -> dict[str, ServedModel]:
+    """Group live workers' heartbeats by served model name."""
+    found: dict[str, list[tuple[str, str, int]]] = {}
+    for (queue, worker), row in zip(pairs, rows):
+        name, hb_queue, loaded, draining, started = (None if v is None else _s(v)
+                                                     for v in row or (None,) * len(_FIELDS))
+        if not name or hb_queue != queue or loaded != "1" or draining not in ("0", None):
+            continue
+        started_ms = int(started) if started and started.isdigit() else 0
+        found.setdefault(name, []).append((queue, worker, started_ms))
+    return {name: ServedModel(name=name, queues=tuple(sorted({q for q, _, _ in live})),
+                              workers=tuple(sorted((q, w) for q, w, _ in live)),
+                              created=min(ms for _, _, ms in live) // 1000)
+            for name, live in sorted(found.items())}
+
+
+def _pipeline(client: Any, commands: Pipeline) -> Any:
+    pipe = client.pipeline(transaction=False)
+    for command in commands:
+        pipe.execute_command(*command)
+    return pipe
+
+
+def list_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:
+    """Model name -> ``ServedModel`` for every model live workers of ``namespace`` serve, over
+    all its queues (a redis-py ``Redis``)."""
+    plan = _listing(namespace)
+    try:
+        commands = next(plan)
+        while True:
+            commands = plan.send(_pipeline(client, commands).execute())
+    except StopIteration as done:
+        return done.value
+
+
+async def alist_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:
+    """``list_models`` on a ``redis.asyncio.Redis``."""
+    plan = _listing(namespace)
+    try:
+        commands = next(plan)
+        while True:
+            commands = plan.send(await _pipeline(client, commands).execute())
+    except StopIteration as done:
+        return done.value
+
+
+class _TTL:
+    """The last listing and when it stops being fresh (shared by both caches)."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
+        if ttl_s < 0:
+            raise ValueError(f"ttl_s must be >= 0, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.value: Optional[dict[str, ServedModel]] = None
+        self.expires = 0.0
+
+    def fresh(self) -> Optional[dict[str, ServedModel]]:
+        return self.value if self.value is not None and self.clock() < self.expires else None
+
+    def store(self, value: dict[str, ServedModel]) -> dict[str, ServedModel]:
+        self.value, self.expires = value, self.clock() + self.ttl_s
+        return value
+
+    def invalidate(self) -> None:
+        self.value = None
+
+
+class ModelCache:
+    """``list_models`` remembered for ``ttl_s`` seconds: a router calls ``get()`` per request
+    and reads Redis at most once per TTL. A worker that died is dropped within the TTL plus
+    its heartbeat's (5 beats); ``invalidate()`` forces a fresh read (e.g. after a 404)."""
+
+    def __init__(self, client: Any, namespace: str = "tokenrelay", ttl_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.client, self.namespace = client, namespace
+        self._ttl = _TTL(ttl_s, clock)
+
+    def get(self) -> dict[str, ServedModel]:
+        fresh = self._ttl.fresh()
+        return fresh if fresh is not None else self._ttl.store(
+            list_models(self.client, self.namespace))
+
+    def invalidate(self) -> None:
+        self._ttl.invalidate()
+
+
+class AsyncModelCache:
+    """``ModelCache`` for asyncio: concurrent ``get()`` calls on a stale cache share one read."""
+
+    def __init__(self, client: Any, namespace: str = "tokenrelay", ttl_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.client, self.namespace = client, namespace
+        self._ttl = _TTL(ttl_s, clock)
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> dict[str, ServedModel]:
+        fresh = self._ttl.fresh()
+        if fresh is not None:
+            return fresh
+        async with self._lock:
+            fresh = self._ttl.fresh()
+            if fresh is not None:
+                return fresh
+            return self._ttl.store(await alist_models(self.client, self.namespace))
+
+    def invalidate(self) -> None:
+        self._ttl.invalidate()
+
+
+__all__ = ["ServedModel", "list_models", "alist_models", "ModelCache", "AsyncModelCache"]
