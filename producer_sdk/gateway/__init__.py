@@ -6,7 +6,8 @@ server; see docs/gateway.md.
 """
 
 from producer_sdk.gateway.app import create_app
-from producer_sdk.gateway.models import HeartbeatDirectory, ModelDirectory, ServedModel
+from producer_sdk.gateway.models import HeartbeatDirectory, ModelDirectory
+from producer_sdk.models import ServedModel
 from producer_sdk.gateway.settings import GatewaySettings
 
 __all__ = ["create_app", "GatewaySettings", "ModelDirectory", "HeartbeatDirectory",

@@ -111,7 +111,7 @@ def test_n_2_and_seeded_sampling_reproducible(gw):
     assert chunks[-1].usage.completion_tokens == 8
 
 
-def test_logprobs_shapes_fall_back_to_token_ids(gw):
+def test_logprobs_carry_each_tokens_text_and_bytes(gw):
     from openai.types import Completion
     from openai.types.chat import ChatCompletion
     raw = httpx.post(f"{gw.v1}/chat/completions", timeout=30, json={
@@ -119,7 +119,8 @@ def test_logprobs_shapes_fall_back_to_token_ids(gw):
         "logprobs": True, "top_logprobs": 1}).json()
     content = ChatCompletion.model_validate(raw, strict=True).choices[0].logprobs.content
     text = fake_completion(rendered(), 3)
-    assert [t.token for t in content] == [f"token_id:{ord(ch)}" for ch in text]
+    assert [t.token for t in content] == list(text)
+    assert [t.bytes for t in content] == [list(ch.encode()) for ch in text]
     assert all(t.logprob == -0.5 and len(t.top_logprobs) == 1 for t in content)
     raw = httpx.post(f"{gw.v1}/completions", timeout=30, json={
         "model": MODEL, "prompt": "lp", "max_tokens": 3, "temperature": 0, "logprobs": 1}).json()

@@ -130,6 +130,9 @@ def test_stop_strings_seeds_and_logprobs(served, checkpoint):
     parsed = ChatCompletion.model_validate(raw, strict=True)
     content = parsed.choices[0].logprobs.content
     assert len(content) == 6 == parsed.usage.completion_tokens
+    # Each token named by its text, as the worker's tokenizer decodes it: together, the reply.
+    assert "".join(e.token for e in content) == parsed.choices[0].message.content
+    assert not any(e.token.startswith("token_id:") for e in content)
     for entry in content:
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from producer_sdk.gateway.auth import KeyFileError, KeyRing, bearer_token, load_keys
-from producer_sdk.gateway.models import parse_routes, served_name
+from producer_sdk.gateway.models import parse_routes
 from producer_sdk.logprobs import TokenLogprob, TopLogprob
 from producer_sdk.openai_format import (CHAT_URL, COMPLETIONS_URL, LineError, chat_logprobs,
                                         completion_logprobs, parse_request,
@@ -52,10 +52,7 @@ def test_a_batch_line_cannot_stream():
     assert (exc.value.code, exc.value.param) == ("unsupported_field", "stream")
 
 
-def test_served_names_and_routes():
-    assert served_name({"model": "/models/Qwen3-8B/"}) == "Qwen3-8B"
-    assert served_name({"model": "fake:step_delay=0.1"}) == "fake"
-    assert served_name({"model": "/m/x", "served_model_name": "chat-v2"}) == "chat-v2"
+def test_routes_are_model_equals_queue():
     assert parse_routes(["a=q1", "org/model=q2"]) == {"a": "q1", "org/model": "q2"}
     for bad in ("noequals", "=q", "m=", "m=has:colon"):
         with pytest.raises(ValueError):
