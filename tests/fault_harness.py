@@ -29,6 +29,18 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def stop_group(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """SIGTERM a child's process group, SIGKILL it if it has not exited within ``timeout``."""
+    if proc.poll() is not None:
+        return
+    kill_group(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        proc.wait()
+
+
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05,
              what: str = "condition"):
     """Poll ``predicate`` until it returns something truthy; raise TimeoutError naming ``what``."""

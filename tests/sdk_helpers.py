@@ -190,3 +190,32 @@ def env_with_repo(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})
     return env
+
+
+class RealWorker:
+    """A ``worker.service.Worker`` thread on a shared real engine (one engine per test module:
+    building it costs seconds). ``stop()`` also aborts what the engine still holds, so the next
+    test starts from an idle engine."""
+
+    def __init__(self, url: str, engine: Any, worker_id: str = "sdk-real", *,
+                 model: str = "unused", served_model_name: Optional[str] = None) -> None:
+        from worker.config import WorkerSettings
+        from worker.service import Worker
+        settings = WorkerSettings(redis_url=url, worker_id=worker_id, model=model,
+                                  served_model_name=served_model_name,
+                                  block_ms=50, heartbeat_ms=200, drain_timeout=0.0)
+        self.engine = engine
+        self.worker = Worker(settings, engine=engine)
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+
+    def start(self) -> "RealWorker":
+        self.thread.start()
+        assert self.worker.ready.wait(60), "worker did not become ready"
+        return self
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.worker.stop(force=True)
+            self.thread.join(30)
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)

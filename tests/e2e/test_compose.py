@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fault_harness import wait_for
+from tests.fault_harness import stop_group, wait_for
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -203,13 +203,7 @@ def test_cpu_and_batch_profiles_run_as_plain_processes(tmp_path):
             assert sorted(x["custom_id"] for x in lines) == sorted(f"c{i}" for i in range(12))
             assert all(x["response"]["status_code"] == 200 for x in lines)
         finally:
-            if worker.poll() is None:
-                os.killpg(worker.pid, 15)
-                try:
-                    worker.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(worker.pid, 9)
-                    worker.wait()
+            stop_group(worker, timeout=30)
 
 
 def _wait_healthy(env: dict[str, str], timeout: float = 180.0) -> None:
@@ -258,9 +252,4 @@ def test_gateway_service_runs_as_a_plain_process_and_passes_its_healthcheck(redi
         wait_for(lambda: subprocess.run(check, capture_output=True, timeout=10).returncode != 0,
                  30, interval=0.5, what="the healthcheck to fail without Redis")
     finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        stop_group(proc)

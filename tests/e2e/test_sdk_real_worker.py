@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import httpx
 import pytest
@@ -24,7 +24,7 @@ from producer_sdk import AsyncClient, Client, QueueFull
 from producer_sdk.batch import BatchRunner
 from producer_sdk.protocol import Keys
 from tests.fault_harness import wait_for
-from tests.sdk_helpers import free_port, sdk_redis, sdk_url  # noqa: F401
+from tests.sdk_helpers import RealWorker, free_port, sdk_redis, sdk_url  # noqa: F401
 from tests.sdk.test_batch_runner import read_jsonl, run_cli_batch, write_input
 from tests.e2e.test_example_fastapi import parse_sse
 
@@ -43,35 +43,9 @@ def llm(tiny_checkpoint):
     return LLM(str(tiny_checkpoint("llama")), **ENGINE_KW)
 
 
-class RealWorker:
-    """A worker.service.Worker thread on the shared engine."""
-
-    def __init__(self, url: str, engine: Any, worker_id: str = "sdk-real") -> None:
-        from worker.config import WorkerSettings
-        from worker.service import Worker
-        settings = WorkerSettings(redis_url=url, worker_id=worker_id, model="unused",
-                                  served_model_name="tiny",   # what the batch lines ask for
-                                  block_ms=50, heartbeat_ms=200, drain_timeout=0.0)
-        self.engine = engine
-        self.worker = Worker(settings, engine=engine)
-        self.thread = threading.Thread(target=self.worker.run, daemon=True)
-
-    def start(self) -> "RealWorker":
-        self.thread.start()
-        assert self.worker.ready.wait(30), "worker did not become ready"
-        return self
-
-    def stop(self) -> None:
-        if self.thread.is_alive():
-            self.worker.stop(force=True)
-            self.thread.join(30)
-        for rid in list(self.engine.requests):
-            self.engine.abort_request(rid)
-
-
 @pytest.fixture
 def worker(sdk_url: str, llm) -> Iterator[RealWorker]:
-    w = RealWorker(sdk_url, llm.engine).start()
+    w = RealWorker(sdk_url, llm.engine, served_model_name="tiny").start()  # the batch lines' model
     try:
         yield w
     finally:

@@ -6,7 +6,6 @@ by an in-process worker per test, which is stopped before the engine is used off
 from __future__ import annotations
 
 import importlib.util
-import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -15,6 +14,7 @@ import openai
 import pytest
 
 from tests.gateway.helpers import chunk_texts, finish_reasons, stream_raw, strict_chunks
+from tests.sdk_helpers import RealWorker
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(
     importlib.util.find_spec("engine.llm_engine") is None
@@ -36,34 +36,9 @@ def llm(checkpoint):
     return LLM(str(checkpoint), **ENGINE_KW)
 
 
-class RealWorker:
-    """A worker.service.Worker thread on the shared engine, announcing the checkpoint."""
-
-    def __init__(self, url: str, engine: Any, model: Path) -> None:
-        from worker.config import WorkerSettings
-        from worker.service import Worker
-        settings = WorkerSettings(redis_url=url, worker_id="gw-real", model=str(model),
-                                  block_ms=50, heartbeat_ms=200, drain_timeout=0.0)
-        self.engine = engine
-        self.worker = Worker(settings, engine=engine)
-        self.thread = threading.Thread(target=self.worker.run, daemon=True)
-
-    def start(self) -> "RealWorker":
-        self.thread.start()
-        assert self.worker.ready.wait(60), "worker did not become ready"
-        return self
-
-    def stop(self) -> None:
-        if self.thread.is_alive():
-            self.worker.stop(force=True)
-            self.thread.join(30)
-        for rid in list(self.engine.requests):
-            self.engine.abort_request(rid)
-
-
 @pytest.fixture
 def served(redis_server, llm, checkpoint, gateway_factory) -> Iterator[tuple[Any, RealWorker]]:
-    w = RealWorker(redis_server.url, llm.engine, checkpoint).start()
+    w = RealWorker(redis_server.url, llm.engine, "gw-real", model=str(checkpoint)).start()
     try:
         yield gateway_factory(redis_server.url), w
     finally:

@@ -43,13 +43,10 @@ def clean_outputs(draw) -> list[dict[str, Any]]:
     return events
 
 
-@st.composite
-def observed_streams(draw) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(clean token events, a stream of them as workers may really write it): retried writes
-    (duplicates of earlier events), takeovers (a new ``started``, then the attempt re-emits
-    from its resume point, which may lie before what was already written), a terminal event
-    and late writes after it."""
-    clean = draw(clean_outputs())
+def as_written(draw: Any, clean: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``clean`` token events as workers may really write them: retried writes (duplicates of
+    earlier events) and takeovers (a new ``started``, then the attempt re-emits from its resume
+    point, which may lie before what was already written); no terminal event yet."""
     stream: list[dict[str, Any]] = [{"type": "started", "worker_id": "w1", "attempt": 1,
                                      "seed": 7, "ts": 1.0}]
     attempt, i = 1, 0
@@ -64,6 +61,17 @@ def observed_streams(draw) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             stream.append({"type": "started", "worker_id": f"w{attempt}", "attempt": attempt,
                            "seed": 7, "resumed_tokens": 0, "ts": 1.0})
             i = draw(st.integers(0, i))  # re-emit from the resume point on
+    return stream
+
+
+@st.composite
+def observed_streams(draw) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(clean token events, a stream of them as workers may really write it): retried writes
+    (duplicates of earlier events), takeovers (a new ``started``, then the attempt re-emits
+    from its resume point, which may lie before what was already written), a terminal event
+    and late writes after it."""
+    clean = draw(clean_outputs())
+    stream = as_written(draw, clean)
     stream.append({"type": "done", "finish_reason": "length", "ts": 1.0})
     stream.extend(draw(st.lists(st.sampled_from(clean or [_token(0, 0, "z", [1])]), max_size=2)))
     return clean, stream
@@ -211,20 +219,7 @@ def interleaved_outputs(draw) -> list[dict[str, Any]]:
 def observed_interleaved(draw):
     """(clean events, the stream as workers may write it: duplicates and takeovers)."""
     clean = draw(interleaved_outputs())
-    stream: list[dict[str, Any]] = [{"type": "started", "worker_id": "w1", "attempt": 1,
-                                     "seed": 7, "ts": 1.0}]
-    attempt, i = 1, 0
-    while i < len(clean):
-        stream.append(clean[i])
-        i += 1
-        action = draw(st.sampled_from(["next", "next", "dup", "resume"]))
-        if action == "dup":
-            stream.append(clean[draw(st.integers(0, i - 1))])
-        elif action == "resume":
-            attempt += 1
-            stream.append({"type": "started", "worker_id": f"w{attempt}", "attempt": attempt,
-                           "seed": 7, "ts": 1.0})
-            i = draw(st.integers(0, i))
+    stream = as_written(draw, clean)
     stream.append({"type": "done", "finish_reason": "length", "ts": 1.0,
                    "choices": [{"index": c, "finish_reason": "length"}
                                for c in sorted({e["choice"] for e in clean})]})
