@@ -205,6 +205,10 @@ def print_table(system: str, rows: dict[float, dict[str, Any]]) -> None:
             print(f"       first error: {r['first_error']}")
 
 
+LABELS = {"tokenrelay": "tokenrelay gateway (HTTP)", "sdk": "tokenrelay SDK (no HTTP)",
+          "transformers": "transformers serve --continuous-batching"}
+
+
 def plot(results: dict[str, dict[float, dict[str, Any]]], out_dir: Path, note: str) -> list[Path]:
     try:
         import matplotlib
@@ -222,7 +226,7 @@ def plot(results: dict[str, dict[float, dict[str, Any]]], out_dir: Path, note: s
             for system, rows in results.items():
                 rates = list(rows)
                 ax.plot(rates, [rows[r][metric][q] * 1000 for r in rates], marker="o",
-                        label=system)
+                        label=LABELS.get(system, system))
             ax.set_xlabel("request rate (req/s)")
             ax.set_ylabel(f"{q} {label} (ms)")
             ax.set_yscale("log")
@@ -369,7 +373,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot-dir", default="docs/bench")
     ap.add_argument("--json", help="also write every figure to this JSON file")
+    ap.add_argument("--replot", help="only redraw the plots from a --json file of an earlier run")
     args = ap.parse_args(argv)
+    note = (f"{Path(args.model).name}, CPU float32, {args.requests} req/rate, "
+            f"max_tokens {args.max_tokens}; python -m worker.bench_serving")
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        for path in plot({s: {float(k): v for k, v in rows.items()} for s, rows in saved.items()},
+                         Path(args.plot_dir), note):
+            print(f"plot: {path}")
+        return
     if not Path(args.model, "config.json").is_file():
         raise SystemExit(f"{args.model}: no checkpoint (python -m engine.fetch smollm2 "
                          f"{args.model})")
@@ -385,8 +398,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     for system, rows in results.items():
         best = max((r for r, row in rows.items() if row["slo_met"]), default=None)
         print(f"highest rate meeting the SLO, {system}: {best if best is not None else 'none'}")
-    note = (f"{Path(args.model).name}, CPU float32, {args.requests} req/rate, "
-            f"max_tokens {args.max_tokens}; python -m worker.bench_serving")
     for path in plot(results, Path(args.plot_dir), note):
         print(f"plot: {path}")
     if args.json:
