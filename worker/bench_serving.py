@@ -369,7 +369,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--systems", default="tokenrelay,sdk,transformers")
     ap.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
-    ap.add_argument("--slo-tpot", type=float, default=0.1, help="seconds")
+    ap.add_argument("--slo-tpot", type=float, default=0.15, help="seconds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot-dir", default="docs/bench")
     ap.add_argument("--json", help="also write every figure to this JSON file")
