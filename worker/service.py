@@ -126,6 +126,9 @@ class Worker:
                 return self.exit_code
             self.metrics.serve(self.s.metrics_port, self.s.metrics_host)
             freeze_heap()
+            # The freeze's full collection can take a second in a process holding a model:
+            # beat again, so a worker that says it is ready has a fresh heartbeat.
+            self.liveness.heartbeat()
             self.ready.set()
             self.log.info("worker ready", lanes=self.keys.lanes(), metrics_port=self.s.metrics_port)
             while not self._iteration_guarded():
