@@ -115,7 +115,7 @@ def stream_prompts(client) -> None:
         job = client.submit(messages=[{"role": "user", "content": prompt}], max_tokens=64,
                             temperature=0.7, top_p=0.95, seed=7)
         t0 = time.perf_counter()
-        print(prompt, end="", flush=True)
+        print("-> ", end="", flush=True)       # the prompt is on the line above
         for delta in job.stream():
             print(delta.text, end="", flush=True)
         result = job.result(timeout=60)
