@@ -202,10 +202,13 @@ class WorkerProcess:
         self.rounds += 1
         # The reader thread shares this process with torch and the in-process run: keep full
         # collections of that heap out of its measurements, as the worker does for itself.
-        from worker.service import freeze_heap
+        from worker.service import freeze_heap, thaw_heap
         freeze_heap()
-        tps, delays, wall = _submit_and_read(self.r, self.srv.url, Keys(), f"r{self.rounds}",
-                                             work, timeout)
+        try:
+            tps, delays, wall = _submit_and_read(self.r, self.srv.url, Keys(), f"r{self.rounds}",
+                                                 work, timeout)
+        finally:
+            thaw_heap()     # frozen objects outlive exit: nanobind would list them as leaked
         cpu = self.cpu_seconds() - cpu0
         return tps, delays, (self.step_seconds() - before) / wall, tps * wall / cpu
 
