@@ -354,7 +354,7 @@ def queue_stats(r: Any, keys: Keys, live_s: float) -> dict[str, Any]:
         "lanes": lanes,
         "workers_live": r.zcount(keys.workers, now_ms - int(live_s * 1000), "+inf"),
         "workers_known": r.zcard(keys.workers),
-        "dead_letters": r.xlen(keys.dead),
+        "dead_letters": r.xlen(keys.dead()),
         "max_queued_jobs": int(limit) if limit is not None else None,
     }
 

@@ -19,13 +19,14 @@ import sys
 import types
 import typing
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from producer_sdk.config import DEFAULT_REDIS_URL
+from producer_sdk.protocol import MAX_SHARDS
 
 EXIT_SIGPIPE = 141      # what a shell reports for a process ended by SIGPIPE (128 + 13)
 EXIT_USAGE = 2          # argparse's exit code for a bad command line
@@ -80,7 +81,15 @@ class ConnectionSettings(CliSettings):
     redis_url: str = Field(DEFAULT_REDIS_URL,
                            description="redis:// or rediss:// URL; user:password@ works.")
     namespace: str = Field("tokenrelay", description="Key prefix shared by producers and workers.")
-    queue: str = Field("default", description="Queue name (jobs stream <ns>:jobs:<queue>).")
+    queue: str = Field("default", description="Queue name (jobs streams <ns>:jobs:{<queue>...}).")
+    cluster: Literal["auto", "on", "off"] = Field(
+        "auto", description="Redis Cluster mode: auto asks the server at --redis-url (any node "
+                            "of a cluster will do); on/off force it.")
+    shards: Optional[int] = Field(
+        None, ge=1, le=MAX_SHARDS,
+        description="How many streams (each in its own cluster slot) the queue is split into.",
+        json_schema_extra=unset("the count the queue's workers registered in "
+                                "<ns>:config:<queue>, else 1"))
 
     _key_parts = field_validator("namespace", "queue")(key_part)
 

@@ -12,8 +12,10 @@ This module imports no torch: web backends install the SDK without the engine.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
+import zlib
 from enum import Enum
 from typing import Any, Literal, Optional, Union
 
@@ -103,30 +105,107 @@ def now_ms() -> int:
 # Keys
 # --------------------------------------------------------------------------------------------
 
-class Keys:
-    """Every Redis key of one namespace and queue.
+MAX_SHARDS = 256
+CLUSTER_SLOTS = 16384
 
-    Per-job keys put the job id in a ``{...}`` hash tag so a job's result stream, cancel flag and
-    dedupe record share one Redis Cluster slot (one Lua script may touch them all).
-    Priority lanes are separate streams, read most urgent first:
-    ``<ns>:jobs:<queue>:urgent`` (priority < 0), ``<ns>:jobs:<queue>`` (priority 0) and
-    ``<ns>:jobs:<queue>:bulk`` (priority > 0). Inside a worker the engine schedules by the exact
-    integer priority.
+
+def key_slot(key: Union[str, bytes]) -> int:
+    """The Redis Cluster slot of ``key`` (CRC16 of its hash tag, as the server computes it)."""
+    from redis.crc import key_slot as _slot
+    return _slot(key.encode() if isinstance(key, str) else key)
+
+
+@functools.lru_cache(maxsize=4096)
+def shard_tag(queue: str, shard: int, shards: int) -> str:
+    """The hash tag (without braces) of one shard of ``queue``.
+
+    Every key of the shard (its priority lanes, the per-worker affinity streams, its dead
+    letters, and the per-job keys of the jobs enqueued there) carries ``{<tag>}``, so one Lua
+    script can touch any of them in a Redis Cluster. The tag is ``<queue>:<shard>`` when that
+    hashes into the middle half of the shard's equal share of the 16384 slots, else the first
+    ``<queue>:<shard>~<k>`` that does: ``redis-cli --cluster create`` gives M masters M equal
+    runs of slots, so the shards of a queue land on different masters whenever shards is a
+    multiple of M (a plain ``{q:0}``..``{q:2}`` put two of three shards on one master). The
+    search is deterministic: every producer and worker derives the same tags. A queue of one
+    shard has the tag ``<queue>``."""
+    if shards == 1:
+        return queue
+    lo = shard * CLUSTER_SLOTS // shards
+    hi = (shard + 1) * CLUSTER_SLOTS // shards
+    margin = (hi - lo) // 4
+    k = 0
+    while True:
+        tag = f"{queue}:{shard}" if k == 0 else f"{queue}:{shard}~{k}"
+        if lo + margin <= key_slot(tag) < hi - margin or hi - lo < 4:
+            return tag
+        k += 1
+
+
+def shard_of_job(job_id: str, shards: int) -> int:
+    """Which shard of a queue a job id goes to: producers spread jobs by id, and a job submitted
+    again with the same id lands on the same shard (so the dedupe record is found)."""
+    return zlib.crc32(job_id.encode()) % shards if shards > 1 else 0
+
+
+class Keys:
+    """Every Redis key of one namespace and queue (split into ``shards`` shards).
+
+    A queue is ``shards`` shards (default 1). Shard ``s`` has the hash tag ``{<tag s>}``
+    (``shard_tag``), and every key a Lua script touches together carries it: the priority lanes
+    ``<ns>:jobs:{<tag>}`` (priority 0), ``<ns>:jobs:{<tag>}:urgent`` (< 0) and
+    ``<ns>:jobs:{<tag>}:bulk`` (> 0), read most urgent first; the per-worker affinity streams
+    ``<ns>:jobs:{<tag>}:w:<worker id>``; the dead letters ``<ns>:dead:{<tag>}``; and the per-job
+    keys of the jobs enqueued on that shard (``<ns>:result:{<tag>}:<job id>``, ``cancel``,
+    ``job`` (dedupe) and ``owner``). A job goes to shard ``shard_of_job(job_id, shards)``; who
+    holds an entry knows its shard from the stream it read it from (``shard_of_stream``).
+    Queue-wide keys (workers, heartbeats, config, drain, the queue set) are read by single
+    commands and carry no tag. Inside a worker the engine schedules by the exact priority.
     """
 
     LANES = ("urgent", "default", "bulk")  # read order, most urgent first
 
-    def __init__(self, namespace: str = "tokenrelay", queue: str = "default") -> None:
+    def __init__(self, namespace: str = "tokenrelay", queue: str = "default",
+                 shards: int = 1) -> None:
         for name, value in (("namespace", namespace), ("queue", queue)):
-            if not value or any(c in value for c in "{}: \t\n"):
-                raise ValueError(f"{name} must be non-empty without braces, colons or whitespace; "
-                                 f"got {value!r}")
+            if not value or any(c in value for c in "{}: \t\n~"):
+                raise ValueError(f"{name} must be non-empty without braces, colons, tildes or "
+                                 f"whitespace; got {value!r}")
+        if not isinstance(shards, int) or isinstance(shards, bool) or not 1 <= shards <= MAX_SHARDS:
+            raise ValueError(f"shards must be an integer from 1 to {MAX_SHARDS}; got {shards!r}")
         self.namespace = namespace
         self.queue = queue
+        self.shards = shards
+        self._tags = [shard_tag(queue, s, shards) for s in range(shards)]
+        self._stream_shard = {self.lane(n, s): s for s in range(shards) for n in self.LANES}
+
+    def with_queue(self, queue: str, shards: Optional[int] = None) -> "Keys":
+        """The keys of another queue of the same namespace."""
+        return Keys(self.namespace, queue, self.shards if shards is None else shards)
+
+    # -- shards
+    def tag(self, shard: int) -> str:
+        """``{<tag>}`` of a shard, braces included."""
+        return "{" + self._tags[shard] + "}"
+
+    def shard_of(self, job_id: str) -> int:
+        return shard_of_job(job_id, self.shards)
+
+    def shard_of_stream(self, key: str) -> int:
+        """The shard of a lane or affinity stream key of this queue (KeyError otherwise)."""
+        found = self._stream_shard.get(key)
+        if found is not None:
+            return found
+        for s in range(self.shards):
+            if key.startswith(f"{self.namespace}:jobs:{self.tag(s)}:w:"):
+                return s
+        raise KeyError(f"{key!r} is no stream of queue {self.queue!r} ({self.shards} shards)")
+
+    def _job_shard(self, job_id: str, shard: Optional[int]) -> int:
+        return self.shard_of(job_id) if shard is None else shard
 
     # -- queue-level keys
-    def lane(self, name: str) -> str:
-        base = f"{self.namespace}:jobs:{self.queue}"
+    def lane(self, name: str, shard: int = 0) -> str:
+        base = f"{self.namespace}:jobs:{self.tag(shard)}"
         if name == "default":
             return base
         if name in ("urgent", "bulk"):
@@ -137,16 +216,26 @@ class Keys:
     def lane_for_priority(priority: int) -> str:
         return "urgent" if priority < 0 else ("default" if priority == 0 else "bulk")
 
-    def jobs_stream(self, priority: int = 0) -> str:
-        return self.lane(self.lane_for_priority(priority))
+    def jobs_stream(self, priority: int = 0, shard: int = 0) -> str:
+        return self.lane(self.lane_for_priority(priority), shard)
 
-    def lanes(self) -> list[str]:
-        """Job stream keys in read order, most urgent first."""
-        return [self.lane(n) for n in self.LANES]
+    def lanes(self, shard: Optional[int] = None) -> list[str]:
+        """Job stream keys in read order, most urgent first: of one shard, or (None) of every
+        shard, shard by shard."""
+        shards = range(self.shards) if shard is None else (shard,)
+        return [self.lane(n, s) for s in shards for n in self.LANES]
 
-    @property
-    def dead(self) -> str:
-        return f"{self.namespace}:dead:{self.queue}"
+    def affinity(self, worker_id: str, shard: int) -> str:
+        """One worker's own stream on a shard: jobs routed to it by their routing key (read
+        beside the shared lanes, in the same consumer group)."""
+        return f"{self.namespace}:jobs:{self.tag(shard)}:w:{worker_id}"
+
+    def dead(self, shard: int = 0) -> str:
+        """Dead letters of one shard (the dead-letter script writes them beside the job's keys)."""
+        return f"{self.namespace}:dead:{self.tag(shard)}"
+
+    def dead_streams(self) -> list[str]:
+        return [self.dead(s) for s in range(self.shards)]
 
     @property
     def workers(self) -> str:
@@ -155,7 +244,8 @@ class Keys:
 
     @property
     def config(self) -> str:
-        """Hash of queue settings shared by all producers (e.g. ``max_queued_jobs``)."""
+        """Hash of queue settings shared by all producers and workers (``max_queued_jobs``,
+        ``shards``)."""
         return f"{self.namespace}:config:{self.queue}"
 
     def heartbeat(self, worker_id: str) -> str:
@@ -173,21 +263,21 @@ class Keys:
         exists the worker drains as on SIGTERM, then exits 0."""
         return f"{self.namespace}:drain:{self.queue}:{worker_id}"
 
-    # -- per-job keys (hash-tagged by job id)
-    def results(self, job_id: str) -> str:
-        return f"{self.namespace}:result:{{{job_id}}}"
+    # -- per-job keys (in the slot of the job's shard; shard None: where the job id goes)
+    def results(self, job_id: str, shard: Optional[int] = None) -> str:
+        return f"{self.namespace}:result:{self.tag(self._job_shard(job_id, shard))}:{job_id}"
 
-    def cancel(self, job_id: str) -> str:
-        return f"{self.namespace}:cancel:{{{job_id}}}"
+    def cancel(self, job_id: str, shard: Optional[int] = None) -> str:
+        return f"{self.namespace}:cancel:{self.tag(self._job_shard(job_id, shard))}:{job_id}"
 
-    def dedupe(self, job_id: str) -> str:
+    def dedupe(self, job_id: str, shard: Optional[int] = None) -> str:
         """Set with the XADD: holds ``dedupe_record(lane key, entry id)``; its presence means
         'job known', and its value names the one entry that is this job."""
-        return f"{self.namespace}:job:{{{job_id}}}"
+        return f"{self.namespace}:job:{self.tag(self._job_shard(job_id, shard))}:{job_id}"
 
-    def owner(self, job_id: str) -> str:
+    def owner(self, job_id: str, shard: Optional[int] = None) -> str:
         """Fencing record: which worker currently owns the job (written by workers only)."""
-        return f"{self.namespace}:owner:{{{job_id}}}"
+        return f"{self.namespace}:owner:{self.tag(self._job_shard(job_id, shard))}:{job_id}"
 
 
 def dedupe_record(lane_key: str, entry_id: str) -> str:
@@ -442,7 +532,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "PROTOCOL_VERSION", "GROUP", "PAYLOAD_FIELD", "EVENT_FIELD", "BATCH_FIELD", "MAX_JOB_ID_LEN",
-    "PARKING_CONSUMER", "PARKED_IDLE_MS", "DEDUPE_SEPARATOR", "ErrorCode", "FinishReason",
+    "PARKING_CONSUMER", "PARKED_IDLE_MS", "MAX_SHARDS", "key_slot", "shard_tag", "shard_of_job", "DEDUPE_SEPARATOR", "ErrorCode", "FinishReason",
     "ProtocolError", "readable_job_id", "readable_metadata", "validate_job_id", "now_ms", "Keys",
     "dedupe_record", "parse_dedupe_record", "Limits", "DEFAULT_LIMITS", "scan_job_id",
     "ChatMessage", "JobRequest", "encode_job", "decode_job", "validate_job",

@@ -119,7 +119,7 @@ def list_workers(r: Any, keys: Keys) -> list[dict]:
 def list_dead(r: Any, keys: Keys, count: Optional[int] = None) -> list[tuple[str, DeadLetter]]:
     """Dead letters, oldest first."""
     return [(_s(eid), DeadLetter.from_fields(fields))
-            for eid, fields in r.xrange(keys.dead, count=count)]
+            for eid, fields in r.xrange(keys.dead(), count=count)]
 
 
 def _select_dead(r: Any, keys: Keys, ids: Sequence[str]) -> list[tuple[str, DeadLetter]]:
@@ -127,9 +127,9 @@ def _select_dead(r: Any, keys: Keys, ids: Sequence[str]) -> list[tuple[str, Dead
         return list_dead(r, keys)
     out = []
     for eid in ids:
-        found = r.xrange(keys.dead, eid, eid)
+        found = r.xrange(keys.dead(), eid, eid)
         if not found:
-            raise KeyError(f"no dead letter {eid} in {keys.dead}")
+            raise KeyError(f"no dead letter {eid} in {keys.dead()}")
         out.append((eid, DeadLetter.from_fields(found[0][1])))
     return out
 
@@ -154,7 +154,7 @@ def replay_dead(r: Any, keys: Keys, ids: Sequence[str] = ()) -> list[tuple[str, 
                                            keys.results(job.job_id), keys.owner(job.job_id),
                                            keys.cancel(job.job_id)],
                                [letter.data, DEDUPE_TTL_S]))
-        r.xdel(keys.dead, dead_id)
+        r.xdel(keys.dead(), dead_id)
         done.append((job.job_id, new_id))
     return done
 
@@ -162,10 +162,10 @@ def replay_dead(r: Any, keys: Keys, ids: Sequence[str] = ()) -> list[tuple[str, 
 def purge_dead(r: Any, keys: Keys, ids: Sequence[str] = ()) -> int:
     """Delete dead letters (all when ``ids`` is empty); returns how many."""
     if not ids:
-        n = int(r.xlen(keys.dead))
-        r.delete(keys.dead)
+        n = int(r.xlen(keys.dead()))
+        r.delete(keys.dead())
         return n
-    return int(r.xdel(keys.dead, *ids))
+    return int(r.xdel(keys.dead(), *ids))
 
 
 # --------------------------------------------------------------------------------------------

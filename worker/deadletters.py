@@ -66,7 +66,7 @@ class DeadLetterWriter:
     def queue(self, pipe: ScriptPipeline, r: Rejection) -> int:
         """One DEAD_LETTER call; its reply is 'written', 'ended', 'other', 'nojob' or an
         error (retry the whole rejection: the letter may then be stored twice, never lost)."""
-        keys = [self.keys.dead]
+        keys = [self.keys.dead()]
         event = b""
         if r.job_id:
             keys += [self.keys.dedupe(r.job_id), self.keys.owner(r.job_id),

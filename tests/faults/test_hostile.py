@@ -57,7 +57,7 @@ def events(env: FaultEnv, job_id: str) -> list:
 
 
 def dead_letters(env: FaultEnv) -> list[tuple[str, DeadLetter]]:
-    return [(eid.decode(), DeadLetter.from_fields(f)) for eid, f in env.r.xrange(env.keys.dead)]
+    return [(eid.decode(), DeadLetter.from_fields(f)) for eid, f in env.r.xrange(env.keys.dead())]
 
 
 def assert_rejected(env: FaultEnv, job_id: str, code: str, names: str = "") -> None:
@@ -149,7 +149,7 @@ def test_dead_letter_stream_is_capped_and_payloads_truncated(tmp_path, request):
     for _, letter in letters:
         assert len(letter.data) <= keep and letter.truncated, letter.model_dump(exclude={"data"})
         assert letter.size in sizes, letter.size
-    usage = env.r.memory_usage(env.keys.dead) or 0
+    usage = env.r.memory_usage(env.keys.dead()) or 0
     assert usage < (maxlen + 10) * (keep + 1024), f"dead-letter stream holds {usage} bytes"
     env.wait_ended([f"dl-{i}" for i in range(0, 200, 2)], timeout=30)
     assert_rejected(env, "dl-0", "invalid_request", "prompt")

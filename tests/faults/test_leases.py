@@ -188,7 +188,7 @@ def test_dead_letter_writes_the_letter_and_the_poison_error_then_ack(r, keys):
     assert keeper(r, keys, "b").ack([entry.key]) == [AckStatus.ACKED]
     assert pending(r, lane, eid) is None
     assert r.xrange(lane, eid, eid) == []            # acked = XACK + XDEL
-    (dead_id, dead), = r.xrange(keys.dead)
+    (dead_id, dead), = r.xrange(keys.dead())
     assert dead[b"job_id"] == b"poison" and dead[b"entry_id"].decode() == eid
     assert dead[b"deliveries"] == b"4"
     assert dead[PAYLOAD_FIELD] == encode_job(JobRequest(job_id="poison", prompt="boom"))

@@ -72,7 +72,7 @@ def test_redis_out_of_memory_loses_no_job(env):
 
     wait_for(held_on_and_retried, 60, interval=0.5, what="the worker retrying through the OOM")
     assert w.proc.poll() is None, w.log()[-3000:]
-    assert r.xlen(env.keys.dead) == 0
+    assert r.xlen(env.keys.dead()) == 0
     for rep in env.streams(jobs).values():
         assert rep.terminal is None or rep.terminal.type == "done", rep.kind
     paused_lines = len(log_lines(w)) - lines_at_oom
@@ -84,7 +84,7 @@ def test_redis_out_of_memory_loses_no_job(env):
         assert rep.kind == "done:length" and not rep.problems, (jid, rep.kind, rep.problems)
         assert rep.text == fake_completion(f"prompt {jid}", 150)
     env.assert_exactly_once(reports)
-    assert r.xlen(env.keys.dead) == 0
+    assert r.xlen(env.keys.dead()) == 0
 
 
 def run_worker(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:

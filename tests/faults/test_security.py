@@ -331,7 +331,7 @@ def test_acl_users_run_worker_sdk_admin_and_health(acl_redis, procs):
                            "--queue", "q", "--worker-id", "w1", "--heartbeat-ms", "200")
         assert health.returncode == 0, health.stdout + health.stderr
         admin = ("--redis-url", a_url, "--namespace", NS_A, "--queue", "q", "--json")
-        wait_for(lambda: len(srv.client().xrange(keys.dead)) >= 2, 30, what="two dead letters")
+        wait_for(lambda: len(srv.client().xrange(keys.dead())) >= 2, 30, what="two dead letters")
         for cmd in (("pending",), ("workers",), ("dead", "list")):
             out = procs.run("worker", "admin", *admin, *cmd)
             assert out.returncode == 0, (cmd, out.stderr)

@@ -120,7 +120,7 @@ def test_soak_2000_jobs_with_a_worker_killed_every_few_seconds(env):
     assert all(follower.events[j][-1].type == "done" for j in jobs)
     wait_for(lambda: not pending_summary(env.r, env.keys), 15, what="nothing pending")
     assert all(env.r.xlen(lane) == 0 for lane in env.keys.lanes())
-    assert not env.r.exists(env.keys.dead), "a job was dead-lettered"
+    assert not env.r.exists(env.keys.dead()), "a job was dead-lettered"
     try:
         wait_for(lambda: not per_job_keys(env), RESULT_TTL_S + 20, interval=0.5,
                  what="every result stream, dedupe record and owner record expired")

@@ -40,7 +40,7 @@ def test_stats_and_cancel(sdk_url: str):
         c.submit("b", priority=5)
         c.set_max_queued_jobs(50)
     r.zadd(keys.workers, {"w1": int(time.time() * 1000), "w-old": 1})
-    r.xadd(keys.dead, {"data": b"x", "reason": "poison"})
+    r.xadd(keys.dead(), {"data": b"x", "reason": "poison"})
     res = cli("stats", "--redis-url", sdk_url, "--json")
     assert res.returncode == 0, res.stderr
     (q,) = json.loads(res.stdout)

@@ -36,7 +36,7 @@ def only_terminal(events: list) -> Any:
 
 
 def letters(r) -> list[DeadLetter]:
-    return [DeadLetter.from_fields(f) for _, f in r.xrange(KEYS.dead)]
+    return [DeadLetter.from_fields(f) for _, f in r.xrange(KEYS.dead())]
 
 
 def lanes_settled(r) -> bool:

@@ -13,7 +13,8 @@ from producer_sdk.protocol import (BATCH_FIELD, DEDUPE_SEPARATOR, DEFAULT_LIMITS
                                    PROTOCOL_VERSION, DeadLetter, DoneEvent, ErrorCode, ErrorEvent,
                                    JobRequest, Keys, Limits, ProtocolError, StartedEvent,
                                    TokenEvent, decode_event, decode_job, dedupe_record,
-                                   encode_event, encode_job, is_terminal, parse_dedupe_record)
+                                   encode_event, encode_job, is_terminal, key_slot,
+                                   parse_dedupe_record)
 from worker.recovery import progress_from_entries, read_progress
 
 
@@ -23,17 +24,47 @@ from worker.recovery import progress_from_entries, read_progress
 
 def test_keys_layout_and_hash_tags():
     k = Keys("ns", "q")
-    assert k.lanes() == ["ns:jobs:q:urgent", "ns:jobs:q", "ns:jobs:q:bulk"]
-    assert k.jobs_stream(-5) == "ns:jobs:q:urgent" and k.jobs_stream(0) == "ns:jobs:q"
-    assert k.jobs_stream(3) == "ns:jobs:q:bulk"
-    assert k.dead == "ns:dead:q" and k.workers == "ns:workers:q"
+    assert k.lanes() == ["ns:jobs:{q}:urgent", "ns:jobs:{q}", "ns:jobs:{q}:bulk"]
+    assert k.jobs_stream(-5) == "ns:jobs:{q}:urgent" and k.jobs_stream(0) == "ns:jobs:{q}"
+    assert k.jobs_stream(3) == "ns:jobs:{q}:bulk"
+    assert k.dead() == "ns:dead:{q}" and k.workers == "ns:workers:q"
     assert k.heartbeat("w1") == "ns:worker:w1"
     for key in (k.results("j"), k.cancel("j"), k.owner("j"), k.dedupe("j")):
-        assert "{j}" in key  # same Redis Cluster slot for one job's keys
+        assert key.endswith(":{q}:j")
+        assert key_slot(key) == key_slot(k.lane("default"))  # one slot: one script
     with pytest.raises(ValueError):
         Keys("bad:ns")
     with pytest.raises(ValueError):
         k.lane("nope")
+    with pytest.raises(ValueError):
+        Keys("ns", "q", shards=0)
+
+
+def test_every_key_of_a_shard_shares_its_slot_and_shards_spread_over_masters():
+    """The keys one script touches share the slot of their shard; the shards of a queue fall in
+    different thirds (sixths, ...) of the slot space, which is how redis-cli --cluster create
+    spreads slots over masters, so a 3-shard queue uses all three masters of a 3-master
+    cluster."""
+    for n in (2, 3, 6):
+        k = Keys("ns", "q", shards=n)
+        slots = []
+        for s in range(n):
+            slot = key_slot(k.lane("default", s))
+            slots.append(slot)
+            same = [*k.lanes(s), k.dead(s), k.affinity("w1", s)]
+            job = next(j for j in (f"job-{i}" for i in range(10_000)) if k.shard_of(j) == s)
+            same += [k.results(job), k.cancel(job), k.owner(job), k.dedupe(job)]
+            assert {key_slot(key) for key in same} == {slot}
+            assert s * 16384 // n <= slot < (s + 1) * 16384 // n
+            assert k.shard_of_stream(k.lane("bulk", s)) == s
+            assert k.shard_of_stream(k.affinity("w9", s)) == s
+        assert len(set(slots)) == n
+        # job ids spread over every shard, deterministically
+        counts = [0] * n
+        for i in range(3000):
+            counts[k.shard_of(f"job-{i}")] += 1
+        assert min(counts) > 3000 / n * 0.8
+        assert Keys("ns", "q", shards=n).tag(n - 1) == k.tag(n - 1)
 
 
 def test_drain_key_keeps_the_admin_string():

@@ -270,8 +270,8 @@ def test_bad_input_matrix_is_dead_lettered_and_worker_keeps_serving(start_worker
     assert tl.code == "prompt_too_long" and "5000" in tl.message
     assert tokens_text(out["good"]) == fake_completion("still serving", 3)
     # decode_job validates params too, so both bad-params entries are dead-lettered as well
-    wait_for(lambda: r.xlen(KEYS.dead) == len(BAD_INPUTS) + 3, what="dead letters")
-    letters = [DeadLetter.from_fields(f) for _, f in r.xrange(KEYS.dead)]
+    wait_for(lambda: r.xlen(KEYS.dead()) == len(BAD_INPUTS) + 3, what="dead letters")
+    letters = [DeadLetter.from_fields(f) for _, f in r.xrange(KEYS.dead())]
     by_entry = {d.entry_id: d for d in letters}
     for name, eid in entry_ids.items():
         d = by_entry[eid]
@@ -483,7 +483,7 @@ def test_metrics_endpoint(start_worker, r):
     submit(r, KEYS, job("met", "x", 3))
     submit(r, KEYS, None, raw=b"\xc1")
     wait_for_terminal(r, KEYS, "met")
-    wait_for(lambda: r.xlen(KEYS.dead) == 1)
+    wait_for(lambda: r.xlen(KEYS.dead()) == 1)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     for name in ("tokenrelay_num_requests_running", "tokenrelay_num_requests_waiting",
                  "tokenrelay_request_queue_time_seconds_bucket",
