@@ -1,0 +1,66 @@
+"""How many shards a queue has: registered once by its workers in the queue's config hash
+(field ``shards``), read by producers, admin and health commands.
+
+The count is part of every key's name (``Keys.tag``), so every process of a queue must agree on
+it: a worker started with another ``--shards`` than the queue registered refuses to start, and a
+producer without ``shards=`` uses the registered count. Changing it means draining the queue
+first (docs/protocol.md, "Shards").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from producer_sdk.protocol import MAX_SHARDS, Keys
+
+SHARDS_FIELD = "shards"
+
+
+class ShardCountMismatch(RuntimeError):
+    """A process was told another shard count than the queue registered."""
+
+
+def _parse(raw: Any, where: str) -> Optional[int]:
+    if raw is None:
+        return None
+    text = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_SHARDS:
+        raise ShardCountMismatch(f"{where} holds shards={text!r}, not a count from 1 to "
+                                 f"{MAX_SHARDS}; fix it with HSET {where} {SHARDS_FIELD} <n>")
+    return n
+
+
+def mismatch(keys: Keys, given: int, registered: int) -> ShardCountMismatch:
+    return ShardCountMismatch(
+        f"queue {keys.queue!r} is registered with {registered} shards ({keys.config}) but "
+        f"{given} were asked for; drop --shards to use {registered}, or drain the queue and "
+        f"delete that field to reshard")
+
+
+def registered_shards(client: Any, keys: Keys) -> Optional[int]:
+    """The count the queue's workers registered, None when none did yet."""
+    return _parse(client.hget(keys.config, SHARDS_FIELD), keys.config)
+
+
+async def async_registered_shards(client: Any, keys: Keys) -> Optional[int]:
+    return _parse(await client.hget(keys.config, SHARDS_FIELD), keys.config)
+
+
+def resolve_shards(given: Optional[int], registered: Optional[int], keys: Keys) -> int:
+    """The count to use: the registered one; ``given`` must match it when both are known."""
+    if registered is not None and given is not None and given != registered:
+        raise mismatch(keys, given, registered)
+    return registered or given or 1
+
+
+def register_shards(client: Any, keys: Keys, given: Optional[int]) -> int:
+    """For a worker: register ``given`` (default 1) unless a count is registered already
+    (HSETNX: the first worker decides), then return the count every process must use;
+    ShardCountMismatch when ``given`` differs from what is registered."""
+    if given is not None:
+        client.hsetnx(keys.config, SHARDS_FIELD, given)
+    return resolve_shards(given, registered_shards(client, keys), keys)
