@@ -58,9 +58,8 @@ def resolve_shards(given: Optional[int], registered: Optional[int], keys: Keys) 
 
 
 def register_shards(client: Any, keys: Keys, given: Optional[int]) -> int:
-    """For a worker: register ``given`` (default 1) unless a count is registered already
+    """For a worker: register ``given`` (None: 1) unless a count is registered already
     (HSETNX: the first worker decides), then return the count every process must use;
     ShardCountMismatch when ``given`` differs from what is registered."""
-    if given is not None:
-        client.hsetnx(keys.config, SHARDS_FIELD, given)
+    client.hsetnx(keys.config, SHARDS_FIELD, given or 1)
     return resolve_shards(given, registered_shards(client, keys), keys)
