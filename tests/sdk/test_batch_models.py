@@ -28,9 +28,9 @@ def line(cid: str, url: str = "/v1/chat/completions", **body) -> str:
                        "body": {"max_tokens": 4, "temperature": 0, **body}})
 
 
-def served_by(r, job_id: str) -> str:
-    """The worker that ran a job: its ``started`` event says."""
-    for _, fields in r.xrange(Keys().results(job_id)):
+def served_by(r, job_id: str, queue: str) -> str:
+    """The worker that ran a job of ``queue``: its ``started`` event says."""
+    for _, fields in r.xrange(Keys(queue=queue).results(job_id)):
         event = msgpack.unpackb(fields[EVENT_FIELD], raw=False, strict_map_key=False)
         if event["type"] == "started":
             return event["worker_id"]
@@ -62,8 +62,9 @@ def test_lines_are_routed_by_model_and_unknown_models_are_404(two_models, tmp_pa
         assert (summary.succeeded, summary.failed) == (4, 1)
         assert {c: o["response"]["body"]["model"] for c, o in outputs.items()} == {
             "a1": "alpha", "b1": "beta", "b2": "beta", "none": "alpha"}
-        assert {c: served_by(r, o["response"]["request_id"]) for c, o in outputs.items()} == {
-            "a1": "wa", "b1": "wb", "b2": "wb", "none": "wa"}
+        queue_of = {"a1": "qa", "b1": "qb", "b2": "qb", "none": "qa"}
+        assert {c: served_by(r, o["response"]["request_id"], queue_of[c])
+                for c, o in outputs.items()} == {"a1": "wa", "b1": "wb", "b2": "wb", "none": "wa"}
     (error,) = read_jsonl(err)
     assert error["custom_id"] == "g1" and error["error"]["code"] == "model_not_found"
     assert error["response"]["status_code"] == 404
