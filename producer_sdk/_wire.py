@@ -270,11 +270,13 @@ def parse_raw_xread(reply: Any) -> list[tuple[str, list[tuple[bytes, dict]]]]:
     pairs = reply.items() if isinstance(reply, dict) else reply
     out = []
     for key, entries in pairs:
-        out.append((_s(key), [(eid, _fields(raw)) for eid, raw in entries or ()]))
+        out.append((_s(key), [(eid, fields_dict(raw)) for eid, raw in entries or ()]))
     return out
 
 
-def _fields(raw: Any) -> dict:
+def fields_dict(raw: Any) -> dict:
+    """A stream entry's fields as a dict, from redis-py's dict or the raw flat list (a reply
+    read without redis-py's callbacks, as a cluster MULTI returns them too)."""
     if isinstance(raw, dict):
         return raw
     raw = raw or []

@@ -17,7 +17,7 @@ from typing import Any, Callable, Generator, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from producer_sdk._wire import record_location
+from producer_sdk._wire import fields_dict, record_location
 from producer_sdk.protocol import (EVENT_FIELD, GROUP, PARKING_CONSUMER, ErrorEvent, Keys,
                                    ProtocolError, decode_event, key_slot)
 
@@ -202,7 +202,7 @@ def fold_status(keys: Keys, job_id: str, record: Any, replies: list[Any],
         return JobStatus(state=state, error_code=event.code, message=event.message, **base)
     row = pending[0] if isinstance(pending, list) and pending else None
     if row is not None:
-        consumer, deliveries = _text(row["consumer"]), int(row["times_delivered"])
+        consumer, deliveries = pending_row(row)
         if consumer == PARKING_CONSUMER:    # handed back by a draining worker: taken first
             return JobStatus(state="queued", position=0, deliveries=deliveries, **base)
         worker = _text(owner).rsplit(":", 1)[0] if owner else consumer
@@ -250,11 +250,20 @@ def _group(reply: Any) -> Optional[dict]:
     return None
 
 
+def pending_row(row: Any) -> tuple[str, int]:
+    """(consumer, times delivered) of an XPENDING row: redis-py's dict, or the raw
+    [id, consumer, idle, deliveries] a cluster MULTI returns (redis-py applies no callbacks
+    there)."""
+    if isinstance(row, dict):
+        return _text(row["consumer"]), int(row["times_delivered"])
+    return _text(row[1]), int(row[3])
+
+
 def _last_event(reply: Any) -> Any:
     if not isinstance(reply, list) or not reply:
         return None
     try:
-        return decode_event(reply[0][1][EVENT_FIELD])
+        return decode_event(fields_dict(reply[0][1])[EVENT_FIELD])
     except (ProtocolError, KeyError, IndexError, TypeError):
         return None
 
