@@ -17,7 +17,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from producer_sdk import AsyncClient, Client, QueueFull, ShardCountMismatch
+from producer_sdk import AsyncClient, Client, NotDurable, QueueFull, ShardCountMismatch
 from producer_sdk.batch import BatchRunner
 from producer_sdk.models import list_models
 from producer_sdk.protocol import EVENT_FIELD, GROUP, Keys, key_slot
@@ -226,6 +226,17 @@ def test_the_registered_shard_count_is_used_and_a_mismatch_refused(url):
             assert one.keys.shards == 1
     finally:
         r.close()
+
+
+def test_a_durable_submit_without_replicas_is_not_durable(url):
+    """No replica anywhere: every node's WAIT (sent behind its enqueue commands) says 0."""
+    with Client(url, queue=Q, shards=SHARDS, durable_timeout_ms=100) as c:
+        with pytest.raises(NotDurable) as err:
+            c.submit_many([{"prompt": "x", "job_id": f"h{i}"} for i in range(6)], durable=True,
+                          max_tokens=1)
+        assert (err.value.acked, err.value.asked, len(err.value.job_ids)) == (0, 1, 6)
+        assert {j.shard for j in err.value.jobs} == {0, 1, 2}
+        assert sum(lane_depths(c.redis)) == 6
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
