@@ -137,56 +137,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a command's exception exits with, first match first: RedisUnavailable and TimeoutError
+# are OSErrors (a missing batch input, output folder, ...), InvalidRequest a ValueError (e.g. a
+# job id with spaces or braces).
+EXITS: tuple[tuple[type[BaseException], int], ...] = (
+    (RedisUnavailable, EXIT_UNAVAILABLE), (InvalidRequest, EXIT_INVALID), (QueueFull, EXIT_FULL),
+    (JobFailed, EXIT_FAILED), (TimeoutError, EXIT_TIMEOUT), (JobNotFound, EXIT_UNKNOWN),
+    (NotDurable, EXIT_NOT_DURABLE), (ShardCountMismatch, EXIT_INVALID), (OSError, EXIT_INVALID),
+    (ValueError, EXIT_INVALID))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, opts = parse_settings(build_parser(), argv)
     try:
-        if args.command == "stats":
-            return cmd_stats(opts)
-        with Client(opts.redis_url, queue=opts.queue, namespace=opts.namespace,
-                    **client_settings(opts)) as client:
-            if args.command == "submit":
-                return cmd_submit(client, args, opts)
-            if args.command == "batch":
-                return cmd_batch(client, args, opts)
-            if args.command == "status":
-                return cmd_status(client, args, opts)
-            if args.command == "result":
-                return cmd_result(client, args, opts)
-            client.cancel(args.job_id)
-            print(f"cancel requested for {args.job_id}")
-            return 0
-    except RedisUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    except InvalidRequest as exc:
-        print(f"error: invalid request: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    except QueueFull as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FULL
-    except JobFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except TimeoutError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_TIMEOUT
-    except JobNotFound as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_UNKNOWN
-    except NotDurable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_NOT_DURABLE
-    except ShardCountMismatch as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+        return run_command(args, opts)
     except BrokenPipeError:         # the reader left: cli_common.run_cli ends quietly
         raise
-    except OSError as exc:          # a missing batch input, output folder, ...
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    except ValueError as exc:       # e.g. a job id with spaces or braces
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+    except tuple(kind for kind, _ in EXITS) as exc:
+        what = "invalid request: " if isinstance(exc, InvalidRequest) else ""
+        print(f"error: {what}{exc}", file=sys.stderr)
+        return next(code for kind, code in EXITS if isinstance(exc, kind))
+
+
+def run_command(args: argparse.Namespace, opts: Any) -> int:
+    if args.command == "stats":
+        return cmd_stats(opts)
+    with Client(opts.redis_url, queue=opts.queue, namespace=opts.namespace,
+                **client_settings(opts)) as client:
+        if args.command == "submit":
+            return cmd_submit(client, args, opts)
+        if args.command == "batch":
+            return cmd_batch(client, args, opts)
+        if args.command == "status":
+            return cmd_status(client, args, opts)
+        if args.command == "result":
+            return cmd_result(client, args, opts)
+        client.cancel(args.job_id)
+        print(f"cancel requested for {args.job_id}")
+        return 0
 
 
 def client_settings(opts: ConnectionSettings) -> dict[str, Any]:
