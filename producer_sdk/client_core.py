@@ -5,6 +5,7 @@ enqueue script, and the closed state."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Generic, Optional, TypeVar
 
@@ -70,6 +71,7 @@ class ClientCore(Generic[R]):
         self.namespace = namespace
         self.url = redact_url(self.config.redis_url)
         self._redis: Optional[R] = redis_client
+        self._making = threading.Lock()
         self._closed = False
         self._builder = PayloadBuilder(Keys(namespace, queue), limits=limits)
         self._script = EnqueueScript(self.config.dedupe_ttl_s)
@@ -86,10 +88,12 @@ class ClientCore(Generic[R]):
         if self._closed:
             raise ClientClosed(type(self).__name__)
         if self._redis is None:
-            try:
-                self._redis = self._make_redis()
-            except NET_ERRORS as exc:       # asking the server whether it is a cluster node
-                raise RedisUnavailable(self.url, exc) from exc
+            with self._making:              # two threads' first calls make one client
+                if self._redis is None:
+                    try:
+                        self._redis = self._make_redis()
+                    except NET_ERRORS as exc:   # asking the server whether it is a cluster node
+                        raise RedisUnavailable(self.url, exc) from exc
         return self._redis
 
     @property

@@ -54,22 +54,27 @@ def _text(v: Any) -> str:
 
 
 def detect_cluster(url: str, timeout_s: float = 2.0) -> bool:
-    """Whether the server at ``url`` runs in cluster mode. Asks ``INFO cluster``; a user whose
-    ACL forbids INFO is asked ``CLUSTER INFO`` (an error saying cluster support is disabled
-    means no). Connection errors propagate: the caller reports an unreachable Redis."""
+    """Whether the server at ``url`` runs in cluster mode. Asks ``CLUSTER INFO`` (a server
+    without cluster support says so in an error: no), the one command the least-privilege
+    roles of docs/operations.md allow for it (``+cluster|info``); a user without it is asked
+    ``INFO cluster``, and a user allowed neither is taken to be on one Redis (a cluster's users
+    pass ``--cluster on``). Connection errors propagate: the caller reports an unreachable
+    Redis."""
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
     try:
         try:
-            return bool(client.info("cluster").get("cluster_enabled"))
-        except redis.exceptions.NoPermissionError:
-            pass
-        try:
             client.execute_command("CLUSTER", "INFO")
             return True
+        except redis.exceptions.NoPermissionError:
+            pass
         except redis.ResponseError as exc:
             if "cluster support disabled" in str(exc).lower():
                 return False
             raise
+        try:
+            return bool(client.info("cluster").get("cluster_enabled"))
+        except redis.exceptions.NoPermissionError:
+            return False
     finally:
         client.close()
 
