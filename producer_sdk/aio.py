@@ -277,8 +277,7 @@ class AsyncClient(ClientCore[aioredis.Redis]):
 
     async def set_max_queued_jobs(self, limit: int, queue: Optional[str] = None) -> None:
         r = await self._conn()
-        await self._call(r.hset, Keys(self.namespace, queue or self.queue).config, LIMIT_FIELD,
-                         int(limit))
+        await self._call(r.hset, self._config_key(queue), LIMIT_FIELD, int(limit))
         self._stale(queue)
 
     # -- reading results

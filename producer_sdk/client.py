@@ -2,8 +2,10 @@
 
 All enqueueing goes through one Lua script (``_wire.ENQUEUE_LUA``) that checks the queue's
 high-water mark and sets the job's dedupe record together with the XADD, so retries never create a
-second job. Result streams are read with XREAD BLOCK from the last entry id seen; many jobs share
-one XREAD, so a window of a thousand jobs costs one connection, not a thousand.
+second job; a queue of several shards gets one call per chunk of a shard, all sent in one round
+trip per Redis node (``topology.send_packed``). Result streams are read with XREAD BLOCK from the
+last entry id seen; many jobs share one XREAD (one per cluster slot in a Redis Cluster), so a
+window of a thousand jobs costs one connection, not a thousand.
 """
 
 from __future__ import annotations
@@ -295,8 +297,7 @@ class Client(ClientCore[redis.Redis]):
 
     def set_max_queued_jobs(self, limit: int, queue: Optional[str] = None) -> None:
         """Set the queue's shared high-water mark (for every producer without its own)."""
-        self._call(self.redis.hset, Keys(self.namespace, queue or self.queue).config,
-                   LIMIT_FIELD, int(limit))
+        self._call(self.redis.hset, self._config_key(queue), LIMIT_FIELD, int(limit))
         self._stale(queue)
 
     # -- reading results

@@ -108,9 +108,12 @@ class ClientCore(Generic[R]):
             return None
         return st
 
+    def _config_key(self, queue: Optional[str]) -> str:
+        return Keys(self.namespace, queue or self.queue).config
+
     def _config_read(self, queue: Optional[str]) -> tuple[str, str, str]:
         """The HMGET (key, fields) that ``_store_queue`` wants the replies of."""
-        return Keys(self.namespace, queue or self.queue).config, LIMIT_FIELD, SHARDS_FIELD
+        return self._config_key(queue), LIMIT_FIELD, SHARDS_FIELD
 
     def _store_queue(self, queue: Optional[str], raw_limit: Any, raw_shards: Any) -> QueueState:
         """What the queue's config hash says, checked against what this client knew.

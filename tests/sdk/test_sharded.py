@@ -22,7 +22,6 @@ from producer_sdk.batch import BatchRunner
 from producer_sdk.models import list_models
 from producer_sdk.protocol import EVENT_FIELD, GROUP, Keys, key_slot
 from producer_sdk.topology import is_cluster, make_client
-from tests.fault_harness import wait_for
 from tests.sdk_helpers import FakeWorker, env_with_repo, sdk_redis  # noqa: F401
 from worker.redis_server import RedisCluster
 
