@@ -6,6 +6,8 @@ logprobs output validates with the openai package's own types."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import msgpack
@@ -17,6 +19,7 @@ from producer_sdk import Client
 from producer_sdk.batch import BatchRunner
 from producer_sdk.protocol import EVENT_FIELD, Keys
 from tests.sdk.test_batch_runner import read_jsonl
+from tests.sdk_helpers import env_with_repo
 
 
 def line(cid: str, url: str = "/v1/chat/completions", **body) -> str:
@@ -72,6 +75,13 @@ def test_lines_are_routed_by_model_and_unknown_models_are_404(two_models, tmp_pa
         "message": error["error"]["message"], "type": "invalid_request_error",
         "param": "model", "code": "model_not_found"}
     assert "alpha, beta" in error["error"]["message"]
+    status = subprocess.run(           # each job is found on the queue its line was routed to
+        [sys.executable, "-m", "producer_sdk", "status", "--batch", str(inp), "--batch-id",
+         "route", "--queue", "qa", "--redis-url", two_models.url, "--json"],
+        capture_output=True, text=True, timeout=60, env=env_with_repo())
+    states = {x["custom_id"]: x["state"] for x in map(json.loads, status.stdout.splitlines())}
+    assert states == {"a1": "done", "b1": "done", "b2": "done", "g1": "unknown",
+                      "none": "done"}, status.stderr
 
 
 @pytest.mark.timeout(120)

@@ -194,6 +194,21 @@ def test_status_and_cancel_by_id_find_the_jobs_shard(client, url):
     assert asyncio.run(main()) == ["cancelled", "done", "done"]
 
 
+def test_leaving_a_window_early_cancels_its_jobs_on_every_shard(client):
+    """``iter_completed`` cancels what is still in flight when its reader stops: one pipeline
+    of cancel flags, each in its job's shard's slot."""
+    done = client.keys.results("h0")
+    client.redis.xadd(done, {EVENT_FIELD: msgpack.packb(
+        {"type": "done", "finish_reason": "stop", "text": "early"}, use_bin_type=True)})
+    source = ((i, client.prepare("x", job_id=f"h{i}", max_tokens=1)) for i in range(6))
+    for tag, job in client.iter_completed(source, concurrency=6):
+        assert (tag, job.result(timeout=0).text) == (0, "early")
+        break
+    flags = [client.redis.exists(KEYS.cancel(f"h{i}")) for i in range(6)]
+    assert flags == [0, 1, 1, 1, 1, 1]
+    assert len({KEYS.shard_of(f"h{i}") for i in range(1, 6)}) == SHARDS
+
+
 def test_batch_runner_end_to_end_on_a_sharded_queue(client, url, tmp_path: Path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({
