@@ -18,6 +18,7 @@ import msgpack
 import pytest
 
 from producer_sdk import AsyncClient, Client, NotDurable, QueueFull, ShardCountMismatch
+from producer_sdk._wire import ENQUEUE_SHA
 from producer_sdk.batch import BatchRunner
 from producer_sdk.models import list_models
 from producer_sdk.protocol import EVENT_FIELD, GROUP, Keys, key_slot
@@ -97,6 +98,11 @@ def test_a_resubmitted_job_id_is_deduped_on_its_shard(client):
     assert not first.reattached and again.reattached and many[0].reattached
     assert first.shard == again.shard == many[0].shard
     assert sum(lane_depths(client.redis)) == 2
+    r = client.redis        # masters without the script (flushed, or a replica promoted):
+    r.script_flush()        # NOSCRIPT, loaded on every master, resent
+    assert r.script_exists(ENQUEUE_SHA) == [False]
+    client.submit_many([{"prompt": "d", "job_id": f"h{i}"} for i in range(6)], max_tokens=1)
+    assert sum(lane_depths(r)) == 8
 
 
 def test_back_pressure_counts_the_depth_of_every_shard(client, url):
