@@ -11,7 +11,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import (AskError, ClusterDownError, OutOfMemoryError, ResponseError,
+                              TryAgainError)
 
 from producer_sdk.payloads import Prepared
 from producer_sdk.protocol import (DEDUPE_SEPARATOR, PAYLOAD_FIELD, Keys, ProtocolError,
@@ -193,6 +194,12 @@ def is_oom(reply: Any) -> bool:
     allowed ..."), which redis-py then raises as a plain ResponseError."""
     return isinstance(reply, OutOfMemoryError) or (
         isinstance(reply, ResponseError) and "OOM command not allowed" in str(reply))
+
+
+def is_transient(reply: Any) -> bool:
+    """A reply a cluster gives while it moves a slot or fails a master over (CLUSTERDOWN,
+    TRYAGAIN, a MOVED/ASK left after the sender's one resend): send again shortly."""
+    return isinstance(reply, (ClusterDownError, TryAgainError, AskError))
 
 
 def merge_xreads(blocking: Any, follow_up: Any) -> list[tuple[str, list[tuple[bytes, dict]]]]:

@@ -15,12 +15,14 @@ from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
-from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, QueueState, is_oom, merge_reads,
+from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, QueueState, is_oom, is_transient,
+                                merge_reads,
                                 merge_xreads, normalize_xread, parse_raw_xread, slot_groups,
                                 sliced_xread)
 from producer_sdk.client import (XREAD_COUNT, _len_or_none, _outcome, map_defaults,
                                  progress_bar, take_batch)
-from producer_sdk.client_core import LIMIT_FIELD, NET_ERRORS, ClientCore, make_async_redis
+from producer_sdk.client_core import (LIMIT_FIELD, NET_ERRORS, SEND_ERRORS, ClientCore, Retrying,
+                                     make_async_redis)
 from producer_sdk.errors import DUPLICATE, JobNotFound, RedisUnavailable
 from producer_sdk.job import (Deadline, Delta, JobHandle, JobState, Result, StreamCursor,
                               feed_states, timeout_error)
@@ -174,10 +176,16 @@ class AsyncClient(ClientCore[aioredis.Redis]):
             self._script_loaded = True
         plan = self._plan(list(prepared), durable)
         deadline = Deadline(block_timeout)
+        retry = self._retrying()
         pause = 0.02
         while True:
             if plan.todo:
-                await self._run_round(plan)
+                failed = await self._run_round(plan, retry)
+                if failed is not None:
+                    wait = retry.pause()
+                    if wait is None:
+                        raise RedisUnavailable(self.url, failed)
+                    await asyncio.sleep(wait)
                 continue
             if not plan.refused:
                 break
@@ -188,37 +196,41 @@ class AsyncClient(ClientCore[aioredis.Redis]):
             plan.requeue_refused()
         return self._finish(AsyncJob, plan)
 
-    async def _run_round(self, plan: EnqueuePlan) -> None:
+    async def _run_round(self, plan: EnqueuePlan, retry: Retrying) -> Optional[Exception]:
         states = {q: await self._queue(q, fresh=True) for q in plan.queues()}
         plan.place(states)
         reads = plan.depth_reads(states)
-        depths = (await self._send(reads))[0] if reads else []
+        depths = (await self._send(reads, retry))[0] if reads else []
         cmds = plan.round(states, depths)
-        replies, acks = await self._send([c for _, c in cmds], self._wait_command(plan))
-        load = False
+        replies, acks = await self._send([c for _, c in cmds], retry, self._wait_command(plan))
+        load, failed = False, None
         for (idx, _), rep, ack in zip(cmds, replies, acks):
             if isinstance(rep, NoScriptError):
                 plan.resend(idx)
                 load = True
             elif is_oom(rep):
                 plan.refuse_oom(idx)
+            elif is_transient(rep):
+                plan.resend(idx)
+                failed = rep
             elif isinstance(rep, Exception):
                 raise rep
             else:
                 plan.on_reply(idx, rep, ack)
         if load:
             await self._call(self.redis.script_load, ENQUEUE_LUA)
+        return failed
 
-    async def _send(self, items: list[Packed], trailer: Optional[bytes] = None,
+    async def _send(self, items: list[Packed], retry: Retrying, trailer: Optional[bytes] = None,
                     ) -> tuple[list[Any], list[Any]]:
-        for attempt in (1, 2):
+        while True:
             try:
                 return await async_send_packed_trailed(self.redis, items, trailer)
-            except NET_ERRORS as exc:
-                if attempt == 2:
+            except SEND_ERRORS as exc:
+                wait = retry.pause()
+                if wait is None:
                     raise RedisUnavailable(self.url, exc) from exc
-                await asyncio.sleep(0.1)
-        raise AssertionError("unreachable")
+                await asyncio.sleep(wait)
 
     # -- jobs
     async def get(self, job_id: str, queue: Optional[str] = None) -> AsyncJob:

@@ -16,10 +16,12 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 import redis
 from redis.exceptions import NoScriptError
 
-from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, QueueState, is_oom, merge_reads,
+from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, QueueState, is_oom, is_transient,
+                                merge_reads,
                                 merge_xreads, normalize_xread, parse_raw_xread, slot_groups,
                                 sliced_xread)
-from producer_sdk.client_core import LIMIT_FIELD, NET_ERRORS, ClientCore, make_redis
+from producer_sdk.client_core import (LIMIT_FIELD, NET_ERRORS, SEND_ERRORS, ClientCore, Retrying,
+                                     make_redis)
 from producer_sdk.errors import DUPLICATE, JobFailed, JobNotFound, RedisUnavailable
 from producer_sdk.job import Deadline, Delta, Job, JobState, Result, feed_states
 from producer_sdk.payloads import Prepared
@@ -183,10 +185,16 @@ class Client(ClientCore[redis.Redis]):
             self._script_loaded = True
         plan = self._plan(list(prepared), durable)
         deadline = Deadline(block_timeout)
+        retry = self._retrying()
         pause = 0.02
         while True:
             if plan.todo:
-                self._run_round(plan)
+                failed = self._run_round(plan, retry)
+                if failed is not None:      # a cluster failing over: wait, send the rest again
+                    wait = retry.pause()
+                    if wait is None:
+                        raise RedisUnavailable(self.url, failed)
+                    time.sleep(wait)
                 continue
             if not plan.refused:
                 break
@@ -197,41 +205,47 @@ class Client(ClientCore[redis.Redis]):
             plan.requeue_refused()
         return self._finish(Job, plan)
 
-    def _run_round(self, plan: EnqueuePlan) -> None:
+    def _run_round(self, plan: EnqueuePlan, retry: Retrying) -> Optional[Exception]:
         """One enqueue round: the queues' config when due, the other shards' depth when the
-        queue has several, then the script calls (and a durable submit's WAIT per node)."""
+        queue has several, then the script calls (and a durable submit's WAIT per node).
+        Returns the error of calls a failing-over cluster refused (they are to be resent)."""
         states = {q: self._queue(q, fresh=True) for q in plan.queues()}
         plan.place(states)
         reads = plan.depth_reads(states)
-        depths = self._send(reads)[0] if reads else []
+        depths = self._send(reads, retry)[0] if reads else []
         cmds = plan.round(states, depths)
-        replies, acks = self._send([c for _, c in cmds], self._wait_command(plan))
-        load = False
+        replies, acks = self._send([c for _, c in cmds], retry, self._wait_command(plan))
+        load, failed = False, None
         for (idx, _), rep, ack in zip(cmds, replies, acks):
             if isinstance(rep, NoScriptError):
                 plan.resend(idx)
                 load = True
             elif is_oom(rep):
                 plan.refuse_oom(idx)
+            elif is_transient(rep):
+                plan.resend(idx)
+                failed = rep
             elif isinstance(rep, Exception):
                 raise rep
             else:
                 plan.on_reply(idx, rep, ack)
         if load:
             self._call(self.redis.script_load, ENQUEUE_LUA)
+        return failed
 
-    def _send(self, items: list[Packed], trailer: Optional[bytes] = None,
+    def _send(self, items: list[Packed], retry: Retrying, trailer: Optional[bytes] = None,
               ) -> tuple[list[Any], list[Any]]:
         """``topology.send_packed_trailed``: one round trip per node. A dropped connection
-        retries the whole batch once: the enqueue script is idempotent per job id."""
-        for attempt in (1, 2):
+        resends the whole batch (``retry`` says how long): the enqueue script is idempotent
+        per job id, and XLEN and WAIT only read."""
+        while True:
             try:
                 return send_packed_trailed(self.redis, items, trailer)
-            except NET_ERRORS as exc:
-                if attempt == 2:
+            except SEND_ERRORS as exc:
+                wait = retry.pause()
+                if wait is None:
                     raise RedisUnavailable(self.url, exc) from exc
-                time.sleep(0.1)
-        raise AssertionError("unreachable")
+                time.sleep(wait)
 
     # -- jobs
     def get(self, job_id: str, queue: Optional[str] = None) -> Job:

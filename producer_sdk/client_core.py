@@ -10,6 +10,7 @@ import time
 from typing import Any, Generic, Optional, TypeVar
 
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import ClusterError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -21,11 +22,14 @@ from producer_sdk.errors import ClientClosed, NotDurable, QueueFull, RedisUnavai
 from producer_sdk.payloads import PayloadBuilder, Prepared
 from producer_sdk.protocol import Keys, Limits
 from producer_sdk.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards, resolve_shards
-from producer_sdk.topology import make_async_client, make_client
+from producer_sdk.topology import is_cluster, make_async_client, make_client
 
 __all__ = ["ENQUEUE_SHA", "NET_ERRORS", "ClientCore", "make_redis", "make_async_redis"]
 
 NET_ERRORS = (RedisConnectionError, RedisTimeoutError)
+# What a packed send may raise while a cluster fails a master over (a lost connection, a slot
+# map without a master for a slot for a moment).
+SEND_ERRORS = (*NET_ERRORS, ClusterError, RedisClusterException)
 LIMIT_FIELD = "max_queued_jobs"
 # How long a producer reuses a queue's high-water mark (and watches for a shard count being
 # registered) before reading its config hash again: one HMGET per queue per second of submits.
@@ -50,6 +54,26 @@ def make_async_redis(cfg: ClientConfig, cluster: Optional[bool] = None) -> Any:
     """``make_redis`` for asyncio (detection, when needed, is one short blocking call)."""
     known = cfg.cluster if cluster is None else cluster
     return make_async_client(cfg.redis_url, known, **connection_kwargs(cfg))
+
+
+class Retrying:
+    """How long one enqueue keeps resending what a lost connection or a failing-over cluster
+    did not answer: on one Redis a single retry after 0.1 s (fail fast: it is down), on a
+    cluster up to ``window_s`` (a failover takes seconds; every resend is safe, the enqueue
+    script dedupes by job id), pausing 0.1 s doubling to 1 s."""
+
+    def __init__(self, window_s: float) -> None:
+        self.end = time.monotonic() + window_s
+        self.tries = 0
+        self.pause_s = 0.1
+
+    def pause(self) -> Optional[float]:
+        """Seconds to wait before the next try, None when it is time to give up."""
+        self.tries += 1
+        if self.tries > 1 and time.monotonic() >= self.end:
+            return None
+        pause, self.pause_s = self.pause_s, min(self.pause_s * 2, 1.0)
+        return pause
 
 
 R = TypeVar("R")
@@ -161,6 +185,9 @@ class ClientCore(Generic[R]):
     def _plan(self, prepared: list[Prepared], durable: Optional[bool]) -> EnqueuePlan:
         durable = self.config.durable if durable is None else durable
         return EnqueuePlan(prepared, self._script, self.config.chunk_size, durable)
+
+    def _retrying(self) -> Retrying:
+        return Retrying(self.config.reconnect_timeout_s if is_cluster(self._redis) else 0.0)
 
     def _wait_command(self, plan: EnqueuePlan) -> Optional[bytes]:
         """The trailer of a durable round: WAIT on each node that took writes."""
