@@ -57,9 +57,10 @@ class ClientConfig(BaseModel):
     reconnect_timeout_s: float = Field(default=30.0, ge=0)
     poll_ms: int = Field(default=2_000, ge=10, description="longest XREAD BLOCK")
     chunk_size: int = Field(default=500, ge=1, le=10_000, description="jobs per enqueue script call")
-    cluster: Optional[bool] = Field(default_factory=default_cluster,
+    cluster: Optional[bool] = Field(default_factory=default_cluster, validate_default=True,
                                     description="Redis Cluster: None detects, True/False force")
-    shards: Optional[int] = Field(default_factory=default_shards, ge=1, le=MAX_SHARDS,
+    shards: Optional[int] = Field(default_factory=default_shards, validate_default=True, ge=1,
+                                  le=MAX_SHARDS,
                                   description="the queue's shard count; None: the registered one")
     durable: bool = Field(default=False, description="submits wait for replicas by default")
     durable_replicas: int = Field(default=1, ge=1, description="replicas a durable submit waits for")

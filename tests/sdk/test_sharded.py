@@ -320,3 +320,16 @@ def test_gateway_on_a_cluster(cluster):
         gw.server.should_exit = True
         gw.thread.join(timeout=15)
         r.close()
+
+
+def test_cluster_and_shards_settings_come_from_the_environment_too(monkeypatch):
+    from producer_sdk.config import ClientConfig
+    assert (ClientConfig().cluster, ClientConfig().shards) == (None, None)
+    monkeypatch.setenv("TOKENRELAY_CLUSTER", "off")
+    monkeypatch.setenv("TOKENRELAY_SHARDS", "3")
+    assert (ClientConfig().cluster, ClientConfig().shards) == (False, 3)
+    assert ClientConfig(cluster="on", shards=2).cluster is True
+    with pytest.raises(ValueError):
+        ClientConfig(cluster="maybe")
+    with pytest.raises(ValueError):     # a WAIT may not outlast the socket
+        ClientConfig(durable_timeout_ms=20_000)
