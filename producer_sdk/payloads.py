@@ -106,13 +106,15 @@ def _as_dicts(messages: Any) -> Any:
 
 @dataclass(slots=True)
 class Prepared:
-    """One job ready to enqueue: its id, lane and encoded payload."""
+    """One job ready to enqueue: its id, lane and encoded payload; its queue, and the shard of
+    that queue it goes to (set by the client at enqueue, from the queue's shard count)."""
 
     job_id: str
     lane: str
     payload: bytes
     stream: bool
     queue: Optional[str] = None     # another queue of the client's namespace; None: the client's
+    shard: Optional[int] = None     # ``Keys.shard_of(job_id)`` of its queue, once enqueued
 
 
 class PayloadBuilder:

@@ -48,10 +48,11 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
     # producer_sdk.models and the batch runner's routing read the queues, registries and beats)
     "producer": ("ping", "evalsha", "script|load", "xadd", "xlen", "xread", "xrange",
                  "xrevrange", "xpending", "xinfo|groups", "get", "set", "exists", "hget",
-                 "multi", "exec", "smembers", "zrange", "hmget"),
+                 "multi", "exec", "smembers", "zrange", "hmget", "cluster|info", "wait"),
     # python -m worker admin ... and python -m producer_sdk stats --queue Q
     "admin": ("evalsha", "eval", "xpending", "xrange", "xadd", "xdel", "xlen", "xinfo|groups",
-              "get", "set", "exists", "del", "hget", "hset", "zrange", "zcount", "zcard"),
+              "get", "set", "exists", "del", "hget", "hset", "zrange", "zcount", "zcard",
+              "cluster|info"),
 }
 # redis-py sends CLIENT SETINFO on connect and ignores a refusal; Redis 7.2+ logs the refusal.
 IGNORED_DENIALS = frozenset({"client|setinfo"})
