@@ -37,12 +37,13 @@ pytestmark = pytest.mark.timeout(180)
 # --------------------------------------------------------------------------------------------
 
 ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
-    # python -m worker (and python -m worker health, which reads the heartbeat hash)
-    "worker": ("ping", "evalsha", "eval",
+    # python -m worker (and python -m worker health, which reads the heartbeat hash); info:
+    # --cluster auto asks INFO cluster; hsetnx: the first worker registers the shard count
+    "worker": ("ping", "info", "evalsha", "eval",
                "xgroup|create", "xreadgroup", "xinfo|groups", "xadd", "xack", "xdel", "xclaim",
                "xautoclaim", "xpending", "xrange", "xrevrange",
                "get", "set", "mget", "exists", "del", "pexpire",
-               "hset", "hget", "hgetall", "zadd", "zrem", "sadd"),
+               "hset", "hsetnx", "hget", "hgetall", "zadd", "zrem", "sadd"),
     # producer_sdk.Client / AsyncClient / python -m producer_sdk submit|cancel|batch|status
     # (status and reattach read the job's pending row, last event and the lanes' groups;
     # producer_sdk.models and the batch runner's routing read the queues, registries and beats)
@@ -50,8 +51,9 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
                  "xrevrange", "xpending", "xinfo|groups", "get", "set", "exists", "hget",
                  "multi", "exec", "smembers", "zrange", "hmget"),
     # python -m worker admin ... and python -m producer_sdk stats --queue Q
-    "admin": ("evalsha", "eval", "xpending", "xrange", "xadd", "xdel", "xlen", "xinfo|groups",
-              "get", "set", "exists", "del", "hget", "hset", "zrange", "zcount", "zcard"),
+    "admin": ("info", "evalsha", "eval", "xpending", "xrange", "xadd", "xdel", "xlen",
+              "xinfo|groups", "get", "set", "exists", "del", "hget", "hset", "zrange", "zcount",
+              "zcard"),
 }
 # redis-py sends CLIENT SETINFO on connect and ignores a refusal; Redis 7.2+ logs the refusal.
 IGNORED_DENIALS = frozenset({"client|setinfo"})
