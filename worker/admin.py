@@ -133,7 +133,7 @@ def _id_order(entry_id: str) -> tuple[int, int]:
 
 def _dead_entries(r: Any, keys: Keys, count: Optional[int] = None
                   ) -> list[tuple[int, str, DeadLetter]]:
-    """(shard, dead id, letter) from every shard's dead-letter stream, oldest first."""
+    """(shard, entry id, letter) from every shard's dead-letter stream, oldest first."""
     rows = [(shard, _s(eid), DeadLetter.from_fields(fields))
             for shard, stream in enumerate(keys.dead_streams())
             for eid, fields in r.xrange(stream, count=count)]
@@ -141,22 +141,43 @@ def _dead_entries(r: Any, keys: Keys, count: Optional[int] = None
     return rows[:count] if count else rows
 
 
+def dead_id(keys: Keys, shard: int, entry_id: str) -> str:
+    """How a dead letter is named: its entry id, prefixed ``<shard>/`` on a queue of several
+    shards (each shard's dead-letter stream makes its own ids: they collide across shards)."""
+    return entry_id if keys.shards == 1 else f"{shard}/{entry_id}"
+
+
 def list_dead(r: Any, keys: Keys, count: Optional[int] = None) -> list[tuple[str, DeadLetter]]:
-    """Dead letters of every shard, oldest first."""
-    return [(eid, letter) for _, eid, letter in _dead_entries(r, keys, count)]
+    """Dead letters of every shard, oldest first, by ``dead_id``."""
+    return [(dead_id(keys, shard, eid), letter)
+            for shard, eid, letter in _dead_entries(r, keys, count)]
+
+
+def _find_dead(r: Any, keys: Keys, name: str) -> list[tuple[int, str, DeadLetter]]:
+    """The letters ``name`` may mean: ``<shard>/<entry id>``, or an entry id in any shard."""
+    where, _, eid = name.rpartition("/")
+    if where:
+        shards: Sequence[int] = ([int(where)] if where.isdigit() and int(where) < keys.shards
+                                 else [])
+    else:
+        shards = range(keys.shards)
+    return [(s, eid, DeadLetter.from_fields(hit[0][1])) for s in shards
+            for hit in [r.xrange(keys.dead(s), eid, eid)] if hit]
 
 
 def _select_dead(r: Any, keys: Keys, ids: Sequence[str]) -> list[tuple[int, str, DeadLetter]]:
-    """The letters ``ids`` name (all when empty), looked up in every shard's stream."""
+    """The letters ``ids`` (``dead_id`` names) name, all when empty; KeyError for a name that
+    names none, or several (the same entry id in several shards' streams)."""
     if not ids:
         return _dead_entries(r, keys)
     out = []
-    for eid in ids:
-        found = [(shard, eid, DeadLetter.from_fields(hit[0][1]))
-                 for shard, stream in enumerate(keys.dead_streams())
-                 for hit in [r.xrange(stream, eid, eid)] if hit]
+    for name in ids:
+        found = _find_dead(r, keys, name)
         if not found:
-            raise KeyError(f"no dead letter {eid} in {', '.join(keys.dead_streams())}")
+            raise KeyError(f"no dead letter {name} in {', '.join(keys.dead_streams())}")
+        if len(found) > 1:
+            raise KeyError(f"{name} names a dead letter in several shards; give "
+                           f"<shard>/{name} as 'dead list' shows it")
         out += found
     return out
 
@@ -198,13 +219,15 @@ def replay_dead(r: Any, keys: Keys, ids: Sequence[str] = ()) -> list[tuple[str, 
 
 
 def purge_dead(r: Any, keys: Keys, ids: Sequence[str] = ()) -> int:
-    """Delete dead letters of every shard (all when ``ids`` is empty); returns how many."""
+    """Delete dead letters of every shard (all when ``ids``, ``dead_id`` names, is empty);
+    returns how many."""
     if not ids:
         n = sum(int(r.xlen(stream)) for stream in keys.dead_streams())
         for stream in keys.dead_streams():
             r.delete(stream)
         return n
-    return sum(int(r.xdel(stream, *ids)) for stream in keys.dead_streams())
+    return sum(int(r.xdel(keys.dead(shard), eid)) for name in ids
+               for shard, eid, _ in _find_dead(r, keys, name))
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,6 +333,9 @@ def run(args: argparse.Namespace, settings: AdminSettings) -> int:
     except ShardCountMismatch as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except KeyError as exc:   # a dead-letter id that names no letter, or several
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return 1
     except (*REDIS_ERRORS, ClusterModeError) as exc:
         url = settings.redis_url
         if classify(exc) is ErrorKind.PERMANENT:
