@@ -93,11 +93,13 @@ def classify(exc: BaseException) -> ErrorKind:
 
 def describe_permanent(exc: BaseException, url: str) -> str:
     """The one line a person reads before the worker exits 78."""
-    if any(isinstance(e, topology.ClusterModeError) or _NOT_A_CLUSTER in str(e).lower()
-           for e in _chain(exc)):
+    chain = _chain(exc)
+    if any(isinstance(e, topology.ClusterModeError) for e in chain):
         return (f"redis configuration error at {redact_url(url)}: --cluster on, but the server "
                 f"is not a Redis Cluster node (cluster_enabled:0); use --cluster auto or off "
                 f"(TOKENRELAY_CLUSTER), or point --redis-url at a node of the cluster")
+    # the refusal itself, not what a client library wrapped it in
+    exc = next((e for e in chain if isinstance(e, _PERMANENT_TYPES)), exc)
     return (f"redis configuration error at {redact_url(url)}: {type(exc).__name__}: {exc}; "
             f"check the password/user in --redis-url, the ACL rules of that user and the TLS "
             f"CA (?ssl_ca_certs= or SSL_CERT_FILE); see docs/operations.md")
@@ -110,7 +112,9 @@ def client_for(url: str, cluster: Any = "auto", **kwargs: Any) -> Any:
     try:
         return topology.make_client(url, topology.cluster_flag(cluster), **kwargs)
     except redis.exceptions.RedisClusterException as exc:
-        if _NOT_A_CLUSTER in str(exc).lower():
+        # redis-py says "not enabled" for any refused CLUSTER SLOTS, an ACL's NOPERM too
+        refused = any(isinstance(e, _PERMANENT_TYPES) for e in _chain(exc))
+        if _NOT_A_CLUSTER in str(exc).lower() and not refused:
             raise topology.ClusterModeError(str(exc)) from exc
         raise
 

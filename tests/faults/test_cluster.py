@@ -234,3 +234,46 @@ def test_one_step_costs_one_round_trip_per_node_not_per_job(cluster, monkeypatch
           f"EVALSHA calls on the cluster {evalsha}")
     assert sum(n for _, n in widest) >= 20 and len(widest) == 3
     assert evalsha < job_writes / 2, "script calls grew with the jobs, not with the nodes"
+
+
+def test_worker_health_and_admin_run_under_the_documented_acl_rules(cluster, tmp_path, capsys):
+    """The worker and admin rules of docs/operations.md plus the cluster's additions, set on
+    every node: a worker serves jobs, health and admin answer, and no node logs a denial."""
+    from tests.faults.test_security import CLUSTER_COMMANDS, IGNORED_DENIALS, acl_rule
+    ns = f"acl{next(_namespaces)}"
+    extra = " ".join(f"+{c}" for c in CLUSTER_COMMANDS)
+    for i in range(len(cluster.nodes)):
+        node = cluster.client(i)
+        node.execute_command("ACL", "LOG", "RESET")
+        for role in ("worker", "admin"):
+            node.execute_command("ACL", "SETUSER", f"{ns}-{role}",
+                                 *f"{acl_rule(role, ns, 'pw')} {extra}".split())
+        node.close()
+    url = {role: cluster.url.replace("redis://", f"redis://{ns}-{role}:pw@")
+           for role in ("worker", "admin")}
+    env = FaultEnv(tmp_path, namespace=ns, shards=3, cluster=cluster)
+    try:
+        env.url = url["worker"]
+        env.worker("w1")
+        jobs = env.submit(prompts(6, "acl"), max_tokens=4)
+        env.assert_exactly_once(env.wait_ended(jobs, timeout=30))
+        health = subprocess.run([sys.executable, "-m", "worker", "health", "--worker-id", "w1",
+                                 "--redis-url", url["worker"], "--namespace", ns,
+                                 "--queue", env.keys.queue], cwd=str(REPO_ROOT),
+                                capture_output=True, text=True, timeout=60)
+        assert health.returncode == 0, health.stderr
+        argv = ["--redis-url", url["admin"], "--namespace", ns, "--queue", env.keys.queue]
+        for cmd in (["pending"], ["workers"], ["dead", "list"]):
+            assert admin.main([*argv, *cmd]) == 0, capsys.readouterr().err
+    finally:
+        env.close()
+    denied = []
+    for i in range(len(cluster.nodes)):
+        node = cluster.client(i)
+        for e in node.execute_command("ACL", "LOG"):
+            entry = dict(zip(e[::2], e[1::2])) if isinstance(e, list) else e
+            if entry.get("username", "").startswith(ns) and entry.get("object") \
+                    not in IGNORED_DENIALS:
+                denied.append((i, entry.get("username"), entry.get("object")))
+        node.close()
+    assert not denied, denied

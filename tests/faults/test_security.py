@@ -55,6 +55,11 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
               "xinfo|groups", "get", "set", "exists", "del", "hget", "hset", "zrange", "zcount",
               "zcard"),
 }
+# What every role also needs on a Redis Cluster (docs/operations.md, "Redis Cluster and hash
+# tags"): the cluster client reads the slot map and the commands' key positions when it
+# connects, and sends ASKING after an ASK redirect (tests/faults/test_cluster.py runs the
+# worker, health and admin under the worker and admin rules plus these).
+CLUSTER_COMMANDS: tuple[str, ...] = ("cluster|slots", "command", "asking")
 # redis-py sends CLIENT SETINFO on connect and ignores a refusal; Redis 7.2+ logs the refusal.
 IGNORED_DENIALS = frozenset({"client|setinfo"})
 
@@ -79,6 +84,7 @@ def test_operations_doc_prints_exactly_the_tested_rules():
         password = rule.split()[1][1:]
         assert rule == acl_rule(role, "tokenrelay", password), role
     assert "user default off" in doc
+    assert " ".join(f"+{c}" for c in CLUSTER_COMMANDS) in " ".join(doc.split())
 
 
 @dataclass(frozen=True)
