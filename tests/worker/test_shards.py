@@ -6,6 +6,7 @@ SIGKILL scenario and the refusals run ``python -m worker`` subprocesses."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -15,10 +16,11 @@ import pytest
 
 from producer_sdk.protocol import GROUP, PAYLOAD_FIELD, DeadLetter, Keys, dedupe_record
 from producer_sdk.shards import SHARDS_FIELD
-from tests.fault_harness import (FaultEnv, check_stream, enqueue, ids_on_shard, pending_summary,
+from tests.fault_harness import (REDIS_7, REDIS_62, FaultEnv, check_stream, enqueue, ids_on_shard, pending_summary,
                                  read_events, wait_all_ended, wait_for, wait_for_terminal)
-from tests.fixtures_redis import REPO_ROOT
+from tests.fixtures_redis import REPO_ROOT, RedisServer
 from worker import admin
+from worker.pending import PendingList
 from worker.fake_engine import FakeEngine, fake_completion
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,6 +39,19 @@ def r(redis_server):
 def job(job_id: str, prompt: str = "hello", max_tokens: int = 5, **kw: Any) -> dict:
     return {"job_id": job_id, "prompt": prompt,
             "params": {"max_tokens": max_tokens, "temperature": 0}, **kw}
+
+
+@pytest.fixture(params=["redis7", "redis62"])
+def any_redis(request, tmp_path):
+    """A server of each supported version (6.2 where its binary is installed)."""
+    binary = REDIS_7 if request.param == "redis7" else REDIS_62
+    if not os.path.exists(binary):
+        pytest.skip("no Redis 6.2 binary here")
+    server = RedisServer(dir=tmp_path / "redis", binary=binary).start()
+    request.addfinalizer(server.kill)
+    client = server.client()
+    yield client
+    client.close()
 
 
 def sharded_worker(start_worker, engine: Any = None, **overrides: Any):
@@ -84,6 +99,27 @@ def test_urgent_job_behind_a_bulk_backlog_starts_first(start_worker, r):
     before = [j for j in bulk if started_ms(r, j) < started_ms(r, urgent)]
     assert len(before) <= 4, f"{len(before)} bulk jobs started before the urgent one"
     assert r.xlen(KEYS.dead(0)) + r.xlen(KEYS.dead(1)) + r.xlen(KEYS.dead(2)) == 0
+
+
+def test_reads_take_every_shard_parked_entries_first_with_their_counts(any_redis):
+    r = any_redis
+    w1, w2 = PendingList(r, KEYS, "w1"), PendingList(r, KEYS, "w2")
+    w1.ensure_groups()
+    at = {}
+    for name, lane, shard in (("b0", "bulk", 0), ("u1", "urgent", 1), ("d1", "default", 1),
+                              ("d2", "default", 2)):
+        at[name] = r.xadd(KEYS.lane(lane, shard), {PAYLOAD_FIELD: name.encode()}).decode()
+    got = sorted(w1.read_new(10), key=w1.urgency)
+    assert [(e.payload, e.shard, e.source) for e in got] == [
+        (b"u1", 1, "new"), (b"d1", 1, "new"), (b"d2", 2, "new"), (b"b0", 0, "new")]
+    assert w1.park([e.key for e in got if e.lane == "default"]) == []
+    r.xadd(KEYS.lane("default", 1), {PAYLOAD_FIELD: b"d3"})
+    r.xdel(KEYS.lane("default", 2), at["d2"])            # deleted while parked
+    again = sorted(w2.read_new(1), key=w2.urgency)       # one per shard: the parked ones
+    assert [(e.entry_id, e.source, e.deliveries) for e in again] == [
+        (at["d1"], "parked", 1), (at["d2"], "parked", 1)]
+    assert again[0].payload == b"d1" and again[1].fields is None
+    assert [e.payload for e in w2.read_new(5)] == [b"d3"]
 
 
 class CountingEngine(FakeEngine):
