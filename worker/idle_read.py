@@ -121,7 +121,7 @@ class IdleRead:
                 if r.conn.can_read(timeout=0):
                     out += self._reply(r)
             return out
-        except (redis.ConnectionError, redis.TimeoutError, OSError, ValueError) as exc:
+        except (redis.ConnectionError, redis.TimeoutError, OSError, ValueError, TypeError) as exc:
             self.close()
             raise ReadLost(f"blocking read lost its connection: {exc}") from exc
 
