@@ -112,6 +112,9 @@ def test_reads_take_every_shard_parked_entries_first_with_their_counts(any_redis
     got = sorted(w1.read_new(10), key=w1.urgency)
     assert [(e.payload, e.shard, e.source) for e in got] == [
         (b"u1", 1, "new"), (b"d1", 1, "new"), (b"d2", 2, "new"), (b"b0", 0, "new")]
+    stats = w1.lane_stats()      # one series per lane name, summed over the shards
+    assert {lane: pending for lane, (_, pending) in stats.items()} == {
+        "urgent": 1, "default": 2, "bulk": 1}
     assert w1.park([e.key for e in got if e.lane == "default"]) == []
     r.xadd(KEYS.lane("default", 1), {PAYLOAD_FIELD: b"d3"})
     r.xdel(KEYS.lane("default", 2), at["d2"])            # deleted while parked
