@@ -133,6 +133,7 @@ class IdleRead:
             if "NOGROUP" in str(exc) or "no longer exists" in str(exc):
                 self.on_nogroup()
                 return []
+            self.close()   # e.g. MOVED: the next wait connects to the slot's master anew
             raise
         out: list[Arrival] = []
         for stream, entries in reply or []:
