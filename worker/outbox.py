@@ -1,8 +1,10 @@
-"""The result outbox: everything the worker owes Redis, shipped in ONE round trip per step.
+"""The result outbox: everything the worker owes Redis, shipped in ONE round trip per step (per
+node of a Redis Cluster).
 
-One flush carries every held job's fenced event batch (and reads its cancel flag), the dead
-letters of rejected entries, the acks owed by the previous flush, and whatever the loop rides
-on it (hand-backs, the next read of new entries). Acks ride one flush behind the terminal write
+One flush carries every held job's fenced event batch (and reads its cancel flag; one script
+call per queue shard, whose jobs' keys share a slot), the dead letters of rejected entries, the
+acks owed by the previous flush, and whatever the loop rides on it (hand-backs, the next read
+of new entries). Acks ride one flush behind the terminal write
 they depend on, so an entry is never acknowledged unless its terminal event is known to be
 stored. Every write is idempotent (batch ids, XPENDING-checked acks), so after a lost reply the
 same batch is sent again. Transient Redis errors (out of memory, ...) keep everything owed for
@@ -77,8 +79,12 @@ class Outbox:
         pipe = ScriptPipeline(w.client)
         handlers = [self._queue_acks(pipe)]
         step_jobs = [j for j in w.jobs.values() if j.pending or j.in_engine]
-        handlers += [self._queue_writes(pipe, step_jobs[k:k + STEP_WRITE_CHUNK])
-                     for k in range(0, len(step_jobs), STEP_WRITE_CHUNK)]
+        by_shard: dict[int, list[Job]] = {}
+        for j in step_jobs:   # one script call per shard: its keys must share a slot
+            by_shard.setdefault(j.entry.shard, []).append(j)
+        handlers += [self._queue_writes(pipe, shard, jobs[k:k + STEP_WRITE_CHUNK])
+                     for shard, jobs in by_shard.items()
+                     for k in range(0, len(jobs), STEP_WRITE_CHUNK)]
         handlers += [self._queue_rejection(pipe, r) for r in self.rejections]
         handlers += [rider(pipe) for rider in riders]
         if not len(pipe):
@@ -145,12 +151,13 @@ class Outbox:
         last reset (creation and checked retries always set them)."""
         return bool(job.terminal) or now - job.ttl_set_at > self.w.ttl_ms / 10_000.0
 
-    def _queue_writes(self, pipe: ScriptPipeline, chunk: list[Job]) -> Callable[[list], None]:
+    def _queue_writes(self, pipe: ScriptPipeline, shard: int,
+                      chunk: list[Job]) -> Callable[[list], None]:
         now = time.monotonic()
         refresh = [self._ttl_due(j, now) for j in chunk]
         counts = [len(j.pending) for j in chunk]
         batches = [j.batch_no for j in chunk]
-        i = self.w.fence.write_step(pipe, self.w.ttl_ms, [
+        i = self.w.fence.write_step(pipe, self.w.ttl_ms, shard, [
             (j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create, j.unsure, r)
             for j, r in zip(chunk, refresh)])
 

@@ -66,12 +66,14 @@ def progress_from_entries(entries: Iterable[tuple[Any, dict[Any, Any]]]) -> JobP
     return prog
 
 
-def read_progress(client: redis.Redis, keys: Keys, job_id: str, page: int = 1000) -> JobProgress:
-    """Read a job's whole result stream (paged) into a JobProgress."""
+def read_progress(client: redis.Redis, keys: Keys, job_id: str, page: int = 1000,
+                  shard: Optional[int] = None) -> JobProgress:
+    """Read a job's whole result stream (paged) into a JobProgress; ``shard``: that of the
+    stream the job's entry was read from (None: where a producer puts the job id)."""
     entries: list[tuple[Any, dict[Any, Any]]] = []
     start = "-"
     while True:
-        batch = client.xrange(keys.results(job_id), min=start, count=page)
+        batch = client.xrange(keys.results(job_id, shard), min=start, count=page)
         entries.extend(batch)
         if len(batch) < page:
             break

@@ -29,13 +29,13 @@ def run(r, build):
 
 
 def write(r, fence, owner, batch, events, create=True, ttl=60_000, job="j", check=True):
-    (res,) = run(r, lambda p: fence.write_step(p, ttl, [(job, owner, batch, events, create,
+    (res,) = run(r, lambda p: fence.write_step(p, ttl, 0, [(job, owner, batch, events, create,
                                                           check, True)]))
     return parse_step_reply(res)[0][0]
 
 
 def own(r, fence, job, owner, entry_id="1-1"):
-    (res,) = run(r, lambda p: fence.bind_and_own(p, job, LANE, entry_id, owner, 60_000))
+    (res,) = run(r, lambda p: fence.bind_and_own(p, job, 0, LANE, entry_id, owner, 60_000))
     return bound(res)
 
 
@@ -143,7 +143,7 @@ def test_write_step_isolates_jobs_and_reads_cancel_flags(r):
         own(r, f, j, f"w1:{j}")
     r.set(K.results("b"), "not a stream")          # a broken key must not fail a or c
     r.set(K.cancel("c"), 1)
-    (reply,) = run(r, lambda p: f.write_step(p, 60_000, [
+    (reply,) = run(r, lambda p: f.write_step(p, 60_000, 0, [
         ("a", "w1:a", "a.0", [b"a1", b"a2"], True, False, False),
         ("b", "w1:b", "b.0", [b"b1"], True, False, False),
         ("c", "w1:c", "c.0", [], True, False, False),
@@ -156,7 +156,7 @@ def test_write_step_isolates_jobs_and_reads_cancel_flags(r):
     # a retry of a's batch after a lost reply (check=1) adds nothing; without create the
     # expired stream of another job is not recreated
     r.delete(K.results("c"))
-    (reply,) = run(r, lambda p: f.write_step(p, 60_000, [
+    (reply,) = run(r, lambda p: f.write_step(p, 60_000, 0, [
         ("a", "w1:a", "a.0", [b"a1", b"a2"], False, True, False),
         ("c", "w1:c", "c.1", [b"c1"], False, False, False)]))
     assert [st for st, _, _ in parse_step_reply(reply)] == [WriteStatus.DUP, WriteStatus.GONE]
@@ -170,13 +170,13 @@ def test_write_step_sets_ttls_on_create_and_refresh_only(r):
     f = Fence(K)
     own(r, f, "a", "w1:a")
     r.pexpire(K.owner("a"), 60_000)
-    run(r, lambda p: f.write_step(p, 60_000, [("a", "w1:a", "a.0", [b"a1"], True, False, False)]))
+    run(r, lambda p: f.write_step(p, 60_000, 0, [("a", "w1:a", "a.0", [b"a1"], True, False, False)]))
     assert 0 < r.pttl(K.results("a")) <= 60_000
     r.pexpire(K.results("a"), 5_000)
     r.pexpire(K.owner("a"), 5_000)
-    run(r, lambda p: f.write_step(p, 60_000, [("a", "w1:a", "a.1", [b"a2"], False, False, False)]))
+    run(r, lambda p: f.write_step(p, 60_000, 0, [("a", "w1:a", "a.1", [b"a2"], False, False, False)]))
     assert r.pttl(K.results("a")) <= 5_000 and r.pttl(K.owner("a")) <= 5_000
-    run(r, lambda p: f.write_step(p, 60_000, [("a", "w1:a", "a.2", [b"a3"], False, False, True)]))
+    run(r, lambda p: f.write_step(p, 60_000, 0, [("a", "w1:a", "a.2", [b"a3"], False, False, True)]))
     assert r.pttl(K.results("a")) > 5_000 and r.pttl(K.owner("a")) > 5_000
     assert r.xlen(K.results("a")) == 3
 
