@@ -153,7 +153,9 @@ class Admission:
 
     def _start_guarded(self, job: Job, stream: Any, cancelled: bool) -> None:
         try:
-            self._start(job, progress_from_entries(stream or []), cancelled)
+            progress = progress_from_entries(stream or [])
+            job.tail_mark = progress.last_mark
+            self._start(job, progress, cancelled)
         except Exception as exc:  # any failure admitting one job ends that job alone
             self.w.log.exception("job could not be started", **job.log_fields())
             self.w.jobs.fail(job, ErrorCode.INTERNAL, f"the worker could not start the job: "

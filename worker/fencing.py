@@ -29,6 +29,7 @@ class WriteStatus(str, Enum):
     REFUSED = "refused"
     MISSING = "missing"
     GONE = "gone"
+    BEHIND = "behind"    # the stream lost events this writer saw land (a failover): resume
     SKIP = "skip"
     ERROR = "error"
 
@@ -38,7 +39,7 @@ class WriteStatus(str, Enum):
 
 
 _STEP_CODES = {"o": WriteStatus.OK, "d": WriteStatus.DUP, "r": WriteStatus.REFUSED,
-               "m": WriteStatus.MISSING, "g": WriteStatus.GONE, "s": WriteStatus.SKIP,
+               "m": WriteStatus.MISSING, "g": WriteStatus.GONE, "b": WriteStatus.BEHIND, "s": WriteStatus.SKIP,
                "e": WriteStatus.ERROR}
 
 
@@ -66,19 +67,21 @@ class Fence:
                             self.dedupe_ttl_s])
 
     def write_step(self, pipe: ScriptPipeline, ttl_ms: int, shard: int,
-                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, bool, bool]]
+                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, str, bool]]
                    ) -> int:
         """All jobs of a step that hold entries of one queue shard, in one script call (their
-        keys share the shard's slot): ``(job_id, owner, batch_id, events, create, check,
-        refresh)`` each (``check``: this batch may have landed already, a retry after a lost
-        reply; ``refresh``: reset the TTLs); also reads each job's cancel flag. Parse the reply
-        with ``parse_step_reply``."""
+        keys share the shard's slot): ``(job_id, owner, batch_id, events, create, expect,
+        refresh)`` each (``expect``: '' for a plain append; after a lost reply or any Redis
+        error, the mark of the last entry the worker knows landed, so the script can tell a
+        retried batch that landed from events a failover lost (status BEHIND; see
+        worker/scripts.py); ``refresh``: reset the TTLs); also reads each job's cancel flag.
+        Parse the reply with ``parse_step_reply``."""
         keys: list[str] = []
         spec = []
-        for job_id, owner, batch_id, events, create, check, refresh in jobs:
+        for job_id, owner, batch_id, events, create, expect, refresh in jobs:
             keys += [self.keys.owner(job_id, shard), self.keys.results(job_id, shard),
                      self.keys.cancel(job_id, shard)]
-            spec.append([owner, int(create), batch_id, int(check), list(events), int(refresh)])
+            spec.append([owner, int(create), batch_id, expect, list(events), int(refresh)])
         # Old-spec raw strings: Redis's cmsgpack does not read the bin types.
         return pipe.script(WRITE_STEP, keys, [int(ttl_ms), msgpack.packb(spec, use_bin_type=False)])
 

@@ -94,8 +94,7 @@ class Outbox:
         try:
             res = pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError):
-            for job in step_jobs:  # the retry must check what already landed
-                job.unsure = bool(job.pending)
+            w.jobs.mark_unsure()  # the retry must check what already landed
             raise
         w.metrics.step_redis.observe(time.perf_counter() - t0)
         for handle in handlers:
@@ -158,7 +157,8 @@ class Outbox:
         counts = [len(j.pending) for j in chunk]
         batches = [j.batch_no for j in chunk]
         i = self.w.fence.write_step(pipe, self.w.ttl_ms, shard, [
-            (j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create, j.unsure, r)
+            (j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create,
+             j.tail_mark if j.unsure else "", r)
             for j, r in zip(chunk, refresh)])
 
         def handle(res: list) -> None:
@@ -193,6 +193,7 @@ class Outbox:
                                       f"{detail}", job.job_id, job.request.metadata))
             return
         if status.written:
+            job.tail_mark = f"{job.batch_id}:{n}"
             del job.pending[:n]
             job.batch_no += 1
             job.may_create = False
@@ -200,6 +201,12 @@ class Outbox:
             job.write_failures = 0
             if job.terminal and not job.pending:
                 self.owe_ack(job.entry, job.job_id, job.terminal)
+        elif status is WriteStatus.BEHIND:
+            # Redis failed over to a replica that had not received our last writes: resume
+            # the job from what its stream holds now (re-admitted as a takeover would be).
+            w.jobs.drop(job, "its result stream lost events in a Redis failover; resuming from "
+                             "what the stream holds")
+            w.intake.defer([job.entry])
         elif status is WriteStatus.REFUSED:
             w.jobs.drop(job, "ownership lost: another worker took the job over")
         else:  # missing/gone: the result stream expired, nobody can read this job any more

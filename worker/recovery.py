@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional
 import redis
 
 from producer_sdk.fold import ChoiceFold
-from producer_sdk.protocol import EVENT_FIELD, Event, Keys, ProtocolError, ResultFold
+from producer_sdk.protocol import BATCH_FIELD, EVENT_FIELD, Event, Keys, ProtocolError, ResultFold
 
 
 @dataclass
@@ -32,6 +32,7 @@ class JobProgress:
     choices: dict[int, ChoiceFold] = field(default_factory=dict)   # every choice, by index
     terminal: Optional[Event] = None       # the done/error event, if the job already ended
     last_entry_id: Optional[str] = None
+    last_mark: str = "^"                   # $batch mark of the last entry ('^': none or unmarked)
     undecodable: int = 0                   # entries that were not protocol events (skipped)
 
     @property
@@ -54,6 +55,8 @@ def progress_from_entries(entries: Iterable[tuple[Any, dict[Any, Any]]]) -> JobP
         prog.exists = True
         prog.last_entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         raw = (fields or {}).get(EVENT_FIELD, (fields or {}).get(EVENT_FIELD.decode()))
+        mark = (fields or {}).get(BATCH_FIELD, (fields or {}).get(BATCH_FIELD.decode()))
+        prog.last_mark = (mark.decode() if isinstance(mark, bytes) else mark) or "^"
         try:
             if raw is None:
                 raise ProtocolError("entry without an event field")

@@ -44,30 +44,47 @@ def _lua(name: str, source: str) -> LuaScript:
 
 # ------------------------------------------------------------------------------ result writes
 # The fenced append; ``cur`` is the owner record's value as read by the caller (false when
-# absent). Each event entry gets field $batch = "<batch id>:<k>" (k = 1..n). When ``check`` is 1
-# (a retry after a reply was lost) the last entry's $batch tells how much of this batch already
-# landed, and only the rest is written. After the first write (create = 0) XADD runs with
+# absent). Each event entry gets field $batch = "<batch id>:<k>" (k = 1..n). ``expect`` is ''
+# for a plain append, else the writer is unsure what the stream holds (a reply was lost, or
+# Redis failed over) and ``expect`` names the $batch mark of the last entry it knows landed
+# ('^': none, or an entry without a mark). Then the stream's last entry decides: a mark of this
+# batch says how much of it already landed (only the rest is written); ``expect`` itself means
+# nothing was lost; anything else means the stream lost events the writer saw acknowledged (a
+# failover to a replica that had not received them: Redis replicates asynchronously), and the
+# append returns 'behind' without writing, so the worker resumes the job from what survived
+# instead of leaving a gap. An unsure writer whose owner record is gone is 'behind' too (the
+# record may have been lost the same way). After the first write (create = 0) XADD runs with
 # NOMKSTREAM: an expired stream is never recreated. The TTLs of the result stream and the owner
-# record are (re)set when the stream is created, on a checked retry and when ``refresh`` is 1
+# record are (re)set when the stream is created, on a checked write and when ``refresh`` is 1
 # (the worker asks for that when a TTL is due or the batch is terminal), not on every step: two
 # PEXPIREs per job per step were a third of the step script's time. Returns ok | dup | refused
-# (another owner) | missing (owner record expired) | gone (result stream expired).
+# (another owner) | missing (owner record expired) | gone (result stream expired) | behind.
 _APPEND = """
-local function append(cur, ko, kr, owner, ttl, create, batch, events, check, refresh)
-  if not cur then return 'missing' end
+local function last_mark(kr)
+  local last = redis.call('XREVRANGE', kr, '+', '-', 'COUNT', 1)
+  if #last == 0 then return '^' end
+  local f = last[1][2]
+  for i = 1, #f, 2 do
+    if f[i] == '$batch' then return f[i + 1] end
+  end
+  return '^'
+end
+
+local function append(cur, ko, kr, owner, ttl, create, batch, events, expect, refresh)
+  if not cur then
+    if expect ~= '' then return 'behind' end
+    return 'missing'
+  end
   if cur ~= owner then return 'refused' end
   local n = #events
   local done = 0
-  if check == 1 then
-    local last = redis.call('XREVRANGE', kr, '+', '-', 'COUNT', 1)
-    if #last > 0 then
-      local f = last[1][2]
-      local prefix = batch .. ':'
-      for i = 1, #f, 2 do
-        if f[i] == '$batch' and string.sub(f[i + 1], 1, #prefix) == prefix then
-          done = tonumber(string.sub(f[i + 1], #prefix + 1)) or 0
-        end
-      end
+  if expect ~= '' then
+    local mark = last_mark(kr)
+    local prefix = batch .. ':'
+    if string.sub(mark, 1, #prefix) == prefix then
+      done = tonumber(string.sub(mark, #prefix + 1)) or 0
+    elseif mark ~= expect then
+      return 'behind'
     end
   end
   for k = done + 1, n do
@@ -79,7 +96,7 @@ local function append(cur, ko, kr, owner, ttl, create, batch, events, check, ref
     end
     if not id then return 'gone' end
   end
-  if create == 1 or check == 1 or refresh == 1 then
+  if create == 1 or expect ~= '' or refresh == 1 then
     redis.call('PEXPIRE', kr, ttl)
     redis.call('PEXPIRE', ko, ttl)
   end
@@ -89,10 +106,10 @@ end
 """
 
 # One call for every job of an engine step. KEYS: per job owner, results, cancel. ARGV[1]: ttl
-# ms; ARGV[2]: msgpack array, per job [owner value, create 0/1, batch id, check 0/1, [events],
-# refresh 0/1]. Owners and cancel flags are read with one MGET each. Returns {status letters,
+# ms; ARGV[2]: msgpack array, per job [owner value, create 0/1, batch id, expect ('' or a
+# mark, see _APPEND), [events], refresh 0/1]. Owners and cancel flags are read with one MGET each. Returns {status letters,
 # cancel flags ('0'/'1' per job), {job number, error, ...}}, one letter per job: o ok, d dup,
-# r refused, m missing, g gone, s skip (no events), e error. Each job is isolated (pcall): one
+# r refused, m missing, g gone, b behind, s skip (no events), e error. Each job is isolated (pcall): one
 # job's broken key never fails another job's write (MGET reads a key of the wrong type as absent).
 WRITE_STEP = _lua("write_step", _APPEND + """
 local jobs = cmsgpack.unpack(ARGV[2])
