@@ -2,7 +2,7 @@
 fake-engine workers are added.
 
 ``python -m worker.bench_fleet [--workers 1,2,4,8] [--jobs 2000] [--max-tokens 32]
-[--cluster-masters 3] [--shards 3]``
+[--cluster-masters 3] [--shards 3] [--out docs/bench]``
 
 For each fleet size and each backend (one private redis-server; then a private cluster of
 ``--cluster-masters`` masters with the queue split into ``--shards`` shards): that many
@@ -23,11 +23,13 @@ cluster would go.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 from producer_sdk import Client
@@ -137,6 +139,35 @@ def _row(name: str, f: dict[str, Any], max_tokens: int) -> str:
             f"{f['ceiling_jobs_s'] * max_tokens:16.0f}")
 
 
+def plot(rows: list[tuple[str, dict[str, Any]]], path: Path, note: str) -> Optional[Path]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'tokenrelay[bench]')")
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name in dict(rows):
+        mine = [f for n, f in rows if n == name]
+        workers = [f["workers"] for f in mine]
+        axes[0].plot(workers, [f["tokens_s"] for f in mine], marker="o", label=name)
+        axes[1].plot(workers, [f["ceiling_jobs_s"] * f["tokens_s"] / f["jobs_s"] for f in mine],
+                     marker="o", label=name)
+    axes[0].set_ylabel("token events/s measured")
+    axes[1].set_ylabel("token events/s at one core of the busiest server")
+    for ax in axes:
+        ax.set_xlabel("fake-engine workers")
+        ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"what one Redis and a Redis Cluster carry\n{note}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m worker.bench_fleet",
                                  description=__doc__.split("\n")[0])
@@ -147,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cluster-masters", type=int, default=3,
                     help="masters of the cluster backend (0: one redis-server only)")
     ap.add_argument("--shards", type=int, default=3, help="shards of the queue on the cluster")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder for fleet.json and fleet.png (e.g. docs/bench)")
     args = ap.parse_args(argv)
     print(f"{args.jobs} jobs of {args.max_tokens} streamed tokens, fake engine "
           f"(max_num_seqs={args.max_num_seqs}); host cores: {os.cpu_count()}")
@@ -157,10 +190,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.cluster_masters > 1:
         backends.append((f"cluster {args.cluster_masters}m, {args.shards} shards",
                          args.cluster_masters, args.shards))
+    rows: list[tuple[str, dict[str, Any]]] = []
     for n in args.workers:
         for name, masters, shards in backends:
             f = run_fleet(n, args.jobs, args.max_tokens, args.max_num_seqs, masters, shards)
+            rows.append((name, f))
             print(_row(name, f, args.max_tokens), flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        note = (f"{args.jobs} jobs x {args.max_tokens} streamed tokens, fake engine, "
+                f"{os.cpu_count()}-core host")
+        (args.out / "fleet.json").write_text(json.dumps(
+            {"note": note, "rows": [{"backend": n, **f} for n, f in rows]}, indent=1))
+        made = plot(rows, args.out / "fleet.png", note)
+        print(f"wrote {args.out / 'fleet.json'}" + (f" and {made}" if made else ""))
 
 
 if __name__ == "__main__":
