@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from redis.exceptions import OutOfMemoryError, ResponseError
 
+from producer_sdk.affinity import affinity_target
 from producer_sdk.payloads import Prepared
 from producer_sdk.protocol import (DEDUPE_SEPARATOR, PAYLOAD_FIELD, Keys, ProtocolError,
                                    parse_dedupe_record)
@@ -21,6 +22,10 @@ DEFAULT_MAX_QUEUED_JOBS = 100_000
 # One script call enqueues a whole chunk: per job, SET-if-absent of the dedupe record and XADD
 # happen atomically, so a retried call (redis-py retries on timeouts) never enqueues twice.
 # KEYS: target lane, the three lanes (depth), config hash, then one dedupe key per job.
+# A target that is none of the three lanes is a worker's affinity stream (producer_sdk/
+# affinity.py); KEYS[2] is then the jobs' own lane, where they go instead when that stream does
+# not exist: its worker deleted it when it drained, or a sweep did after it died, so a job
+# routed on a stale view of the workers is never left where nobody reads.
 # ARGV: explicit limit ('' = config hash or default), dedupe TTL, default limit, payloads.
 # Reply: {depth when the queue filled up or -1, limit, then per accepted/known job either the new
 # entry id or '=' .. the existing dedupe record}. Jobs past the reply's end were refused (full).
@@ -31,6 +36,9 @@ if not limit then
 end
 local depth = redis.call('XLEN', KEYS[2]) + redis.call('XLEN', KEYS[3]) + redis.call('XLEN', KEYS[4])
 local lane = KEYS[1]
+if lane ~= KEYS[2] and lane ~= KEYS[3] and lane ~= KEYS[4] and redis.call('EXISTS', lane) == 0 then
+  lane = KEYS[2]
+end
 local ttl = ARGV[2]
 local out = {-1, limit}
 for i = 1, #KEYS - 5 do
@@ -107,16 +115,23 @@ class EnqueueScript:
         self.sha = sha.encode()
         self._lanes = {name: keys.lane(name).encode() for name in keys.LANES}
         self._head = [k.encode() for k in keys.lanes()] + [keys.config.encode()]
+        # For an affinity stream target: the jobs' own lane first (the fallback), then the others.
+        self._affinity_head = {name: [self._lanes[name], *(self._lanes[n] for n in keys.LANES
+                                                           if n != name), self._head[-1]]
+                               for name in keys.LANES}
         self._limit = b"" if limit is None else str(int(limit)).encode()
         self._ttl = str(int(ttl_s)).encode()
         self._default = str(int(default_limit)).encode()
 
     def command(self, jobs: Sequence[Prepared]) -> bytes:
-        """One EVALSHA for jobs that all go to the same lane."""
+        """One EVALSHA for jobs that all go to the same lane (or affinity stream)."""
         dedupe = self.keys.dedupe
         dkeys = [dedupe(j.job_id).encode() for j in jobs]
-        args = [b"EVALSHA", self.sha, b"%d" % (5 + len(jobs)), self._lanes[jobs[0].lane],
-                *self._head, *dkeys, self._limit, self._ttl, self._default,
+        stream = affinity_target(self.keys, jobs[0])
+        target, head = ((self._lanes[jobs[0].lane], self._head) if stream is None else
+                        (stream.encode(), self._affinity_head[jobs[0].lane]))
+        args = [b"EVALSHA", self.sha, b"%d" % (5 + len(jobs)), target,
+                *head, *dkeys, self._limit, self._ttl, self._default,
                 *[j.payload for j in jobs]]
         return pack_command(args)
 
@@ -124,15 +139,17 @@ class EnqueueScript:
 def chunk_by_lane(indexes: Iterable[int], jobs: Sequence[Prepared],
                   size: int) -> list[list[int]]:
     """Group job indexes into chunks of one lane of one queue each (the client's queue first),
-    preserving order within a lane."""
-    by_lane: dict[tuple[str, str], list[int]] = {}
+    preserving order within a lane; jobs routed to a worker's affinity stream chunk by worker
+    after that lane's shared jobs."""
+    by_lane: dict[tuple[str, str, str], list[int]] = {}
     for i in indexes:
-        by_lane.setdefault((jobs[i].queue or "", jobs[i].lane), []).append(i)
+        by_lane.setdefault((jobs[i].queue or "", jobs[i].lane, jobs[i].affinity or ""),
+                           []).append(i)
+    order = {lane: n for n, lane in enumerate(Keys.LANES)}
     chunks: list[list[int]] = []
-    for queue in sorted({q for q, _ in by_lane}):
-        for lane in Keys.LANES:
-            idx = by_lane.get((queue, lane), [])
-            chunks.extend(idx[s:s + size] for s in range(0, len(idx), size))
+    for key in sorted(by_lane, key=lambda k: (k[0], order[k[1]], k[2])):
+        idx = by_lane[key]
+        chunks.extend(idx[s:s + size] for s in range(0, len(idx), size))
     return chunks
 
 

@@ -96,13 +96,14 @@ class AsyncClient(ClientCore[aioredis.Redis]):
                      metadata: Optional[dict[str, Any]] = None, block: bool = False,
                      block_timeout: Optional[float] = None,
                      chat_template_kwargs: Optional[dict[str, Any]] = None,
-                     traceparent: Optional[str] = None,
+                     traceparent: Optional[str] = None, routing_key: Optional[str] = None,
                      **sampling: Any) -> AsyncJob:
         prepared = self._builder.build(prompt, messages, prompt_token_ids, job_id=job_id,
                                        priority=priority, deadline_s=deadline_s, stream=stream,
                                        metadata=metadata,
                                        chat_template_kwargs=chat_template_kwargs,
-                                       traceparent=traceparent, **sampling)
+                                       traceparent=traceparent, routing_key=routing_key,
+                                       **sampling)
         return (await self.enqueue([prepared], block=block, block_timeout=block_timeout))[0]
 
     async def submit_many(self, requests: Iterable[Any], *, block: bool = True,
@@ -120,6 +121,7 @@ class AsyncClient(ClientCore[aioredis.Redis]):
         if not self._script_loaded:
             await self._call(self.redis.script_load, ENQUEUE_LUA)
             self._script_loaded = True
+        await self._call(self._affinity.aroute, self.redis, prepared)
         plan = EnqueuePlan(prepared, self._scripts, self.config.chunk_size)
         deadline = Deadline(block_timeout)
         pause = 0.02

@@ -102,7 +102,8 @@ class Client(ClientCore[redis.Redis]):
                metadata: Optional[dict[str, Any]] = None, block: bool = False,
                block_timeout: Optional[float] = None,
                chat_template_kwargs: Optional[dict[str, Any]] = None,
-               traceparent: Optional[str] = None, **sampling: Any) -> Job:
+               traceparent: Optional[str] = None, routing_key: Optional[str] = None,
+               **sampling: Any) -> Job:
         """Enqueue one job. Sampling fields are validated first (ValueError names a bad one).
 
         Raises QueueFull past the queue's high-water mark unless ``block`` (then waits up to
@@ -111,12 +112,16 @@ class Client(ClientCore[redis.Redis]):
         ``chat_template_kwargs`` (with ``messages``) are variables for the model's chat
         template, e.g. ``{"enable_thinking": False}`` for Qwen3. ``traceparent`` (W3C Trace
         Context) is carried with the job and logged by the worker with every line of it.
+        ``routing_key`` (a conversation or system-prompt id, OpenAI's ``prompt_cache_key``)
+        sends jobs with the same key to the same live worker, whose prefix cache holds what
+        they share (producer_sdk/affinity.py); without it the job goes to the shared lanes.
         """
         prepared = self._builder.build(prompt, messages, prompt_token_ids, job_id=job_id,
                                        priority=priority, deadline_s=deadline_s, stream=stream,
                                        metadata=metadata,
                                        chat_template_kwargs=chat_template_kwargs,
-                                       traceparent=traceparent, **sampling)
+                                       traceparent=traceparent, routing_key=routing_key,
+                                       **sampling)
         return self.enqueue([prepared], block=block, block_timeout=block_timeout)[0]
 
     def submit_many(self, requests: Iterable[Any], *, block: bool = True,
@@ -144,6 +149,7 @@ class Client(ClientCore[redis.Redis]):
             # Load once up front: a NOSCRIPT reply would make the first round travel twice.
             self._call(self.redis.script_load, ENQUEUE_LUA)
             self._script_loaded = True
+        self._call(self._affinity.route, self.redis, prepared)
         plan = EnqueuePlan(prepared, self._scripts, self.config.chunk_size)
         deadline = Deadline(block_timeout)
         pause = 0.02

@@ -13,6 +13,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from producer_sdk._wire import ENQUEUE_LUA, EnqueueScript, redact_url
+from producer_sdk.affinity import AffinityRouter
 from producer_sdk.config import ClientConfig
 from producer_sdk.errors import ClientClosed
 from producer_sdk.payloads import PayloadBuilder
@@ -55,6 +56,8 @@ class ClientCore(Generic[R]):
                                      ttl_s=self.config.dedupe_ttl_s)
         self._other_scripts: dict[str, EnqueueScript] = {}
         self._script_loaded = False
+        self._affinity = AffinityRouter(self.keys, self.config.affinity_ttl_s,
+                                        self.config.affinity_max_backlog)
 
     def _scripts(self, queue: Optional[str]) -> EnqueueScript:
         """The enqueue script of ``queue`` (None or the client's own: the client's): a job

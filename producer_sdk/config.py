@@ -37,6 +37,11 @@ class ClientConfig(BaseModel):
     poll_ms: int = Field(default=2_000, ge=10, description="longest XREAD BLOCK")
     chunk_size: int = Field(default=500, ge=1, le=10_000, description="jobs per enqueue script call")
     pipeline_depth: int = Field(default=4, ge=1, description="script calls in flight per round trip")
+    affinity_max_backlog: int = Field(
+        default=128, ge=1, description="a job with a routing_key goes to the shared lanes when "
+        "its worker holds this many jobs and unread affinity jobs (producer_sdk/affinity.py)")
+    affinity_ttl_s: float = Field(default=1.0, ge=0, description="seconds the live workers read "
+                                  "for affinity routing are reused")
 
     @model_validator(mode="after")
     def _socket_outlives_block(self) -> "ClientConfig":
