@@ -53,7 +53,8 @@ class Intake:
         entries += prefetched or []
         cap = self.capacity() - len(entries)
         if cap > 0 and w.liveness.due("reclaim", max(0.2, w.s.lease_ms / 6000.0)):
-            entries += self.pending.reclaim(cap, w.s.lease_ms)
+            entries += w.affinity.reclaim(cap, w.s.lease_ms)    # a dead worker's routed jobs
+            entries += self.pending.reclaim(self.capacity() - len(entries), w.s.lease_ms)
         cap = self.capacity() - len(entries)
         if cap > 0 and (block or w.liveness.due("parked", w.s.heartbeat_ms / 1000.0)):
             entries += self.pending.reclaim(cap, None)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Optional
 import redis
 
 from producer_sdk.protocol import GROUP, PARKED_IDLE_MS, PARKING_CONSUMER, PAYLOAD_FIELD, Keys
+from worker.affinity import own_lanes
 from worker.scripts import (ACK, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM, ScriptPipeline,
                             text)
 
@@ -95,7 +96,9 @@ class PendingList:
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
-        self._lanes = [(name, keys.lane(name)) for name in keys.LANES]
+        # This worker's affinity stream first (worker/affinity.py says why), then the lanes.
+        self._lanes = own_lanes(keys, worker_id, 0) + [(name, keys.lane(name))
+                                                       for name in keys.LANES]
         self._lane_name = {key: name for name, key in self._lanes}
         self._on_group_recreated = on_group_recreated
 
@@ -201,13 +204,15 @@ class PendingList:
                 start = rows[-1].entry_id
         return out
 
-    def reclaim(self, count: int, min_idle_ms: Optional[int]) -> list[Entry]:
+    def reclaim(self, count: int, min_idle_ms: Optional[int],
+                lanes: Optional[list[tuple[str, str]]] = None) -> list[Entry]:
         """Take up to ``count`` entries, most urgent lane first: parked ones (a draining worker's
         hand-backs, delivery count kept), then, when ``min_idle_ms`` is given, entries idle
         longer than that (a dead or stalled holder; one delivery counted). Deleted entries come
-        back with ``fields`` None; the caller acks them."""
+        back with ``fields`` None; the caller acks them. ``lanes``: (name, key) of other
+        streams than this worker's lanes (another worker's affinity stream)."""
         out: list[Entry] = []
-        for name, key in self._lanes:
+        for name, key in self._lanes if lanes is None else lanes:
             cursor = "0-0"
             while len(out) < count:
                 want = count - len(out)

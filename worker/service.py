@@ -26,6 +26,7 @@ import redis
 from engine.errors import UnsupportedModelError
 from producer_sdk.protocol import Keys
 from worker.admission import Admission
+from worker.affinity import Affinity
 from worker.config import WorkerSettings
 from worker.connection import (EXIT_CONFIG, Backoff, ErrorKind, PermanentRedisError, classify,
                                connect, describe_permanent)
@@ -93,6 +94,7 @@ class Worker:
         self.stepper = Stepper(self)
         self.liveness = Liveness(self)
         self.drain = Drain(self)
+        self.affinity = Affinity(self)
         self.backoff = Backoff()
         self.ready = threading.Event()
         self.exit_code = 0
@@ -207,6 +209,11 @@ class Worker:
             raise PermanentRedisError(describe_permanent(exc, self.s.redis_url)) from exc
 
     def _group_recreated(self, lane_key: str) -> None:
+        if lane_key in self.affinity.own:
+            self.log.warning("own affinity stream was missing and has been recreated: another "
+                             "worker took this one for dead (its heartbeat expired) and emptied "
+                             "it", lane=lane_key)
+            return
         self.log.error("consumer group was missing (NOGROUP) and has been recreated at 0; "
                        "Redis probably restarted without persistence", lane=lane_key)
 
