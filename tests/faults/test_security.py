@@ -42,13 +42,17 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
                "xgroup|create", "xreadgroup", "xinfo|groups", "xadd", "xack", "xdel", "xclaim",
                "xautoclaim", "xpending", "xrange", "xrevrange",
                "get", "set", "mget", "exists", "del", "pexpire",
-               "hset", "hget", "hgetall", "zadd", "zrem", "sadd"),
+               "hset", "hget", "hgetall", "zadd", "zrem", "sadd",
+               # the affinity sweep reads the registry and its own streams' lengths
+               "zrange", "xlen"),
     # producer_sdk.Client / AsyncClient / python -m producer_sdk submit|cancel|batch|status
     # (status and reattach read the job's pending row, last event and the lanes' groups;
     # producer_sdk.models and the batch runner's routing read the queues, registries and beats)
     "producer": ("ping", "evalsha", "script|load", "xadd", "xlen", "xread", "xrange",
                  "xrevrange", "xpending", "xinfo|groups", "get", "set", "exists", "hget",
-                 "multi", "exec", "smembers", "zrange", "hmget"),
+                 "multi", "exec", "smembers", "zrange", "hmget",
+                 # affinity routing reads each heartbeat's age (its remaining TTL)
+                 "pttl"),
     # python -m worker admin ... and python -m producer_sdk stats --queue Q
     "admin": ("evalsha", "eval", "xpending", "xrange", "xadd", "xdel", "xlen", "xinfo|groups",
               "get", "set", "exists", "del", "hget", "hset", "zrange", "zcount", "zcard"),

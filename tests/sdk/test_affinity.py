@@ -1,0 +1,228 @@
+"""Prefix-affinity routing, producer side (producer_sdk/affinity.py): the rendezvous choice,
+which heartbeats qualify, the backlog bound and TTL, the wire field and its OpenAI spelling, and
+where the enqueue script puts a keyed job on a real redis-server (workers are faked here by
+writing the heartbeat and creating the stream as a worker does; tests/worker/test_affinity.py
+runs real ones)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import msgpack
+import pytest
+import redis
+
+from producer_sdk import AsyncClient, Client
+from producer_sdk.affinity import (HEARTBEAT_FIELDS, AffinityRouter, LiveWorker, live_worker,
+                                   rank)
+from producer_sdk.errors import InvalidRequest
+from producer_sdk.openai_format import CHAT_URL, LineError, parse_request
+from producer_sdk.payloads import Prepared
+from producer_sdk.protocol import (GROUP, MAX_ROUTING_KEY_LEN, JobRequest, Keys, ProtocolError,
+                                   decode_job, encode_job, parse_dedupe_record)
+from tests.sdk_helpers import sdk_redis, sdk_url  # noqa: F401  (fixtures)
+
+KEYS = Keys()
+
+
+# ------------------------------------------------------------------------------------------
+# rendezvous hashing
+# ------------------------------------------------------------------------------------------
+
+def test_rank_is_deterministic_and_spreads_keys_evenly():
+    workers = [f"w{i}" for i in range(4)]
+    first = Counter(rank(f"conv-{k}", workers)[0] for k in range(8000))
+    assert set(first) == set(workers)
+    assert all(1700 <= n <= 2300 for n in first.values()), first     # 2000 each, +-15 %
+    assert rank("conv-1", workers) == rank("conv-1", list(reversed(workers)))
+
+
+def test_a_worker_leaving_moves_only_the_keys_it_won():
+    workers = ["a", "b", "c", "d"]
+    before = {k: rank(str(k), workers)[0] for k in range(2000)}
+    after = {k: rank(str(k), ["a", "b", "d"])[0] for k in range(2000)}
+    moved = [k for k in before if before[k] != after[k]]
+    assert moved and all(before[k] == "c" for k in moved)
+    # ... each to its runner-up, the same worker every producer computes
+    assert all(after[k] == rank(str(k), workers)[1] for k in moved)
+
+
+# ------------------------------------------------------------------------------------------
+# which heartbeats qualify
+# ------------------------------------------------------------------------------------------
+
+def beat(**fields: object) -> list:
+    base = {"queue": "default", "engine_loaded": "1", "draining": "0", "affinity": "1",
+            "held": "3", "affinity_queued": "2", "heartbeat_ms": "1000"}
+    base.update({k: v for k, v in fields.items()})
+    return [None if base[f] is None else str(base[f]).encode() for f in HEARTBEAT_FIELDS]
+
+
+def test_live_worker_reads_the_heartbeat_and_its_age():
+    assert live_worker("default", "w", beat(), 4000) == LiveWorker("w", 5)
+    assert live_worker("default", "w", beat(), 2000) is not None      # beat 3 intervals ago
+    assert live_worker("default", "w", beat(), 1999) is None          # older: stale
+    assert live_worker("default", "w", beat(), -2) is None            # hash gone
+    assert live_worker("default", "w", beat(draining="1"), 4000) is None
+    assert live_worker("default", "w", beat(engine_loaded="0"), 4000) is None
+    assert live_worker("default", "w", beat(affinity=None), 4000) is None   # an older worker
+    assert live_worker("other", "w", beat(), 4000) is None
+    assert live_worker("default", "w", beat(held="x", affinity_queued=None), 4000).backlog == 0
+
+
+# ------------------------------------------------------------------------------------------
+# the router without Redis
+# ------------------------------------------------------------------------------------------
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def prepared(job_id: str, key: object = None, queue: object = None) -> Prepared:
+    return Prepared(job_id, "default", b"", True, queue, key)
+
+
+def test_router_picks_the_top_ranked_worker_until_its_backlog_bound():
+    clock = Clock()
+    router = AffinityRouter(KEYS, ttl_s=1.0, max_backlog=5, clock=clock)
+    jobs = [prepared(f"j{i}", "conv") for i in range(4)] + [prepared("plain")]
+    assert router.stale(jobs) == ["default"]
+    best = rank("conv", ["a", "b"])[0]
+    router.store("default", {"a": LiveWorker("a", 2), "b": LiveWorker("b", 2)})
+    assert router.stale(jobs) == []
+    router.assign(jobs)
+    # backlog 2, bound 5: three more fit, the fourth keyed job goes to the shared lanes
+    assert [j.affinity for j in jobs] == [best, best, best, None, None]
+    clock.t += 1.0
+    assert router.stale(jobs) == ["default"]        # the snapshot expired: read again
+
+
+def test_router_without_live_workers_leaves_jobs_on_the_shared_lanes():
+    router = AffinityRouter(KEYS, ttl_s=1.0, max_backlog=5)
+    router.store("default", {})
+    jobs = [prepared("j1", "conv")]
+    router.assign(jobs)
+    assert jobs[0].affinity is None
+
+
+def test_router_keeps_a_snapshot_per_queue():
+    router = AffinityRouter(KEYS, ttl_s=1.0, max_backlog=5)
+    router.store("default", {"a": LiveWorker("a", 0)})
+    router.store("other", {"z": LiveWorker("z", 0)})
+    jobs = [prepared("j1", "conv"), prepared("j2", "conv", queue="other")]
+    router.assign(jobs)
+    assert [j.affinity for j in jobs] == ["a", "z"]
+
+
+# ------------------------------------------------------------------------------------------
+# the wire field and its OpenAI spelling
+# ------------------------------------------------------------------------------------------
+
+def test_routing_key_is_a_bounded_string_in_the_payload():
+    job = JobRequest(job_id="j", prompt="p", routing_key="k" * MAX_ROUTING_KEY_LEN)
+    assert decode_job(encode_job(job)).routing_key == "k" * MAX_ROUTING_KEY_LEN
+    for bad in ("", "k" * (MAX_ROUTING_KEY_LEN + 1), 7):
+        obj = {"v": 1, "job_id": "j", "prompt": "p", "routing_key": bad}
+        with pytest.raises(ProtocolError) as err:
+            decode_job(msgpack.packb(obj))
+        assert err.value.field == "routing_key", bad
+
+
+def test_prompt_cache_key_is_the_routing_key_and_user_is_not():
+    body = {"messages": [{"role": "user", "content": "hi"}], "prompt_cache_key": "conv-9",
+            "user": "alice"}
+    req = parse_request(CHAT_URL, body, streaming=True)
+    assert req.kwargs["routing_key"] == "conv-9" and req.user == "alice"
+    only_user = parse_request(CHAT_URL, {**body, "prompt_cache_key": None}, streaming=True)
+    assert "routing_key" not in only_user.kwargs
+    for bad in ("", 5, "k" * (MAX_ROUTING_KEY_LEN + 1)):
+        with pytest.raises(LineError) as err:
+            parse_request(CHAT_URL, {**body, "prompt_cache_key": bad}, streaming=False)
+        assert err.value.param == "prompt_cache_key"
+
+
+# ------------------------------------------------------------------------------------------
+# on a real redis-server, with workers faked by their heartbeats and streams
+# ------------------------------------------------------------------------------------------
+
+def fake_worker(r, worker_id: str, stream: bool = True, **fields: object) -> None:
+    """What a worker writes for routing: its registry entry and heartbeat; and its stream with
+    the consumer group (unless ``stream`` is False: a worker that deleted it)."""
+    hb = {"queue": "default", "engine_loaded": 1, "draining": 0, "affinity": 1, "held": 0,
+          "affinity_queued": 0, "heartbeat_ms": 1000, **fields}
+    r.hset(KEYS.heartbeat(worker_id), mapping=hb)
+    r.pexpire(KEYS.heartbeat(worker_id), 5000)
+    r.zadd(KEYS.workers, {worker_id: 1})
+    if stream:
+        r.xgroup_create(KEYS.affinity(worker_id, 0), GROUP, id="0", mkstream=True)
+
+
+def where(r, job_id: str) -> str:
+    lane, entry_id = parse_dedupe_record(r.get(KEYS.dedupe(job_id)))
+    assert r.xrange(lane, entry_id, entry_id), "the dedupe record names an entry that is not there"
+    return lane
+
+
+def test_keyed_jobs_go_to_the_chosen_workers_stream_and_others_to_their_lanes(sdk_url):
+    with Client(sdk_url) as c:
+        r = c.redis
+        for w in ("wa", "wb", "wc"):
+            fake_worker(r, w)
+        keyed = [c.submit("hi", job_id=f"k{i}", routing_key=f"conv-{i % 6}") for i in range(12)]
+        plain = c.submit("hi", job_id="plain", priority=-1)
+        for i, job in enumerate(keyed):
+            assert where(r, job.id) == KEYS.affinity(rank(f"conv-{i % 6}", ["wa", "wb", "wc"])[0], 0)
+        assert where(r, plain.id) == KEYS.lane("urgent")
+        # resubmitting a known id is deduped, wherever its entry lives
+        again = c.submit("hi", job_id="k0", routing_key="conv-0")
+        assert again.reattached and sum(r.xlen(KEYS.affinity(w, 0)) for w in ("wa", "wb", "wc")) == 12
+
+
+def test_a_deleted_affinity_stream_sends_the_job_to_its_own_lane(sdk_url):
+    """The enqueue script's fallback: the router still believes in the worker (a stale view),
+    but its stream is gone, so the job lands in the shared lane of its priority."""
+    with Client(sdk_url) as c:
+        fake_worker(c.redis, "gone", stream=False)
+        job = c.submit("hi", job_id="late", routing_key="conv", priority=5)
+        assert where(c.redis, job.id) == KEYS.lane("bulk")
+        assert not c.redis.exists(KEYS.affinity("gone", 0))
+
+
+def test_draining_stale_or_busy_workers_are_passed_over(sdk_url):
+    with Client(sdk_url, affinity_max_backlog=4) as c:
+        r = c.redis
+        fake_worker(r, "drains", draining=1)
+        fake_worker(r, "stale", heartbeat_ms=100)
+        r.pexpire(KEYS.heartbeat("stale"), 150)     # 150 ms left of 5 beats: beat 3.5 beats ago
+        fake_worker(r, "busy", held=3, affinity_queued=0)
+        jobs = c.submit_many([{"prompt": "p", "job_id": f"b{i}", "routing_key": "one"}
+                              for i in range(3)])
+        # only "busy" qualifies; with backlog 3 and bound 4 it takes one job, then the lane
+        assert [where(r, j.id) for j in jobs] == [KEYS.affinity("busy", 0)] + [KEYS.lane("default")] * 2
+
+
+def test_async_client_routes_the_same_way(sdk_url):
+    r = redis.Redis.from_url(sdk_url)
+    for w in ("wa", "wb"):
+        fake_worker(r, w)
+
+    async def go() -> list[str]:
+        async with AsyncClient(sdk_url) as c:
+            return [(await c.submit("hi", job_id=f"a{i}", routing_key=f"c{i}")).id
+                    for i in range(6)]
+    for i, job_id in enumerate(asyncio.run(go())):
+        assert where(r, job_id) == KEYS.affinity(rank(f"c{i}", ["wa", "wb"])[0], 0)
+    r.close()
+
+
+def test_submit_rejects_a_bad_routing_key_before_enqueue(sdk_url):
+    with Client(sdk_url) as c:
+        with pytest.raises(InvalidRequest) as err:
+            c.submit("hi", routing_key="")
+        assert err.value.field == "routing_key"
+        assert c.queue_depth() == 0
