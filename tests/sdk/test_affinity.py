@@ -7,6 +7,8 @@ runs real ones)."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections import Counter
 
 import msgpack
@@ -17,11 +19,11 @@ from producer_sdk import AsyncClient, Client
 from producer_sdk.affinity import (HEARTBEAT_FIELDS, AffinityRouter, LiveWorker, live_worker,
                                    rank)
 from producer_sdk.errors import InvalidRequest
-from producer_sdk.openai_format import CHAT_URL, LineError, parse_request
+from producer_sdk.openai_format import CHAT_URL, LineError, body_to_request, parse_request
 from producer_sdk.payloads import Prepared
 from producer_sdk.protocol import (GROUP, MAX_ROUTING_KEY_LEN, JobRequest, Keys, ProtocolError,
                                    decode_job, encode_job, parse_dedupe_record)
-from tests.sdk_helpers import sdk_redis, sdk_url  # noqa: F401  (fixtures)
+from tests.sdk_helpers import env_with_repo, sdk_redis, sdk_url  # noqa: F401  (fixtures)
 
 KEYS = Keys()
 
@@ -226,3 +228,26 @@ def test_submit_rejects_a_bad_routing_key_before_enqueue(sdk_url):
             c.submit("hi", routing_key="")
         assert err.value.field == "routing_key"
         assert c.queue_depth() == 0
+
+
+def test_a_batch_lines_prompt_cache_key_routes_its_job(sdk_url):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "prompt_cache_key": "sys-prompt-7", "user": "bob"}
+    with Client(sdk_url) as c:
+        fake_worker(c.redis, "wa")
+        p = c.prepare(body_to_request(CHAT_URL, body), job_id="line-1", stream=False)
+        assert p.routing_key == "sys-prompt-7"
+        assert decode_job(p.payload).routing_key == "sys-prompt-7"
+        c.enqueue([p], block=False)
+        assert where(c.redis, "line-1") == KEYS.affinity("wa", 0)
+
+
+def test_cli_submit_routing_key(sdk_url):
+    r = redis.Redis.from_url(sdk_url)
+    fake_worker(r, "wa")                    # advertised, never answers: the CLI times out
+    res = subprocess.run([sys.executable, "-m", "producer_sdk", "submit", "hi", "--redis-url",
+                          sdk_url, "--routing-key", "conv-1", "--job-id", "cli-1", "--timeout",
+                          "0.2"], capture_output=True, text=True, timeout=60, env=env_with_repo())
+    assert "job cli-1" in res.stderr and res.returncode != 0
+    assert where(r, "cli-1") == KEYS.affinity("wa", 0)
+    r.close()
