@@ -175,6 +175,17 @@ class AffinityRouter:
         self.assign(keyed)
 
 
+def is_affinity_stream(keys: Keys, key: str) -> bool:
+    """Whether ``key`` is some worker's affinity stream of this queue (not a shared lane)."""
+    if key in keys.lanes():
+        return False
+    try:
+        keys.shard_of_stream(key)
+    except KeyError:
+        return False
+    return True
+
+
 def affinity_target(keys: Keys, job: Prepared) -> Optional[str]:
     """The affinity stream a routed job is enqueued on (None: a shared lane): the worker's
     stream on the shard of the job's id, the slot of its dedupe record."""
@@ -184,4 +195,4 @@ def affinity_target(keys: Keys, job: Prepared) -> Optional[str]:
 
 
 __all__ = ["score", "rank", "LiveWorker", "live_worker", "live_workers_plan", "AffinityRouter",
-           "affinity_target", "HEARTBEAT_FIELDS"]
+           "affinity_target", "is_affinity_stream", "HEARTBEAT_FIELDS"]

@@ -18,6 +18,7 @@ from typing import Any, Callable, Generator, Literal, Optional
 from pydantic import BaseModel, ConfigDict
 
 from producer_sdk._wire import record_location
+from producer_sdk.affinity import is_affinity_stream
 from producer_sdk.protocol import (EVENT_FIELD, GROUP, PARKING_CONSUMER, ErrorEvent, Keys,
                                    ProtocolError, decode_event)
 
@@ -34,7 +35,8 @@ class JobStatus(BaseModel):
 
     job_id: str
     state: State
-    lane: Optional[str] = None              # urgent | default | bulk
+    lane: Optional[str] = None              # urgent | default | bulk | affinity (routed to a
+                                            # worker by its routing key)
     position: Optional[int] = None
     worker_id: Optional[str] = None         # running: the worker holding it
     tokens: int = 0                         # output tokens written so far (several choices:
@@ -164,7 +166,8 @@ def queue_snapshot(pipe: Any, keys: Keys, job_id: str, record: Any) -> None:
 def fold_status(keys: Keys, job_id: str, record: Any, replies: list[Any]) -> JobStatus:
     last, in_lane, pending, owner, cancel = replies
     lane_key, _ = record_location(keys, record)
-    lane = {keys.lane(n): n for n in Keys.LANES}.get(lane_key) if record else None
+    lane = ({keys.lane(n): n for n in Keys.LANES}.get(lane_key)
+            or ("affinity" if is_affinity_stream(keys, lane_key) else None)) if record else None
     event = _last_event(last)
     base = dict(job_id=job_id, lane=lane, cancel_requested=cancel == 1, tokens=_tokens(event))
     if event is not None and event.type == "done":
@@ -198,6 +201,10 @@ def position_range(keys: Keys, record: Any, replies: list[Any]) -> tuple[int, Op
     """Jobs not yet taken in more urgent lanes, and the XRANGE (lane, after, up to) that counts
     the ones ahead in the job's own lane (None when its group has not read that lane yet)."""
     lane_key, entry = record_location(keys, record)
+    if is_affinity_stream(keys, lane_key):
+        # its worker reads that stream before any lane: what is ahead is what precedes it there
+        # (some of it may be running already)
+        return 0, (lane_key, "-", f"({entry}")
     ahead = 0
     for i, lane in enumerate(keys.lanes()):
         group = _group(replies[2 * i])

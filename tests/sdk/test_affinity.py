@@ -251,3 +251,14 @@ def test_cli_submit_routing_key(sdk_url):
     assert "job cli-1" in res.stderr and res.returncode != 0
     assert where(r, "cli-1") == KEYS.affinity("wa", 0)
     r.close()
+
+
+def test_status_of_a_job_waiting_in_an_affinity_stream(sdk_url):
+    with Client(sdk_url) as c:
+        fake_worker(c.redis, "wa")
+        for i in range(3):
+            c.submit("hi", job_id=f"s{i}", routing_key="conv")
+        c.submit("hi", job_id="shared")
+        st = c.statuses(["s0", "s2", "shared"])
+    assert [(s.state, s.lane, s.position) for s in st] == [
+        ("queued", "affinity", 0), ("queued", "affinity", 2), ("queued", "default", 0)]
