@@ -140,9 +140,10 @@ class Affinity:
         for wid in others:
             pipe.hget(self.keys.heartbeat(wid), "draining")
             pipe.exists(self.keys.heartbeat(wid))
-        replies = pipe.execute()
+        replies = pipe.execute(raise_on_error=False)    # a key of the wrong type: not gone
         return [wid for wid, draining, alive in zip(others, replies[0::2], replies[1::2])
-                if not alive or text(draining or b"0") == "1"]
+                if not isinstance(draining, Exception)
+                and (alive == 0 or text(draining or b"0") == "1")]
 
     def sweep(self) -> int:
         """Move what nobody holds out of dead or draining workers' streams (deleting those
@@ -158,7 +159,12 @@ class Affinity:
         present = [k for k, found in zip(streams, pipe.execute()) if found]
         moved, left = 0, []
         for key in present:
-            n, gone = self.empty_out(key, delete=True)
+            try:
+                n, gone = self.empty_out(key, delete=True)
+            except redis.ResponseError as exc:   # e.g. WRONGTYPE: that key alone is skipped
+                self.w.log_limited("warning", "cannot sweep an affinity stream", lane=key,
+                                   error=str(exc))
+                continue
             moved += n
             if not gone:
                 left.append(key)

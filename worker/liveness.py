@@ -175,7 +175,13 @@ class Liveness:
     def shutdown(self) -> None:
         """Leave the registry and release the id (only if still ours). A worker whose affinity
         streams still hold entries stays registered, so other workers find and sweep them."""
-        if (self.id_lease is None or self.id_lease.held) and self.w.affinity.close():
-            self.w.client.zrem(self.w.keys.workers, self.w.worker_id)
+        if self.id_lease is None or self.id_lease.held:
+            try:
+                emptied = self.w.affinity.close()
+            except redis.RedisError as exc:       # swept by the others once our beat is gone
+                self.w.log.warning("could not empty own affinity streams", error=str(exc))
+                emptied = False
+            if emptied:
+                self.w.client.zrem(self.w.keys.workers, self.w.worker_id)
         if self.id_lease is not None:
             self.id_lease.release()

@@ -183,3 +183,12 @@ def test_a_live_workers_stream_is_left_alone(redis_server, start_worker):
         assert all(record_lane(r, j.id) == KEYS.affinity("busy", 0) for j in jobs)
         ended_once(r, [j.id for j in jobs])
     assert all(check_stream(r, KEYS, j.id).kind == "done:length" for j in jobs)
+
+
+def test_a_key_of_the_wrong_type_is_skipped_not_fatal(redis_server):
+    r = redis_server.client()
+    r.zadd(KEYS.workers, {"odd": 1, "dead": 1})
+    r.set(KEYS.heartbeat("odd"), "not a hash")           # HGET fails: not taken for gone
+    r.set(KEYS.affinity("dead", 0), "not a stream")      # the move script fails: skipped
+    w = idle_worker(redis_server)
+    assert w.affinity.sweep() == 0 and w.affinity.foreign == []
