@@ -13,8 +13,10 @@ conversation thinks a random moment between turns, so turns do not arrive in loc
 conversations finish turn 1 first (it fills both caches with the system prompt), then turns
 2-6 run freely. Printed per mode: the prefix-cache hit rate of turns 2-6 (hit tokens / prompt
 tokens looked up, from the workers' metrics), the time to first token (submit to the first
-streamed token, at the client) of turn 1 and of turns 2-6, how often a turn ran on the worker
-of the turn before it, and the wall time; then the two targets: hit rate with affinity >= 0.9,
+streamed token, at the client) of turn 1 and of turns 2-6 (mean, p50, p90, the mean part
+spent before the worker admitted the job: ``queued``, and the mean as the worker times it,
+enqueue to first token without the delivery to this process: ``at worker``), how often a
+turn ran on the worker of the turn before it, and the wall time; then the two targets: hit rate with affinity >= 0.9,
 TTFT of turns 2-6 at least 2x better with affinity, as medians over the rounds (the modes'
 order alternates, so a shared host's drift hits both). Every mode uses the same lengths and
 think times but fresh token ids, so none reads another's cache. Also printed: the mean engine
@@ -68,6 +70,8 @@ class TurnResult:
     turn: int
     ttft_s: float
     worker: str
+    queued_s: float = 0.0    # enqueue to admission into the engine (the worker's timings)
+    worker_ttft_s: float = 0.0   # enqueue to first token, at the worker (no delivery to us)
 
 
 @dataclass
@@ -89,6 +93,12 @@ class ModeResult:
 
     def ttft(self, first: bool) -> list[float]:
         return [t.ttft_s for t in self.turns if (t.turn == 0) == first]
+
+    def queued(self) -> list[float]:
+        return [t.queued_s for t in self.turns if t.turn > 0]
+
+    def worker_ttft(self) -> list[float]:
+        return [t.worker_ttft_s for t in self.turns if t.turn > 0]
 
     def same_worker_share(self) -> float:
         by = {(t.conversation, t.turn): t.worker for t in self.turns}
@@ -206,7 +216,9 @@ async def run_turn(client: Any, conv: int, turn: int, prompt: list[int], t: Turn
         if ttft is None:
             ttft = time.perf_counter() - t0
     result = await job.result(timeout=timeout)
-    return TurnResult(conv, turn, ttft or 0.0, await started_by(client, job.id)), list(
+    tm = result.timings
+    return TurnResult(conv, turn, ttft or 0.0, await started_by(client, job.id),
+                      (tm.queued_ms or 0.0) / 1000.0, (tm.ttft_ms or 0.0) / 1000.0), list(
         result.outputs[0].token_ids)
 
 
@@ -253,7 +265,9 @@ def header(args: argparse.Namespace, model: str) -> None:
           f"system prompt {args.system_tokens} tokens, user turns {args.user_tokens}, outputs "
           f"{args.output_tokens[0]}-{args.output_tokens[1]}; model {model}")
     print(f"{'round':<6}{'routing':<9}{'hit rate t2+':>13}{'TTFT t1 ms':>12}{'TTFT t2+ ms':>13}"
-          f"{'p50':>8}{'p90':>8}{'same worker':>12}{'step ms':>9}{'wall s':>8}", flush=True)
+          f"{'p50':>8}{'p90':>8}{'queued':>8}{'at worker':>10}{'same worker':>12}"
+          f"{'step ms':>9}{'wall s':>8}",
+          flush=True)
 
 
 def row(rnd: int, m: ModeResult) -> None:
@@ -264,7 +278,8 @@ def row(rnd: int, m: ModeResult) -> None:
              f"{mean(moved) * 1e3:.0f} ms x{len(moved)})" if same and moved else "")
     print(f"{rnd:<6}{m.name:<9}{m.hit_rate:>13.3f}{mean(m.ttft(True)) * 1e3:>12.1f}"
           f"{mean(later) * 1e3:>13.1f}{later[len(later) // 2] * 1e3:>8.1f}"
-          f"{later[int(len(later) * 0.9)] * 1e3:>8.1f}{m.same_worker_share():>12.2f}"
+          f"{later[int(len(later) * 0.9)] * 1e3:>8.1f}{mean(m.queued()) * 1e3:>8.1f}"
+          f"{mean(m.worker_ttft()) * 1e3:>10.1f}{m.same_worker_share():>12.2f}"
           f"{m.step_ms:>9.1f}{m.wall_s:>8.1f}{split}", flush=True)
 
 
@@ -272,11 +287,12 @@ def summary(rounds: list[dict[str, ModeResult]], turns: int) -> None:
     """Medians over rounds of the two targets."""
     med, mean = statistics.median, statistics.mean
     ratios = [mean(r["no key"].ttft(False)) / mean(r["key"].ttft(False)) for r in rounds]
+    at_worker = [mean(r["no key"].worker_ttft()) / mean(r["key"].worker_ttft()) for r in rounds]
     hits = [r["key"].hit_rate for r in rounds]
     print(f"with routing keys: prefix-cache hit rate of turns 2-{turns} {med(hits):.3f} "
           f"(target >= 0.9); mean TTFT of turns 2-{turns} {med(ratios):.2f}x better than "
-          f"without (target >= 2x); medians of {len(rounds)} rounds: ratios "
-          f"{', '.join(f'{x:.2f}' for x in ratios)}")
+          f"without (target >= 2x; {med(at_worker):.2f}x as the workers time it); medians of "
+          f"{len(rounds)} rounds: ratios {', '.join(f'{x:.2f}' for x in ratios)}")
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:

@@ -25,6 +25,6 @@ def test_bench_affinity_smoke(tiny_llama):
     rows = [line.split() for line in res.stdout.splitlines() if line.startswith("1 ")]
     key = [r for r in rows if r[1] == "key"]
     assert len(rows) == 2 and len(key) == 1, res.stdout
-    assert float(key[0][7]) == 1.0                  # same worker as the previous turn, always
+    assert float(key[0][9]) == 1.0                  # same worker as the previous turn, always
     assert 0.0 <= float(key[0][2]) <= 1.0           # prefix-cache hit rate
     assert "with routing keys: prefix-cache hit rate" in res.stdout
