@@ -13,11 +13,13 @@ enqueue script writes it), which only that worker reads, before its shared lanes
 key over the queue's live workers: every producer picks the same one without coordination, and
 when a worker leaves or joins only the keys it wins or held move.
 
-Live workers come from their heartbeats (``Keys.workers`` registry, then each heartbeat hash
-and its PTTL), read at most once per ``affinity_ttl_s`` per queue: a worker qualifies when it
-advertises ``affinity``, serves this queue with its engine loaded, is not draining, and beat
-within the last three intervals (measured by the hash's remaining TTL, on Redis's clock, so
-producer clocks do not matter). A job goes to the shared lane of its priority, as one without a
+Live workers come from their heartbeats (``Keys.workers`` registry, then each heartbeat hash),
+read at most once per ``affinity_ttl_s`` per queue: a worker qualifies when its hash exists (a
+dead worker's expires within 5 beats), it advertises ``affinity``, serves this queue with its
+engine loaded and is not draining -- what ``producer_sdk.models`` calls live, no stricter: a
+worker whose loop is slow for a beat or two (a long prefill step) keeps its conversations,
+while the few jobs routed to a worker that died before its hash expired are moved to the
+shared lanes by the sweep. A job goes to the shared lane of its priority, as one without a
 key, when no worker qualifies or the chosen one's backlog -- what it held and what sat unread in
 its affinity streams at its last beat, plus what this router sent it since -- is at or past
 ``affinity_max_backlog``. Affinity never strands a job: the enqueue script itself falls back to
@@ -38,10 +40,7 @@ from producer_sdk.payloads import Prepared
 from producer_sdk.protocol import Keys
 
 # Heartbeat fields the router reads, in this order (worker/liveness.py writes them).
-HEARTBEAT_FIELDS = ("queue", "engine_loaded", "draining", "affinity", "held", "affinity_queued",
-                    "heartbeat_ms")
-# A heartbeat hash lives 5 beats; one that beat more than 3 beats ago is stale (as health says).
-_TTL_BEATS, _FRESH_BEATS = 5, 3
+HEARTBEAT_FIELDS = ("queue", "engine_loaded", "draining", "affinity", "held", "affinity_queued")
 
 
 def score(routing_key: str, worker_id: str) -> int:
@@ -76,30 +75,25 @@ def _int(value: Optional[str]) -> int:
         return 0
 
 
-def live_worker(queue: str, worker_id: str, row: Sequence[Any], pttl: Any) -> Optional[LiveWorker]:
-    """The worker if its heartbeat (``HEARTBEAT_FIELDS`` values, and the hash's PTTL in ms)
-    says it takes affinity jobs of ``queue`` now, else None."""
-    hb_queue, loaded, draining, affinity, held, queued, beat_ms = (
+def live_worker(queue: str, worker_id: str, row: Sequence[Any]) -> Optional[LiveWorker]:
+    """The worker if its heartbeat (``HEARTBEAT_FIELDS`` values; all None when the hash is
+    gone) says it takes affinity jobs of ``queue``, else None."""
+    hb_queue, loaded, draining, affinity, held, queued = (
         _text(v) for v in (row or (None,) * len(HEARTBEAT_FIELDS)))
     if affinity != "1" or not serving(queue, hb_queue, loaded, draining):
-        return None
-    beat = _int(beat_ms)
-    if not isinstance(pttl, int) or pttl < 0 or (beat and pttl < (_TTL_BEATS - _FRESH_BEATS) * beat):
         return None
     return LiveWorker(worker_id, _int(held) + _int(queued))
 
 
 def live_workers_plan(keys: Keys) -> Generator[Pipeline, list[Any], dict[str, LiveWorker]]:
     """The queue's workers that take affinity jobs now: the registry, then every heartbeat's
-    fields and PTTL (two round trips)."""
+    fields (two round trips)."""
     (ids,) = yield [("ZRANGE", keys.workers, 0, -1)]
     workers = sorted({_text(w) or "" for w in ids or ()} - {""})
     if not workers:
         return {}
-    replies = yield [cmd for w in workers for cmd in (
-        ("HMGET", keys.heartbeat(w), *HEARTBEAT_FIELDS), ("PTTL", keys.heartbeat(w)))]
-    found = (live_worker(keys.queue, w, replies[2 * i], replies[2 * i + 1])
-             for i, w in enumerate(workers))
+    rows = yield [("HMGET", keys.heartbeat(w), *HEARTBEAT_FIELDS) for w in workers]
+    found = (live_worker(keys.queue, w, row) for w, row in zip(workers, rows))
     return {lw.worker_id: lw for lw in found if lw is not None}
 
 

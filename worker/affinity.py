@@ -117,7 +117,7 @@ class Affinity:
     # ---------------------------------------------------------------- heartbeat
     def heartbeat_fields(self) -> dict[str, Any]:
         """What producers route by (producer_sdk/affinity.py): that this worker reads affinity
-        streams, its beat interval (freshness) and its unread affinity entries (backlog)."""
+        streams, and its unread affinity entries (part of its backlog)."""
         pipe = self.w.client.pipeline(transaction=False)
         for key in self.own:
             pipe.xlen(key)
@@ -127,7 +127,7 @@ class Affinity:
         for length, pending in zip(replies[0::2], replies[1::2]):
             if isinstance(length, int) and isinstance(pending, dict):
                 unread += max(0, length - int(pending.get("pending") or 0))
-        return {"affinity": 1, "heartbeat_ms": self.w.s.heartbeat_ms, "affinity_queued": unread}
+        return {"affinity": 1, "affinity_queued": unread}
 
     # ---------------------------------------------------------------- sweeps
     def _gone_workers(self) -> list[str]:

@@ -50,9 +50,7 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
     # producer_sdk.models and the batch runner's routing read the queues, registries and beats)
     "producer": ("ping", "evalsha", "script|load", "xadd", "xlen", "xread", "xrange",
                  "xrevrange", "xpending", "xinfo|groups", "get", "set", "exists", "hget",
-                 "multi", "exec", "smembers", "zrange", "hmget",
-                 # affinity routing reads each heartbeat's age (its remaining TTL)
-                 "pttl"),
+                 "multi", "exec", "smembers", "zrange", "hmget"),
     # python -m worker admin ... and python -m producer_sdk stats --queue Q
     "admin": ("evalsha", "eval", "xpending", "xrange", "xadd", "xdel", "xlen", "xinfo|groups",
               "get", "set", "exists", "del", "hget", "hset", "zrange", "zcount", "zcard"),

@@ -56,21 +56,19 @@ def test_a_worker_leaving_moves_only_the_keys_it_won():
 
 def beat(**fields: object) -> list:
     base = {"queue": "default", "engine_loaded": "1", "draining": "0", "affinity": "1",
-            "held": "3", "affinity_queued": "2", "heartbeat_ms": "1000"}
+            "held": "3", "affinity_queued": "2"}
     base.update({k: v for k, v in fields.items()})
     return [None if base[f] is None else str(base[f]).encode() for f in HEARTBEAT_FIELDS]
 
 
-def test_live_worker_reads_the_heartbeat_and_its_age():
-    assert live_worker("default", "w", beat(), 4000) == LiveWorker("w", 5)
-    assert live_worker("default", "w", beat(), 2000) is not None      # beat 3 intervals ago
-    assert live_worker("default", "w", beat(), 1999) is None          # older: stale
-    assert live_worker("default", "w", beat(), -2) is None            # hash gone
-    assert live_worker("default", "w", beat(draining="1"), 4000) is None
-    assert live_worker("default", "w", beat(engine_loaded="0"), 4000) is None
-    assert live_worker("default", "w", beat(affinity=None), 4000) is None   # an older worker
-    assert live_worker("other", "w", beat(), 4000) is None
-    assert live_worker("default", "w", beat(held="x", affinity_queued=None), 4000).backlog == 0
+def test_live_worker_reads_the_heartbeat():
+    assert live_worker("default", "w", beat()) == LiveWorker("w", 5)
+    assert live_worker("default", "w", [None] * len(HEARTBEAT_FIELDS)) is None   # hash gone
+    assert live_worker("default", "w", beat(draining="1")) is None
+    assert live_worker("default", "w", beat(engine_loaded="0")) is None
+    assert live_worker("default", "w", beat(affinity=None)) is None   # an older worker
+    assert live_worker("other", "w", beat()) is None
+    assert live_worker("default", "w", beat(held="x", affinity_queued=None)).backlog == 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -156,7 +154,7 @@ def fake_worker(r, worker_id: str, stream: bool = True, **fields: object) -> Non
     """What a worker writes for routing: its registry entry and heartbeat; and its stream with
     the consumer group (unless ``stream`` is False: a worker that deleted it)."""
     hb = {"queue": "default", "engine_loaded": 1, "draining": 0, "affinity": 1, "held": 0,
-          "affinity_queued": 0, "heartbeat_ms": 1000, **fields}
+          "affinity_queued": 0, **fields}
     r.hset(KEYS.heartbeat(worker_id), mapping=hb)
     r.pexpire(KEYS.heartbeat(worker_id), 5000)
     r.zadd(KEYS.workers, {worker_id: 1})
@@ -195,12 +193,12 @@ def test_a_deleted_affinity_stream_sends_the_job_to_its_own_lane(sdk_url):
         assert not c.redis.exists(KEYS.affinity("gone", 0))
 
 
-def test_draining_stale_or_busy_workers_are_passed_over(sdk_url):
+def test_draining_dead_or_busy_workers_are_passed_over(sdk_url):
     with Client(sdk_url, affinity_max_backlog=4) as c:
         r = c.redis
         fake_worker(r, "drains", draining=1)
-        fake_worker(r, "stale", heartbeat_ms=100)
-        r.pexpire(KEYS.heartbeat("stale"), 150)     # 150 ms left of 5 beats: beat 3.5 beats ago
+        fake_worker(r, "dead")
+        r.delete(KEYS.heartbeat("dead"))            # registered, its heartbeat expired
         fake_worker(r, "busy", held=3, affinity_queued=0)
         jobs = c.submit_many([{"prompt": "p", "job_id": f"b{i}", "routing_key": "one"}
                               for i in range(3)])
