@@ -47,6 +47,9 @@ from producer_sdk.protocol import EVENT_FIELD, Keys, decode_event
 from worker.bench import REPO, ensure_model
 from worker.redis_server import RedisServer, free_port
 
+# The default beat: its hash lives 5 beats, longer than the longest step here (a burst of
+# prefills on a loaded CPU takes a second or two; a worker whose hash expires counts as dead).
+BEAT_MS = 1000
 METRICS = ("tokenrelay_prefix_cache_queries_total", "tokenrelay_prefix_cache_hits_total",
            "tokenrelay_engine_step_seconds_sum", "tokenrelay_engine_step_seconds_count")
 
@@ -143,7 +146,7 @@ class Fleet:
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         flags = ["--device", "cpu", "--dtype", "float32", "--max-num-seqs",
                  str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-                 "--num-kv-blocks", str(args.num_kv_blocks), "--heartbeat-ms", "200",
+                 "--num-kv-blocks", str(args.num_kv_blocks), "--heartbeat-ms", str(BEAT_MS),
                  "--block-ms", "20", "--log-level", "warning", "--drain-timeout", "5"]
         if args.enforce_eager:
             flags.append("--enforce-eager")
@@ -248,12 +251,12 @@ async def run_mode(url: str, fleet: Fleet, name: str, system: list[int],
                 await turn(c, k)
 
         await asyncio.gather(*(turn(c, 0) for c in range(len(convs))))
-        await asyncio.sleep(0.5)             # the workers publish their counters at each beat
+        await asyncio.sleep(2.5 * BEAT_MS / 1000)    # workers publish their counters each beat
         before = fleet.counters()
         t0 = time.perf_counter()
         await asyncio.gather(*(rest(c) for c in range(len(convs))))
         out.wall_s = time.perf_counter() - t0
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(2.5 * BEAT_MS / 1000)
         queries, hits, step_s, steps = (b - a for a, b in zip(before, fleet.counters()))
     out.hit_rate = hits / max(1.0, queries)
     out.step_ms = 1000.0 * step_s / max(1.0, steps)
