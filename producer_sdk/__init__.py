@@ -31,6 +31,8 @@ _LAZY = {
     "JobFailed": "producer_sdk.errors",
     "JobNotFound": "producer_sdk.errors",
     "QueueFull": "producer_sdk.errors",
+    "NotDurable": "producer_sdk.errors",
+    "ShardCountMismatch": "producer_sdk.shards",
     "RedisUnavailable": "producer_sdk.errors",
     "SDKError": "producer_sdk.errors",
     "ClientClosed": "producer_sdk.errors",

@@ -7,62 +7,83 @@ per chunk of jobs, pipelined, with the script's replies turned into per-job outc
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import (AskError, ClusterDownError, OutOfMemoryError, ResponseError,
+                              TryAgainError)
 
 from producer_sdk.affinity import affinity_target
 from producer_sdk.payloads import Prepared
 from producer_sdk.protocol import (DEDUPE_SEPARATOR, PAYLOAD_FIELD, Keys, ProtocolError,
-                                   parse_dedupe_record)
+                                   key_slot, parse_dedupe_record)
+from producer_sdk.topology import Packed
 
 DEFAULT_MAX_QUEUED_JOBS = 100_000
 
-# One script call enqueues a whole chunk: per job, SET-if-absent of the dedupe record and XADD
-# happen atomically, so a retried call (redis-py retries on timeouts) never enqueues twice.
-# KEYS: target lane, the three lanes (depth), config hash, then one dedupe key per job.
-# A target that is none of the three lanes is a worker's affinity stream (producer_sdk/
-# affinity.py); KEYS[2] is then the jobs' own lane, where they go instead when that stream does
-# not exist: its worker deleted it when it drained, or a sweep did after it died, so a job
-# routed on a stale view of the workers is never left where nobody reads.
-# ARGV: explicit limit ('' = config hash or default), dedupe TTL, default limit, payloads.
+# One script call enqueues a chunk of jobs of one lane of one queue shard: per job, SET-if-absent
+# of the dedupe record and XADD happen atomically, so a retried call (redis-py retries on
+# timeouts) never enqueues twice. Every key is in the shard's slot (its hash tag): a Redis
+# Cluster runs the call on the master of that slot.
+# KEYS: target lane, the shard's three lanes (its depth), then one dedupe key per job.
+# A target that is none of the three lanes is a worker's affinity stream on that shard
+# (producer_sdk/affinity.py); KEYS[2] is then the jobs' own lane, where they go instead when
+# that stream does not exist: its worker deleted it when it drained, or a sweep did after it
+# died, so a job routed on a stale view of the workers is never left where nobody reads.
+# Depth is the shared lanes' (affinity streams are bounded per worker by the producer's
+# affinity_max_backlog, not counted here): a routed job is refused like any other past the mark.
+# ARGV: limit (0: none), dedupe TTL, depth of the queue's other shards (read by the caller just
+# before; 0 for a one-shard queue), durable ('1': make sure the call writes, see below),
+# then the payloads.
 # Reply: {depth when the queue filled up or -1, limit, then per accepted/known job either the new
 # entry id or '=' .. the existing dedupe record}. Jobs past the reply's end were refused (full).
+# Durable: WAIT (sent by the caller right after) counts replicas that acknowledged this
+# connection's last write; a call whose jobs were all known writes nothing, so it rewrites one
+# known record unchanged (SET .. KEEPTTL): acknowledging that proves the replicas also hold the
+# earlier write that enqueued the job (replication is one ordered stream).
 ENQUEUE_LUA_TEMPLATE = """
 local limit = tonumber(ARGV[1])
-if not limit then
-  limit = tonumber(redis.call('HGET', KEYS[5], 'max_queued_jobs')) or tonumber(ARGV[3])
-end
-local depth = redis.call('XLEN', KEYS[2]) + redis.call('XLEN', KEYS[3]) + redis.call('XLEN', KEYS[4])
+local depth = tonumber(ARGV[3]) + redis.call('XLEN', KEYS[2]) + redis.call('XLEN', KEYS[3])
+  + redis.call('XLEN', KEYS[4])
 local lane = KEYS[1]
 if lane ~= KEYS[2] and lane ~= KEYS[3] and lane ~= KEYS[4] and redis.call('EXISTS', lane) == 0 then
   lane = KEYS[2]
 end
 local ttl = ARGV[2]
 local out = {-1, limit}
-for i = 1, #KEYS - 5 do
-  local dk = KEYS[5 + i]
+local wrote, known = false, nil
+local function finish()
+  if ARGV[4] == '1' and not wrote and known then
+    redis.call('SET', known, redis.call('GET', known), 'KEEPTTL')
+  end
+  return out
+end
+for i = 1, #KEYS - 4 do
+  local dk = KEYS[4 + i]
   local cur = redis.call('GET', dk)
   if cur then
+    known = dk
     out[#out + 1] = '=' .. cur
   else
     if limit > 0 and depth >= limit then
       out[1] = depth
-      return out
+      return finish()
     end
-    local id = redis.call('XADD', lane, '*', '@FIELD@', ARGV[3 + i])
+    local id = redis.call('XADD', lane, '*', '@FIELD@', ARGV[4 + i])
     redis.call('SET', dk, lane .. '@SEP@' .. id, 'EX', ttl)
+    wrote = true
     depth = depth + 1
     out[#out + 1] = id
   end
 end
-return out
+return finish()
 """
 # The protocol's constants, not literals: the payload field and the dedupe record's separator
 # (``protocol.dedupe_record`` builds and parses the same record in Python).
 ENQUEUE_LUA = (ENQUEUE_LUA_TEMPLATE.replace("@FIELD@", PAYLOAD_FIELD.decode())
                .replace("@SEP@", DEDUPE_SEPARATOR))
+ENQUEUE_SHA = hashlib.sha1(ENQUEUE_LUA.encode()).hexdigest()
 
 
 def pack_command(args: Sequence[bytes]) -> bytes:
@@ -106,62 +127,67 @@ def parse_enqueue_reply(reply: Sequence[Any], indexes: Sequence[int]) -> Enqueue
     return out
 
 
+@dataclass
+class QueueState:
+    """What a producer knows of one queue it sends to: its keys (the shard count resolved),
+    its high-water mark (0: no back-pressure), whether the count is the one the queue's
+    workers registered, and when the mark is read again (monotonic seconds)."""
+
+    keys: Keys
+    limit: int
+    registered: bool
+    expires: float
+
+
 class EnqueueScript:
     """Packs chunks of prepared jobs into EVALSHA commands for the enqueue script."""
 
-    def __init__(self, keys: Keys, sha: str, *, limit: Optional[int], ttl_s: int,
-                 default_limit: int = DEFAULT_MAX_QUEUED_JOBS) -> None:
-        self.keys = keys
-        self.sha = sha.encode()
-        self._lanes = {name: keys.lane(name).encode() for name in keys.LANES}
-        self._head = [k.encode() for k in keys.lanes()] + [keys.config.encode()]
-        # For an affinity stream target: the jobs' own lane first (the fallback), then the others.
-        self._affinity_head = {name: [self._lanes[name], *(self._lanes[n] for n in keys.LANES
-                                                           if n != name), self._head[-1]]
-                               for name in keys.LANES}
-        self._limit = b"" if limit is None else str(int(limit)).encode()
+    def __init__(self, ttl_s: int) -> None:
+        self.sha = ENQUEUE_SHA.encode()
         self._ttl = str(int(ttl_s)).encode()
-        self._default = str(int(default_limit)).encode()
 
-    def command(self, jobs: Sequence[Prepared]) -> bytes:
-        """One EVALSHA for jobs that all go to the same lane (or affinity stream)."""
-        dedupe = self.keys.dedupe
-        dkeys = [dedupe(j.job_id).encode() for j in jobs]
-        stream = affinity_target(self.keys, jobs[0])
-        target, head = ((self._lanes[jobs[0].lane], self._head) if stream is None else
-                        (stream.encode(), self._affinity_head[jobs[0].lane]))
-        args = [b"EVALSHA", self.sha, b"%d" % (5 + len(jobs)), target,
-                *head, *dkeys, self._limit, self._ttl, self._default,
+    def command(self, keys: Keys, shard: int, jobs: Sequence[Prepared], limit: int,
+                other_depth: int, durable: bool) -> bytes:
+        """One EVALSHA for jobs that all go to the same lane of shard ``shard``, or all to one
+        worker's affinity stream on that shard (their lane is then the fallback)."""
+        dkeys = [keys.dedupe(j.job_id, shard).encode() for j in jobs]
+        lane = keys.lane(jobs[0].lane, shard)
+        stream = affinity_target(keys, jobs[0], shard)
+        # an affinity target: the jobs' own lane first (KEYS[2], the fallback), then the others
+        head = keys.lanes(shard) if stream is None else [
+            lane, *(k for k in keys.lanes(shard) if k != lane)]
+        args = [b"EVALSHA", self.sha, b"%d" % (4 + len(jobs)), (stream or lane).encode(),
+                *[k.encode() for k in head], *dkeys,
+                b"%d" % limit, self._ttl, b"%d" % other_depth, b"1" if durable else b"",
                 *[j.payload for j in jobs]]
         return pack_command(args)
 
 
-def chunk_by_lane(indexes: Iterable[int], jobs: Sequence[Prepared],
-                  size: int) -> list[list[int]]:
-    """Group job indexes into chunks of one lane of one queue each (the client's queue first),
-    preserving order within a lane; jobs routed to a worker's affinity stream chunk by worker
-    after that lane's shared jobs."""
-    by_lane: dict[tuple[str, str, str], list[int]] = {}
+def chunk_jobs(indexes: Iterable[int], jobs: Sequence[Prepared],
+               size: int) -> list[list[int]]:
+    """Group job indexes into chunks of one lane of one shard of one queue each (the client's
+    queue first, then by name; shards in order; lanes most urgent first), preserving order
+    within a lane: every chunk is one script call whose keys share one slot. Jobs routed to a
+    worker's affinity stream chunk by worker after that lane's shared jobs."""
+    groups: dict[tuple[str, int, str, str], list[int]] = {}
     for i in indexes:
-        by_lane.setdefault((jobs[i].queue or "", jobs[i].lane, jobs[i].affinity or ""),
-                           []).append(i)
-    order = {lane: n for n, lane in enumerate(Keys.LANES)}
-    chunks: list[list[int]] = []
-    for key in sorted(by_lane, key=lambda k: (k[0], order[k[1]], k[2])):
-        idx = by_lane[key]
-        chunks.extend(idx[s:s + size] for s in range(0, len(idx), size))
-    return chunks
+        j = jobs[i]
+        groups.setdefault((j.queue or "", j.shard or 0, j.lane, j.affinity or ""), []).append(i)
+    order = sorted(groups, key=lambda g: (g[0], g[1], Keys.LANES.index(g[2]), g[3]))
+    return [idx[s:s + size] for g in order for idx in (groups[g],)
+            for s in range(0, len(idx), size)]
 
 
-def record_location(keys: Keys, record: Any) -> tuple[str, str]:
+def record_location(keys: Keys, record: Any, shard: int = 0) -> tuple[str, str]:
     """(lane key, entry id) a job's dedupe record names, for an XRANGE that finds nothing when
-    there is no record (or it is unreadable)."""
+    there is no record (or it is unreadable): then the default lane of the job's ``shard``, so
+    every read of one job stays in its shard's slot."""
     if record:
         try:
             return parse_dedupe_record(record)
         except ProtocolError:
             pass
-    return keys.lane("default"), "0-0"
+    return keys.lane("default", shard), "0-0"
 
 
 def normalize_xread(reply: Any) -> list[tuple[str, list[tuple[bytes, dict]]]]:
@@ -187,6 +213,12 @@ def is_oom(reply: Any) -> bool:
         isinstance(reply, ResponseError) and "OOM command not allowed" in str(reply))
 
 
+def is_transient(reply: Any) -> bool:
+    """A reply a cluster gives while it moves a slot or fails a master over (CLUSTERDOWN,
+    TRYAGAIN, a MOVED/ASK left after the sender's one resend): send again shortly."""
+    return isinstance(reply, (ClusterDownError, TryAgainError, AskError))
+
+
 def merge_xreads(blocking: Any, follow_up: Any) -> list[tuple[str, list[tuple[bytes, dict]]]]:
     """One answer from a blocking multi-stream XREAD and the non-blocking XREAD for the same ids
     pipelined right behind it.
@@ -195,11 +227,84 @@ def merge_xreads(blocking: Any, follow_up: Any) -> list[tuple[str, list[tuple[by
     stream that got data, although a worker writes all its jobs' streams in one step; the
     follow-up runs the moment the blocking read is answered and brings the others, without a
     client round trip. Both start from the same ids, so per stream the longer list wins."""
-    merged = dict(normalize_xread(blocking))
-    for key, entries in normalize_xread(follow_up):
-        if len(entries) > len(merged.get(key, ())):
-            merged[key] = entries
+    return merge_reads([normalize_xread(blocking), normalize_xread(follow_up)])
+
+
+def merge_reads(reads: Iterable[list[tuple[str, list]]]) -> list[tuple[str, list]]:
+    """Several normalized XREAD answers as one; per stream the longest list wins (reads of one
+    stream start from the same id)."""
+    merged: dict[str, list] = {}
+    for read in reads:
+        for key, entries in read:
+            if len(entries) > len(merged.get(key, ())):
+                merged[key] = entries
     return list(merged.items())
+
+
+# A read of result streams in several cluster slots blocks on one slot per node at a time, so
+# it blocks in slices this long and then reads every slot again: an event of another slot waits
+# at most one slice. (One slot, or one Redis, blocks for the whole wait.)
+XREAD_SLICE_MS = 50
+
+
+def xread_command(streams: Mapping[str, bytes], keys: Sequence[str], count: int,
+                  block_ms: Optional[int]) -> bytes:
+    """A packed XREAD of ``keys`` from their last ids in ``streams``."""
+    head = [b"XREAD", b"COUNT", b"%d" % count]
+    if block_ms is not None:
+        head += [b"BLOCK", b"%d" % block_ms]
+    return pack_command([*head, b"STREAMS", *[k.encode() for k in keys],
+                         *[streams[k] for k in keys]])
+
+
+def slot_groups(keys: Iterable[str]) -> list[list[str]]:
+    """Stream keys grouped by cluster slot (a cluster refuses a multi-key XREAD across slots);
+    per-job keys of one queue shard share its hash tag, so a window of many jobs is one group
+    per shard."""
+    groups: dict[int, list[str]] = {}
+    for k in keys:
+        groups.setdefault(key_slot(k), []).append(k)
+    return list(groups.values())
+
+
+def sliced_xread(streams: Mapping[str, bytes], node_of: Callable[[str], Any], count: int,
+                 block_ms: int) -> list[Packed]:
+    """One round of reading streams spread over several slots: per node, a blocking XREAD of
+    its first slot group (for at most one slice) and the non-blocking XREAD of every group of
+    it behind it (the first one again too: see ``merge_xreads``)."""
+    out: list[Packed] = []
+    blocking: set[Any] = set()
+    for group in slot_groups(streams):
+        node = node_of(group[0])
+        cmds = [xread_command(streams, group, count, None)]
+        if node not in blocking:
+            blocking.add(node)
+            cmds.insert(0, xread_command(streams, group, count, min(block_ms, XREAD_SLICE_MS)))
+        out.append((group[0], b"".join(cmds), len(cmds)))
+    return out
+
+
+def parse_raw_xread(reply: Any) -> list[tuple[str, list[tuple[bytes, dict]]]]:
+    """A raw XREAD reply (RESP2 list or RESP3 map, fields as a flat list, as a connection
+    returns it without redis-py's callbacks) as ``normalize_xread`` gives it."""
+    if isinstance(reply, Exception):
+        raise reply
+    if not reply:
+        return []
+    pairs = reply.items() if isinstance(reply, dict) else reply
+    out = []
+    for key, entries in pairs:
+        out.append((_s(key), [(eid, fields_dict(raw)) for eid, raw in entries or ()]))
+    return out
+
+
+def fields_dict(raw: Any) -> dict:
+    """A stream entry's fields as a dict, from redis-py's dict or the raw flat list (a reply
+    read without redis-py's callbacks, as a cluster MULTI returns them too)."""
+    if isinstance(raw, dict):
+        return raw
+    raw = raw or []
+    return {raw[i]: raw[i + 1] for i in range(0, len(raw) - 1, 2)}
 
 
 def redact_url(url: str) -> str:
@@ -212,42 +317,105 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{user + ':***@' if user else '***@'}{host}"
 
 
+def xlen_reads(keys: Keys) -> list[Packed]:
+    """XLEN of every lane of every shard of a queue, each routed to its shard's node."""
+    return [(lane, pack_command([b"XLEN", lane.encode()]), 1) for lane in keys.lanes()]
+
+
+def shard_depths(keys: Keys, replies: Sequence[Any]) -> list[int]:
+    """Per shard, the sum of its lanes' XLEN replies (``xlen_reads`` order)."""
+    n = len(Keys.LANES)
+    for r in replies:
+        if isinstance(r, Exception):
+            raise r
+    return [sum(int(r) for r in replies[s * n:(s + 1) * n]) for s in range(keys.shards)]
+
+
 class EnqueuePlan:
     """Tracks which jobs of one submit call still need a script call, round after round.
 
-    A round is a pipelined set of EVALSHA commands. Chunks refused for back-pressure (queue full
-    or Redis OOM) wait for the next round; chunks that hit NOSCRIPT are resent once the script is
-    loaded. Because the script dedupes by job id, resending anything is always safe.
+    A round is one batch of EVALSHA commands, one per chunk (one lane of one queue shard),
+    sent with ``topology.send_packed``: one round trip per node. Before it, for every queue of
+    more than one shard with a high-water mark, one pipelined XLEN round over all its lanes
+    (``depth_reads``) gives each chunk the depth of the queue's other shards, plus the jobs
+    the round's earlier chunks may add there: back-pressure holds for the queue as a whole,
+    conservatively within a round (a chunk counts every job of the chunks before it as new).
+    Chunks refused for back-pressure (queue full or Redis OOM) wait for the next round; chunks
+    that hit NOSCRIPT are resent once the script is loaded. Because the script dedupes by job
+    id, resending anything is always safe. With ``durable``, each job keeps the WAIT reply of
+    the node that answered it (``acks``).
     """
 
-    def __init__(self, jobs: Sequence[Prepared], scripts: Callable[[Optional[str]], EnqueueScript],
-                 chunk_size: int) -> None:
+    def __init__(self, jobs: Sequence[Prepared], script: EnqueueScript, chunk_size: int,
+                 durable: bool = False) -> None:
         self.jobs = jobs
-        self.scripts = scripts          # queue (None: the client's) -> its enqueue script
+        self.script = script
         self.chunk_size = chunk_size
+        self.durable = durable
         self.entries: list[Optional[tuple[bool, str]]] = [None] * len(jobs)  # (known, value)
+        self.acks: list[Optional[int]] = [None] * len(jobs)
         self.todo: list[int] = list(range(len(jobs)))
         self.refused: list[int] = []
         self.depth: Optional[int] = None
         self.limit: Optional[int] = None
         self.oom = False
+        self._depth_queues: list[Optional[str]] = []
 
-    def round(self) -> list[tuple[list[int], bytes]]:
-        """The commands of the next round (empty when everything was answered)."""
+    def queues(self) -> list[Optional[str]]:
+        """The queues (None: the client's) of the jobs the next round sends."""
+        return sorted({self.jobs[i].queue for i in self.todo}, key=lambda q: q or "")
+
+    def place(self, states: Mapping[Optional[str], QueueState]) -> None:
+        """Put each job still to send on its shard: ``shard_of(job_id)`` with its queue's count."""
+        for i in self.todo:
+            job = self.jobs[i]
+            job.shard = states[job.queue].keys.shard_of(job.job_id)
+
+    def depth_reads(self, states: Mapping[Optional[str], QueueState]) -> list[Packed]:
+        """The XLEN round before the next round: for queues of several shards with a limit."""
+        self._depth_queues = [q for q in self.queues()
+                              if states[q].keys.shards > 1 and states[q].limit > 0]
+        return [r for q in self._depth_queues for r in xlen_reads(states[q].keys)]
+
+    def round(self, states: Mapping[Optional[str], QueueState],
+              depth_replies: Sequence[Any] = ()) -> list[tuple[list[int], Packed]]:
+        """The commands of the next round (empty when everything was answered), each with the
+        indexes of its jobs; ``depth_replies`` answer ``depth_reads``."""
+        depths: dict[Optional[str], list[int]] = {}
+        at = 0
+        for q in self._depth_queues:
+            n = len(states[q].keys.lanes())
+            depths[q] = shard_depths(states[q].keys, depth_replies[at:at + n])
+            at += n
         todo, self.todo = sorted(self.todo), []
-        return [(idx, self.scripts(self.jobs[idx[0]].queue).command([self.jobs[i] for i in idx]))
-                for idx in chunk_by_lane(todo, self.jobs, self.chunk_size)]
+        sent: dict[Optional[str], list[int]] = {}
+        out = []
+        for idx in chunk_jobs(todo, self.jobs, self.chunk_size):
+            first = self.jobs[idx[0]]
+            st, shard = states[first.queue], first.shard or 0
+            other = 0
+            if first.queue in depths:
+                mine = sent.setdefault(first.queue, [0] * st.keys.shards)
+                d = depths[first.queue]
+                other = sum(d) - d[shard] + sum(mine) - mine[shard]
+                mine[shard] += len(idx)
+            cmd = self.script.command(st.keys, shard, [self.jobs[i] for i in idx], st.limit,
+                                      other, self.durable)
+            out.append((idx, (st.keys.lane(first.lane, shard), cmd, 1)))
+        return out
 
     def refused_queue(self, default: str) -> str:
         """The queue that refused (for QueueFull): that of the first refused job."""
         return (self.jobs[self.refused[0]].queue if self.refused else None) or default
 
-    def on_reply(self, indexes: list[int], reply: Sequence[Any]) -> None:
+    def on_reply(self, indexes: list[int], reply: Sequence[Any], ack: Any = None) -> None:
         out = parse_enqueue_reply(reply, indexes)
         for i, entry_id in out.new:
             self.entries[i] = (False, entry_id)
+            self.acks[i] = ack
         for i, record in out.known:
             self.entries[i] = (True, record)
+            self.acks[i] = ack
         if out.refused:
             self.refused.extend(out.refused)
             self.depth, self.limit = out.depth, out.limit
@@ -266,3 +434,11 @@ class EnqueuePlan:
 
     def accepted(self) -> list[int]:
         return [i for i, e in enumerate(self.entries) if e is not None]
+
+    def short_of(self, replicas: int) -> tuple[int, list[int]]:
+        """For a durable submit: the fewest replicas any answered job was acknowledged by, and
+        the jobs acknowledged by fewer than ``replicas`` (a WAIT error reply counts as 0)."""
+        counts = [(i, a if isinstance(a, int) else 0) for i, a in enumerate(self.acks)
+                  if self.entries[i] is not None]
+        short = [i for i, a in counts if a < replicas]
+        return min((a for _, a in counts), default=replicas), short

@@ -180,12 +180,12 @@ def is_affinity_stream(keys: Keys, key: str) -> bool:
     return True
 
 
-def affinity_target(keys: Keys, job: Prepared) -> Optional[str]:
+def affinity_target(keys: Keys, job: Prepared, shard: int) -> Optional[str]:
     """The affinity stream a routed job is enqueued on (None: a shared lane): the worker's
-    stream on the shard of the job's id, the slot of its dedupe record."""
+    stream on the job's shard (``Keys.shard_of(job_id)``, the slot of its dedupe record)."""
     if job.affinity is None:
         return None
-    return keys.affinity(job.affinity, keys.shard_of(job.job_id))
+    return keys.affinity(job.affinity, shard)
 
 
 __all__ = ["score", "rank", "LiveWorker", "live_worker", "live_workers_plan", "AffinityRouter",

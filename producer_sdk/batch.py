@@ -36,6 +36,7 @@ from producer_sdk.job import Job
 from producer_sdk.models import ModelCache
 from producer_sdk.openai_format import (DEFAULT_MODEL, LineError, LineTag, body_to_request,
                                         error_line, job_id_for, response_line)
+from producer_sdk.protocol import Keys
 
 class BatchRequest(BaseModel):
     """One input line (OpenAI Batch request object)."""
@@ -168,7 +169,8 @@ class BatchRunner:
     def __init__(self, client: Client, input_path: os.PathLike | str,
                  output_path: os.PathLike | str, errors_path: Optional[os.PathLike | str] = None,
                  *, batch_id: Optional[str] = None, concurrency: int = 256, priority: int = 1,
-                 progress: bool = True, flush_every_s: float = 0.2) -> None:
+                 progress: bool = True, flush_every_s: float = 0.2,
+                 durable: Optional[bool] = None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.client = client
@@ -181,6 +183,7 @@ class BatchRunner:
         self.priority = priority
         self.progress = progress
         self.flush_every_s = flush_every_s
+        self.durable = durable      # None: the client's default (ClientConfig.durable)
         self.router = ModelRouter(client)
         # Digests of the custom_ids submitted in this run: OpenAI requires them unique, and two
         # lines with one id would map to one job and be answered twice.
@@ -204,7 +207,8 @@ class BatchRunner:
             try:
                 source = self._source(batch_id, done, writer, summary, bar)
                 for tag, job in self.client.iter_completed(
-                        source, concurrency=self.concurrency, block=True, cancel_on_exit=False):
+                        source, concurrency=self.concurrency, block=True, cancel_on_exit=False,
+                        durable=self.durable):
                     self._write_result(tag, job, writer, summary)
                     bar.update(1)
             finally:
@@ -332,8 +336,8 @@ class ModelRouter:
 
     def __init__(self, client: Client, ttl_s: float = 2.0) -> None:
         self.client = client
-        self.queue = client.keys.queue
-        self.models = ModelCache(client.redis, client.keys.namespace, ttl_s)
+        self.queue = client.queue
+        self.models = ModelCache(client.redis, client.namespace, ttl_s)
         self._only_queue: Optional[tuple[float, bool]] = None
         self.ttl_s = ttl_s
 
@@ -357,7 +361,7 @@ class ModelRouter:
         now = time.monotonic()
         if self._only_queue is None or now >= self._only_queue[0]:
             names = {q.decode() if isinstance(q, bytes) else q
-                     for q in self.client.redis.smembers(self.client.keys.queues)}
+                     for q in self.client.redis.smembers(Keys(self.client.namespace).queues)}
             self._only_queue = (now + self.ttl_s, names <= {self.queue})
         return self._only_queue[1]
 

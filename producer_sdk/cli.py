@@ -1,8 +1,10 @@
 """``python -m producer_sdk {submit,batch,stats,cancel,status,result}``: the SDK from a shell.
 
-Every command takes ``--redis-url``, ``--namespace`` and ``--queue`` (before or after it); each
-option is also a ``TOKENRELAY_<NAME>`` variable (producer_sdk/cli_common.py). Exit codes: 0 ok, 1 job failed, 2 bad request, 3 Redis unreachable, 4 queue full,
-5 timeout, 6 unknown job id.
+Every command takes ``--redis-url`` (one Redis, or any node of a Redis Cluster), ``--cluster``,
+``--namespace``, ``--queue`` and ``--shards`` (before or after it); each option is also a
+``TOKENRELAY_<NAME>`` variable (producer_sdk/cli_common.py). Exit codes: 0 ok, 1 job failed,
+2 bad request, 3 Redis unreachable, 4 queue full, 5 timeout, 6 unknown job id, 7 a --durable
+submit's jobs are enqueued but fewer replicas than asked acknowledged them.
 """
 
 from __future__ import annotations
@@ -20,12 +22,26 @@ from producer_sdk.cli_common import (
     CliSettings, ConnectionSettings, JsonOutput, add_settings_flags, parse_settings, unset,
 )
 from producer_sdk.client import Client
-from producer_sdk.errors import InvalidRequest, JobFailed, JobNotFound, QueueFull, RedisUnavailable
+from producer_sdk.errors import (InvalidRequest, JobFailed, JobNotFound, NotDurable, QueueFull,
+                                 RedisUnavailable)
 from producer_sdk.protocol import GROUP, Keys
+from producer_sdk.shards import ShardCountMismatch, registered_shards, resolve_shards
+from producer_sdk.topology import cluster_flag
 
 EXIT_FAILED, EXIT_INVALID, EXIT_UNAVAILABLE, EXIT_FULL, EXIT_TIMEOUT = 1, 2, 3, 4, 5
 EXIT_UNKNOWN = 6                # status/result of a job id Redis does not know
+EXIT_NOT_DURABLE = 7            # a --durable submit's jobs are enqueued but not on enough replicas
 SERVER_DEFAULT = unset("the worker's")
+
+
+class DurableOptions(CliSettings):
+    """Durable submits: wait until replicas hold the jobs before reporting them enqueued."""
+
+    durable: bool = Field(False, description="Wait until --durable-replicas replicas "
+                          "acknowledged each enqueue (Redis WAIT); fewer: exit 7, jobs stay "
+                          "enqueued.")
+    durable_replicas: int = Field(1, ge=1, description="Replicas a durable submit waits for.")
+    durable_timeout_ms: int = Field(1000, ge=1, description="Longest wait for them, in ms.")
 
 
 class WaitOption(CliSettings):
@@ -39,7 +55,7 @@ class BatchIdOption(CliSettings):
                                     json_schema_extra=unset("batch_<hash of the input file>"))
 
 
-class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption):
+class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption, DurableOptions):
     """``submit``: sampling parameters the CLI passes on (unset: the server's defaults)."""
 
     chat: bool = Field(False, description="Send the prompt as one user chat message.")
@@ -72,7 +88,7 @@ class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption):
         "the same key go to the same live worker.", json_schema_extra=unset("none"))
 
 
-class BatchOptions(ConnectionSettings, BatchIdOption):
+class BatchOptions(ConnectionSettings, BatchIdOption, DurableOptions):
     errors: Optional[str] = Field(None, description="Errors JSONL.",
                                   json_schema_extra=unset("OUTPUT with .errors.jsonl"))
     concurrency: int = Field(256, ge=1, description="Most jobs in flight.")
@@ -124,49 +140,55 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a command's exception exits with, first match first: RedisUnavailable and TimeoutError
+# are OSErrors (a missing batch input, output folder, ...), InvalidRequest a ValueError (e.g. a
+# job id with spaces or braces).
+EXITS: tuple[tuple[type[BaseException], int], ...] = (
+    (RedisUnavailable, EXIT_UNAVAILABLE), (InvalidRequest, EXIT_INVALID), (QueueFull, EXIT_FULL),
+    (JobFailed, EXIT_FAILED), (TimeoutError, EXIT_TIMEOUT), (JobNotFound, EXIT_UNKNOWN),
+    (NotDurable, EXIT_NOT_DURABLE), (ShardCountMismatch, EXIT_INVALID), (OSError, EXIT_INVALID),
+    (ValueError, EXIT_INVALID))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, opts = parse_settings(build_parser(), argv)
     try:
-        if args.command == "stats":
-            return cmd_stats(opts)
-        with Client(opts.redis_url, queue=opts.queue, namespace=opts.namespace) as client:
-            if args.command == "submit":
-                return cmd_submit(client, args, opts)
-            if args.command == "batch":
-                return cmd_batch(client, args, opts)
-            if args.command == "status":
-                return cmd_status(client, args, opts)
-            if args.command == "result":
-                return cmd_result(client, args, opts)
-            client.cancel(args.job_id)
-            print(f"cancel requested for {args.job_id}")
-            return 0
-    except RedisUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    except InvalidRequest as exc:
-        print(f"error: invalid request: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    except QueueFull as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FULL
-    except JobFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except TimeoutError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_TIMEOUT
-    except JobNotFound as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_UNKNOWN
+        return run_command(args, opts)
     except BrokenPipeError:         # the reader left: cli_common.run_cli ends quietly
         raise
-    except OSError as exc:          # a missing batch input, output folder, ...
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    except ValueError as exc:       # e.g. a job id with spaces or braces
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+    except tuple(kind for kind, _ in EXITS) as exc:
+        what = "invalid request: " if isinstance(exc, InvalidRequest) else ""
+        print(f"error: {what}{exc}", file=sys.stderr)
+        return next(code for kind, code in EXITS if isinstance(exc, kind))
+
+
+def run_command(args: argparse.Namespace, opts: Any) -> int:
+    if args.command == "stats":
+        return cmd_stats(opts)
+    with Client(opts.redis_url, queue=opts.queue, namespace=opts.namespace,
+                **client_settings(opts)) as client:
+        if args.command == "submit":
+            return cmd_submit(client, args, opts)
+        if args.command == "batch":
+            return cmd_batch(client, args, opts)
+        if args.command == "status":
+            return cmd_status(client, args, opts)
+        if args.command == "result":
+            return cmd_result(client, args, opts)
+        client.cancel(args.job_id)
+        print(f"cancel requested for {args.job_id}")
+        return 0
+
+
+def client_settings(opts: ConnectionSettings) -> dict[str, Any]:
+    """The Client settings a command's options give: cluster mode, shard count and, for the
+    commands that submit, the durable ones."""
+    out: dict[str, Any] = {"cluster": cluster_flag(opts.cluster), "shards": opts.shards}
+    if isinstance(opts, DurableOptions):
+        out.update(durable=opts.durable, durable_replicas=opts.durable_replicas,
+                   durable_timeout_ms=opts.durable_timeout_ms,
+                   socket_timeout_s=max(10.0, opts.durable_timeout_ms / 1000 + 1))
+    return out
 
 
 def cmd_submit(client: Client, args: argparse.Namespace, opts: SubmitOptions) -> int:
@@ -280,7 +302,7 @@ def cmd_batch_status(client: Client, opts: StatusOptions) -> int:
                 continue
             if isinstance(cid, str) and cid:
                 custom_ids.append(cid)
-    statuses = client.statuses([job_id_for(batch_id, c) for c in custom_ids])
+    statuses = statuses_anywhere(client, [job_id_for(batch_id, c) for c in custom_ids])
     counts: dict[str, int] = {}
     for cid, st in zip(custom_ids, statuses):
         counts[st.state] = counts.get(st.state, 0) + 1
@@ -288,6 +310,21 @@ def cmd_batch_status(client: Client, opts: StatusOptions) -> int:
               else _status_line(cid, st))
     print(json.dumps({"batch_id": batch_id, "jobs": len(statuses), **counts}), file=sys.stderr)
     return 0
+
+
+def statuses_anywhere(client: Client, job_ids: list[str]) -> list[Any]:
+    """Statuses of jobs that may be on any queue of the namespace (a batch routes each line
+    to the queue of its model, and per-job keys are per queue): the client's queue first,
+    then every queue workers serve, for the ids still unknown."""
+    found = client.statuses(job_ids)
+    others = sorted(_s(q) for q in client.redis.smembers(Keys(client.namespace).queues))
+    for queue in (q for q in others if q != client.queue):
+        missing = [i for i, st in enumerate(found) if st.state == "unknown"]
+        if not missing:
+            break
+        for i, st in zip(missing, client.statuses([job_ids[i] for i in missing], queue)):
+            found[i] = st
+    return found
 
 
 def cmd_result(client: Client, args: argparse.Namespace, opts: ResultOptions) -> int:
@@ -300,7 +337,7 @@ def cmd_batch(client: Client, args: argparse.Namespace, opts: BatchOptions) -> i
     from producer_sdk.batch import BatchRunner
     runner = BatchRunner(client, args.input, args.output, opts.errors, batch_id=opts.batch_id,
                          concurrency=opts.concurrency, priority=opts.priority,
-                         progress=opts.progress)
+                         progress=opts.progress, durable=opts.durable)
     try:
         summary = runner.run()
     except KeyboardInterrupt:
@@ -320,47 +357,67 @@ def cmd_batch(client: Client, args: argparse.Namespace, opts: BatchOptions) -> i
 # --------------------------------------------------------------------------------------------
 
 def discover_queues(r: Any, namespace: str) -> list[str]:
-    """Queue names with any key in this namespace (jobs lanes, workers, config, dead letters)."""
-    names = set()
+    """Queue names of the namespace: those workers serve (``Keys.queues``) and any with a key
+    (lanes, dead letters, workers, config); on a cluster the scan covers every master."""
+    names = {_s(q) for q in r.smembers(Keys(namespace).queues)}
     for kind in ("jobs", "workers", "config", "dead"):
         for key in r.scan_iter(match=f"{namespace}:{kind}:*", count=1000):
-            parts = key.decode().split(":")
-            if len(parts) >= 3:
-                names.add(parts[2])
+            name = queue_of_key(_s(key)[len(namespace) + len(kind) + 2:])
+            if name:
+                names.add(name)
     return sorted(names)
 
 
+def queue_of_key(rest: str) -> str:
+    """The queue a key names after ``<ns>:<kind>:``: ``{<queue>}``, ``{<queue>:<shard>...}``
+    (a hash tag) or a plain ``<queue>``."""
+    if rest.startswith("{"):
+        return rest[1:].split("}", 1)[0].split(":", 1)[0]
+    return rest.split(":", 1)[0]
+
+
 def queue_stats(r: Any, keys: Keys, live_s: float) -> dict[str, Any]:
-    lanes = {}
-    for name in keys.LANES:
-        lane = keys.lane(name)
-        info = {"length": r.xlen(lane), "lag": None, "pending": 0, "consumers": 0}
-        try:
-            groups = r.xinfo_groups(lane)
-        except Exception:  # no such stream yet
-            groups = []
-        for g in groups:
-            if _s(g.get("name")) == GROUP:
-                info.update(lag=g.get("lag"), pending=g.get("pending", 0),
-                            consumers=g.get("consumers", 0))
-        if info["lag"] is None:
-            # Redis reports no lag after some deletions; acknowledged entries are deleted, so
-            # what is in the stream and not pending has not been delivered yet.
-            info["lag"] = max(0, info["length"] - info["pending"])
-        lanes[name] = info
+    """Depth, lag and pending by lane, summed over the queue's shards, and its workers."""
+    lanes = {name: {"length": 0, "lag": 0, "pending": 0, "consumers": 0} for name in keys.LANES}
+    for shard in range(keys.shards):
+        for name in keys.LANES:
+            info = lane_stats(r, keys.lane(name, shard))
+            total = lanes[name]
+            for field in ("length", "lag", "pending"):
+                total[field] += info[field]
+            total["consumers"] = max(total["consumers"], info["consumers"])
     now_ms = int(time.time() * 1000)
     limit = r.hget(keys.config, "max_queued_jobs")
     return {
         "queue": keys.queue,
+        "shards": keys.shards,
         "depth": sum(li["length"] for li in lanes.values()),
         "lag": sum(li["lag"] for li in lanes.values()),
         "pending": sum(li["pending"] for li in lanes.values()),
         "lanes": lanes,
         "workers_live": r.zcount(keys.workers, now_ms - int(live_s * 1000), "+inf"),
         "workers_known": r.zcard(keys.workers),
-        "dead_letters": r.xlen(keys.dead()),
+        "dead_letters": sum(r.xlen(d) for d in keys.dead_streams()),
         "max_queued_jobs": int(limit) if limit is not None else None,
     }
+
+
+def lane_stats(r: Any, lane: str) -> dict[str, Any]:
+    """One lane stream: length, lag (not yet delivered), pending and consumers of the group."""
+    info = {"length": r.xlen(lane), "lag": None, "pending": 0, "consumers": 0}
+    try:
+        groups = r.xinfo_groups(lane)
+    except Exception:  # no such stream yet
+        groups = []
+    for g in groups:
+        if _s(g.get("name")) == GROUP:
+            info.update(lag=g.get("lag"), pending=g.get("pending", 0),
+                        consumers=g.get("consumers", 0))
+    if info["lag"] is None:
+        # Redis reports no lag after some deletions; acknowledged entries are deleted, so
+        # what is in the stream and not pending has not been delivered yet.
+        info["lag"] = max(0, info["length"] - info["pending"])
+    return info
 
 
 def _s(x: Any) -> str:
@@ -373,10 +430,13 @@ def cmd_stats(opts: StatsOptions) -> int:
     from producer_sdk.config import ClientConfig
     from producer_sdk._wire import redact_url
     url = opts.redis_url
-    r = make_redis(ClientConfig(redis_url=url))
+    try:
+        r = make_redis(ClientConfig(redis_url=url, cluster=cluster_flag(opts.cluster)))
+    except NET_ERRORS as exc:
+        raise RedisUnavailable(redact_url(url), exc) from exc
     try:
         queues = [opts.queue] if opts.queue else discover_queues(r, opts.namespace)
-        stats = [queue_stats(r, Keys(opts.namespace, q), opts.live_s) for q in queues]
+        stats = [queue_stats(r, stats_keys(r, opts, q), opts.live_s) for q in queues]
     except NET_ERRORS as exc:
         raise RedisUnavailable(redact_url(url), exc) from exc
     except redis.ResponseError as exc:
@@ -389,6 +449,14 @@ def cmd_stats(opts: StatsOptions) -> int:
     else:
         print(_table(stats, opts.namespace))
     return 0
+
+
+def stats_keys(r: Any, opts: StatsOptions, queue: str) -> Keys:
+    """A queue's keys for stats: its registered shard count (``--shards`` must match it when
+    given for the ``--queue`` asked for)."""
+    keys = Keys(opts.namespace, queue)
+    given = opts.shards if queue == opts.queue else None
+    return keys.with_queue(queue, resolve_shards(given, registered_shards(r, keys), keys))
 
 
 def _table(stats: list[dict[str, Any]], namespace: str) -> str:

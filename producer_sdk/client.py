@@ -2,8 +2,10 @@
 
 All enqueueing goes through one Lua script (``_wire.ENQUEUE_LUA``) that checks the queue's
 high-water mark and sets the job's dedupe record together with the XADD, so retries never create a
-second job. Result streams are read with XREAD BLOCK from the last entry id seen; many jobs share
-one XREAD, so a window of a thousand jobs costs one connection, not a thousand.
+second job; a queue of several shards gets one call per chunk of a shard, all sent in one round
+trip per Redis node (``topology.send_packed``). Result streams are read with XREAD BLOCK from the
+last entry id seen; many jobs share one XREAD (one per cluster slot in a Redis Cluster), so a
+window of a thousand jobs costs one connection, not a thousand.
 """
 
 from __future__ import annotations
@@ -14,13 +16,19 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 import redis
 from redis.exceptions import NoScriptError
 
-from producer_sdk._wire import ENQUEUE_LUA, EnqueuePlan, is_oom, merge_xreads, normalize_xread
-from producer_sdk.client_core import NET_ERRORS, ClientCore
-from producer_sdk.errors import DUPLICATE, JobFailed, JobNotFound, QueueFull, RedisUnavailable
+from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, QueueState, is_oom, is_transient,
+                                merge_reads,
+                                merge_xreads, normalize_xread, parse_raw_xread, slot_groups,
+                                sliced_xread)
+from producer_sdk.client_core import (LIMIT_FIELD, NET_ERRORS, SEND_ERRORS, ClientCore, Retrying,
+                                     make_redis)
+from producer_sdk.errors import DUPLICATE, JobFailed, JobNotFound, RedisUnavailable
 from producer_sdk.job import Deadline, Delta, Job, JobState, Result, feed_states
 from producer_sdk.payloads import Prepared
-from producer_sdk.protocol import DEFAULT_LIMITS, Limits, now_ms, validate_job_id
+from producer_sdk.protocol import DEFAULT_LIMITS, Keys, Limits, now_ms, validate_job_id
 from producer_sdk.status import JobStatus, Lockstep, liveness, status_plan
+from producer_sdk.topology import (Packed, is_cluster, node_name, send_packed,
+                                   send_packed_trailed)
 
 XREAD_COUNT = 512
 
@@ -64,20 +72,26 @@ class Client(ClientCore[redis.Redis]):
 
     ``limits`` are the protocol's payload limits (default ``DEFAULT_LIMITS``, what workers
     enforce unless configured otherwise): a job over one raises InvalidRequest before enqueue.
-    After ``close()`` every use raises ClientClosed.
+    ``redis_url`` may name one Redis server or any node of a Redis Cluster (``cluster=``,
+    ``shards=`` and the other settings: ``ClientConfig``). After ``close()`` every use raises
+    ClientClosed.
     """
 
     def __init__(self, redis_url: Optional[str] = None, queue: str = "default",
-                 namespace: str = "tokenrelay", *, redis_client: Optional[redis.Redis] = None,
+                 namespace: str = "tokenrelay", *, redis_client: Optional[Any] = None,
                  limits: Limits = DEFAULT_LIMITS, **settings: Any) -> None:
-        super().__init__(redis_url, queue, namespace, redis_client, limits, settings, redis)
+        super().__init__(redis_url, queue, namespace, redis_client, limits, settings)
+
+    def _make_redis(self) -> Any:
+        return make_redis(self.config)
 
     # -- lifecycle
     def close(self) -> None:
         """Close the connections. Any later use raises ClientClosed; closing twice is fine."""
         if not self._closed:
             self._closed = True
-            self._redis.close()
+            if self._redis is not None:
+                self._redis.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -87,13 +101,31 @@ class Client(ClientCore[redis.Redis]):
 
     def ping(self) -> None:
         """Raise RedisUnavailable unless Redis answers."""
-        self._call(self.redis.ping)
+        self._call(lambda: self.redis.ping())
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except NET_ERRORS as exc:
             raise RedisUnavailable(self.url, exc) from exc
+
+    # -- queues
+    def _queue(self, queue: Optional[str] = None, fresh: bool = False) -> QueueState:
+        st = self._cached_queue(queue, fresh)
+        if st is None:
+            key, *fields = self._config_read(queue)
+            st = self._store_queue(queue, *self._call(self.redis.hmget, key, fields))
+        return st
+
+    def keys_of(self, queue: Optional[str] = None) -> Keys:
+        """The keys of ``queue`` (None: the client's), with its shard count: the client's
+        ``shards`` or the one the queue's workers registered (read once), else 1."""
+        return self._queue(queue).keys
+
+    @property
+    def keys(self) -> Keys:
+        """The keys of the client's queue (``keys_of()``)."""
+        return self.keys_of()
 
     # -- submit
     def submit(self, prompt: Optional[str] = None, *, messages: Optional[list[dict]] = None,
@@ -103,6 +135,7 @@ class Client(ClientCore[redis.Redis]):
                block_timeout: Optional[float] = None,
                chat_template_kwargs: Optional[dict[str, Any]] = None,
                traceparent: Optional[str] = None, routing_key: Optional[str] = None,
+               durable: Optional[bool] = None,
                **sampling: Any) -> Job:
         """Enqueue one job. Sampling fields are validated first (ValueError names a bad one).
 
@@ -115,6 +148,8 @@ class Client(ClientCore[redis.Redis]):
         ``routing_key`` (a conversation or system-prompt id, OpenAI's ``prompt_cache_key``)
         sends jobs with the same key to the same live worker, whose prefix cache holds what
         they share (producer_sdk/affinity.py); without it the job goes to the shared lanes.
+        ``durable`` (default: the client's ``durable``) waits until ``durable_replicas``
+        replicas acknowledged the enqueue, else raises NotDurable with the job enqueued.
         """
         prepared = self._builder.build(prompt, messages, prompt_token_ids, job_id=job_id,
                                        priority=priority, deadline_s=deadline_s, stream=stream,
@@ -122,111 +157,108 @@ class Client(ClientCore[redis.Redis]):
                                        chat_template_kwargs=chat_template_kwargs,
                                        traceparent=traceparent, routing_key=routing_key,
                                        **sampling)
-        return self.enqueue([prepared], block=block, block_timeout=block_timeout)[0]
+        return self.enqueue([prepared], block=block, block_timeout=block_timeout,
+                            durable=durable)[0]
 
     def submit_many(self, requests: Iterable[Any], *, block: bool = True,
-                    block_timeout: Optional[float] = None, **defaults: Any) -> list[Job]:
+                    block_timeout: Optional[float] = None, durable: Optional[bool] = None,
+                    **defaults: Any) -> list[Job]:
         """Enqueue many jobs in pipelined script calls; returns Jobs in input order.
 
         Each request is a prompt string or a dict of submit() keyword arguments; ``defaults``
         (sampling fields, priority, stream, ...) apply to every request that does not override
         them. Everything is validated before the first job is sent. Bulk default: ``block=True``
         waits for room; with ``block=False`` QueueFull carries the jobs that did go in.
+        ``durable`` as for submit (NotDurable names the jobs short of replicas).
         """
         prepared = self._builder.build_many(requests, defaults, now_ms())
-        return self.enqueue(prepared, block=block, block_timeout=block_timeout)
+        return self.enqueue(prepared, block=block, block_timeout=block_timeout, durable=durable)
 
     def prepare(self, request: Any, **defaults: Any) -> Prepared:
         """Validate and encode one request without sending it (for custom windows)."""
         return self._builder.build_request(request, defaults)
 
     def enqueue(self, prepared: Sequence[Prepared], *, block: bool,
-                block_timeout: Optional[float] = None) -> list[Job]:
+                block_timeout: Optional[float] = None, durable: Optional[bool] = None) -> list[Job]:
         """Send prepared jobs; the core of submit/submit_many."""
         if not prepared:
             return []
         if not self._script_loaded:
-            # Load once up front: a NOSCRIPT reply would make the first round travel twice.
+            # Load once up front (on every master of a cluster): a NOSCRIPT reply would make
+            # the first round travel twice.
             self._call(self.redis.script_load, ENQUEUE_LUA)
             self._script_loaded = True
         self._call(self._affinity.route, self.redis, prepared)
-        plan = EnqueuePlan(prepared, self._scripts, self.config.chunk_size)
+        plan = self._plan(list(prepared), durable)
         deadline = Deadline(block_timeout)
+        retry = self._retrying()
         pause = 0.02
         while True:
-            cmds = plan.round()
-            if cmds:
-                self._run_round(plan, cmds)
+            if plan.todo:
+                failed = self._run_round(plan, retry)
+                if failed is not None:      # a cluster failing over: wait, send the rest again
+                    wait = retry.pause()
+                    if wait is None:
+                        raise RedisUnavailable(self.url, failed)
+                    time.sleep(wait)
                 continue
             if not plan.refused:
                 break
             if not block or deadline.expired:
-                raise self._queue_full(plan)
+                raise self._queue_full(Job, plan)
             time.sleep(pause)
             pause = min(pause * 2, 0.5)
             plan.requeue_refused()
-        return [Job(self, p.job_id, reattached=e[0]) for p, e in zip(prepared, plan.entries)]
+        return self._finish(Job, plan)
 
-    def _queue_full(self, plan: EnqueuePlan) -> QueueFull:
-        accepted = [Job(self, plan.jobs[i].job_id, reattached=plan.entries[i][0])
-                    for i in plan.accepted()]
-        return QueueFull(plan.refused_queue(self.keys.queue), plan.depth, plan.limit,
-                         reason="oom" if plan.oom else "high-water mark", accepted=accepted)
-
-    def _run_round(self, plan: EnqueuePlan, cmds: list[tuple[list[int], bytes]]) -> None:
-        replies = self._send_pipelined([c for _, c in cmds])
-        load = False
-        for (idx, _), rep in zip(cmds, replies):
+    def _run_round(self, plan: EnqueuePlan, retry: Retrying) -> Optional[Exception]:
+        """One enqueue round: the queues' config when due, the other shards' depth when the
+        queue has several, then the script calls (and a durable submit's WAIT per node).
+        Returns the error of calls a failing-over cluster refused (they are to be resent)."""
+        states = {q: self._queue(q, fresh=True) for q in plan.queues()}
+        plan.place(states)
+        reads = plan.depth_reads(states)
+        depths = self._send(reads, retry)[0] if reads else []
+        cmds = plan.round(states, depths)
+        replies, acks = self._send([c for _, c in cmds], retry, self._wait_command(plan))
+        load, failed = False, None
+        for (idx, _), rep, ack in zip(cmds, replies, acks):
             if isinstance(rep, NoScriptError):
                 plan.resend(idx)
                 load = True
             elif is_oom(rep):
                 plan.refuse_oom(idx)
+            elif is_transient(rep):
+                plan.resend(idx)
+                failed = rep
             elif isinstance(rep, Exception):
                 raise rep
             else:
-                plan.on_reply(idx, rep)
+                plan.on_reply(idx, rep, ack)
         if load:
             self._call(self.redis.script_load, ENQUEUE_LUA)
+        return failed
 
-    def _send_pipelined(self, commands: list[bytes]) -> list[Any]:
-        """Send packed commands on one connection, keeping pipeline_depth replies outstanding.
-
-        A dropped connection retries the whole round once: the script is idempotent per job id.
-        """
-        for attempt in (1, 2):
+    def _send(self, items: list[Packed], retry: Retrying, trailer: Optional[bytes] = None,
+              ) -> tuple[list[Any], list[Any]]:
+        """``topology.send_packed_trailed``: one round trip per node. A dropped connection
+        resends the whole batch (``retry`` says how long): the enqueue script is idempotent
+        per job id, and XLEN and WAIT only read."""
+        while True:
             try:
-                return self._send_once(commands)
-            except NET_ERRORS as exc:
-                if attempt == 2:
+                return send_packed_trailed(self.redis, items, trailer)
+            except SEND_ERRORS as exc:
+                wait = retry.pause()
+                if wait is None:
                     raise RedisUnavailable(self.url, exc) from exc
-                time.sleep(0.1)
-        raise AssertionError("unreachable")
-
-    def _send_once(self, commands: list[bytes]) -> list[Any]:
-        pool = self.redis.connection_pool
-        conn = pool.get_connection()
-        try:
-            replies: list[Any] = []
-            depth = self.config.pipeline_depth
-            for i, data in enumerate(commands):
-                conn.send_packed_command([data], check_health=(i == 0))
-                if i + 1 - len(replies) >= depth:
-                    replies.append(_read_reply(conn))
-            while len(replies) < len(commands):
-                replies.append(_read_reply(conn))
-            return replies
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
+                time.sleep(wait)
 
     # -- jobs
-    def get(self, job_id: str) -> Job:
-        """Reattach to a job by id (e.g. from another process). Raises JobNotFound."""
+    def get(self, job_id: str, queue: Optional[str] = None) -> Job:
+        """Reattach to a job by id (e.g. from another process) of the client's queue or
+        ``queue``. Raises JobNotFound."""
         validate_job_id(job_id)
-        job = Job(self, job_id, reattached=True)
+        job = Job(self, job_id, keys=self.keys_of(queue), reattached=True)
         if self.probe([job])[0] == "unknown":
             raise JobNotFound(job_id)
         return job
@@ -234,64 +266,92 @@ class Client(ClientCore[redis.Redis]):
     def probe(self, jobs: Sequence[Job]) -> list[str]:
         """Per job: 'active' (queued, running or has results), 'lost' or 'unknown' (see
         ``status.liveness``); marks lost jobs so reading them fails at once."""
-        found = [liveness(s) for s in self._statuses([j.id for j in jobs], position=False)]
+        found = [liveness(s) for s in self._statuses([(j.keys, j.id, j.shard) for j in jobs],
+                                                     position=False)]
         for j, state in zip(jobs, found):
             if state == "lost":
                 j.state.mark_lost()
         return found
 
-    def status(self, job_id: str) -> JobStatus:
-        """Where a job stands: queued (lane, approximate position), running (worker, tokens so
-        far), done, cancelled, failed, expired or unknown (producer_sdk/status.py). Reads only:
-        two round trips, four for a queued job."""
-        return self.statuses([job_id])[0]
+    def status(self, job_id: str, queue: Optional[str] = None) -> JobStatus:
+        """Where a job (of the client's queue, or ``queue``) stands: queued (lane, approximate
+        position), running (worker, tokens so far), done, cancelled, failed, expired or unknown
+        (producer_sdk/status.py). Reads only: two round trips, four for a queued job."""
+        return self.statuses([job_id], queue)[0]
 
-    def statuses(self, job_ids: Sequence[str]) -> list[JobStatus]:
+    def statuses(self, job_ids: Sequence[str], queue: Optional[str] = None) -> list[JobStatus]:
         """``status`` of many jobs in the round trips of one (e.g. every line of a batch)."""
         for job_id in job_ids:
             validate_job_id(job_id)
-        return self._statuses(job_ids)
+        keys = self.keys_of(queue)
+        return self._statuses([(keys, j, None) for j in job_ids])
 
-    def _statuses(self, job_ids: Sequence[str], position: bool = True) -> list[JobStatus]:
-        lock = Lockstep([status_plan(self.keys, j, position) for j in job_ids])
+    def _statuses(self, targets: Sequence[tuple[Keys, str, Optional[int]]],
+                  position: bool = True) -> list[JobStatus]:
+        lock = Lockstep([status_plan(k, j, s, position) for k, j, s in targets],
+                        by_slot=is_cluster(self.redis))
         while (steps := lock.round()) is not None:
             lock.feed([self._call(s.pipeline(self.redis).execute, False) for s in steps])
         return lock.results
 
-    def cancel(self, job_id: str) -> None:
+    def cancel(self, job_id: str, queue: Optional[str] = None) -> None:
         """Set the job's cancel flag (with a TTL); idempotent, works for unknown ids too."""
-        self._call(self.redis.set, self.keys.cancel(job_id), b"1", ex=self.config.cancel_ttl_s)
+        self._cancel_keys([self.keys_of(queue).cancel(job_id)])
 
-    def queue_depth(self) -> int:
-        """Jobs queued or in flight across the lanes (acknowledged entries are deleted)."""
+    def _cancel_keys(self, keys: list[str]) -> None:
+        if len(keys) == 1:
+            self._call(self.redis.set, keys[0], b"1", ex=self.config.cancel_ttl_s)
+            return
         pipe = self.redis.pipeline(transaction=False)
-        for lane in self.keys.lanes():
+        for key in keys:
+            pipe.set(key, b"1", ex=self.config.cancel_ttl_s)
+        self._call(pipe.execute)
+
+    def queue_depth(self, queue: Optional[str] = None) -> int:
+        """Jobs queued or in flight across the lanes of every shard (acknowledged entries are
+        deleted)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for lane in self.keys_of(queue).lanes():
             pipe.xlen(lane)
         return sum(self._call(pipe.execute))
 
-    def set_max_queued_jobs(self, limit: int) -> None:
+    def set_max_queued_jobs(self, limit: int, queue: Optional[str] = None) -> None:
         """Set the queue's shared high-water mark (for every producer without its own)."""
-        self._call(self.redis.hset, self.keys.config, "max_queued_jobs", int(limit))
+        self._call(self.redis.hset, self._config_key(queue), LIMIT_FIELD, int(limit))
+        self._stale(queue)
 
     # -- reading results
     def _xread(self, streams: dict[str, bytes], block_ms: int) -> list:
-        """XREAD BLOCK that survives dropped connections for up to reconnect_timeout_s."""
+        """XREAD BLOCK that survives dropped connections for up to reconnect_timeout_s. Streams
+        in several cluster slots are read per slot (``_wire.sliced_xread``)."""
         give_up = time.monotonic() + self.config.reconnect_timeout_s
         pause = 0.05
         while True:
             try:
-                if len(streams) == 1:
-                    return normalize_xread(
-                        self.redis.xread(streams, count=XREAD_COUNT, block=block_ms))
-                pipe = self.redis.pipeline(transaction=False)
-                pipe.xread(streams, count=XREAD_COUNT, block=block_ms)
-                pipe.xread(streams, count=XREAD_COUNT)
-                return merge_xreads(*pipe.execute())
+                return self._xread_once(streams, block_ms)
             except NET_ERRORS as exc:
                 if time.monotonic() >= give_up:
                     raise RedisUnavailable(self.url, exc) from exc
                 time.sleep(pause)
                 pause = min(pause * 2, 1.0)
+
+    def _xread_once(self, streams: dict[str, bytes], block_ms: int) -> list:
+        r = self.redis
+        if len(streams) == 1:
+            return normalize_xread(r.xread(streams, count=XREAD_COUNT, block=block_ms))
+        if not is_cluster(r) or len(slot_groups(streams)) == 1:
+            pipe = r.pipeline(transaction=False)
+            pipe.xread(streams, count=XREAD_COUNT, block=block_ms)
+            pipe.xread(streams, count=XREAD_COUNT)
+            return merge_xreads(*pipe.execute())
+        end = time.monotonic() + block_ms / 1000
+        while True:
+            items = sliced_xread(streams, lambda k: node_name(r, k), XREAD_COUNT, block_ms)
+            got = merge_reads(parse_raw_xread(x) for x in send_packed(r, items))
+            left_ms = int((end - time.monotonic()) * 1000)
+            if got or left_ms <= 0:
+                return got
+            block_ms = left_ms
 
     def _pump(self, states: Iterable[JobState], block_ms: int) -> list[tuple[JobState, list[Delta]]]:
         """One XREAD over several jobs; feeds each job the entries read for it."""
@@ -308,13 +368,14 @@ class Client(ClientCore[redis.Redis]):
     def iter_completed(self, source: Iterable[tuple[Any, Prepared]], *, concurrency: int = 64,
                        block: bool = True, cancel_on_exit: bool = True,
                        on_submitted: Optional[Callable[[list[tuple[Any, Job]]], None]] = None,
-                       ) -> Iterator[tuple[Any, Job]]:
+                       durable: Optional[bool] = None) -> Iterator[tuple[Any, Job]]:
         """Run (tag, prepared job) pairs with at most ``concurrency`` in flight; yield finished
         (tag, Job) pairs as they complete. ``source`` is pulled lazily (bounded memory).
 
         Already-known job ids reattach instead of resubmitting; those whose results expired come
         back finished with a 'lost' JobFailed. With ``cancel_on_exit`` the jobs still in flight
-        are cancelled when the consumer stops early or raises.
+        are cancelled when the consumer stops early or raises. ``durable``: every enqueue
+        waits for replicas (NotDurable ends the run; its jobs stay enqueued).
         """
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -325,7 +386,7 @@ class Client(ClientCore[redis.Redis]):
             while True:
                 if not exhausted and len(inflight) < concurrency:
                     batch, exhausted = take_batch(it, concurrency - len(inflight))
-                    yield from self._start(batch, inflight, block, on_submitted)
+                    yield from self._start(batch, inflight, block, on_submitted, durable)
                 if not inflight:
                     if exhausted:
                         return
@@ -336,13 +397,14 @@ class Client(ClientCore[redis.Redis]):
                         yield inflight.pop(state.key)
         finally:
             if cancel_on_exit and inflight:
-                self._cancel_many([j.id for _, j in inflight.values()])
+                self._cancel_many([j for _, j in inflight.values()])
 
     def _start(self, batch: list[tuple[Any, Prepared]], inflight: dict[str, tuple[Any, Job]],
-               block: bool, on_submitted: Optional[Callable]) -> Iterator[tuple[Any, Job]]:
+               block: bool, on_submitted: Optional[Callable],
+               durable: Optional[bool] = None) -> Iterator[tuple[Any, Job]]:
         if not batch:
             return
-        jobs = self.enqueue([p for _, p in batch], block=block)
+        jobs = self.enqueue([p for _, p in batch], block=block, durable=durable)
         pairs = [(tag, job) for (tag, _), job in zip(batch, jobs)]
         reattached = [j for _, j in pairs if j.reattached]
         if reattached:
@@ -359,18 +421,15 @@ class Client(ClientCore[redis.Redis]):
             else:
                 inflight[job.state.key] = (tag, job)
 
-    def _cancel_many(self, job_ids: list[str]) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        for jid in job_ids:
-            pipe.set(self.keys.cancel(jid), b"1", ex=self.config.cancel_ttl_s)
+    def _cancel_many(self, jobs: list[Job]) -> None:
         try:
-            pipe.execute()
-        except NET_ERRORS:
+            self._cancel_keys([j.cancel_key for j in jobs])
+        except RedisUnavailable:
             pass  # best effort while unwinding; the original exception matters more
 
     def map(self, prompts_or_requests: Iterable[Any], *, concurrency: int = 32,
             progress: bool = True, return_exceptions: bool = False, priority: int = 0,
-            block: bool = True, **sampling: Any) -> list[Any]:
+            block: bool = True, durable: Optional[bool] = None, **sampling: Any) -> list[Any]:
         """Run every prompt (or submit() kwargs dict) and return Results in input order.
 
         At most ``concurrency`` jobs are queued or running at once. A failed job raises JobFailed
@@ -386,19 +445,13 @@ class Client(ClientCore[redis.Redis]):
                 yield i, self._builder.build_request(req, defaults)
 
         try:
-            for i, job in self.iter_completed(source(), concurrency=concurrency, block=block):
+            for i, job in self.iter_completed(source(), concurrency=concurrency, block=block,
+                                              durable=durable):
                 results[i] = _outcome(job.state, return_exceptions)
                 bar.update(1)
         finally:
             bar.close()
         return results
-
-
-def _read_reply(conn: Any) -> Any:
-    try:
-        return conn.read_response()
-    except redis.exceptions.ResponseError as exc:
-        return exc
 
 
 def _len_or_none(x: Any) -> Optional[int]:

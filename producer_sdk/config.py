@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from producer_sdk.protocol import MAX_SHARDS
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 REDIS_URL_ENV = "TOKENRELAY_REDIS_URL"
+CLUSTER_ENV = "TOKENRELAY_CLUSTER"
+SHARDS_ENV = "TOKENRELAY_SHARDS"
 
 
 def default_redis_url() -> str:
@@ -16,11 +20,28 @@ def default_redis_url() -> str:
     return os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
 
 
+def default_cluster() -> Optional[str]:
+    """``$TOKENRELAY_CLUSTER`` (auto/on/off), the command lines' variable; unset: auto."""
+    return os.environ.get(CLUSTER_ENV) or None
+
+
+def default_shards() -> Optional[str]:
+    """``$TOKENRELAY_SHARDS``; unset: the queue's registered count."""
+    return os.environ.get(SHARDS_ENV) or None
+
+
 class ClientConfig(BaseModel):
     """How a producer talks to one queue.
 
     ``max_queued_jobs`` overrides the queue's shared high-water mark (the ``max_queued_jobs``
     field of the queue's config hash); None uses the shared one, 0 disables back-pressure.
+    ``cluster``: None asks the server whether it is a Redis Cluster node (any node's URL
+    works), True/False force it (also ``auto``/``on``/``off``, ``$TOKENRELAY_CLUSTER``).
+    ``shards``: the queue's shard count; None uses the count its workers registered (else 1),
+    and a count that differs from the registered one is refused (``ShardCountMismatch``).
+    ``durable``: every submit waits until ``durable_replicas`` replicas acknowledged its
+    writes (``WAIT``, at most ``durable_timeout_ms``), else raises NotDurable; a submit's
+    own ``durable=`` overrides it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -36,16 +57,31 @@ class ClientConfig(BaseModel):
     reconnect_timeout_s: float = Field(default=30.0, ge=0)
     poll_ms: int = Field(default=2_000, ge=10, description="longest XREAD BLOCK")
     chunk_size: int = Field(default=500, ge=1, le=10_000, description="jobs per enqueue script call")
-    pipeline_depth: int = Field(default=4, ge=1, description="script calls in flight per round trip")
+    cluster: Optional[bool] = Field(default_factory=default_cluster, validate_default=True,
+                                    description="Redis Cluster: None detects, True/False force")
+    shards: Optional[int] = Field(default_factory=default_shards, validate_default=True, ge=1,
+                                  le=MAX_SHARDS,
+                                  description="the queue's shard count; None: the registered one")
+    durable: bool = Field(default=False, description="submits wait for replicas by default")
+    durable_replicas: int = Field(default=1, ge=1, description="replicas a durable submit waits for")
+    durable_timeout_ms: int = Field(default=1_000, ge=1, description="longest WAIT of a durable submit")
     affinity_max_backlog: int = Field(
         default=128, ge=1, description="a job with a routing_key goes to the shared lanes when "
         "its worker holds this many jobs and unread affinity jobs (producer_sdk/affinity.py)")
     affinity_ttl_s: float = Field(default=1.0, ge=0, description="seconds the live workers read "
                                   "for affinity routing are reused")
 
+    @field_validator("cluster", mode="before")
+    @classmethod
+    def _cluster_mode(cls, value: Any) -> Optional[bool]:
+        from producer_sdk.topology import cluster_flag
+        return cluster_flag(value)
+
     @model_validator(mode="after")
     def _socket_outlives_block(self) -> "ClientConfig":
-        if self.socket_timeout_s * 1000 <= self.poll_ms + 500:
+        longest = max(self.poll_ms, self.durable_timeout_ms)
+        if self.socket_timeout_s * 1000 <= longest + 500:
             raise ValueError(f"socket_timeout_s ({self.socket_timeout_s}) must exceed poll_ms "
-                             f"({self.poll_ms} ms) by at least 0.5 s, or blocking reads time out")
+                             f"and durable_timeout_ms ({longest} ms) by at least 0.5 s, or "
+                             f"blocking reads time out")
         return self

@@ -58,6 +58,31 @@ class QueueFull(SDKError):
         self.accepted = accepted or []
 
 
+class NotDurable(SDKError):
+    """A durable submit's jobs are enqueued, but fewer replicas than asked acknowledged them
+    within the timeout (``WAIT``): until one does, a failover of their master can lose them.
+
+    The jobs stay enqueued: ``jobs`` holds every job of the call (handles, as a successful call
+    returns them), ``job_ids`` those short of ``asked`` replicas. Wait and check, or submit the
+    same job ids again with ``durable=True`` (the dedupe record makes that a no-op for a job
+    that survived, and re-enqueues one a failover lost). A server without replicas can never
+    acknowledge: ``acked`` is 0 there.
+    """
+
+    def __init__(self, acked: int, asked: int, job_ids: list[str], jobs: list[Any],
+                 detail: str = "") -> None:
+        shown = ", ".join(job_ids[:5]) + (f" and {len(job_ids) - 5} more" if len(job_ids) > 5
+                                          else "")
+        super().__init__(f"{len(job_ids)} job(s) enqueued but acknowledged by {acked} of "
+                         f"{asked} replica(s) asked: {shown}"
+                         f"{'; ' + detail if detail else ''}. A failover now can lose them; "
+                         f"resubmit the same job ids with durable=True to make sure")
+        self.acked = acked
+        self.asked = asked
+        self.job_ids = job_ids
+        self.jobs = jobs
+
+
 class JobFailed(SDKError):
     """The job ended with a terminal ``error`` event. ``code`` is a protocol ErrorCode value."""
 

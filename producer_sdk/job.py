@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from producer_sdk.errors import LOST, JobFailed
 from producer_sdk.fold import Delta, ResultFold
 from producer_sdk.logprobs import TokenLogprob
-from producer_sdk.protocol import EVENT_FIELD, DoneEvent, ErrorEvent, Timings, Usage
+from producer_sdk.protocol import EVENT_FIELD, DoneEvent, ErrorEvent, Keys, Timings, Usage
 
 _EVENT_KEY = EVENT_FIELD.decode()
 
@@ -238,22 +238,34 @@ _STATE_LOCK = threading.Lock()  # two threads touching a fresh handle must share
 
 
 class JobHandle:
-    """What the sync and async job handles share: ids and the state read so far (no I/O)."""
+    """What the sync and async job handles share: ids, where the job's keys are (its queue and
+    the shard of that queue it was put on) and the state read so far (no I/O)."""
 
-    __slots__ = ("client", "id", "_state", "reattached")
+    __slots__ = ("client", "id", "keys", "shard", "_state", "reattached")
 
-    def __init__(self, client: Any, job_id: str, *, reattached: bool = False) -> None:
+    def __init__(self, client: Any, job_id: str, *, keys: Keys, shard: Optional[int] = None,
+                 reattached: bool = False) -> None:
         self.client = client
         self.id = job_id
+        self.keys = keys                # the keys of the job's queue (its shard count included)
+        self.shard = keys.shard_of(job_id) if shard is None else shard
         self._state: Optional[JobState] = None  # created on first read: submit_many stays cheap
         self.reattached = reattached
+
+    @property
+    def queue(self) -> str:
+        return self.keys.queue
+
+    @property
+    def cancel_key(self) -> str:
+        return self.keys.cancel(self.id, self.shard)
 
     @property
     def state(self) -> JobState:
         if self._state is None:
             with _STATE_LOCK:
                 if self._state is None:
-                    self._state = JobState(self.id, self.client.keys.results(self.id))
+                    self._state = JobState(self.id, self.keys.results(self.id, self.shard))
         return self._state
 
     def __repr__(self) -> str:
@@ -348,4 +360,4 @@ class Job(JobHandle):
 
     def cancel(self) -> None:
         """Ask the worker to stop (a queued job never starts). The job ends with done/cancelled."""
-        self.client.cancel(self.id)
+        self.client._cancel_keys([self.cancel_key])

@@ -106,13 +106,15 @@ def _as_dicts(messages: Any) -> Any:
 
 @dataclass(slots=True)
 class Prepared:
-    """One job ready to enqueue: its id, lane and encoded payload."""
+    """One job ready to enqueue: its id, lane and encoded payload; its queue, and the shard of
+    that queue it goes to (set by the client at enqueue, from the queue's shard count)."""
 
     job_id: str
     lane: str
     payload: bytes
     stream: bool
     queue: Optional[str] = None     # another queue of the client's namespace; None: the client's
+    shard: Optional[int] = None     # ``Keys.shard_of(job_id)`` of its queue, once enqueued
     routing_key: Optional[str] = None   # prefix-affinity key (producer_sdk/affinity.py)
     affinity: Optional[str] = None      # the worker it was routed to; None: the shared lanes
 
@@ -194,7 +196,7 @@ class PayloadBuilder:
             raise InvalidRequest(f"payload is {len(raw)} bytes, over the limit of "
                                  f"{self.limits.max_payload_bytes} (max_payload_bytes)")
         return Prepared(payload["job_id"], Keys.lane_for_priority(priority), raw, stream, queue,
-                        routing_key)
+                        routing_key=routing_key)
 
     def build_many(self, requests: Iterable[Any], defaults: Mapping[str, Any],
                    submitted_ms: int) -> list[Prepared]:

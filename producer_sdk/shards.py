@@ -20,7 +20,9 @@ class ShardCountMismatch(RuntimeError):
     """A process was told another shard count than the queue registered."""
 
 
-def _parse(raw: Any, where: str) -> Optional[int]:
+def parse_shards(raw: Any, where: str) -> Optional[int]:
+    """The ``shards`` field's value (None when absent); ShardCountMismatch when it holds no
+    count from 1 to MAX_SHARDS (``where`` names the hash in the message)."""
     if raw is None:
         return None
     text = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
@@ -43,11 +45,11 @@ def mismatch(keys: Keys, given: int, registered: int) -> ShardCountMismatch:
 
 def registered_shards(client: Any, keys: Keys) -> Optional[int]:
     """The count the queue's workers registered, None when none did yet."""
-    return _parse(client.hget(keys.config, SHARDS_FIELD), keys.config)
+    return parse_shards(client.hget(keys.config, SHARDS_FIELD), keys.config)
 
 
 async def async_registered_shards(client: Any, keys: Keys) -> Optional[int]:
-    return _parse(await client.hget(keys.config, SHARDS_FIELD), keys.config)
+    return parse_shards(await client.hget(keys.config, SHARDS_FIELD), keys.config)
 
 
 def resolve_shards(given: Optional[int], registered: Optional[int], keys: Keys) -> int:

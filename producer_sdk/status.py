@@ -17,10 +17,10 @@ from typing import Any, Callable, Generator, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from producer_sdk._wire import record_location
+from producer_sdk._wire import fields_dict, record_location
 from producer_sdk.affinity import is_affinity_stream
 from producer_sdk.protocol import (EVENT_FIELD, GROUP, PARKING_CONSUMER, ErrorEvent, Keys,
-                                   ProtocolError, decode_event)
+                                   ProtocolError, decode_event, key_slot)
 
 State = Literal["queued", "running", "done", "cancelled", "failed", "expired", "unknown"]
 POSITION_CAP = 1000     # entries counted ahead of a queued job in its own lane, at most
@@ -50,10 +50,13 @@ class JobStatus(BaseModel):
 
 @dataclass(frozen=True)
 class Step:
-    """One round trip of a plan: a pipeline (MULTI when ``transaction``) and what it queues."""
+    """One round trip of a plan: a pipeline (MULTI when ``transaction``) and what it queues;
+    a MULTI's keys are all in the slot of ``slot_key`` (a cluster runs it on that slot's
+    master, and refuses a MULTI across slots)."""
 
     transaction: bool
     queue: Callable[[Any], Any]
+    slot_key: Optional[str] = None
 
     def pipeline(self, redis: Any) -> Any:
         pipe = redis.pipeline(transaction=self.transaction)
@@ -83,11 +86,13 @@ class _Counting:
 
 class Lockstep:
     """Many plans at once: each round merges every live plan's next step into at most two
-    pipelines (plain, MULTI), so N jobs' statuses cost the round trips of one. I/O-free: the
-    driver executes ``round()``'s steps and ``feed``s their replies, in order."""
+    pipelines (plain, MULTI), so N jobs' statuses cost the round trips of one; ``by_slot``
+    (a Redis Cluster) makes one MULTI per slot instead (a queue shard's jobs share one).
+    I/O-free: the driver executes ``round()``'s steps and ``feed``s their replies, in order."""
 
-    def __init__(self, plans: list[Plan]) -> None:
+    def __init__(self, plans: list[Plan], by_slot: bool = False) -> None:
         self.plans = plans
+        self.by_slot = by_slot
         self.results: list[Any] = [None] * len(plans)
         self._replies: dict[int, Any] = {i: None for i in range(len(plans))}
         self._shares: list[list[tuple[int, int]]] = []
@@ -102,14 +107,22 @@ class Lockstep:
         if not steps:
             return None
         merged, self._shares = [], []
-        for transaction in (False, True):
-            mine = [(i, s) for i, s in steps.items() if s.transaction is transaction]
-            if mine:
-                shares: list[tuple[int, int]] = []
-                merged.append(Step(transaction, lambda p, mine=mine, shares=shares:
-                                   _queue_all(p, mine, shares)))
-                self._shares.append(shares)
+        for (transaction, _), mine in self._batches(steps).items():
+            shares: list[tuple[int, int]] = []
+            merged.append(Step(transaction, lambda p, mine=mine, shares=shares:
+                               _queue_all(p, mine, shares), mine[0][1].slot_key))
+            self._shares.append(shares)
         return merged
+
+    def _batches(self, steps: dict[int, Step]) -> dict[tuple[bool, Any], list[tuple[int, Step]]]:
+        """Steps that go in one pipeline: every plain one together; MULTIs together, or by
+        slot."""
+        out: dict[tuple[bool, Any], list[tuple[int, Step]]] = {}
+        for i, step in sorted(steps.items(), key=lambda kv: kv[1].transaction):
+            slot = key_slot(step.slot_key) if (self.by_slot and step.transaction
+                                               and step.slot_key) else None
+            out.setdefault((step.transaction, slot), []).append((i, step))
+        return out
 
     def feed(self, replies: list[list[Any]]) -> None:
         self._replies = {}
@@ -127,15 +140,19 @@ def _queue_all(pipe: Any, steps: list[tuple[int, Step]], shares: list) -> None:
         shares.append((i, counting.n))
 
 
-def status_plan(keys: Keys, job_id: str, position: bool = True) -> Plan:
-    """The reads of ``Client.status``: the dedupe record, one MULTI snapshot, and (``position``)
-    for a queued job the lanes' groups and the entries ahead of it in its lane."""
-    (record,) = yield Step(False, lambda p: p.get(keys.dedupe(job_id)))
-    replies = yield Step(True, lambda p: queue_snapshot(p, keys, job_id, record))
-    status = fold_status(keys, job_id, record, replies)
+def status_plan(keys: Keys, job_id: str, shard: Optional[int] = None,
+                position: bool = True) -> Plan:
+    """The reads of ``Client.status`` for a job of ``keys``' queue (on ``shard``, None: the
+    one its id goes to): the dedupe record, one MULTI snapshot (all in the shard's slot), and
+    (``position``) for a queued job the lanes' groups and the entries ahead of it in its lane."""
+    shard = keys.shard_of(job_id) if shard is None else shard
+    (record,) = yield Step(False, lambda p: p.get(keys.dedupe(job_id, shard)))
+    replies = yield Step(True, lambda p: queue_snapshot(p, keys, job_id, record, shard),
+                         keys.results(job_id, shard))
+    status = fold_status(keys, job_id, record, replies, shard)
     if not position or status.state != "queued" or status.position is not None:
         return status
-    ahead, span = position_range(keys, record, (yield Step(
+    ahead, span = position_range(keys, record, shard, (yield Step(
         False, lambda p: queue_position_reads(p, keys))))
     if span is not None:
         (entries,) = yield Step(False, lambda p: p.xrange(*span, count=POSITION_CAP))
@@ -153,20 +170,30 @@ def liveness(status: JobStatus) -> str:
     return "lost" if status.state == "expired" and status.error_code is None else "active"
 
 
-def queue_snapshot(pipe: Any, keys: Keys, job_id: str, record: Any) -> None:
+def queue_snapshot(pipe: Any, keys: Keys, job_id: str, record: Any, shard: int) -> None:
     """Queue the reads of one job (5 replies) on a MULTI pipeline, after its dedupe record."""
-    lane, entry = record_location(keys, record)
-    pipe.xrevrange(keys.results(job_id), "+", "-", count=1)
+    lane, entry = record_location(keys, record, shard)
+    pipe.xrevrange(keys.results(job_id, shard), "+", "-", count=1)
     pipe.xrange(lane, entry, entry, count=1)
     pipe.xpending_range(lane, GROUP, min=entry, max=entry, count=1)
-    pipe.get(keys.owner(job_id))
-    pipe.exists(keys.cancel(job_id))
+    pipe.get(keys.owner(job_id, shard))
+    pipe.exists(keys.cancel(job_id, shard))
 
 
-def fold_status(keys: Keys, job_id: str, record: Any, replies: list[Any]) -> JobStatus:
+def lane_name(keys: Keys, lane_key: str) -> Optional[str]:
+    """urgent/default/bulk of a lane key of any shard of ``keys``' queue (None: not one)."""
+    try:
+        shard = keys.shard_of_stream(lane_key)
+    except KeyError:
+        return None
+    return next((n for n in Keys.LANES if keys.lane(n, shard) == lane_key), None)
+
+
+def fold_status(keys: Keys, job_id: str, record: Any, replies: list[Any],
+                shard: int = 0) -> JobStatus:
     last, in_lane, pending, owner, cancel = replies
-    lane_key, _ = record_location(keys, record)
-    lane = ({keys.lane(n): n for n in Keys.LANES}.get(lane_key)
+    lane_key, _ = record_location(keys, record, shard)
+    lane = (lane_name(keys, lane_key)
             or ("affinity" if is_affinity_stream(keys, lane_key) else None)) if record else None
     event = _last_event(last)
     base = dict(job_id=job_id, lane=lane, cancel_requested=cancel == 1, tokens=_tokens(event))
@@ -178,7 +205,7 @@ def fold_status(keys: Keys, job_id: str, record: Any, replies: list[Any]) -> Job
         return JobStatus(state=state, error_code=event.code, message=event.message, **base)
     row = pending[0] if isinstance(pending, list) and pending else None
     if row is not None:
-        consumer, deliveries = _text(row["consumer"]), int(row["times_delivered"])
+        consumer, deliveries = pending_row(row)
         if consumer == PARKING_CONSUMER:    # handed back by a draining worker: taken first
             return JobStatus(state="queued", position=0, deliveries=deliveries, **base)
         worker = _text(owner).rsplit(":", 1)[0] if owner else consumer
@@ -191,29 +218,35 @@ def fold_status(keys: Keys, job_id: str, record: Any, replies: list[Any]) -> Job
 
 
 def queue_position_reads(pipe: Any, keys: Keys) -> None:
-    """For every lane: XINFO GROUPS and XLEN (2 replies each, read order)."""
+    """For every lane of every shard: XINFO GROUPS and XLEN (2 replies each, ``lanes()``
+    order)."""
     for lane in keys.lanes():
         pipe.xinfo_groups(lane)
         pipe.xlen(lane)
 
 
-def position_range(keys: Keys, record: Any, replies: list[Any]) -> tuple[int, Optional[tuple]]:
-    """Jobs not yet taken in more urgent lanes, and the XRANGE (lane, after, up to) that counts
-    the ones ahead in the job's own lane (None when its group has not read that lane yet)."""
-    lane_key, entry = record_location(keys, record)
+def position_range(keys: Keys, record: Any, shard: int,
+                   replies: list[Any]) -> tuple[int, Optional[tuple]]:
+    """Jobs not yet taken in more urgent lanes (of every shard: workers read all of them), and
+    the XRANGE (lane, after, up to) that counts the ones ahead in the job's own lane (None
+    when its group has not read that lane yet). Approximate: workers read shard by shard,
+    and another shard's jobs of the same lane are not counted."""
+    lane_key, entry = record_location(keys, record, shard)
     if is_affinity_stream(keys, lane_key):
         # its worker reads that stream before any lane: what is ahead is what precedes it there
         # (some of it may be running already)
         return 0, (lane_key, "-", f"({entry}")
-    ahead = 0
+    rank = Keys.LANES.index(lane_name(keys, lane_key) or "default")
+    ahead, span = 0, None
     for i, lane in enumerate(keys.lanes()):
         group = _group(replies[2 * i])
         if lane == lane_key:
             after = _text(group["last-delivered-id"]) if group else "0-0"
-            return ahead, (lane, f"({after}", f"({entry}")
-        taken = int(group["pending"]) if group else 0
-        ahead += max(0, int(replies[2 * i + 1] or 0) - taken)
-    return ahead, None
+            span = (lane, f"({after}", f"({entry}")
+        elif i % len(Keys.LANES) < rank:
+            taken = int(group["pending"]) if group else 0
+            ahead += max(0, int(replies[2 * i + 1] or 0) - taken)
+    return ahead, span
 
 
 def _group(reply: Any) -> Optional[dict]:
@@ -224,11 +257,20 @@ def _group(reply: Any) -> Optional[dict]:
     return None
 
 
+def pending_row(row: Any) -> tuple[str, int]:
+    """(consumer, times delivered) of an XPENDING row: redis-py's dict, or the raw
+    [id, consumer, idle, deliveries] a cluster MULTI returns (redis-py applies no callbacks
+    there)."""
+    if isinstance(row, dict):
+        return _text(row["consumer"]), int(row["times_delivered"])
+    return _text(row[1]), int(row[3])
+
+
 def _last_event(reply: Any) -> Any:
     if not isinstance(reply, list) or not reply:
         return None
     try:
-        return decode_event(reply[0][1][EVENT_FIELD])
+        return decode_event(fields_dict(reply[0][1])[EVENT_FIELD])
     except (ProtocolError, KeyError, IndexError, TypeError):
         return None
 

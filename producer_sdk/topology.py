@@ -54,22 +54,27 @@ def _text(v: Any) -> str:
 
 
 def detect_cluster(url: str, timeout_s: float = 2.0) -> bool:
-    """Whether the server at ``url`` runs in cluster mode. Asks ``INFO cluster``; a user whose
-    ACL forbids INFO is asked ``CLUSTER INFO`` (an error saying cluster support is disabled
-    means no). Connection errors propagate: the caller reports an unreachable Redis."""
+    """Whether the server at ``url`` runs in cluster mode. Asks ``CLUSTER INFO`` (a server
+    without cluster support says so in an error: no), the one command the least-privilege
+    roles of docs/operations.md allow for it (``+cluster|info``); a user without it is asked
+    ``INFO cluster``, and a user allowed neither is taken to be on one Redis (a cluster's users
+    pass ``--cluster on``). Connection errors propagate: the caller reports an unreachable
+    Redis."""
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
     try:
         try:
-            return bool(client.info("cluster").get("cluster_enabled"))
-        except redis.exceptions.NoPermissionError:
-            pass
-        try:
             client.execute_command("CLUSTER", "INFO")
             return True
+        except redis.exceptions.NoPermissionError:
+            pass
         except redis.ResponseError as exc:
             if "cluster support disabled" in str(exc).lower():
                 return False
             raise
+        try:
+            return bool(client.info("cluster").get("cluster_enabled"))
+        except redis.exceptions.NoPermissionError:
+            return False
     finally:
         client.close()
 
@@ -105,6 +110,15 @@ def make_async_client(url: str, cluster: Optional[bool] = None, **kwargs: Any) -
     if not cluster:
         return redis.asyncio.Redis.from_url(url, **kwargs)
     return AsyncRedisCluster.from_url(url, **_cluster_kwargs(kwargs))
+
+
+def node_name(client: Any, key: Key) -> Optional[str]:
+    """The name of the master serving ``key`` (None for a plain client), for callers that
+    plan per node (which of a node's commands may block). An asyncio cluster client must have
+    been initialized (any command, or ``await client.initialize()``)."""
+    if not is_cluster(client):
+        return None
+    return client.get_node_from_key(key).name
 
 
 def slot(key: Key) -> int:
@@ -162,37 +176,58 @@ def send_packed(client: Any, items: Sequence[Packed]) -> list[Any]:
     """Send each item's packed commands to the node of its routing key and return every
     command's reply, in order, flattened (error replies in place, never raised). Connection
     errors propagate after a cluster refresh; MOVED/ASK replies are resent once after one."""
-    replies = _send_once(client, items)
+    return send_packed_trailed(client, items, None)[0]
+
+
+def send_packed_trailed(client: Any, items: Sequence[Packed],
+                        trailer: Optional[bytes]) -> tuple[list[Any], list[Any]]:
+    """``send_packed`` with one more packed command (``trailer``, e.g. ``WAIT 1 1000``) sent
+    after each node's batch on the same connection: what must follow the writes of that very
+    connection (WAIT counts the replicas that acknowledged the connection's own writes).
+    Returns the flattened replies and, per item, the trailer's reply of the node it went to
+    (None when ``trailer`` is None)."""
+    replies, trailed = _send_once(client, items, trailer)
     if isinstance(client, RedisCluster):
         moved = _moved(items, replies)
         if moved:
             refresh(client)
-            again = _send_once(client, [items[i] for i in moved])
+            again, again_trailed = _send_once(client, [items[i] for i in moved], trailer)
             _splice(items, replies, moved, again)
-    return [r for rs in replies for r in rs]
+            _splice(items, trailed, moved, again_trailed)
+    return [r for rs in replies for r in rs], trailed
 
 
-def _send_once(client: Any, items: Sequence[Packed]) -> list[list[Any]]:
+def _read_one(conn: Any) -> Any:
+    try:
+        return conn.read_response()
+    except redis.ResponseError as exc:
+        return exc
+
+
+def _send_once(client: Any, items: Sequence[Packed],
+               trailer: Optional[bytes] = None) -> tuple[list[list[Any]], list[Any]]:
     groups = _group(client, items)
     replies: list[list[Any]] = [[] for _ in items]
+    trailed: list[Any] = [None] * len(items)
+    tail = [trailer] if trailer is not None else []
     try:
         with contextlib.ExitStack() as stack:
             conns = {name: stack.enter_context(_pooled(client, name)) for name in groups}
             for name, idx in groups.items():  # every node's commands go out before any read
-                conns[name].send_packed_command([b"".join(items[i][1] for i in idx)],
+                conns[name].send_packed_command([b"".join([*(items[i][1] for i in idx), *tail])],
                                                 check_health=False)
             for name, idx in groups.items():
                 conn = conns[name]
                 for i in idx:
-                    for _ in range(items[i][2]):
-                        try:
-                            replies[i].append(conn.read_response())
-                        except redis.ResponseError as exc:
-                            replies[i].append(exc)
+                    replies[i].extend(_read_one(conn) for _ in range(items[i][2]))
+                if trailer is not None:
+                    last = _read_one(conn)
+                    for i in idx:
+                        trailed[i] = last
     except (redis.ConnectionError, redis.TimeoutError, OSError):
         refresh(client)
         raise
-    return replies
+    return replies, trailed
 
 
 def _moved(items: Sequence[Packed], replies: list[list[Any]]) -> list[int]:
@@ -205,8 +240,8 @@ def _is_redirect(exc: Exception) -> bool:
             or _text(exc).startswith(("MOVED", "ASK")))
 
 
-def _splice(items: Sequence[Packed], replies: list[list[Any]], idx: list[int],
-            again: list[list[Any]]) -> None:
+def _splice(items: Sequence[Packed], replies: list[Any], idx: list[int],
+            again: list[Any]) -> None:
     for i, rs in zip(idx, again):
         replies[i] = rs
 
@@ -214,14 +249,22 @@ def _splice(items: Sequence[Packed], replies: list[list[Any]], idx: list[int],
 # ------------------------------------------------------------------------------ asyncio
 async def async_send_packed(client: Any, items: Sequence[Packed]) -> list[Any]:
     """``send_packed`` for asyncio clients (plain or cluster)."""
-    replies = await _async_send_once(client, items)
+    return (await async_send_packed_trailed(client, items, None))[0]
+
+
+async def async_send_packed_trailed(client: Any, items: Sequence[Packed],
+                                    trailer: Optional[bytes]) -> tuple[list[Any], list[Any]]:
+    """``send_packed_trailed`` for asyncio clients."""
+    replies, trailed = await _async_send_once(client, items, trailer)
     if isinstance(client, AsyncRedisCluster):
         moved = _moved(items, replies)
         if moved:
             await _async_refresh(client)
-            again = await _async_send_once(client, [items[i] for i in moved])
+            again, again_trailed = await _async_send_once(client, [items[i] for i in moved],
+                                                          trailer)
             _splice(items, replies, moved, again)
-    return [r for rs in replies for r in rs]
+            _splice(items, trailed, moved, again_trailed)
+    return [r for rs in replies for r in rs], trailed
 
 
 async def _async_refresh(client: Any) -> None:
@@ -229,8 +272,11 @@ async def _async_refresh(client: Any) -> None:
         await client.nodes_manager.initialize()
 
 
-async def _async_send_once(client: Any, items: Sequence[Packed]) -> list[list[Any]]:
+async def _async_send_once(client: Any, items: Sequence[Packed], trailer: Optional[bytes] = None,
+                           ) -> tuple[list[list[Any]], list[Any]]:
     replies: list[list[Any]] = [[] for _ in items]
+    trailed: list[Any] = [None] * len(items)
+    tail = [trailer] if trailer is not None else []
     if isinstance(client, AsyncRedisCluster):
         await client.initialize()  # loads the slot map on first use, a no-op afterwards
         groups: dict[Any, tuple[Any, list[int]]] = {}
@@ -241,10 +287,10 @@ async def _async_send_once(client: Any, items: Sequence[Packed]) -> list[list[An
         acquired = [(node, node.acquire_connection(), idx) for node, idx in groups.values()]
         try:
             for _, conn, idx in acquired:
-                await conn.send_packed_command([b"".join(items[i][1] for i in idx)],
+                await conn.send_packed_command([b"".join([*(items[i][1] for i in idx), *tail])],
                                                check_health=False)
             for _, conn, idx in acquired:
-                await _async_read(conn, items, idx, replies)
+                await _async_read(conn, items, idx, replies, trailed, trailer is not None)
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             for _, conn, _ in acquired:
                 with contextlib.suppress(Exception):
@@ -254,25 +300,34 @@ async def _async_send_once(client: Any, items: Sequence[Packed]) -> list[list[An
         finally:
             for node, conn, _ in acquired:
                 node.release(conn)
-        return replies
+        return replies, trailed
     pool = client.connection_pool
     conn = await pool.get_connection()
     try:
-        await conn.send_packed_command([b"".join(it[1] for it in items)], check_health=False)
-        await _async_read(conn, items, range(len(items)), replies)
+        await conn.send_packed_command([b"".join([*(it[1] for it in items), *tail])],
+                                       check_health=False)
+        await _async_read(conn, items, range(len(items)), replies, trailed, trailer is not None)
     except BaseException:
         await conn.disconnect()
         raise
     finally:
         await pool.release(conn)
-    return replies
+    return replies, trailed
 
 
-async def _async_read(conn: Any, items: Sequence[Packed], idx: Any,
-                      replies: list[list[Any]]) -> None:
+async def _async_read_one(conn: Any) -> Any:
+    try:
+        return await conn.read_response()
+    except redis.ResponseError as exc:
+        return exc
+
+
+async def _async_read(conn: Any, items: Sequence[Packed], idx: Any, replies: list[list[Any]],
+                      trailed: list[Any], trailer: bool) -> None:
     for i in idx:
         for _ in range(items[i][2]):
-            try:
-                replies[i].append(await conn.read_response())
-            except redis.ResponseError as exc:
-                replies[i].append(exc)
+            replies[i].append(await _async_read_one(conn))
+    if trailer:
+        last = await _async_read_one(conn)
+        for i in idx:
+            trailed[i] = last

@@ -128,6 +128,32 @@ def submit(client: Any, keys: Any, job: Any, raw: Optional[bytes] = None,
     return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
 
+def enqueue(client: Any, keys: Any, job: Any, dedupe_ttl_s: int = 86_400) -> tuple[str, str]:
+    """Enqueue a job (JobRequest or dict) as the SDK's enqueue script does: XADD onto its
+    priority lane of the shard its job id maps to (``keys.shard_of``), and the job's dedupe
+    record in that shard, naming the entry. Works on a plain client and on a cluster client
+    (both keys share the shard's slot). Returns (lane key, entry id)."""
+    from producer_sdk.protocol import PAYLOAD_FIELD, JobRequest, dedupe_record, encode_job
+    job = job if isinstance(job, JobRequest) else JobRequest.model_validate(job)
+    shard = keys.shard_of(job.job_id)
+    lane = keys.jobs_stream(job.priority, shard)
+    entry_id = client.xadd(lane, {PAYLOAD_FIELD: encode_job(job)})
+    entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    client.set(keys.dedupe(job.job_id, shard), dedupe_record(lane, entry_id), ex=dedupe_ttl_s)
+    return lane, entry_id
+
+
+def ids_on_shard(keys: Any, shard: int, prefix: str, n: int) -> list[str]:
+    """``n`` job ids (``<prefix>-<i>``) that a producer puts on ``shard``."""
+    out: list[str] = []
+    i = 0
+    while len(out) < n:
+        if keys.shard_of(f"{prefix}-{i}") == shard:
+            out.append(f"{prefix}-{i}")
+        i += 1
+    return out
+
+
 def read_events(client: Any, keys: Any, job_id: str) -> list:
     from producer_sdk.protocol import EVENT_FIELD, decode_event
     return [decode_event(f[EVENT_FIELD]) for _, f in client.xrange(keys.results(job_id))]
@@ -283,20 +309,31 @@ FAST_FLAGS = {"lease-ms": 1000, "max-deliveries": 3, "heartbeat-ms": 200, "block
 
 
 class FaultEnv:
-    """One test's world: a redis-server, worker subprocesses, a producer client.
+    """One test's world: a redis-server (or a Redis Cluster the caller owns), worker
+    subprocesses, a producer client.
 
     Workers are ``python -m worker`` children (tests/fixtures_redis.WorkerProcess, each in its
     own process group); ``close`` SIGKILLs every one of them and the server, whatever happened.
+    ``shards`` > 1 runs the workers with ``--shards``; ``cluster`` (a started
+    ``worker.redis_server.RedisCluster``) replaces the private server: ``r`` is then a cluster
+    client, and the cluster is left running (give each test its own namespace).
     """
 
     def __init__(self, tmp_path: Path, namespace: str = "ft", queue: str = "q",
-                 redis_args: Sequence[str] = ()) -> None:
+                 redis_args: Sequence[str] = (), shards: int = 1, cluster: Any = None) -> None:
         from producer_sdk.protocol import Keys
+        from producer_sdk.topology import make_client
         from tests.fixtures_redis import start_redis_server
         self.tmp_path = tmp_path
-        self.keys = Keys(namespace, queue)
-        self.redis = start_redis_server(tmp_path / "redis", *redis_args)
-        self.r = self.redis.client(socket_timeout=10)
+        self.keys = Keys(namespace, queue, shards)
+        self.cluster = cluster
+        if cluster is None:
+            self.redis = start_redis_server(tmp_path / "redis", *redis_args)
+            self.url = self.redis.url
+            self.r = self.redis.client(socket_timeout=10)
+        else:
+            self.redis, self.url = None, cluster.url
+            self.r = make_client(cluster.url, True, socket_timeout=10)
         self.workers: list = []
         self._clients: list = []
 
@@ -306,9 +343,11 @@ class FaultEnv:
         """Start ``python -m worker``; ``flags`` override FAST_FLAGS (underscores -> dashes)."""
         from tests.fixtures_redis import WorkerProcess
         merged = {**FAST_FLAGS, **{k.replace("_", "-"): v for k, v in flags.items()}}
-        args = ["--model", model or FAKE_MODEL.format(delay=delay), "--redis-url", self.redis.url,
+        args = ["--model", model or FAKE_MODEL.format(delay=delay), "--redis-url", self.url,
                 "--namespace", self.keys.namespace, "--queue", self.keys.queue,
                 "--worker-id", worker_id]
+        if self.keys.shards > 1:
+            args += ["--shards", str(self.keys.shards)]
         for k, v in merged.items():
             args += [f"--{k}", str(v)]
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
@@ -328,16 +367,22 @@ class FaultEnv:
     # -- producer side
     def client(self, **settings: object):
         from producer_sdk.client import Client
-        c = Client(self.redis.url, queue=self.keys.queue, namespace=self.keys.namespace,
+        c = Client(self.url, queue=self.keys.queue, namespace=self.keys.namespace,
                    **settings)
         self._clients.append(c)
         return c
 
-    def submit(self, prompts: Sequence[str], prefix: str = "job", **sampling: object) -> list[str]:
-        """Submit one job per prompt (ids ``<prefix>-<i>``); returns the job ids."""
-        client = self._clients[0] if self._clients else self.client()
+    def submit(self, prompts: Sequence[str], prefix: str = "job", priority: int = 0,
+               **sampling: object) -> list[str]:
+        """Submit one job per prompt (ids ``<prefix>-<i>``); returns the job ids. A sharded
+        queue or a cluster gets the jobs from ``enqueue`` (what the SDK's script writes)."""
         reqs = [{"prompt": p, "job_id": f"{prefix}-{i}"} for i, p in enumerate(prompts)]
-        client.submit_many(reqs, **sampling)
+        if self.keys.shards > 1 or self.cluster is not None:
+            for req in reqs:
+                enqueue(self.r, self.keys, {**req, "priority": priority, "params": sampling})
+        else:
+            client = self._clients[0] if self._clients else self.client()
+            client.submit_many(reqs, priority=priority, **sampling)
         return [req["job_id"] for req in reqs]
 
     def streams(self, job_ids: Sequence[str]) -> dict[str, StreamReport]:
@@ -375,4 +420,5 @@ class FaultEnv:
             except Exception:  # teardown must go on
                 pass
         self.r.close()
-        self.redis.kill()
+        if self.redis is not None:
+            self.redis.kill()

@@ -24,6 +24,7 @@ import pytest
 import redis
 
 from producer_sdk.protocol import EVENT_FIELD, GROUP, PAYLOAD_FIELD, Keys, decode_job
+from producer_sdk.topology import make_client
 from tests.fixtures_redis import RedisServer, free_port, start_redis_server
 
 __all__ = ["RedisServer", "free_port", "start_redis_server", "sdk_redis", "sdk_url", "FakeWorker",
@@ -51,18 +52,22 @@ def sdk_url(sdk_redis: RedisServer) -> Iterator[str]:
 
 
 class FakeWorker(threading.Thread):
-    """Reads jobs from the consumer group and writes protocol v1 result events."""
+    """Reads jobs from the consumer group and writes protocol v1 result events. On a queue of
+    several ``shards`` it reads each shard's lanes in turn (one slot each, so it also runs
+    against a Redis Cluster, whose client ``topology.make_client`` makes) and writes a job's
+    events with the keys of the shard it read the job from."""
 
     def __init__(self, url: str, namespace: str = "tokenrelay", queue: str = "default", *,
                  token_delay: float = 0.0, worker_id: str = "fake-1", result_ttl_s: int = 3600,
-                 start_delay: float = 0.0) -> None:
+                 start_delay: float = 0.0, shards: int = 1) -> None:
         super().__init__(daemon=True, name=f"fake-worker-{worker_id}")
-        self.r = redis.Redis.from_url(url)
-        self.keys = Keys(namespace, queue)
+        self.r = make_client(url)
+        self.keys = Keys(namespace, queue, shards)
         self.token_delay = token_delay
         self.worker_id = worker_id
         self.ttl = result_ttl_s
         self.start_delay = start_delay
+        self.shard = 0
         self.stopping = threading.Event()
         self.processed: list[str] = []
         self.max_depth_seen = 0
@@ -102,29 +107,36 @@ class FakeWorker(threading.Thread):
 
     def _step(self) -> None:
         self.r.zadd(self.keys.workers, {self.worker_id: int(time.time() * 1000)})
-        lanes = self.keys.lanes()
-        depth = sum(self.r.xlen(k) for k in lanes)
+        depth = sum(self.r.xlen(k) for k in self.keys.lanes())
         self.max_depth_seen = max(self.max_depth_seen, depth)
-        reply = self.r.xreadgroup(GROUP, self.worker_id, {k: ">" for k in lanes}, count=1,
-                                  block=50)
-        for lane, entries in reply or []:
-            for entry_id, fields in entries:
-                self._run_job(fields[PAYLOAD_FIELD])
-                self.r.xack(lane, GROUP, entry_id)
-                self.r.xdel(lane, entry_id)
+        block = 50 if self.keys.shards == 1 else None
+        found = False
+        for shard in range(self.keys.shards):
+            reply = self.r.xreadgroup(GROUP, self.worker_id,
+                                      {k: ">" for k in self.keys.lanes(shard)}, count=1,
+                                      block=block)
+            for lane, entries in reply or []:
+                for entry_id, fields in entries:
+                    found = True
+                    self._run_job(fields[PAYLOAD_FIELD], shard)
+                    self.r.xack(lane, GROUP, entry_id)
+                    self.r.xdel(lane, entry_id)
+        if not found and block is None:
+            time.sleep(0.01)
 
     # -- one job
     def _emit(self, job_id: str, event: dict[str, Any]) -> None:
-        key = self.keys.results(job_id)
+        key = self.keys.results(job_id, self.shard)
         event.setdefault("ts", time.time())
         self.r.xadd(key, {EVENT_FIELD: msgpack.packb(event, use_bin_type=True)})
         self.r.expire(key, self.ttl)
 
     def _cancelled(self, job_id: str) -> bool:
-        return bool(self.r.exists(self.keys.cancel(job_id)))
+        return bool(self.r.exists(self.keys.cancel(job_id, self.shard)))
 
-    def _run_job(self, raw: bytes) -> None:
+    def _run_job(self, raw: bytes, shard: int = 0) -> None:
         job = decode_job(raw)
+        self.shard = shard          # the shard the job was read from: its keys are there
         self.processed.append(job.job_id)
         if self._cancelled(job.job_id):
             self._emit(job.job_id, {"type": "done", "finish_reason": "cancelled"})

@@ -5,6 +5,10 @@ long (a stuck or crash-looping worker shows as growing idle times and delivery c
 were given up on (dead letters) and the means to replay or purge them, and a way to take one worker
 out of service gracefully (drain) without shell access to its host.
 
+Every command works on a queue of any shard count (the count the queue's workers registered;
+--shards must agree) and against a Redis Cluster (pending entries and dead letters are read
+from every shard's streams, each on the node serving it).
+
 Nothing here bypasses the workers' invariants: replay re-enqueues through the same lane and
 dedupe record a producer would use, and draining only sets a flag the worker itself polls.
 """
@@ -28,6 +32,10 @@ from producer_sdk.cli_common import (
 from producer_sdk.protocol import (
     GROUP, PAYLOAD_FIELD, DeadLetter, ErrorCode, Keys, decode_job,
 )
+from producer_sdk.shards import ShardCountMismatch, registered_shards, resolve_shards
+from producer_sdk.topology import ClusterModeError
+from worker.connection import (EXIT_CONFIG, REDIS_ERRORS, ErrorKind, classify, client_for,
+                               describe_permanent)
 from worker.deadletters import payload_job_id
 from worker.scripts import REPLAY, run_script
 
@@ -79,7 +87,8 @@ def _job_id_of(r: Any, lane: str, entry_id: str) -> str:
 
 
 def list_pending(r: Any, keys: Keys) -> list[PendingJob]:
-    """Every pending entry of every lane, most urgent lane first, oldest entry first."""
+    """Every pending entry of every lane of every shard, shard by shard, most urgent lane
+    first, oldest entry first."""
     out = []
     alive: dict[str, bool] = {}
     for lane in keys.lanes():
@@ -94,7 +103,8 @@ def list_pending(r: Any, keys: Keys) -> list[PendingJob]:
             if consumer not in alive:
                 alive[consumer] = bool(r.exists(keys.heartbeat(consumer)))
             job_id = _job_id_of(r, lane, entry_id)
-            owner = _s(r.get(keys.owner(job_id)) or b"") if job_id else ""
+            owner = (_s(r.get(keys.owner(job_id, keys.shard_of_stream(lane))) or b"")
+                     if job_id else "")
             out.append(PendingJob(lane, entry_id, consumer, int(row["time_since_delivered"]),
                                   int(row["times_delivered"]), job_id, owner, alive[consumer]))
     return out
@@ -116,22 +126,68 @@ def list_workers(r: Any, keys: Keys) -> list[dict]:
 # dead letters
 # --------------------------------------------------------------------------------------------
 
+def _id_order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _dead_entries(r: Any, keys: Keys, count: Optional[int] = None
+                  ) -> list[tuple[int, str, DeadLetter]]:
+    """(shard, entry id, letter) from every shard's dead-letter stream, oldest first."""
+    rows = [(shard, _s(eid), DeadLetter.from_fields(fields))
+            for shard, stream in enumerate(keys.dead_streams())
+            for eid, fields in r.xrange(stream, count=count)]
+    rows.sort(key=lambda row: _id_order(row[1]))
+    return rows[:count] if count else rows
+
+
+def dead_id(keys: Keys, shard: int, entry_id: str) -> str:
+    """How a dead letter is named: its entry id, prefixed ``<shard>/`` on a queue of several
+    shards (each shard's dead-letter stream makes its own ids: they collide across shards)."""
+    return entry_id if keys.shards == 1 else f"{shard}/{entry_id}"
+
+
 def list_dead(r: Any, keys: Keys, count: Optional[int] = None) -> list[tuple[str, DeadLetter]]:
-    """Dead letters, oldest first."""
-    return [(_s(eid), DeadLetter.from_fields(fields))
-            for eid, fields in r.xrange(keys.dead(), count=count)]
+    """Dead letters of every shard, oldest first, by ``dead_id``."""
+    return [(dead_id(keys, shard, eid), letter)
+            for shard, eid, letter in _dead_entries(r, keys, count)]
 
 
-def _select_dead(r: Any, keys: Keys, ids: Sequence[str]) -> list[tuple[str, DeadLetter]]:
+def _find_dead(r: Any, keys: Keys, name: str) -> list[tuple[int, str, DeadLetter]]:
+    """The letters ``name`` may mean: ``<shard>/<entry id>``, or an entry id in any shard."""
+    where, _, eid = name.rpartition("/")
+    if where:
+        shards: Sequence[int] = ([int(where)] if where.isdigit() and int(where) < keys.shards
+                                 else [])
+    else:
+        shards = range(keys.shards)
+    return [(s, eid, DeadLetter.from_fields(hit[0][1])) for s in shards
+            for hit in [r.xrange(keys.dead(s), eid, eid)] if hit]
+
+
+def _select_dead(r: Any, keys: Keys, ids: Sequence[str]) -> list[tuple[int, str, DeadLetter]]:
+    """The letters ``ids`` (``dead_id`` names) name, all when empty; KeyError for a name that
+    names none, or several (the same entry id in several shards' streams)."""
     if not ids:
-        return list_dead(r, keys)
+        return _dead_entries(r, keys)
     out = []
-    for eid in ids:
-        found = r.xrange(keys.dead(), eid, eid)
+    for name in ids:
+        found = _find_dead(r, keys, name)
         if not found:
-            raise KeyError(f"no dead letter {eid} in {keys.dead()}")
-        out.append((eid, DeadLetter.from_fields(found[0][1])))
+            raise KeyError(f"no dead letter {name} in {', '.join(keys.dead_streams())}")
+        if len(found) > 1:
+            raise KeyError(f"{name} names a dead letter in several shards; give "
+                           f"<shard>/{name} as 'dead list' shows it")
+        out += found
     return out
+
+
+def _replay_lane(keys: Keys, letter: DeadLetter, priority: int, job_id: str) -> str:
+    """Where a replayed letter goes: the lane it was read from, when that is a lane of this
+    queue (its shard), else the job's priority lane on the shard its id maps to."""
+    if letter.lane in keys.lanes():
+        return letter.lane
+    return keys.jobs_stream(priority, keys.shard_of(job_id))
 
 
 def replay_dead(r: Any, keys: Keys, ids: Sequence[str] = ()) -> list[tuple[str, str]]:
@@ -140,32 +196,38 @@ def replay_dead(r: Any, keys: Keys, ids: Sequence[str] = ()) -> list[tuple[str, 
     The job keeps its id, so its result stream is deleted first: it ends with the poison error,
     and a worker that finds a terminal event there would treat the job as already finished. The
     job id's dedupe record is pointed at the new entry (identity binding: workers run only the
-    entry it names). Clients waiting on the job must subscribe again. Skipped, and left in the
+    entry it names); the job's keys are those of the lane's shard, as a worker reading the new
+    entry derives them. Clients waiting on the job must subscribe again. Skipped, and left in the
     dead-letter stream: letters without a payload or with a truncated one, and duplicate_job_id
     letters (replaying one would take the job id over from the job it belongs to).
     """
     done = []
-    for dead_id, letter in _select_dead(r, keys, ids):
+    for shard, dead_id, letter in _select_dead(r, keys, ids):
         if not letter.data or letter.truncated or letter.code == ErrorCode.DUPLICATE_JOB_ID.value:
             continue
         job = decode_job(letter.data)
-        lane = letter.lane if letter.lane in keys.lanes() else keys.jobs_stream(job.priority)
-        new_id = _s(run_script(r, REPLAY, [lane, keys.dedupe(job.job_id),
-                                           keys.results(job.job_id), keys.owner(job.job_id),
-                                           keys.cancel(job.job_id)],
+        lane = _replay_lane(keys, letter, job.priority, job.job_id)
+        at = keys.shard_of_stream(lane)
+        new_id = _s(run_script(r, REPLAY, [lane, keys.dedupe(job.job_id, at),
+                                           keys.results(job.job_id, at),
+                                           keys.owner(job.job_id, at),
+                                           keys.cancel(job.job_id, at)],
                                [letter.data, DEDUPE_TTL_S]))
-        r.xdel(keys.dead(), dead_id)
+        r.xdel(keys.dead(shard), dead_id)
         done.append((job.job_id, new_id))
     return done
 
 
 def purge_dead(r: Any, keys: Keys, ids: Sequence[str] = ()) -> int:
-    """Delete dead letters (all when ``ids`` is empty); returns how many."""
+    """Delete dead letters of every shard (all when ``ids``, ``dead_id`` names, is empty);
+    returns how many."""
     if not ids:
-        n = int(r.xlen(keys.dead()))
-        r.delete(keys.dead())
+        n = sum(int(r.xlen(stream)) for stream in keys.dead_streams())
+        for stream in keys.dead_streams():
+            r.delete(stream)
         return n
-    return int(r.xdel(keys.dead(), *ids))
+    return sum(int(r.xdel(keys.dead(shard), eid)) for name in ids
+               for shard, eid, _ in _find_dead(r, keys, name))
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,8 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _connect(settings: AdminSettings) -> tuple[Any, Keys]:
-    keys = Keys(settings.namespace, settings.queue)
-    return redis_lib.Redis.from_url(settings.redis_url, socket_timeout=10), keys
+    """A client (a cluster client when the server is a cluster node, or --cluster on) and the
+    queue's keys with its registered shard count (--shards must match it when given)."""
+    r = client_for(settings.redis_url, settings.cluster, socket_timeout=10)
+    base = Keys(settings.namespace, settings.queue)
+    shards = resolve_shards(settings.shards, registered_shards(r, base), base)
+    return r, Keys(settings.namespace, settings.queue, shards)
 
 
 def _emit(settings: AdminSettings, rows: Iterable[dict], columns: Sequence[str]) -> None:
@@ -260,16 +326,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run(args: argparse.Namespace, settings: AdminSettings) -> int:
     """Redis errors end the command with one line: 3 when Redis cannot be reached, 78 for a
-    configuration error (password, ACL, TLS), 1 for anything else Redis refused."""
+    configuration error (password, ACL, TLS, --cluster on against a plain server, a --shards
+    the queue was not registered with), 1 for anything else Redis refused."""
     try:
         return _run(args, settings)
-    except redis_lib.RedisError as exc:
-        from worker.connection import EXIT_CONFIG, ErrorKind, classify, describe_permanent
+    except ShardCountMismatch as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyError as exc:   # a dead-letter id that names no letter, or several
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return 1
+    except (*REDIS_ERRORS, ClusterModeError) as exc:
         url = settings.redis_url
         if classify(exc) is ErrorKind.PERMANENT:
             print(f"error: {describe_permanent(exc, url)}", file=sys.stderr)
             return EXIT_CONFIG
-        unreachable = isinstance(exc, (redis_lib.ConnectionError, redis_lib.TimeoutError))
+        unreachable = isinstance(exc, (redis_lib.ConnectionError, redis_lib.TimeoutError,
+                                       redis_lib.exceptions.RedisClusterException))
         what = "cannot reach Redis" if unreachable else "Redis refused the command"
         print(f"error: {what} at {redact_url(url)}: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE if unreachable else 1

@@ -23,9 +23,16 @@ from worker.connection import ErrorKind, classify
 from worker.deadletters import Rejection, payload_job_id
 from worker.fencing import bound, new_owner_value
 from worker.jobs import Choice, Job
-from worker.pending import Entry
+from worker.pending import Entry, entry_fields
 from worker.recovery import JobProgress, progress_from_entries
 from worker.scripts import ScriptPipeline, text
+
+
+
+def stream_entries(reply: Any) -> list[tuple[Any, dict]]:
+    """A raw XRANGE reply (``ScriptPipeline`` applies no response callbacks) as (id, fields)."""
+    return [(eid, entry_fields(flat)) for eid, flat in reply or []]
+
 
 def _params_message(msg: str) -> str:
     return "; ".join(p if p.startswith("params") else f"params.{p}" for p in msg.split("; "))
@@ -118,12 +125,12 @@ class Admission:
         w = self.w
         pipe = ScriptPipeline(w.client)
         owners, idx = [], []
-        for e, req in fresh:
+        for e, req in fresh:   # the job's keys are those of the shard its entry came from
             owners.append(new_owner_value(w.worker_id))
-            idx.append((w.fence.bind_and_own(pipe, req.job_id, e.lane_key, e.entry_id,
+            idx.append((w.fence.bind_and_own(pipe, req.job_id, e.shard, e.lane_key, e.entry_id,
                                              owners[-1], w.ttl_ms),
-                        pipe.command("EXISTS", w.keys.cancel(req.job_id)),
-                        pipe.command("XRANGE", w.keys.results(req.job_id), "-", "+")))
+                        pipe.command("EXISTS", w.keys.cancel(req.job_id, e.shard)),
+                        pipe.command("XRANGE", w.keys.results(req.job_id, e.shard), "-", "+")))
         res = pipe.execute()
         errors = [r for r in res if isinstance(r, Exception)]
         transient = next((x for x in errors if classify(x) is not ErrorKind.OTHER), None)
@@ -142,11 +149,13 @@ class Admission:
             else:
                 job = Job(entry=e, request=req, owner=owner, worker_id=w.worker_id)
                 w.jobs[req.job_id] = job
-                self._start_guarded(job, res[i_range], bool(res[i_cancel]))
+                self._start_guarded(job, stream_entries(res[i_range]), bool(res[i_cancel]))
 
     def _start_guarded(self, job: Job, stream: Any, cancelled: bool) -> None:
         try:
-            self._start(job, progress_from_entries(stream or []), cancelled)
+            progress = progress_from_entries(stream or [])
+            job.tail_mark = progress.last_mark
+            self._start(job, progress, cancelled)
         except Exception as exc:  # any failure admitting one job ends that job alone
             self.w.log.exception("job could not be started", **job.log_fields())
             self.w.jobs.fail(job, ErrorCode.INTERNAL, f"the worker could not start the job: "

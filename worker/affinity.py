@@ -34,7 +34,7 @@ import redis
 
 from producer_sdk.protocol import (GROUP, PARKING_CONSUMER, Keys, Limits, ProtocolError,
                                    decode_job)
-from worker.scripts import _lua, run_script, text
+from worker.scripts import ScriptPipeline, _lua, run_script, text
 
 if TYPE_CHECKING:   # worker.pending imports this module (its lanes start with own_lanes)
     from worker.pending import Entry
@@ -109,24 +109,39 @@ class Affinity:
 
     def __init__(self, worker: Any) -> None:
         self.w = worker
-        self.keys: Keys = worker.keys
-        self.own = [key for s in range(self.keys.shards)
-                    for _, key in own_lanes(self.keys, worker.worker_id, s)]
         self.foreign: list[str] = []    # dead or draining workers' streams that still exist
+
+    @property
+    def keys(self) -> Keys:
+        """The worker's keys: read each time, as the worker replaces them once it knows the
+        queue's registered shard count."""
+        return self.w.keys
+
+    @property
+    def own(self) -> list[str]:
+        """This worker's affinity stream on every shard."""
+        return [key for s in range(self.keys.shards)
+                for _, key in own_lanes(self.keys, self.w.worker_id, s)]
+
+    def _each(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Single-key commands over many slots, one round trip per node (ScriptPipeline over
+        topology.send_packed); raw replies, error replies in place."""
+        pipe = ScriptPipeline(self.w.client)
+        for cmd in commands:
+            pipe.command(*cmd)
+        return pipe.execute()
 
     # ---------------------------------------------------------------- heartbeat
     def heartbeat_fields(self) -> dict[str, Any]:
         """What producers route by (producer_sdk/affinity.py): that this worker reads affinity
         streams, and its unread affinity entries (part of its backlog)."""
-        pipe = self.w.client.pipeline(transaction=False)
-        for key in self.own:
-            pipe.xlen(key)
-            pipe.xpending(key, GROUP)
-        replies = pipe.execute(raise_on_error=False)
+        own = self.own
+        replies = self._each([c for key in own for c in (("XLEN", key), ("XPENDING", key, GROUP))])
         unread = 0
         for length, pending in zip(replies[0::2], replies[1::2]):
-            if isinstance(length, int) and isinstance(pending, dict):
-                unread += max(0, length - int(pending.get("pending") or 0))
+            # XPENDING's summary, raw: [count, smallest id, greatest id, consumers]
+            if isinstance(length, int) and isinstance(pending, list) and pending:
+                unread += max(0, length - int(pending[0] or 0))
         return {"affinity": 1, "affinity_queued": unread}
 
     # ---------------------------------------------------------------- sweeps
@@ -136,27 +151,24 @@ class Affinity:
         others = [w for w in ids if w != self.w.worker_id]
         if not others:
             return []
-        pipe = self.w.client.pipeline(transaction=False)
-        for wid in others:
-            pipe.hget(self.keys.heartbeat(wid), "draining")
-            pipe.exists(self.keys.heartbeat(wid))
-        replies = pipe.execute(raise_on_error=False)    # a key of the wrong type: not gone
+        replies = self._each([c for wid in others for c in (
+            ("HGET", self.keys.heartbeat(wid), "draining"), ("EXISTS", self.keys.heartbeat(wid)))])
+        # a key of the wrong type (an error reply): not gone
         return [wid for wid, draining, alive in zip(others, replies[0::2], replies[1::2])
                 if not isinstance(draining, Exception)
                 and (alive == 0 or text(draining or b"0") == "1")]
 
     def sweep(self) -> int:
-        """Move what nobody holds out of dead or draining workers' streams (deleting those
-        left empty); remember the rest for ``reclaim``. Returns the entries moved."""
+        """Move what nobody holds out of dead or draining workers' streams on every shard
+        (deleting those left empty); remember the rest for ``reclaim``. Returns the entries
+        moved."""
         streams = [self.keys.affinity(wid, s) for wid in self._gone_workers()
                    for s in range(self.keys.shards)]
         if not streams:
             self.foreign = []
             return 0
-        pipe = self.w.client.pipeline(transaction=False)
-        for key in streams:
-            pipe.exists(key)
-        present = [k for k, found in zip(streams, pipe.execute()) if found]
+        found = self._each([("EXISTS", key) for key in streams])
+        present = [k for k, n in zip(streams, found) if n == 1]
         moved, left = 0, []
         for key in present:
             try:
@@ -204,8 +216,7 @@ class Affinity:
             if len(out) >= count:
                 break
             try:
-                out += self.w.pending.reclaim(count - len(out), min_idle_ms,
-                                              lanes=[(AFFINITY_LANE, key)])
+                out += self.w.pending.reclaim(count - len(out), min_idle_ms, streams=[key])
             except redis.ResponseError as exc:
                 if not is_nogroup(exc):
                     raise

@@ -73,9 +73,10 @@ def run_jobs(url: str, namespace: str, model: str, tokens: int, stream: bool, jo
 def per_job_keys(r: redis.Redis, keys: Keys) -> dict[str, list[str]]:
     """Every per-job key left in the namespace, by kind (result, owner, job, cancel)."""
     out: dict[str, list[str]] = {}
-    for key in r.scan_iter(match=f"{keys.namespace}:*:{{*}}", count=1000):
+    for key in r.scan_iter(match=f"{keys.namespace}:*:{{*}}:*", count=1000):
         kind = key.decode().split(":")[1]
-        out.setdefault(kind, []).append(key)
+        if kind in ("result", "owner", "job", "cancel"):   # not the lanes (<ns>:jobs:{q}:...)
+            out.setdefault(kind, []).append(key)
     return out
 
 

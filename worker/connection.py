@@ -2,11 +2,14 @@
 
 Every Redis error the worker sees is classified here, once (docs/contracts.md, "Redis errors"):
 
-* transient (out of memory, LOADING, BUSY, READONLY, TRYAGAIN, MASTERDOWN, connection loss):
-  the server will be fine again. The worker pauses intake, keeps everything it holds and retries
-  with backoff; it never fails or dead-letters a job for it.
-* permanent configuration (wrong password, NOAUTH, ACL NOPERM, TLS verification failure): no
-  retry can fix it, so the worker says so in one line and exits 78 (EX_CONFIG).
+* transient (out of memory, LOADING, BUSY, READONLY, TRYAGAIN, MASTERDOWN, connection loss, and
+  a Redis Cluster's CLUSTERDOWN, MOVED/ASK and lost or uncovered slots while it fails over or
+  moves slots): the server will be fine again. The worker pauses intake, keeps everything it
+  holds and retries with backoff (a cluster client re-reads the slot map first); it never fails
+  or dead-letters a job for it.
+* permanent configuration (wrong password, NOAUTH, ACL NOPERM, TLS verification failure,
+  ``--cluster on`` against a server that is not a cluster node): no retry can fix it, so the
+  worker says so in one line and exits 78 (EX_CONFIG).
 * anything else (e.g. WRONGTYPE on one job's key) concerns what the command touched: the caller
   ends that job alone.
 """
@@ -17,22 +20,31 @@ import random
 import ssl
 import time
 from enum import Enum
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from producer_sdk import topology
 from producer_sdk._wire import redact_url
 
 EXIT_CONFIG = 78
 _TRANSIENT_PREFIXES = ("OOM", "LOADING", "BUSY", "READONLY", "TRYAGAIN", "MASTERDOWN",
-                       "CLUSTERDOWN")
+                       "CLUSTERDOWN", "MOVED", "ASK")
 _PERMANENT_PREFIXES = ("WRONGPASS", "NOAUTH", "NOPERM")
 _TRANSIENT_TYPES = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError,
                     redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
-                    redis.exceptions.TryAgainError, redis.exceptions.MasterDownError)
+                    redis.exceptions.TryAgainError, redis.exceptions.MasterDownError,
+                    redis.exceptions.ClusterError, redis.exceptions.AskError,
+                    redis.exceptions.RedisClusterException)
+# What the worker's loop catches: redis-py's cluster client raises RedisClusterException (not a
+# RedisError) when no node answers or a slot has no master for a moment during a failover.
+REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 _PERMANENT_TYPES = (redis.AuthenticationError, redis.exceptions.AuthorizationError,
-                    redis.exceptions.NoPermissionError, ssl.SSLCertVerificationError)
+                    redis.exceptions.NoPermissionError, ssl.SSLCertVerificationError,
+                    topology.ClusterModeError)
+_NOT_A_CLUSTER = "cluster mode is not enabled"   # redis-py's words for --cluster on, plain server
 
 
 class ErrorKind(str, Enum):
@@ -67,7 +79,8 @@ def classify_text(message: str) -> ErrorKind:
 def classify(exc: BaseException) -> ErrorKind:
     """What a Redis exception (or error reply in a pipeline's results) means for the worker."""
     for e in _chain(exc):
-        if isinstance(e, _PERMANENT_TYPES) or "certificate verify failed" in str(e):
+        if (isinstance(e, _PERMANENT_TYPES) or "certificate verify failed" in str(e)
+                or _NOT_A_CLUSTER in str(e).lower()):
             return ErrorKind.PERMANENT
         if isinstance(e, redis.ResponseError) and classify_text(str(e)) is ErrorKind.PERMANENT:
             return ErrorKind.PERMANENT
@@ -80,17 +93,40 @@ def classify(exc: BaseException) -> ErrorKind:
 
 def describe_permanent(exc: BaseException, url: str) -> str:
     """The one line a person reads before the worker exits 78."""
+    chain = _chain(exc)
+    if any(isinstance(e, topology.ClusterModeError) for e in chain):
+        return (f"redis configuration error at {redact_url(url)}: --cluster on, but the server "
+                f"is not a Redis Cluster node (cluster_enabled:0); use --cluster auto or off "
+                f"(TOKENRELAY_CLUSTER), or point --redis-url at a node of the cluster")
+    # the refusal itself, not what a client library wrapped it in
+    exc = next((e for e in chain if isinstance(e, _PERMANENT_TYPES)), exc)
     return (f"redis configuration error at {redact_url(url)}: {type(exc).__name__}: {exc}; "
             f"check the password/user in --redis-url, the ACL rules of that user and the TLS "
             f"CA (?ssl_ca_certs= or SSL_CERT_FILE); see docs/operations.md")
 
 
-def connect(url: str, block_ms: int = 0) -> redis.Redis:
-    """A client without redis-py's silent retries: a retried XREADGROUP could lose the entries
-    of the lost reply, so connection errors reach the loop, which re-reads its pending list."""
-    return redis.Redis.from_url(url, protocol=2, socket_connect_timeout=2.0,
-                                socket_timeout=max(5.0, block_ms / 1000.0 + 5.0),
-                                retry=Retry(NoBackoff(), 0), health_check_interval=0)
+def client_for(url: str, cluster: Any = "auto", **kwargs: Any) -> Any:
+    """``topology.make_client`` for the worker's commands (``cluster``: the auto/on/off
+    setting); ``--cluster on`` against a plain server raises ``topology.ClusterModeError``
+    (a configuration error) instead of redis-py's "cannot be connected"."""
+    try:
+        return topology.make_client(url, topology.cluster_flag(cluster), **kwargs)
+    except redis.exceptions.RedisClusterException as exc:
+        # redis-py says "not enabled" for any refused CLUSTER SLOTS, an ACL's NOPERM too
+        refused = any(isinstance(e, _PERMANENT_TYPES) for e in _chain(exc))
+        if _NOT_A_CLUSTER in str(exc).lower() and not refused:
+            raise topology.ClusterModeError(str(exc)) from exc
+        raise
+
+
+def connect(url: str, block_ms: int = 0, cluster: Any = "auto") -> Any:
+    """The worker's client (``redis.Redis``, or ``RedisCluster`` for a cluster) without
+    redis-py's silent retries: a retried XREADGROUP could lose the entries of the lost reply,
+    so connection errors reach the loop, which re-reads its pending list. The cluster client
+    still follows MOVED/ASK by itself (that resends nothing that ran)."""
+    return client_for(url, cluster, protocol=2, socket_connect_timeout=2.0,
+                      socket_timeout=max(5.0, block_ms / 1000.0 + 5.0),
+                      retry=Retry(NoBackoff(), 0), health_check_interval=0)
 
 
 class Backoff:

@@ -1,4 +1,5 @@
-"""The one dead-letter writer: a job the workers give up on is copied to ``Keys.dead`` and, when
+"""The one dead-letter writer: a job the workers give up on is copied to ``Keys.dead(shard)`` of
+the shard whose stream held its entry (beside the job's keys, in one script) and, when
 its job id can be read, its client gets a terminal ``error`` event.
 
 Every path (invalid payload, duplicate job id, poison past --max-deliveries, an engine failure
@@ -66,11 +67,12 @@ class DeadLetterWriter:
     def queue(self, pipe: ScriptPipeline, r: Rejection) -> int:
         """One DEAD_LETTER call; its reply is 'written', 'ended', 'other', 'nojob' or an
         error (retry the whole rejection: the letter may then be stored twice, never lost)."""
-        keys = [self.keys.dead()]
+        shard = r.entry.shard   # the letter and the job's keys: the entry's shard's slot
+        keys = [self.keys.dead(shard)]
         event = b""
         if r.job_id:
-            keys += [self.keys.dedupe(r.job_id), self.keys.owner(r.job_id),
-                     self.keys.results(r.job_id)]
+            keys += [self.keys.dedupe(r.job_id, shard), self.keys.owner(r.job_id, shard),
+                     self.keys.results(r.job_id, shard)]
             event = encode_event(ErrorEvent(code=r.code, message=r.message, metadata=r.metadata))
         flat = [x for k, v in self.letter(r).to_fields().items() for x in (k, v)]
         return pipe.script(DEAD_LETTER, keys, [

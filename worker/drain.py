@@ -66,7 +66,7 @@ class Drain:
             for k in range(0, len(jobs), CHUNK):
                 chunk = jobs[k:k + CHUNK]
                 for job in chunk:
-                    self.w.fence.release(pipe, job.job_id, job.owner)
+                    self.w.fence.release(pipe, job.job_id, job.entry.shard, job.owner)
                 queued.append((chunk, self.w.pending.queue_park(
                     pipe, lane, [j.entry.entry_id for j in chunk])))
 

@@ -5,8 +5,10 @@ Why: XADD takes no owner, so a worker that was paused after its job was reclaime
 otherwise write into the new owner's result stream. ``Keys.owner(job_id)`` holds
 ``<worker_id>:<token>``; a worker sets it (fresh token) when it starts a job, after binding the
 job id to the entry it runs (``Keys.dedupe``: identity, see docs/contracts.md). The result
-stream shares the owner record's hash slot, so one script checks the owner and appends
-(worker/scripts.py). Acks are fenced by the pending list instead (worker/pending.py).
+stream shares the owner record's hash slot (every per-job key carries the hash tag of the queue
+shard whose stream held the entry), so one script checks the owner and appends, and one script
+call writes every job of a step that came from the same shard (worker/scripts.py). Acks are
+fenced by the pending list instead (worker/pending.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class WriteStatus(str, Enum):
     REFUSED = "refused"
     MISSING = "missing"
     GONE = "gone"
+    BEHIND = "behind"    # the stream lost events this writer saw land (a failover): resume
     SKIP = "skip"
     ERROR = "error"
 
@@ -36,7 +39,7 @@ class WriteStatus(str, Enum):
 
 
 _STEP_CODES = {"o": WriteStatus.OK, "d": WriteStatus.DUP, "r": WriteStatus.REFUSED,
-               "m": WriteStatus.MISSING, "g": WriteStatus.GONE, "s": WriteStatus.SKIP,
+               "m": WriteStatus.MISSING, "g": WriteStatus.GONE, "b": WriteStatus.BEHIND, "s": WriteStatus.SKIP,
                "e": WriteStatus.ERROR}
 
 
@@ -52,33 +55,39 @@ class Fence:
         self.keys = keys
         self.dedupe_ttl_s = int(dedupe_ttl_s)
 
-    def bind_and_own(self, pipe: ScriptPipeline, job_id: str, lane_key: str, entry_id: str,
-                     owner: str, ttl_ms: int) -> int:
+    def bind_and_own(self, pipe: ScriptPipeline, job_id: str, shard: int, lane_key: str,
+                     entry_id: str, owner: str, ttl_ms: int) -> int:
         """Bind the job id to this entry (or find it bound to another) and, when it is ours,
         make ``owner`` the job's owner: from then on every write of a previous owner is
-        refused. Call only for an entry this consumer holds; see ``bound``."""
-        return pipe.script(BIND_AND_OWN, [self.keys.dedupe(job_id), self.keys.owner(job_id)],
+        refused. Call only for an entry this consumer holds; ``shard`` is that of the stream
+        the entry was read from (never the job id's hash: see ``Keys``); see ``bound``."""
+        return pipe.script(BIND_AND_OWN, [self.keys.dedupe(job_id, shard),
+                                          self.keys.owner(job_id, shard)],
                            [dedupe_record(lane_key, entry_id), owner, int(ttl_ms),
                             self.dedupe_ttl_s])
 
-    def write_step(self, pipe: ScriptPipeline, ttl_ms: int,
-                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, bool, bool]]
+    def write_step(self, pipe: ScriptPipeline, ttl_ms: int, shard: int,
+                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, str, bool]]
                    ) -> int:
-        """All jobs of a step in one script call: ``(job_id, owner, batch_id, events, create,
-        check, refresh)`` each (``check``: this batch may have landed already, a retry after a
-        lost reply; ``refresh``: reset the TTLs); also reads each job's cancel flag. Parse the
-        reply with ``parse_step_reply``."""
+        """All jobs of a step that hold entries of one queue shard, in one script call (their
+        keys share the shard's slot): ``(job_id, owner, batch_id, events, create, expect,
+        refresh)`` each (``expect``: '' for a plain append; after a lost reply or any Redis
+        error, the mark of the last entry the worker knows landed, so the script can tell a
+        retried batch that landed from events a failover lost (status BEHIND; see
+        worker/scripts.py); ``refresh``: reset the TTLs); also reads each job's cancel flag.
+        Parse the reply with ``parse_step_reply``."""
         keys: list[str] = []
         spec = []
-        for job_id, owner, batch_id, events, create, check, refresh in jobs:
-            keys += [self.keys.owner(job_id), self.keys.results(job_id), self.keys.cancel(job_id)]
-            spec.append([owner, int(create), batch_id, int(check), list(events), int(refresh)])
+        for job_id, owner, batch_id, events, create, expect, refresh in jobs:
+            keys += [self.keys.owner(job_id, shard), self.keys.results(job_id, shard),
+                     self.keys.cancel(job_id, shard)]
+            spec.append([owner, int(create), batch_id, expect, list(events), int(refresh)])
         # Old-spec raw strings: Redis's cmsgpack does not read the bin types.
         return pipe.script(WRITE_STEP, keys, [int(ttl_ms), msgpack.packb(spec, use_bin_type=False)])
 
-    def release(self, pipe: ScriptPipeline, job_id: str, owner: str) -> int:
+    def release(self, pipe: ScriptPipeline, job_id: str, shard: int, owner: str) -> int:
         """Delete the owner record only if it is still ``owner`` (a hand-back)."""
-        return pipe.script(RELEASE_OWNER, [self.keys.owner(job_id)], [owner])
+        return pipe.script(RELEASE_OWNER, [self.keys.owner(job_id, shard)], [owner])
 
 
 def bound(reply: Any) -> bool:

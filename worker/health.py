@@ -3,21 +3,25 @@
 Alive means its heartbeat hash exists (it carries a TTL), its last beat is recent (within three
 heartbeat intervals) and it reports its engine loaded. Exit code 0 only then, so it can be used
 directly as a container liveness/readiness probe; otherwise the reason is printed, with a Redis
-error classified (transient, or a permanent configuration error such as a wrong password).
+error classified (transient, or a permanent configuration error such as a wrong password). Works
+against a Redis Cluster too (the heartbeat is a queue-wide key, on whichever node serves it).
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import redis
 
 from producer_sdk.protocol import Keys, now_ms
 from worker.config import WorkerIdentity
-from worker.connection import ErrorKind, classify, describe_permanent, redact_url
+from producer_sdk.topology import ClusterModeError
+from worker.connection import (REDIS_ERRORS, ErrorKind, classify, client_for, describe_permanent,
+                               redact_url)
 
 
-def check_health(client: redis.Redis, keys: Keys, worker_id: str,
+def check_health(client: Any, keys: Keys, worker_id: str,
                  heartbeat_ms: int = 1000) -> tuple[bool, str]:
     """(healthy, reason a person can read)."""
     beat = client.hgetall(keys.heartbeat(worker_id))
@@ -40,10 +44,10 @@ def run(settings: WorkerIdentity) -> int:
     """Probe the worker ``settings`` name (``python -m worker health`` parses them)."""
     worker_id = settings.resolved_worker_id()
     try:
-        client = redis.Redis.from_url(settings.redis_url, socket_timeout=3,
-                                      socket_connect_timeout=3)
+        client = client_for(settings.redis_url, settings.cluster, socket_timeout=3,
+                            socket_connect_timeout=3)
         ok, reason = check_health(client, settings.keys, worker_id, settings.heartbeat_ms)
-    except redis.RedisError as exc:
+    except (*REDIS_ERRORS, ClusterModeError) as exc:
         ok, reason = False, describe_redis_error(exc, settings.redis_url)
     print(reason, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1

@@ -3,16 +3,18 @@
 In order: the worker's own pending list after every (re)connect (it may hold entries a broken
 blocking read delivered but never returned); entries put back by a transient Redis error
 (retried as they are, without a re-read that would count a delivery); entries read along with
-the previous flush; reclaims of dead workers' entries (every lease/6) and parked hand-backs;
-then new entries, urgent lane first, never more than the engine can start (what a worker reads
-ages in its pending list). The worker blocks on Redis only when it has nothing else to do.
+the previous flush, and what blocking reads still outstanding brought; reclaims of dead
+workers' entries (every lease/6); then parked hand-backs and new entries of every shard, urgent
+lane first, never more than the engine can start (what a worker reads ages in its pending list;
+what reads of several shards bring past that is handed back at once). The worker blocks on
+Redis only when it has nothing else to do.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from worker.pending import Entry, PendingList
+from worker.pending import CHUNK, Entry, PendingList, by_lane
 from worker.scripts import ScriptPipeline
 
 
@@ -22,6 +24,7 @@ class Intake:
         self.need_own_pending = True
         self.deferred: list[Entry] = []              # put back by a transient error
         self.prefetched: Optional[list[Entry]] = None
+        self.surplus: list[Entry] = []               # read past capacity: to hand back
 
     @property
     def pending(self) -> PendingList:
@@ -34,7 +37,8 @@ class Intake:
             return 0
 
     def held(self) -> list[tuple[str, str]]:
-        return [e.key for e in self.deferred + (self.prefetched or [])]
+        return [e.key for e in self.deferred + (self.prefetched or []) + self.surplus
+                + self.pending.arrived]
 
     def defer(self, entries: list[Entry]) -> None:
         self.deferred += entries
@@ -51,17 +55,56 @@ class Intake:
         entries, self.deferred = self.deferred, []
         prefetched, self.prefetched = self.prefetched, None
         entries += prefetched or []
+        entries += self.fit(self.pending.take_arrived(), self.capacity() - len(entries))
         cap = self.capacity() - len(entries)
         if cap > 0 and w.liveness.due("reclaim", max(0.2, w.s.lease_ms / 6000.0)):
             entries += w.affinity.reclaim(cap, w.s.lease_ms)    # a dead worker's routed jobs
             entries += self.pending.reclaim(self.capacity() - len(entries), w.s.lease_ms)
         cap = self.capacity() - len(entries)
-        if cap > 0 and (block or w.liveness.due("parked", w.s.heartbeat_ms / 1000.0)):
-            entries += self.pending.reclaim(cap, None)
-        cap = self.capacity() - len(entries)
         if cap > 0 and (prefetched is None or (block and not entries)):
-            entries += self.pending.read_new(cap, w.s.block_ms if block and not entries else 0)
+            wait = w.s.block_ms if block and not entries else 0
+            entries += self.fit(self._read(lambda: self.pending.read_new(cap, wait)), cap)
         return entries
+
+    def _read(self, read: Callable[[], list[Entry]]) -> list[Entry]:
+        """A read of new entries; when it fails, a script may have read some for us before
+        the error, so the own pending list is re-read next (as after a reconnect)."""
+        try:
+            return read()
+        except Exception:
+            self.need_own_pending = True
+            raise
+
+    def fit(self, entries: list[Entry], cap: int) -> list[Entry]:
+        """Keep the ``cap`` most urgent entries a read brought (lane, then age, then the
+        shards' turn). Reads of several shards, each asked for the whole capacity, and blocking
+        reads still outstanding can bring more; the rest is handed back (parked) with the next
+        flush, its delivery count unchanged, and the next read anywhere takes it first."""
+        if len(entries) <= cap:
+            return entries
+        ranked = sorted(entries, key=self.pending.urgency)
+        keep = max(0, cap)
+        self.surplus += ranked[keep:]
+        return ranked[:keep]
+
+    def surplus_rider(self, pipe: ScriptPipeline) -> Any:
+        """Hand back the surplus of the last reads, queued on the flush."""
+        if not self.surplus:
+            return None
+        queued = [(lane, ids[k:k + CHUNK], self.pending.queue_park(pipe, lane, ids[k:k + CHUNK]))
+                  for lane, ids in by_lane((e.lane_key, e.entry_id) for e in self.surplus).items()
+                  for k in range(0, len(ids), CHUNK)]
+
+        def handle(res: list) -> None:
+            done = {(lane, eid) for lane, ids, i in queued if not isinstance(res[i], Exception)
+                    for eid in ids}
+            failed = next((res[i] for _, _, i in queued if isinstance(res[i], Exception)), None)
+            if failed is not None:   # kept (and renewed): retried with the next flush
+                self.w.log_limited("warning", "handing back surplus entries failed; will retry",
+                                   error=str(failed))
+            self.surplus = [e for e in self.surplus if e.key not in done]
+            self.w.log.debug("handed back surplus entries", count=len(done))
+        return handle
 
     def prefetch_rider(self, pipe: ScriptPipeline) -> Any:
         """Ride the next iteration's read of new entries on the flush (while busy)."""
@@ -71,16 +114,18 @@ class Intake:
         cap = self.capacity()
         if cap <= 0:
             return None
-        i = self.pending.queue_read_new(pipe, cap)
+        parse = self.pending.queue_read_new(pipe, cap)
 
         def handle(res: list) -> None:
-            self.prefetched = self.pending.new_entries(res[i])
+            self.prefetched = self.fit(self._read(lambda: parse(res)), cap)
         return handle
 
     def hand_back_prefetched(self) -> None:
-        """Entries read with the last flush but not admitted yet go back at once (drain)."""
-        entries, self.prefetched = (self.prefetched or []) + self.deferred, None
-        self.deferred = []
+        """Entries read but not admitted yet go back at once (drain): those read with the last
+        flush, the surplus, and what blocking reads still outstanding bring."""
+        late = self.pending.end_waits(self.w.s.block_ms / 1000.0 + 1.0)
+        entries = (self.prefetched or []) + self.deferred + self.surplus + late
+        self.prefetched, self.deferred, self.surplus = None, [], []
         if entries:
             self.pending.park(e.key for e in entries)
             self.w.log.info("handed back unstarted entries", count=len(entries))

@@ -1,8 +1,10 @@
-"""The result outbox: everything the worker owes Redis, shipped in ONE round trip per step.
+"""The result outbox: everything the worker owes Redis, shipped in ONE round trip per step (per
+node of a Redis Cluster).
 
-One flush carries every held job's fenced event batch (and reads its cancel flag), the dead
-letters of rejected entries, the acks owed by the previous flush, and whatever the loop rides
-on it (hand-backs, the next read of new entries). Acks ride one flush behind the terminal write
+One flush carries every held job's fenced event batch (and reads its cancel flag; one script
+call per queue shard, whose jobs' keys share a slot), the dead letters of rejected entries, the
+acks owed by the previous flush, and whatever the loop rides on it (hand-backs, the next read
+of new entries). Acks ride one flush behind the terminal write
 they depend on, so an entry is never acknowledged unless its terminal event is known to be
 stored. Every write is idempotent (batch ids, XPENDING-checked acks), so after a lost reply the
 same batch is sent again. Transient Redis errors (out of memory, ...) keep everything owed for
@@ -77,8 +79,12 @@ class Outbox:
         pipe = ScriptPipeline(w.client)
         handlers = [self._queue_acks(pipe)]
         step_jobs = [j for j in w.jobs.values() if j.pending or j.in_engine]
-        handlers += [self._queue_writes(pipe, step_jobs[k:k + STEP_WRITE_CHUNK])
-                     for k in range(0, len(step_jobs), STEP_WRITE_CHUNK)]
+        by_shard: dict[int, list[Job]] = {}
+        for j in step_jobs:   # one script call per shard: its keys must share a slot
+            by_shard.setdefault(j.entry.shard, []).append(j)
+        handlers += [self._queue_writes(pipe, shard, jobs[k:k + STEP_WRITE_CHUNK])
+                     for shard, jobs in by_shard.items()
+                     for k in range(0, len(jobs), STEP_WRITE_CHUNK)]
         handlers += [self._queue_rejection(pipe, r) for r in self.rejections]
         handlers += [rider(pipe) for rider in riders]
         if not len(pipe):
@@ -88,8 +94,7 @@ class Outbox:
         try:
             res = pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError):
-            for job in step_jobs:  # the retry must check what already landed
-                job.unsure = bool(job.pending)
+            w.jobs.mark_unsure()  # the retry must check what already landed
             raise
         w.metrics.step_redis.observe(time.perf_counter() - t0)
         for handle in handlers:
@@ -145,13 +150,15 @@ class Outbox:
         last reset (creation and checked retries always set them)."""
         return bool(job.terminal) or now - job.ttl_set_at > self.w.ttl_ms / 10_000.0
 
-    def _queue_writes(self, pipe: ScriptPipeline, chunk: list[Job]) -> Callable[[list], None]:
+    def _queue_writes(self, pipe: ScriptPipeline, shard: int,
+                      chunk: list[Job]) -> Callable[[list], None]:
         now = time.monotonic()
         refresh = [self._ttl_due(j, now) for j in chunk]
         counts = [len(j.pending) for j in chunk]
         batches = [j.batch_no for j in chunk]
-        i = self.w.fence.write_step(pipe, self.w.ttl_ms, [
-            (j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create, j.unsure, r)
+        i = self.w.fence.write_step(pipe, self.w.ttl_ms, shard, [
+            (j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create,
+             j.tail_mark if j.unsure else "", r)
             for j, r in zip(chunk, refresh)])
 
         def handle(res: list) -> None:
@@ -186,6 +193,7 @@ class Outbox:
                                       f"{detail}", job.job_id, job.request.metadata))
             return
         if status.written:
+            job.tail_mark = f"{job.batch_id}:{n}"
             del job.pending[:n]
             job.batch_no += 1
             job.may_create = False
@@ -193,6 +201,12 @@ class Outbox:
             job.write_failures = 0
             if job.terminal and not job.pending:
                 self.owe_ack(job.entry, job.job_id, job.terminal)
+        elif status is WriteStatus.BEHIND:
+            # Redis failed over to a replica that had not received our last writes: resume
+            # the job from what its stream holds now (re-admitted as a takeover would be).
+            w.jobs.drop(job, "its result stream lost events in a Redis failover; resuming from "
+                             "what the stream holds")
+            w.intake.defer([job.entry])
         elif status is WriteStatus.REFUSED:
             w.jobs.drop(job, "ownership lost: another worker took the job over")
         else:  # missing/gone: the result stream expired, nobody can read this job any more

@@ -23,7 +23,9 @@ from typing import Any, Callable, Iterable, Optional
 import redis
 
 from producer_sdk.protocol import GROUP, PARKED_IDLE_MS, PARKING_CONSUMER, PAYLOAD_FIELD, Keys
-from worker.affinity import own_lanes
+from producer_sdk.topology import is_cluster
+from worker.affinity import AFFINITY_LANE, own_lanes
+from worker.idle_read import IdleRead
 from worker.scripts import (ACK, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM, ScriptPipeline,
                             text)
 
@@ -41,6 +43,7 @@ class Entry:
     fields: Optional[dict[bytes, bytes]]       # None: the entry was deleted while pending
     deliveries: int = 1
     source: str = "new"                        # new | pending | parked | reclaimed
+    shard: int = 0                             # the queue shard of lane_key (its per-job keys)
 
     @property
     def payload(self) -> Optional[bytes]:
@@ -67,7 +70,7 @@ class AckStatus(IntEnum):
     NOT_OWNER = -1       # pending at another consumer: untouched
 
 
-def _fields(raw: Any) -> dict[bytes, bytes]:
+def entry_fields(raw: Any) -> dict[bytes, bytes]:
     """Entry fields from a script's flat list or redis-py's dict, keys as bytes."""
     pairs = raw.items() if isinstance(raw, dict) else zip(list(raw or [])[0::2],
                                                            list(raw or [])[1::2])
@@ -89,21 +92,63 @@ def by_lane(pairs: Iterable[tuple[str, Any]]) -> dict[str, list]:
 
 class PendingList:
     """Reads new entries, re-reads its own, reclaims, renews, parks, releases and acks: every
-    operation on the entries of one consumer (``worker_id``) across the priority lanes."""
+    operation on the entries of one consumer (``worker_id``) across the priority lanes of every
+    shard of the queue.
 
-    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str,
+    A script's keys must share a slot, so reads run per shard (one READ_NEW per shard, all in
+    one round trip per node) and hold-changing commands per lane; ``ScriptPipeline`` sends each
+    to the node that serves it. Lanes are visited most urgent first across shards (every
+    shard's urgent lane, then every default lane, ...)."""
+
+    def __init__(self, client: Any, keys: Keys, worker_id: str,
                  on_group_recreated: Optional[Callable[[str], None]] = None) -> None:
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
-        # This worker's affinity stream first (worker/affinity.py says why), then the lanes.
-        self._lanes = own_lanes(keys, worker_id, 0) + [(name, keys.lane(name))
-                                                       for name in keys.LANES]
+        # Per shard, this worker's own affinity stream heads the shard's lanes (worker/
+        # affinity.py says why); visiting order: every own stream, then the lanes most urgent
+        # first across shards.
+        self._lanes = [own for s in range(keys.shards) for own in own_lanes(keys, worker_id, s)]
+        self._lanes += [(name, keys.lane(name, s)) for name in keys.LANES
+                        for s in range(keys.shards)]
         self._lane_name = {key: name for name, key in self._lanes}
+        # own affinity entries rank first: only this worker reads them (worker/affinity.py)
+        self._rank = {name: i for i, name in enumerate((AFFINITY_LANE, *keys.LANES))}
+        self._first = 0                     # the shard read first: rotates, see shard_order
         self._on_group_recreated = on_group_recreated
+        self.arrived: list[Entry] = []      # read (pending here) but not yet taken by intake
+        self._idle: Optional[IdleRead] = None
+        self._regrouped = False             # a read recreated the groups (see _read_now)
 
     def lane_name(self, lane_key: str) -> str:
-        return self._lane_name.get(lane_key, "default")
+        """urgent/default/bulk, or ``affinity`` for an affinity stream (this worker's or, when
+        reclaimed, a dead one's: every stream of the queue that is no lane)."""
+        return self._lane_name.get(lane_key, AFFINITY_LANE)
+
+    def entry(self, lane_key: str, entry_id: str, fields: Any, deliveries: int,
+              source: str) -> Entry:
+        """An entry of one of this queue's streams; its shard is that of the stream."""
+        return Entry(self.lane_name(lane_key), lane_key, entry_id,
+                     entry_fields(fields) if fields else None, int(deliveries or 0), source,
+                     self.keys.shard_of_stream(lane_key))
+
+    def urgency(self, e: Entry) -> tuple[int, int, int]:
+        """Sort key, most urgent first: lane, then age (older first), then the shard's turn in
+        the rotation (no shard always loses ties)."""
+        return (self._rank.get(e.lane, self._rank["default"]), e.enqueued_ms,
+                (e.shard - self._first) % self.keys.shards)
+
+    def streams(self, shard: int) -> list[str]:
+        """The streams one READ_NEW (or a cluster's blocking read) of ``shard`` names, all in
+        its slot: this worker's affinity stream there, then the shard's lanes, urgent first."""
+        return [key for _, key in own_lanes(self.keys, self.worker_id, shard)] + \
+            self.keys.lanes(shard)
+
+    def shard_order(self) -> list[int]:
+        """Every shard once, starting from the next one in turn."""
+        n = self.keys.shards
+        self._first = (self._first + 1) % n
+        return [(self._first + i) % n for i in range(n)]
 
     # ---------------------------------------------------------------- groups
     def ensure_groups(self) -> list[str]:
@@ -123,81 +168,141 @@ class PendingList:
             if self._on_group_recreated:
                 self._on_group_recreated(key)
 
-    def _run(self, add: Callable[[ScriptPipeline], int]) -> Any:
-        """One script now; on NOGROUP recreate the groups and run it once more."""
+    def _run_all(self, add: Callable[[ScriptPipeline], list[int]]) -> list[Any]:
+        """Scripts now, in one round trip per node; on NOGROUP recreate the groups and run them
+        all once more (every script here is idempotent). Other error replies are raised."""
         for attempt in (0, 1):
             pipe = ScriptPipeline(self.client)
-            add(pipe)
-            reply = pipe.execute()[0]
-            if isinstance(reply, Exception):
-                if attempt == 0 and is_nogroup(reply):
-                    self._recreate_groups()
-                    continue
-                raise reply
-            return reply
+            idx = add(pipe)
+            res = pipe.execute() if len(pipe) else []
+            replies = [res[i] for i in idx]
+            bad = next((r for r in replies if isinstance(r, Exception)), None)
+            if bad is None:
+                return replies
+            if attempt == 0 and is_nogroup(bad):
+                self._recreate_groups()
+                continue
+            raise bad
         return []
 
-    def _rows(self, name: str, key: str, rows: Any, source: str) -> list[Entry]:
+    def _run(self, add: Callable[[ScriptPipeline], int]) -> Any:
+        """One script now (NOGROUP: recreate the groups, run it once more)."""
+        return self._run_all(lambda p: [add(p)])[0]
+
+    def _rows(self, key: str, rows: Any, source: str) -> list[Entry]:
         """``{id, fields|false, deliveries}`` rows as entries (fields None: deleted)."""
-        return [Entry(name, key, text(i), _fields(f) if f else None, int(d or 0), source)
-                for i, f, d in rows or []]
+        return [self.entry(key, text(i), f, d, source) for i, f, d in rows or []]
 
     # ---------------------------------------------------------------- new entries
-    def queue_read_new(self, pipe: ScriptPipeline, count: int) -> int:
-        """Queue a non-blocking read of up to ``count`` new entries (urgent first), so the loop
-        can ride it on its per-step flush; parse the reply with ``new_entries``."""
-        return pipe.script(READ_NEW, [key for _, key in self._lanes],
-                           [GROUP, self.worker_id, int(count)])
+    def queue_read_new(self, pipe: ScriptPipeline, count: int) -> Callable[[list], list[Entry]]:
+        """Queue a non-blocking read of up to ``count`` entries on EVERY shard (READ_NEW per
+        shard: parked hand-backs first, then new entries, urgent lane first), so the loop can
+        ride it on its per-step flush; returns the parser of the flush's replies. Together
+        the shards may return up to shards x count: the caller keeps the most urgent
+        (``urgency``) and hands the rest back (``park``). A reply that failed keeps what the
+        other shards read in ``arrived`` before it is raised."""
+        queued = [(s, pipe.script(READ_NEW, self.streams(s),
+                                  [GROUP, self.worker_id, int(count), PARKING_CONSUMER]))
+                  for s in self.shard_order()]
 
-    def new_entries(self, reply: Any) -> list[Entry]:
-        """Entries of a READ_NEW reply; a NOGROUP reply recreates the groups (none read)."""
-        if isinstance(reply, Exception):
-            if not is_nogroup(reply):
-                raise reply
-            self._recreate_groups()
-            return []
-        return [Entry(*self._lanes[int(i) - 1], text(eid), _fields(f), 1, "new")
-                for i, eid, f in reply or []]
+        def parse(res: list) -> list[Entry]:
+            out: list[Entry] = []
+            failed: Optional[Exception] = None
+            for s, i in queued:
+                if isinstance(res[i], Exception):
+                    if is_nogroup(res[i]):
+                        self._recreate_groups()
+                        self._regrouped = True
+                    else:
+                        failed = failed or res[i]
+                    continue
+                lanes = self.streams(s)
+                out += [self.entry(lanes[int(k) - 1], text(eid), f, d,
+                                   "parked" if int(parked) else "new")
+                        for k, eid, f, d, parked in res[i] or []]
+            if failed is not None:
+                self.arrived += out
+                raise failed
+            return out
+        return parse
 
     def read_new(self, count: int, block_ms: int = 0) -> list[Entry]:
-        """Up to ``count`` new entries, urgent lane first. Blocks (up to ``block_ms``) only if
-        every lane is empty; a blocking read takes at most one entry per lane."""
+        """Up to ``count`` entries per shard, urgent lane first (see ``queue_read_new``). Blocks
+        (up to ``block_ms``) only if every lane is empty; a blocking read takes at most one
+        entry per lane."""
         if count <= 0:
             return []
-        out = self.new_entries(self._run(lambda p: self.queue_read_new(p, count)))
+        out = self._read_now(count)
         if out or block_ms <= 0:
             return out
-        got = self._blocking_read(block_ms)
+        got = self.wait_new(block_ms)
         if got and len(got) < count:  # woken by a burst: take the rest of it before stepping
-            got += self.read_new(count - len(got), 0)
+            got += self._read_now(count - len(got))
         return got
 
-    def _blocking_read(self, block_ms: int) -> list[Entry]:
-        streams = {key: ">" for _, key in self._lanes}
-        try:
-            reply = self.client.xreadgroup(GROUP, self.worker_id, streams, count=1,
-                                           block=block_ms)
-        except redis.ResponseError as exc:
-            if not is_nogroup(exc):
-                raise
-            self._recreate_groups()
-            return []
-        pairs = reply.items() if isinstance(reply, dict) else (reply or [])
-        found = {text(stream): entries for stream, entries in pairs}
-        return [Entry(name, key, text(eid), _fields(f), 1, "new")
-                for name, key in self._lanes for eid, f in found.get(key, []) if eid is not None]
+    def _read_now(self, count: int) -> list[Entry]:
+        """Read every shard now; once more when a shard's read found a group missing (e.g. our
+        affinity stream, deleted by a sweep that took us for dead): the groups are back, and
+        that shard's lanes were not read at all."""
+        for _ in (0, 1):
+            self._regrouped = False
+            pipe = ScriptPipeline(self.client)
+            parse = self.queue_read_new(pipe, count)
+            out = parse(pipe.execute())
+            if out or not self._regrouped:
+                break
+        return out
+
+    def _idle_read(self) -> IdleRead:
+        """One blocking read for every stream (own affinity streams and lanes) on a single
+        Redis; one per shard in a cluster."""
+        if self._idle is None:
+            groups = ([self.streams(s) for s in range(self.keys.shards)]
+                      if is_cluster(self.client) else [[key for _, key in self._lanes]])
+            self._idle = IdleRead(self.client, groups, GROUP, self.worker_id,
+                                  self._recreate_groups)
+        return self._idle
+
+    def _arrivals(self, got: list[tuple[str, str, list]]) -> list[Entry]:
+        return [self.entry(lane, eid, f, 1, "new") for lane, eid, f in got]
+
+    def wait_new(self, block_ms: int) -> list[Entry]:
+        """Sleep until new entries land (at most ``block_ms``); see worker/idle_read.py."""
+        return self._arrivals(self._idle_read().wait(block_ms))
+
+    def take_arrived(self) -> list[Entry]:
+        """Entries read but not yet taken: those of a partly failed read, and what blocking
+        reads still outstanding since the last wait brought meanwhile."""
+        out, self.arrived = self.arrived, []
+        if self._idle is not None:
+            out += self._arrivals(self._idle.poll())
+        return out
+
+    def end_waits(self, timeout_s: float) -> list[Entry]:
+        """Wait for outstanding blocking reads to end; everything read and not yet taken."""
+        out, self.arrived = self.arrived, []
+        if self._idle is not None:
+            out += self._arrivals(self._idle.finish(timeout_s))
+        return out
+
+    def reset(self) -> None:
+        """After a reconnect: drop the blocking reads' connections (their entries, if any,
+        come back with the re-read of the own pending list)."""
+        if self._idle is not None:
+            self._idle.close()
+            self._idle = None
 
     # ---------------------------------------------------------------- own and others' entries
     def read_own_pending(self, page: int = 200) -> list[Entry]:
         """Every entry pending under this consumer, all lanes, urgent first (XREADGROUP ... 0).
         Each such read counts a delivery; see ``restore_counts``."""
         out: list[Entry] = []
-        for name, key in self._lanes:
+        for _, key in self._lanes:
             start = "0"
             while True:
                 reply = self._run(lambda p: p.script(READ_OWN_PENDING, [key], [
                     GROUP, self.worker_id, start, int(page)]))
-                rows = self._rows(name, key, reply, "pending")
+                rows = self._rows(key, reply, "pending")
                 out += rows
                 if len(rows) < page:
                     break
@@ -205,14 +310,14 @@ class PendingList:
         return out
 
     def reclaim(self, count: int, min_idle_ms: Optional[int],
-                lanes: Optional[list[tuple[str, str]]] = None) -> list[Entry]:
+                streams: Optional[list[str]] = None) -> list[Entry]:
         """Take up to ``count`` entries, most urgent lane first: parked ones (a draining worker's
         hand-backs, delivery count kept), then, when ``min_idle_ms`` is given, entries idle
         longer than that (a dead or stalled holder; one delivery counted). Deleted entries come
-        back with ``fields`` None; the caller acks them. ``lanes``: (name, key) of other
-        streams than this worker's lanes (another worker's affinity stream)."""
+        back with ``fields`` None; the caller acks them. ``streams``: other streams than this
+        worker's (a dead or draining worker's affinity streams)."""
         out: list[Entry] = []
-        for name, key in self._lanes if lanes is None else lanes:
+        for key in [k for _, k in self._lanes] if streams is None else streams:
             cursor = "0-0"
             while len(out) < count:
                 want = count - len(out)
@@ -220,8 +325,8 @@ class PendingList:
                     GROUP, self.worker_id, "" if min_idle_ms is None else int(min_idle_ms),
                     cursor, want, PARKING_CONSUMER]))
                 source = "reclaimed" if min_idle_ms is not None else "parked"
-                out += self._rows(name, key, rows, source)
-                out += [Entry(name, key, text(i), None, 0, source) for i in deleted or []]
+                out += self._rows(key, rows, source)
+                out += [self.entry(key, text(i), None, 0, source) for i in deleted or []]
                 cursor = text(nxt)
                 if cursor == "0-0":
                     break
@@ -229,15 +334,15 @@ class PendingList:
 
     def _move(self, items: Iterable[tuple[str, str, str]], target: str,
               idle_ms: int) -> list[tuple[str, str]]:
-        """MOVE_MINE over ``(lane, id, count)``; returns the (lane, id) no longer ours."""
-        lost: list[tuple[str, str]] = []
-        for lane, flat in by_lane((lane, (eid, n)) for lane, eid, n in items).items():
-            for i in range(0, len(flat), CHUNK):
-                args = [x for eid, n in flat[i:i + CHUNK] for x in (eid, n)]
-                gone = self._run(lambda p: p.script(MOVE_MINE, [lane], [
-                    GROUP, self.worker_id, target, int(idle_ms), *args]))
-                lost += [(lane, text(x)) for x in gone or []]
-        return lost
+        """MOVE_MINE over ``(lane, id, count)``, every lane in one round trip per node; returns
+        the (lane, id) no longer ours."""
+        calls = [(lane, flat[i:i + CHUNK])
+                 for lane, flat in by_lane((lane, (eid, n)) for lane, eid, n in items).items()
+                 for i in range(0, len(flat), CHUNK)]
+        replies = self._run_all(lambda p: [p.script(MOVE_MINE, [lane], [
+            GROUP, self.worker_id, target, int(idle_ms),
+            *[x for eid, n in chunk for x in (eid, n)]]) for lane, chunk in calls])
+        return [(lane, text(x)) for (lane, _), gone in zip(calls, replies) for x in gone or []]
 
     def renew(self, held: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
         """Reset the idle time of held entries (no delivery counted). Returns those no longer
@@ -253,7 +358,8 @@ class PendingList:
                           PARKED_IDLE_MS)
 
     def park(self, held: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-        """Hand entries back without counting a delivery (drain): to the parking consumer."""
+        """Hand entries back without counting a delivery (drain, surplus reads): to the parking
+        consumer, where the next read of any worker takes them first."""
         return self._move(((lane, eid, "") for lane, eid in held), PARKING_CONSUMER,
                           PARKED_IDLE_MS)
 
@@ -276,18 +382,18 @@ class PendingList:
         return pipe.script(ACK, [lane], [GROUP, self.worker_id, *entry_ids])
 
     def ack(self, held: Iterable[tuple[str, str]]) -> list[AckStatus]:
-        """``queue_ack`` now, for every lane; the codes in order of ``held`` per lane."""
-        codes: list[AckStatus] = []
-        for lane, ids in by_lane(held).items():
-            for i in range(0, len(ids), CHUNK):
-                codes += [AckStatus(int(c)) for c in self._run(
-                    lambda p: self.queue_ack(p, lane, ids[i:i + CHUNK]))]
-        return codes
+        """``queue_ack`` now, for every lane in one round trip per node; the codes in order of
+        ``held`` per lane."""
+        calls = [(lane, ids[i:i + CHUNK]) for lane, ids in by_lane(held).items()
+                 for i in range(0, len(ids), CHUNK)]
+        replies = self._run_all(lambda p: [self.queue_ack(p, lane, ids) for lane, ids in calls])
+        return [AckStatus(int(c)) for reply in replies for c in reply]
 
     # ---------------------------------------------------------------- metrics
     def lane_stats(self) -> dict[str, tuple[int, int]]:
-        """lane name -> (lag, pending) of the group, from XINFO GROUPS (lag needs Redis 7)."""
-        out = {}
+        """lane name -> (lag, pending) of the group summed over the shards, from XINFO GROUPS
+        (lag needs Redis 7). One label per lane name, never per shard: bounded label sets."""
+        out: dict[str, tuple[int, int]] = {}
         for name, key in self._lanes:
             try:
                 groups = self.client.xinfo_groups(key)
@@ -295,5 +401,6 @@ class PendingList:
                 continue
             for g in groups:
                 if text(g.get("name", b"")) == GROUP:
-                    out[name] = (int(g.get("lag") or 0), int(g.get("pending") or 0))
+                    lag, pending = out.get(name, (0, 0))
+                    out[name] = (lag + int(g.get("lag") or 0), pending + int(g.get("pending") or 0))
         return out

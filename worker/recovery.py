@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional
 import redis
 
 from producer_sdk.fold import ChoiceFold
-from producer_sdk.protocol import EVENT_FIELD, Event, Keys, ProtocolError, ResultFold
+from producer_sdk.protocol import BATCH_FIELD, EVENT_FIELD, Event, Keys, ProtocolError, ResultFold
 
 
 @dataclass
@@ -32,6 +32,7 @@ class JobProgress:
     choices: dict[int, ChoiceFold] = field(default_factory=dict)   # every choice, by index
     terminal: Optional[Event] = None       # the done/error event, if the job already ended
     last_entry_id: Optional[str] = None
+    last_mark: str = "^"                   # $batch mark of the last entry ('^': none or unmarked)
     undecodable: int = 0                   # entries that were not protocol events (skipped)
 
     @property
@@ -54,6 +55,8 @@ def progress_from_entries(entries: Iterable[tuple[Any, dict[Any, Any]]]) -> JobP
         prog.exists = True
         prog.last_entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         raw = (fields or {}).get(EVENT_FIELD, (fields or {}).get(EVENT_FIELD.decode()))
+        mark = (fields or {}).get(BATCH_FIELD, (fields or {}).get(BATCH_FIELD.decode()))
+        prog.last_mark = (mark.decode() if isinstance(mark, bytes) else mark) or "^"
         try:
             if raw is None:
                 raise ProtocolError("entry without an event field")
@@ -66,12 +69,14 @@ def progress_from_entries(entries: Iterable[tuple[Any, dict[Any, Any]]]) -> JobP
     return prog
 
 
-def read_progress(client: redis.Redis, keys: Keys, job_id: str, page: int = 1000) -> JobProgress:
-    """Read a job's whole result stream (paged) into a JobProgress."""
+def read_progress(client: redis.Redis, keys: Keys, job_id: str, page: int = 1000,
+                  shard: Optional[int] = None) -> JobProgress:
+    """Read a job's whole result stream (paged) into a JobProgress; ``shard``: that of the
+    stream the job's entry was read from (None: where a producer puts the job id)."""
     entries: list[tuple[Any, dict[Any, Any]]] = []
     start = "-"
     while True:
-        batch = client.xrange(keys.results(job_id), min=start, count=page)
+        batch = client.xrange(keys.results(job_id, shard), min=start, count=page)
         entries.extend(batch)
         if len(batch) < page:
             break

@@ -262,6 +262,25 @@ class RedisCluster:
                 c.close()
         raise RedisServerError(f"no live node knows slot {slot}")
 
+    def replicas_of(self, i: int) -> list[int]:
+        """Indexes of the live nodes that replicate node ``i`` now (from CLUSTER NODES)."""
+        for j, n in enumerate(self.nodes):
+            if not n.alive:
+                continue
+            c = self.client(j)
+            try:
+                rows = [line.split() for line in str(c.execute_command("CLUSTER", "NODES"))
+                        .splitlines() if line.strip()]
+            except redis.RedisError:
+                continue
+            finally:
+                c.close()
+            port_of = {r[0]: int(r[1].split("@")[0].rsplit(":", 1)[1]) for r in rows}
+            master = next((r[0] for r in rows if port_of[r[0]] == self.nodes[i].port), None)
+            ports = {port_of[r[0]] for r in rows if r[3] == master and "fail" not in r[2]}
+            return [k for k, m in enumerate(self.nodes) if m.port in ports and m.alive]
+        return []
+
     def kill(self, i: int) -> None:
         self.nodes[i].kill()
 

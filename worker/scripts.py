@@ -1,4 +1,4 @@
-"""Every Lua script the worker runs, and the pipeline that sends them in one round trip.
+"""Every Lua script the worker runs, and the pipeline that sends them in one round trip per node.
 
 Why scripts at all: XACK, XCLAIM and XADD take no "expected owner", so every read-modify step
 that depends on *who* holds an entry or owns a job runs inside one script, atomically. A worker
@@ -6,10 +6,11 @@ waking from a pause (GC, SIGSTOP, a long step) must not renew, ack or write what
 took over meanwhile.
 
 Field names come from ``producer_sdk.protocol`` (``$event``/``$batch``/``$payload`` below are
-substituted once at import), never literals. Scripts are sent as EVALSHA inside ordinary
-pipelines; a NOSCRIPT reply (Redis restarted or its script cache was flushed) is retried with
-EVAL for that command only, so a step costs one round trip, not a SCRIPT EXISTS round trip more
-as redis-py's pipelined ``Script`` objects do.
+substituted once at import), never literals. Scripts are sent as EVALSHA in a
+``ScriptPipeline``; a NOSCRIPT reply (Redis restarted or its script cache was flushed) is
+retried with EVAL for that command only, so a step costs one round trip per node, not a SCRIPT
+EXISTS round trip more as redis-py's pipelined ``Script`` objects do. Every script's keys share
+one hash slot (one queue shard's tag, see ``Keys``), as a Redis Cluster requires.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Optional, Sequence
 import redis
 
 from producer_sdk.protocol import BATCH_FIELD, DEDUPE_SEPARATOR, EVENT_FIELD, PAYLOAD_FIELD
+from producer_sdk.topology import send_packed
 
 
 @dataclass(frozen=True)
@@ -42,30 +44,47 @@ def _lua(name: str, source: str) -> LuaScript:
 
 # ------------------------------------------------------------------------------ result writes
 # The fenced append; ``cur`` is the owner record's value as read by the caller (false when
-# absent). Each event entry gets field $batch = "<batch id>:<k>" (k = 1..n). When ``check`` is 1
-# (a retry after a reply was lost) the last entry's $batch tells how much of this batch already
-# landed, and only the rest is written. After the first write (create = 0) XADD runs with
+# absent). Each event entry gets field $batch = "<batch id>:<k>" (k = 1..n). ``expect`` is ''
+# for a plain append, else the writer is unsure what the stream holds (a reply was lost, or
+# Redis failed over) and ``expect`` names the $batch mark of the last entry it knows landed
+# ('^': none, or an entry without a mark). Then the stream's last entry decides: a mark of this
+# batch says how much of it already landed (only the rest is written); ``expect`` itself means
+# nothing was lost; anything else means the stream lost events the writer saw acknowledged (a
+# failover to a replica that had not received them: Redis replicates asynchronously), and the
+# append returns 'behind' without writing, so the worker resumes the job from what survived
+# instead of leaving a gap. An unsure writer whose owner record is gone is 'behind' too (the
+# record may have been lost the same way). After the first write (create = 0) XADD runs with
 # NOMKSTREAM: an expired stream is never recreated. The TTLs of the result stream and the owner
-# record are (re)set when the stream is created, on a checked retry and when ``refresh`` is 1
+# record are (re)set when the stream is created, on a checked write and when ``refresh`` is 1
 # (the worker asks for that when a TTL is due or the batch is terminal), not on every step: two
 # PEXPIREs per job per step were a third of the step script's time. Returns ok | dup | refused
-# (another owner) | missing (owner record expired) | gone (result stream expired).
+# (another owner) | missing (owner record expired) | gone (result stream expired) | behind.
 _APPEND = """
-local function append(cur, ko, kr, owner, ttl, create, batch, events, check, refresh)
-  if not cur then return 'missing' end
+local function last_mark(kr)
+  local last = redis.call('XREVRANGE', kr, '+', '-', 'COUNT', 1)
+  if #last == 0 then return '^' end
+  local f = last[1][2]
+  for i = 1, #f, 2 do
+    if f[i] == '$batch' then return f[i + 1] end
+  end
+  return '^'
+end
+
+local function append(cur, ko, kr, owner, ttl, create, batch, events, expect, refresh)
+  if not cur then
+    if expect ~= '' then return 'behind' end
+    return 'missing'
+  end
   if cur ~= owner then return 'refused' end
   local n = #events
   local done = 0
-  if check == 1 then
-    local last = redis.call('XREVRANGE', kr, '+', '-', 'COUNT', 1)
-    if #last > 0 then
-      local f = last[1][2]
-      local prefix = batch .. ':'
-      for i = 1, #f, 2 do
-        if f[i] == '$batch' and string.sub(f[i + 1], 1, #prefix) == prefix then
-          done = tonumber(string.sub(f[i + 1], #prefix + 1)) or 0
-        end
-      end
+  if expect ~= '' then
+    local mark = last_mark(kr)
+    local prefix = batch .. ':'
+    if string.sub(mark, 1, #prefix) == prefix then
+      done = tonumber(string.sub(mark, #prefix + 1)) or 0
+    elseif mark ~= expect then
+      return 'behind'
     end
   end
   for k = done + 1, n do
@@ -77,7 +96,7 @@ local function append(cur, ko, kr, owner, ttl, create, batch, events, check, ref
     end
     if not id then return 'gone' end
   end
-  if create == 1 or check == 1 or refresh == 1 then
+  if create == 1 or expect ~= '' or refresh == 1 then
     redis.call('PEXPIRE', kr, ttl)
     redis.call('PEXPIRE', ko, ttl)
   end
@@ -87,10 +106,10 @@ end
 """
 
 # One call for every job of an engine step. KEYS: per job owner, results, cancel. ARGV[1]: ttl
-# ms; ARGV[2]: msgpack array, per job [owner value, create 0/1, batch id, check 0/1, [events],
-# refresh 0/1]. Owners and cancel flags are read with one MGET each. Returns {status letters,
+# ms; ARGV[2]: msgpack array, per job [owner value, create 0/1, batch id, expect ('' or a
+# mark, see _APPEND), [events], refresh 0/1]. Owners and cancel flags are read with one MGET each. Returns {status letters,
 # cancel flags ('0'/'1' per job), {job number, error, ...}}, one letter per job: o ok, d dup,
-# r refused, m missing, g gone, s skip (no events), e error. Each job is isolated (pcall): one
+# r refused, m missing, g gone, b behind, s skip (no events), e error. Each job is isolated (pcall): one
 # job's broken key never fails another job's write (MGET reads a key of the wrong type as absent).
 WRITE_STEP = _lua("write_step", _APPEND + """
 local jobs = cmsgpack.unpack(ARGV[2])
@@ -178,19 +197,32 @@ return 'written'
 """)
 
 # ------------------------------------------------------------------------------ pending lists
-# KEYS: the lanes, most urgent first. ARGV: group, consumer, count. New entries (XREADGROUP >)
-# up to count in all, urgent lane first, in one round trip: {lane index, id, fields}.
+# KEYS: one queue shard's lanes, most urgent first. ARGV: group, consumer, count, parking
+# consumer. Up to count entries in all, lane by lane, urgent first; in each lane first the
+# entries parked there (a draining worker's hand-backs, another worker's surplus read: taken with
+# XCLAIM ... JUSTID, their delivery count kept), then new ones (XREADGROUP >), in one round trip:
+# {lane index, id, fields|false (deleted while parked), deliveries, parked 0/1}.
 READ_NEW = _lua("read_new", """
 local out = {}
 local want = tonumber(ARGV[3])
 for i = 1, #KEYS do
   if want <= 0 then break end
-  local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want, 'STREAMS',
-                       KEYS[i], '>')
-  if r and r[1] then
-    for _, e in ipairs(r[1][2]) do
-      out[#out + 1] = {i, e[1], e[2]}
-      want = want - 1
+  for _, p in ipairs(redis.call('XPENDING', KEYS[i], ARGV[1], '-', '+', want, ARGV[4])) do
+    redis.call('XCLAIM', KEYS[i], ARGV[1], ARGV[2], 0, p[1], 'JUSTID')
+    local e = redis.call('XRANGE', KEYS[i], p[1], p[1])
+    local body = false
+    if #e == 1 then body = e[1][2] end
+    out[#out + 1] = {i, p[1], body, p[4], 1}
+    want = want - 1
+  end
+  if want > 0 then
+    local r = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want, 'STREAMS',
+                         KEYS[i], '>')
+    if r and r[1] then
+      for _, e in ipairs(r[1][2]) do
+        out[#out + 1] = {i, e[1], e[2], 1, 0}
+        want = want - 1
+      end
     end
   end
 end
@@ -329,77 +361,88 @@ return 0
 """)
 
 
-class ScriptPipeline:
-    """A non-transactional pipeline whose script calls survive a script-cache flush.
+def _arg(value: Any) -> bytes:
+    """One command argument as RESP bytes, as redis-py's encoder writes it."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, bool):
+        raise TypeError("a bool is no Redis argument; send 0/1")
+    if isinstance(value, (int, float)):
+        return repr(value).encode()
+    raise TypeError(f"cannot send {type(value).__name__} to Redis")
 
-    ``execute`` returns one result per command, error replies in place (never raised), except
-    connection errors, which propagate: the caller reconnects and retries the whole batch, which
-    is safe because every write here is idempotent (batch ids, XPENDING-checked acks).
+
+def pack(args: Sequence[Any]) -> bytes:
+    """One command in RESP. On the per-step path: as fast as redis-py's packer (a step's
+    WRITE_STEP has three keys per job), which needs a connection this side does not have yet."""
+    out = [b"*%d\r\n" % len(args)]
+    add = out.append
+    for a in args:
+        t = type(a)
+        if t is str:
+            a = a.encode()
+        elif t is int:
+            a = b"%d" % a
+        elif t is not bytes:
+            a = _arg(a)
+        add(b"$%d\r\n%b\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+class ScriptPipeline:
+    """A non-transactional pipeline whose script calls survive a script-cache flush, sent to
+    the node of each command's keys.
+
+    Every command is packed here and sent with ``topology.send_packed``: grouped by the Redis
+    Cluster node that serves its routing key (a script's first key, a command's first argument
+    after its name), every node's commands written before any reply is read, so a batch costs
+    one round trip per node however many jobs it carries (one round trip on a single Redis).
+    redis-py's pipeline machinery is not used: it cost more than Redis's own work for a step.
+    ``execute`` returns one raw RESP2 reply per command (no redis-py response callbacks), error
+    replies in place (never raised), except connection errors, which propagate: the caller
+    reconnects and retries the whole batch, which is safe because every write here is
+    idempotent (batch ids, XPENDING-checked acks). A NOSCRIPT reply (Redis restarted, a
+    failover to a replica that never saw the script, a flushed cache) is retried with EVAL for
+    that command only, on its node.
     """
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: Any) -> None:
         self._client = client
-        self._cmds: list[tuple[Optional[LuaScript], tuple[Any, ...]]] = []
+        self._cmds: list[tuple[Optional[LuaScript], tuple[Any, ...], Any]] = []
 
     def __len__(self) -> int:
         return len(self._cmds)
 
-    def command(self, *args: Any) -> int:
-        self._cmds.append((None, args))
+    def command(self, *args: Any, key: Any = None) -> int:
+        """Queue a plain command; routed by ``key`` (default: its first argument)."""
+        self._cmds.append((None, args, key if key is not None else
+                           (args[1] if len(args) > 1 else None)))
         return len(self._cmds) - 1
 
     def script(self, script: LuaScript, keys: Sequence[Any], args: Sequence[Any]) -> int:
-        self._cmds.append((script, (len(keys), *keys, *args)))
+        """Queue a script call; all its keys must share a slot (routed by the first)."""
+        self._cmds.append((script, (len(keys), *keys, *args), keys[0] if keys else None))
         return len(self._cmds) - 1
 
     def execute(self) -> list[Any]:
         if not self._cmds:
             return []
-        if all(script is not None for script, _ in self._cmds):
-            results = self._execute_scripts()
-        else:
-            pipe = self._client.pipeline(transaction=False)
-            for script, args in self._cmds:
-                if script is None:
-                    pipe.execute_command(*args)
-                else:
-                    pipe.execute_command("EVALSHA", script.sha, *args)
-            results = pipe.execute(raise_on_error=False)
+        results = send_packed(self._client, [
+            (key, pack(("EVALSHA", script.sha, *args) if script is not None else args), 1)
+            for script, args, key in self._cmds])
         missing = [i for i, r in enumerate(results) if isinstance(r, redis.exceptions.NoScriptError)]
         if missing:
-            retry = self._client.pipeline(transaction=False)
-            for i in missing:
-                script, args = self._cmds[i]
-                retry.execute_command("EVAL", script.source, *args)
-            for i, r in zip(missing, retry.execute(raise_on_error=False)):
+            again = send_packed(self._client, [
+                (self._cmds[i][2], pack(("EVAL", self._cmds[i][0].source, *self._cmds[i][1])), 1)
+                for i in missing])
+            for i, r in zip(missing, again):
                 results[i] = r
         return results
 
-    def _execute_scripts(self) -> list[Any]:
-        """The per-step path (only EVALSHA, whose replies redis-py leaves raw anyway): packed
-        and read on one pooled connection, without redis-py's per-command pipeline machinery,
-        which cost more than Redis's own work for a step (~0.2 ms of client overhead). Error
-        replies come back in place; connection errors propagate after dropping the connection."""
-        pool = self._client.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command(conn.pack_commands(
-                [("EVALSHA", script.sha, *args) for script, args in self._cmds]))
-            results: list[Any] = []
-            for _ in self._cmds:
-                try:
-                    results.append(conn.read_response())
-                except redis.exceptions.ResponseError as exc:
-                    results.append(exc)
-            return results
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
 
-
-def run_script(client: redis.Redis, script: LuaScript, keys: Sequence[Any],
+def run_script(client: Any, script: LuaScript, keys: Sequence[Any],
                args: Sequence[Any]) -> Any:
     """One script call now (NOSCRIPT-safe); an error reply is raised."""
     pipe = ScriptPipeline(client)

@@ -10,8 +10,10 @@ nothing else; each step lives in the module named beside it)::
     flush      ONE round trip: events, cancel flags, dead letters, acks   worker/outbox.py
     account    the step's logs and metrics (off the engine-to-reader path) worker/steps.py
 
-Redis errors are classified once (worker/connection.py): transient ones pause intake and retry
-with backoff, keeping every job; permanent configuration errors exit 78 after one clear line.
+Redis errors are classified once (worker/connection.py): transient ones (a Redis Cluster's
+failover and slot moves included) pause intake and retry with backoff, keeping every job;
+permanent configuration errors (a shard count other than the queue's, --cluster on against a
+plain server) exit 78 after one clear line.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import redis
 
@@ -28,8 +30,10 @@ from producer_sdk.protocol import Keys
 from worker.admission import Admission
 from worker.affinity import Affinity
 from worker.config import WorkerSettings
-from worker.connection import (EXIT_CONFIG, Backoff, ErrorKind, PermanentRedisError, classify,
-                               connect, describe_permanent)
+from producer_sdk import topology
+from producer_sdk.shards import ShardCountMismatch, register_shards
+from worker.connection import (EXIT_CONFIG, REDIS_ERRORS, Backoff, ErrorKind,
+                               PermanentRedisError, classify, connect, describe_permanent)
 from worker.deadletters import DeadLetterWriter
 from worker.drain import Drain
 from worker.engine_api import EngineAPI, describe_engine, load_engine
@@ -82,13 +86,11 @@ class Worker:
         self.log_limited = RateLimitedLog(self.log)
         self.ttl_ms = int(settings.result_ttl * 1000)
         self.limits = settings.decode_limits()
-        self.fence = Fence(self.keys, settings.dedupe_ttl)
-        self.client: Optional[redis.Redis] = None
+        self.client: Any = None                  # redis.Redis, or RedisCluster
         self.pending: Optional[PendingList] = None
         self.jobs = JobTable(engine, self.metrics, self.log)
-        self.outbox = Outbox(self, DeadLetterWriter(
-            self.keys, self.worker_id, self.ttl_ms, settings.dedupe_ttl,
-            settings.dead_letter_maxlen, settings.dead_letter_payload_bytes))
+        self.fence = Fence(self.keys, settings.dedupe_ttl)   # both made again with the
+        self.outbox = Outbox(self, self._dead_letters(self.keys))   # queue's shard count
         self.intake = Intake(self)
         self.admission = Admission(self)
         self.stepper = Stepper(self)
@@ -171,20 +173,47 @@ class Worker:
         if self.client is not None:
             try:
                 self.liveness.shutdown()
-            except redis.RedisError:
+            except REDIS_ERRORS:
                 pass
+            if self.pending is not None:
+                self.pending.reset()
             self.client.close()
         self.log.info("worker stopped", exit_code=self.exit_code, held=len(self.jobs))
 
     # ================================================================== connection
+    def _use_keys(self, keys: Keys) -> None:
+        """Everything that names keys, for ``keys`` (its shard count is part of every key)."""
+        self.keys = keys
+        self.fence = Fence(keys, self.s.dedupe_ttl)
+        self.outbox.dead = self._dead_letters(keys)
+
+    def _dead_letters(self, keys: Keys) -> DeadLetterWriter:
+        s = self.s
+        return DeadLetterWriter(keys, self.worker_id, self.ttl_ms, s.dedupe_ttl,
+                                s.dead_letter_maxlen, s.dead_letter_payload_bytes)
+
+    def _resolve_shards(self) -> None:
+        """The queue's shard count: registered by the first worker, refused (exit 78) when
+        --shards says otherwise; then the pending lists of every shard."""
+        try:
+            shards = register_shards(self.client, self.keys, self.s.shards)
+        except ShardCountMismatch as exc:
+            raise PermanentRedisError(str(exc)) from exc
+        self._use_keys(Keys(self.keys.namespace, self.keys.queue, shards))
+        self.pending = PendingList(self.client, self.keys, self.worker_id,
+                                   on_group_recreated=self._group_recreated)
+
     def _connect(self) -> bool:
         """(Re)connect until it works; False when told to stop past the drain deadline."""
         while True:
             try:
                 if self.client is None:
-                    self.client = connect(self.s.redis_url, self.s.block_ms)
-                    self.pending = PendingList(self.client, self.keys, self.worker_id,
-                                               on_group_recreated=self._group_recreated)
+                    self.client = connect(self.s.redis_url, self.s.block_ms, self.s.cluster)
+                else:
+                    topology.refresh(self.client)   # a failover may have moved every slot
+                if self.pending is None:
+                    self._resolve_shards()
+                self.pending.reset()
                 self.client.ping()
                 self.pending.ensure_groups()
                 self.intake.need_own_pending = True
@@ -192,7 +221,7 @@ class Worker:
                     self.metrics.redis_reconnects.inc()
                     self.log.info("redis reconnected")
                 return True
-            except redis.RedisError as exc:
+            except (*REDIS_ERRORS, topology.ClusterModeError) as exc:
                 self._check_permanent(exc)
                 if self._stop.is_set() and (self._force.is_set() or not self.jobs
                                             or time.monotonic() > self.drain.deadline):
@@ -220,8 +249,9 @@ class Worker:
     def _iteration_guarded(self) -> bool:
         try:
             done = self._iteration()
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             self._check_permanent(exc)
+            self.jobs.mark_unsure()   # a failover may have lost writes we saw acknowledged
             if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
                 self.log_limited("warning", "redis connection lost", error=str(exc))
                 return not self._connect()
@@ -237,8 +267,11 @@ class Worker:
         return done
 
     def _transient(self, error: str, kind: ErrorKind) -> None:
-        """Wait out an error: intake pauses, every held job stays held and is retried."""
+        """Wait out an error: intake pauses, every held job stays held and is retried. A
+        cluster error (CLUSTERDOWN, MOVED, an uncovered slot) means the slot map is stale."""
         self.redis_error = error
+        self.jobs.mark_unsure()
+        topology.refresh(self.client)
         delay = self.backoff.failed()
         self.log_limited("warning", "redis command failed; pausing intake and retrying",
                          error=error, kind=kind.value, retry_in_s=round(delay, 3),
@@ -263,7 +296,8 @@ class Worker:
         if self.engine.has_unfinished_requests() and not self.backoff.paused:
             self.stepper.step()
         try:
-            self.outbox.flush([self.drain.parks_rider], self.intake.prefetch_rider)
+            self.outbox.flush([self.drain.parks_rider, self.intake.surplus_rider],
+                              self.intake.prefetch_rider)
         finally:
             self.stepper.account()
         return False

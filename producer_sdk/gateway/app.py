@@ -10,18 +10,18 @@ refused with the same message a worker would give, as a 400 naming the field.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional
 
-import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from producer_sdk.aio import AsyncClient
-from producer_sdk.client_core import make_redis
+from producer_sdk.client_core import make_async_redis
 from producer_sdk.config import ClientConfig
 from producer_sdk.openai_format import (CHAT_URL, COMPLETIONS_URL, LineError, OpenAIRequest,
                                         model_body, parse_request)
@@ -33,6 +33,7 @@ from producer_sdk.gateway.models import HeartbeatDirectory, ModelDirectory, pars
 from producer_sdk.gateway.responses import (Answer, JobFeed, event_stream, first_item,
                                             whole_response)
 from producer_sdk.gateway.settings import GatewaySettings
+from producer_sdk.topology import cluster_flag, detect_cluster
 
 REQUEST_ID = "x-request-id"
 TIMEOUT_HEADER = "x-request-timeout"
@@ -83,8 +84,15 @@ class Gateway:
         self.clients: dict[str, AsyncClient] = {}
 
     async def open(self) -> None:
-        self.redis = make_redis(ClientConfig(redis_url=self.s.redis_url,
-                                             namespace=self.s.namespace), aioredis)
+        """Connect: one Redis client (a cluster client when ``--cluster`` says so or the
+        server is a cluster node; asked in a thread) shared by every queue's AsyncClient."""
+        config = ClientConfig(redis_url=self.s.redis_url, namespace=self.s.namespace,
+                              cluster=cluster_flag(self.s.cluster))
+        cluster = config.cluster
+        if cluster is None:
+            cluster = await asyncio.to_thread(detect_cluster, config.redis_url,
+                                              config.connect_timeout_s)
+        self.redis = make_async_redis(config, cluster)
         if self._directory is None:
             self._directory = HeartbeatDirectory(self.redis, self.s.namespace, self.routes,
                                                  self.s.models_refresh_s)
@@ -103,7 +111,7 @@ class Gateway:
         if queue not in self.clients:
             self.clients[queue] = AsyncClient(self.s.redis_url, queue=queue,
                                               namespace=self.s.namespace,
-                                              redis_client=self.redis)
+                                              redis_client=self.redis, shards=self.s.shards)
         return self.clients[queue]
 
     def priority(self, request: Request) -> int:

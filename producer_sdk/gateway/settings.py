@@ -9,11 +9,12 @@ is no ``--queue``: the gateway routes each request to the queue whose workers se
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import Field, field_validator
 
 from producer_sdk.cli_common import CliSettings, ConnectionSettings, key_part, unset
+from producer_sdk.protocol import MAX_SHARDS
 
 _CONN = ConnectionSettings.model_fields
 
@@ -22,7 +23,12 @@ class GatewaySettings(CliSettings):
     """Options of ``python -m producer_sdk.gateway``."""
 
     redis_url: str = _CONN["redis_url"]
+    cluster: Literal["auto", "on", "off"] = _CONN["cluster"]
     namespace: str = _CONN["namespace"]
+    shards: Optional[int] = Field(
+        None, ge=1, le=MAX_SHARDS, description="Shard count of every queue the gateway sends "
+        "to (one that registered another is refused).",
+        json_schema_extra=unset("each queue's registered count, else 1"))
     host: str = Field("127.0.0.1", description="Address to listen on (0.0.0.0 in a container).")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on.")
     api_keys: list[str] = Field(

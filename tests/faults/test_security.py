@@ -37,12 +37,14 @@ pytestmark = pytest.mark.timeout(180)
 # --------------------------------------------------------------------------------------------
 
 ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
-    # python -m worker (and python -m worker health, which reads the heartbeat hash)
-    "worker": ("ping", "evalsha", "eval",
+    # python -m worker (and python -m worker health, which reads the heartbeat hash);
+    # cluster|info: --cluster auto asks the server; hsetnx: the first worker registers the
+    # shard count
+    "worker": ("ping", "cluster|info", "evalsha", "eval",
                "xgroup|create", "xreadgroup", "xinfo|groups", "xadd", "xack", "xdel", "xclaim",
                "xautoclaim", "xpending", "xrange", "xrevrange",
                "get", "set", "mget", "exists", "del", "pexpire",
-               "hset", "hget", "hgetall", "zadd", "zrem", "sadd",
+               "hset", "hsetnx", "hget", "hgetall", "zadd", "zrem", "sadd",
                # the affinity sweep reads the registry and its own streams' lengths
                "zrange", "xlen"),
     # producer_sdk.Client / AsyncClient / python -m producer_sdk submit|cancel|batch|status
@@ -50,11 +52,17 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
     # producer_sdk.models and the batch runner's routing read the queues, registries and beats)
     "producer": ("ping", "evalsha", "script|load", "xadd", "xlen", "xread", "xrange",
                  "xrevrange", "xpending", "xinfo|groups", "get", "set", "exists", "hget",
-                 "multi", "exec", "smembers", "zrange", "hmget"),
+                 "multi", "exec", "smembers", "zrange", "hmget", "cluster|info", "wait"),
     # python -m worker admin ... and python -m producer_sdk stats --queue Q
     "admin": ("evalsha", "eval", "xpending", "xrange", "xadd", "xdel", "xlen", "xinfo|groups",
-              "get", "set", "exists", "del", "hget", "hset", "zrange", "zcount", "zcard"),
+              "get", "set", "exists", "del", "hget", "hset", "zrange", "zcount", "zcard",
+              "cluster|info"),
 }
+# What every role also needs on a Redis Cluster (docs/operations.md, "Redis Cluster and hash
+# tags"): the cluster client reads the slot map and the commands' key positions when it
+# connects, and sends ASKING after an ASK redirect (tests/faults/test_cluster.py runs the
+# worker, health and admin under the worker and admin rules plus these).
+CLUSTER_COMMANDS: tuple[str, ...] = ("cluster|slots", "command", "asking")
 # redis-py sends CLIENT SETINFO on connect and ignores a refusal; Redis 7.2+ logs the refusal.
 IGNORED_DENIALS = frozenset({"client|setinfo"})
 
@@ -79,6 +87,7 @@ def test_operations_doc_prints_exactly_the_tested_rules():
         password = rule.split()[1][1:]
         assert rule == acl_rule(role, "tokenrelay", password), role
     assert "user default off" in doc
+    assert " ".join(f"+{c}" for c in CLUSTER_COMMANDS) in " ".join(doc.split())
 
 
 @dataclass(frozen=True)

@@ -324,7 +324,7 @@ def test_disconnect_while_waiting_for_a_whole_answer_cancels_the_job(
             "model": MODEL, "prompt": "whole", "max_tokens": 3000})
     ids = wait_for(lambda: list(r.scan_iter(match=KEYS.cancel("*"))), timeout=10,
                    what="a cancel flag")
-    job_id = ids[0].decode().split("{")[1].rstrip("}")
+    job_id = ids[0].decode().rsplit("}:", 1)[1]
     t0 = time.monotonic()
     with Client(redis_server.url) as c:
         assert c.get(job_id).result(timeout=20).finish_reason == "cancelled"

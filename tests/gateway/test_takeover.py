@@ -65,5 +65,5 @@ def test_sigkill_mid_stream_the_sse_stream_continues_without_repeats(env: FaultE
 
 
 def _job_ids(env: FaultEnv) -> list[str]:
-    prefix = f"{env.keys.namespace}:result:{{"
-    return [k.decode()[len(prefix):-1] for k in env.r.scan_iter(match=prefix + "*")]
+    prefix = f"{env.keys.namespace}:result:{env.keys.tag(0)}:"
+    return [k.decode()[len(prefix):] for k in env.r.scan_iter(match=prefix + "*")]

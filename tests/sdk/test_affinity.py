@@ -84,7 +84,7 @@ class Clock:
 
 
 def prepared(job_id: str, key: object = None, queue: object = None) -> Prepared:
-    return Prepared(job_id, "default", b"", True, queue, key)
+    return Prepared(job_id, "default", b"", True, queue, routing_key=key)
 
 
 def test_router_picks_the_top_ranked_worker_until_its_backlog_bound():

@@ -6,6 +6,8 @@ logprobs output validates with the openai package's own types."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import msgpack
@@ -17,6 +19,7 @@ from producer_sdk import Client
 from producer_sdk.batch import BatchRunner
 from producer_sdk.protocol import EVENT_FIELD, Keys
 from tests.sdk.test_batch_runner import read_jsonl
+from tests.sdk_helpers import env_with_repo
 
 
 def line(cid: str, url: str = "/v1/chat/completions", **body) -> str:
@@ -28,9 +31,9 @@ def line(cid: str, url: str = "/v1/chat/completions", **body) -> str:
                        "body": {"max_tokens": 4, "temperature": 0, **body}})
 
 
-def served_by(r, job_id: str) -> str:
-    """The worker that ran a job: its ``started`` event says."""
-    for _, fields in r.xrange(Keys().results(job_id)):
+def served_by(r, job_id: str, queue: str) -> str:
+    """The worker that ran a job of ``queue``: its ``started`` event says."""
+    for _, fields in r.xrange(Keys(queue=queue).results(job_id)):
         event = msgpack.unpackb(fields[EVENT_FIELD], raw=False, strict_map_key=False)
         if event["type"] == "started":
             return event["worker_id"]
@@ -62,8 +65,9 @@ def test_lines_are_routed_by_model_and_unknown_models_are_404(two_models, tmp_pa
         assert (summary.succeeded, summary.failed) == (4, 1)
         assert {c: o["response"]["body"]["model"] for c, o in outputs.items()} == {
             "a1": "alpha", "b1": "beta", "b2": "beta", "none": "alpha"}
-        assert {c: served_by(r, o["response"]["request_id"]) for c, o in outputs.items()} == {
-            "a1": "wa", "b1": "wb", "b2": "wb", "none": "wa"}
+        queue_of = {"a1": "qa", "b1": "qb", "b2": "qb", "none": "qa"}
+        assert {c: served_by(r, o["response"]["request_id"], queue_of[c])
+                for c, o in outputs.items()} == {"a1": "wa", "b1": "wb", "b2": "wb", "none": "wa"}
     (error,) = read_jsonl(err)
     assert error["custom_id"] == "g1" and error["error"]["code"] == "model_not_found"
     assert error["response"]["status_code"] == 404
@@ -71,6 +75,13 @@ def test_lines_are_routed_by_model_and_unknown_models_are_404(two_models, tmp_pa
         "message": error["error"]["message"], "type": "invalid_request_error",
         "param": "model", "code": "model_not_found"}
     assert "alpha, beta" in error["error"]["message"]
+    status = subprocess.run(           # each job is found on the queue its line was routed to
+        [sys.executable, "-m", "producer_sdk", "status", "--batch", str(inp), "--batch-id",
+         "route", "--queue", "qa", "--redis-url", two_models.url, "--json"],
+        capture_output=True, text=True, timeout=60, env=env_with_repo())
+    states = {x["custom_id"]: x["state"] for x in map(json.loads, status.stdout.splitlines())}
+    assert states == {"a1": "done", "b1": "done", "b2": "done", "g1": "unknown",
+                      "none": "done"}, status.stderr
 
 
 @pytest.mark.timeout(120)

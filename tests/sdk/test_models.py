@@ -141,14 +141,18 @@ def test_submit_to_another_queue_of_the_namespace(redis_server):
     from producer_sdk import AsyncClient, Client
     from producer_sdk.errors import InvalidRequest
     with Client(redis_server.url, queue="qa") as client:
-        client.submit("x", queue="qb", job_id="to-qb", priority=1)
+        job = client.submit("x", queue="qb", job_id="to-qb", priority=1)
         client.submit("x", job_id="to-qa")
+        assert job.queue == "qb" and job.state.key == Keys(queue="qb").results("to-qb")
+        assert client.status("to-qb", queue="qb").state == "queued"
+        assert client.status("to-qb").state == "unknown"      # per-job keys are per queue
         with pytest.raises(InvalidRequest):
             client.submit("x", queue="bad:name")
         r = client.redis
         assert [f[b"data"] for _, f in r.xrange(Keys(queue="qb").lane("bulk"))]
         assert r.xlen(Keys(queue="qa").lane("default")) == 1
-        assert r.get(Keys().dedupe("to-qb")).decode().startswith(Keys(queue="qb").lane("bulk"))
+        assert r.get(Keys(queue="qb").dedupe("to-qb")).decode().startswith(
+            Keys(queue="qb").lane("bulk"))
 
     async def run() -> None:
         async with AsyncClient(redis_server.url, queue="qa") as aclient:

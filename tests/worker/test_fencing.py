@@ -28,14 +28,14 @@ def run(r, build):
     return pipe.execute()
 
 
-def write(r, fence, owner, batch, events, create=True, ttl=60_000, job="j", check=True):
-    (res,) = run(r, lambda p: fence.write_step(p, ttl, [(job, owner, batch, events, create,
-                                                          check, True)]))
+def write(r, fence, owner, batch, events, create=True, ttl=60_000, job="j", expect=""):
+    (res,) = run(r, lambda p: fence.write_step(p, ttl, 0, [(job, owner, batch, events, create,
+                                                          expect, True)]))
     return parse_step_reply(res)[0][0]
 
 
 def own(r, fence, job, owner, entry_id="1-1"):
-    (res,) = run(r, lambda p: fence.bind_and_own(p, job, LANE, entry_id, owner, 60_000))
+    (res,) = run(r, lambda p: fence.bind_and_own(p, job, 0, LANE, entry_id, owner, 60_000))
     return bound(res)
 
 
@@ -54,10 +54,11 @@ def test_retried_batch_is_idempotent_and_completes_a_partial_one(r):
     f = Fence(K)
     own(r, f, "j", "w1:a")
     assert write(r, f, "w1:a", "a.0", [b"s", b"t0"]) is WriteStatus.OK
-    assert write(r, f, "w1:a", "a.0", [b"s", b"t0"]) is WriteStatus.DUP
+    assert write(r, f, "w1:a", "a.0", [b"s", b"t0"], expect="^") is WriteStatus.DUP
     # a batch that died half way: only its first event landed
     r.xadd(K.results("j"), {"data": b"t1", "b": b"a.1:1"})
-    assert write(r, f, "w1:a", "a.1", [b"t1", b"t2", b"done"], create=False) is WriteStatus.OK
+    assert write(r, f, "w1:a", "a.1", [b"t1", b"t2", b"done"], create=False,
+                 expect="a.0:2") is WriteStatus.OK
     assert [x[1][b"data"] for x in r.xrange(K.results("j"))] == [b"s", b"t0", b"t1", b"t2",
                                                                   b"done"]
 
@@ -143,25 +144,51 @@ def test_write_step_isolates_jobs_and_reads_cancel_flags(r):
         own(r, f, j, f"w1:{j}")
     r.set(K.results("b"), "not a stream")          # a broken key must not fail a or c
     r.set(K.cancel("c"), 1)
-    (reply,) = run(r, lambda p: f.write_step(p, 60_000, [
-        ("a", "w1:a", "a.0", [b"a1", b"a2"], True, False, False),
-        ("b", "w1:b", "b.0", [b"b1"], True, False, False),
-        ("c", "w1:c", "c.0", [], True, False, False),
-        ("d", "w1:d", "d.0", [b"d1"], True, False, False)]))   # no owner record
+    (reply,) = run(r, lambda p: f.write_step(p, 60_000, 0, [
+        ("a", "w1:a", "a.0", [b"a1", b"a2"], True, "", False),
+        ("b", "w1:b", "b.0", [b"b1"], True, "", False),
+        ("c", "w1:c", "c.0", [], True, "", False),
+        ("d", "w1:d", "d.0", [b"d1"], True, "", False)]))   # no owner record
     got = [(st, cancel) for st, cancel, _ in parse_step_reply(reply)]
     assert got == [(WriteStatus.OK, False), (WriteStatus.ERROR, False),
                    (WriteStatus.SKIP, True), (WriteStatus.MISSING, False)]
     assert "WRONGTYPE" in parse_step_reply(reply)[1][2]
     assert [x[1][b"data"] for x in r.xrange(K.results("a"))] == [b"a1", b"a2"]
-    # a retry of a's batch after a lost reply (check=1) adds nothing; without create the
+    # a retry of a's batch after a lost reply (expect: what was there before) adds nothing;
+    # without create the
     # expired stream of another job is not recreated
     r.delete(K.results("c"))
-    (reply,) = run(r, lambda p: f.write_step(p, 60_000, [
-        ("a", "w1:a", "a.0", [b"a1", b"a2"], False, True, False),
-        ("c", "w1:c", "c.1", [b"c1"], False, False, False)]))
+    (reply,) = run(r, lambda p: f.write_step(p, 60_000, 0, [
+        ("a", "w1:a", "a.0", [b"a1", b"a2"], False, "^", False),
+        ("c", "w1:c", "c.1", [b"c1"], False, "", False)]))
     assert [st for st, _, _ in parse_step_reply(reply)] == [WriteStatus.DUP, WriteStatus.GONE]
     assert r.xlen(K.results("a")) == 2 and not r.exists(K.results("c"))
     assert not r.exists(K.results("c")) and not r.exists(K.results("d"))
+
+
+def test_a_checked_write_finds_events_a_failover_lost_and_writes_nothing(r):
+    """Redis replicates asynchronously: a replica promoted after its master died may lack the
+    last events the worker saw acknowledged. A checked write (the worker checks after every
+    Redis error) names the mark of the last entry it knows landed; a stream that ends elsewhere
+    is BEHIND and gets nothing appended, so no reader ever sees a gap (the worker resumes the
+    job from what survived). A lost owner record is BEHIND too, not MISSING."""
+    f = Fence(K)
+    own(r, f, "j", "w1:a")
+    assert write(r, f, "w1:a", "a.0", [b"s", b"t0"]) is WriteStatus.OK
+    assert write(r, f, "w1:a", "a.1", [b"t1"], create=False) is WriteStatus.OK
+    lost = r.xrevrange(K.results("j"), count=1)[0][0]
+    r.xdel(K.results("j"), lost)                          # the failover lost a.1
+    assert write(r, f, "w1:a", "a.2", [b"t2"], create=False, expect="a.1:1") is WriteStatus.BEHIND
+    assert [x[1][b"data"] for x in r.xrange(K.results("j"))] == [b"s", b"t0"]
+    # nothing lost: the same checked write goes through
+    assert write(r, f, "w1:a", "a.1", [b"t1"], create=False, expect="a.0:2") is WriteStatus.OK
+    assert write(r, f, "w1:a", "a.2", [b"t2"], create=False, expect="a.1:1") is WriteStatus.OK
+    # a whole stream lost (created on the old master only)
+    r.delete(K.results("j"))
+    assert write(r, f, "w1:a", "a.3", [b"t3"], create=False, expect="a.2:1") is WriteStatus.BEHIND
+    r.delete(K.owner("j"))
+    assert write(r, f, "w1:a", "a.3", [b"t3"], create=False, expect="a.2:1") is WriteStatus.BEHIND
+    assert write(r, f, "w1:a", "a.3", [b"t3"], create=False) is WriteStatus.MISSING
 
 
 def test_write_step_sets_ttls_on_create_and_refresh_only(r):
@@ -170,13 +197,13 @@ def test_write_step_sets_ttls_on_create_and_refresh_only(r):
     f = Fence(K)
     own(r, f, "a", "w1:a")
     r.pexpire(K.owner("a"), 60_000)
-    run(r, lambda p: f.write_step(p, 60_000, [("a", "w1:a", "a.0", [b"a1"], True, False, False)]))
+    run(r, lambda p: f.write_step(p, 60_000, 0, [("a", "w1:a", "a.0", [b"a1"], True, "", False)]))
     assert 0 < r.pttl(K.results("a")) <= 60_000
     r.pexpire(K.results("a"), 5_000)
     r.pexpire(K.owner("a"), 5_000)
-    run(r, lambda p: f.write_step(p, 60_000, [("a", "w1:a", "a.1", [b"a2"], False, False, False)]))
+    run(r, lambda p: f.write_step(p, 60_000, 0, [("a", "w1:a", "a.1", [b"a2"], False, "", False)]))
     assert r.pttl(K.results("a")) <= 5_000 and r.pttl(K.owner("a")) <= 5_000
-    run(r, lambda p: f.write_step(p, 60_000, [("a", "w1:a", "a.2", [b"a3"], False, False, True)]))
+    run(r, lambda p: f.write_step(p, 60_000, 0, [("a", "w1:a", "a.2", [b"a3"], False, "", True)]))
     assert r.pttl(K.results("a")) > 5_000 and r.pttl(K.owner("a")) > 5_000
     assert r.xlen(K.results("a")) == 3
 
