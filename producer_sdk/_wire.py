@@ -32,7 +32,8 @@ DEFAULT_MAX_QUEUED_JOBS = 100_000
 # that stream does not exist: its worker deleted it when it drained, or a sweep did after it
 # died, so a job routed on a stale view of the workers is never left where nobody reads.
 # Depth is the shared lanes' (affinity streams are bounded per worker by the producer's
-# affinity_max_backlog, not counted here): a routed job is refused like any other past the mark.
+# affinity_max_backlog): a routed job is refused like any other past the mark, but one written
+# to an affinity stream adds nothing to the depth (``step`` 0).
 # ARGV: limit (0: none), dedupe TTL, depth of the queue's other shards (read by the caller just
 # before; 0 for a one-shard queue), durable ('1': make sure the call writes, see below),
 # then the payloads.
@@ -47,8 +48,13 @@ local limit = tonumber(ARGV[1])
 local depth = tonumber(ARGV[3]) + redis.call('XLEN', KEYS[2]) + redis.call('XLEN', KEYS[3])
   + redis.call('XLEN', KEYS[4])
 local lane = KEYS[1]
-if lane ~= KEYS[2] and lane ~= KEYS[3] and lane ~= KEYS[4] and redis.call('EXISTS', lane) == 0 then
-  lane = KEYS[2]
+local step = 1
+if lane ~= KEYS[2] and lane ~= KEYS[3] and lane ~= KEYS[4] then
+  step = 0
+  if redis.call('EXISTS', lane) == 0 then
+    lane = KEYS[2]
+    step = 1
+  end
 end
 local ttl = ARGV[2]
 local out = {-1, limit}
@@ -73,7 +79,7 @@ for i = 1, #KEYS - 4 do
     local id = redis.call('XADD', lane, '*', '@FIELD@', ARGV[4 + i])
     redis.call('SET', dk, lane .. '@SEP@' .. id, 'EX', ttl)
     wrote = true
-    depth = depth + 1
+    depth = depth + step
     out[#out + 1] = id
   end
 end
@@ -398,7 +404,8 @@ class EnqueuePlan:
                 mine = sent.setdefault(first.queue, [0] * st.keys.shards)
                 d = depths[first.queue]
                 other = sum(d) - d[shard] + sum(mine) - mine[shard]
-                mine[shard] += len(idx)
+                if first.affinity is None:      # routed jobs do not add to the depth
+                    mine[shard] += len(idx)
             cmd = self.script.command(st.keys, shard, [self.jobs[i] for i in idx], st.limit,
                                       other, self.durable)
             out.append((idx, (st.keys.lane(first.lane, shard), cmd, 1)))

@@ -35,9 +35,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterable, Optional, Sequence
 
+from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from producer_sdk.models import Pipeline, arun_plan, run_plan, serving
 from producer_sdk.payloads import Prepared
 from producer_sdk.protocol import Keys
+
+# What a read of the heartbeats may raise while Redis or a cluster node is unreachable.
+READ_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException,
+               TryAgainError)
 
 # Heartbeat fields the router reads, in this order (worker/liveness.py writes them).
 HEARTBEAT_FIELDS = ("queue", "engine_loaded", "draining", "affinity", "held", "affinity_queued")
@@ -155,17 +163,26 @@ class AffinityRouter:
 
     def route(self, client: Any, jobs: Sequence[Prepared]) -> None:
         """Refresh what is stale on a redis-py client, then ``assign`` the keyed jobs (the
-        others are left alone: no work for the bulk path)."""
+        others are left alone: no work for the bulk path). A read that fails (a lost
+        connection, a cluster failing a master over) keeps the last view, or sends the jobs to
+        the shared lanes when there is none: routing never fails a submit, whose own retries
+        ride out the failover."""
         keyed = [j for j in jobs if j.routing_key is not None]
         for queue in self.stale(keyed):
-            self.store(queue, run_plan(client, live_workers_plan(self._keys(queue))))
+            try:
+                self.store(queue, run_plan(client, live_workers_plan(self._keys(queue))))
+            except READ_ERRORS:
+                pass
         self.assign(keyed)
 
     async def aroute(self, client: Any, jobs: Sequence[Prepared]) -> None:
         """``route`` on a ``redis.asyncio`` client."""
         keyed = [j for j in jobs if j.routing_key is not None]
         for queue in self.stale(keyed):
-            self.store(queue, await arun_plan(client, live_workers_plan(self._keys(queue))))
+            try:
+                self.store(queue, await arun_plan(client, live_workers_plan(self._keys(queue))))
+            except READ_ERRORS:
+                pass
         self.assign(keyed)
 
 

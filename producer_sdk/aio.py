@@ -176,7 +176,7 @@ class AsyncClient(ClientCore[aioredis.Redis]):
         if not self._script_loaded:
             await self._call(r.script_load, ENQUEUE_LUA)
             self._script_loaded = True
-        await self._call(self._affinity.aroute, r, prepared)
+        await self._affinity.aroute(r, prepared)
         plan = self._plan(list(prepared), durable)
         deadline = Deadline(block_timeout)
         retry = self._retrying()

@@ -188,7 +188,7 @@ class Client(ClientCore[redis.Redis]):
             # the first round travel twice.
             self._call(self.redis.script_load, ENQUEUE_LUA)
             self._script_loaded = True
-        self._call(self._affinity.route, self.redis, prepared)
+        self._affinity.route(self.redis, prepared)
         plan = self._plan(list(prepared), durable)
         deadline = Deadline(block_timeout)
         retry = self._retrying()

@@ -18,7 +18,7 @@ import redis
 from producer_sdk import AsyncClient, Client
 from producer_sdk.affinity import (HEARTBEAT_FIELDS, AffinityRouter, LiveWorker, live_worker,
                                    rank)
-from producer_sdk.errors import InvalidRequest
+from producer_sdk.errors import InvalidRequest, QueueFull
 from producer_sdk.openai_format import CHAT_URL, LineError, body_to_request, parse_request
 from producer_sdk.payloads import Prepared
 from producer_sdk.protocol import (GROUP, MAX_ROUTING_KEY_LEN, JobRequest, Keys, ProtocolError,
@@ -119,6 +119,34 @@ def test_router_keeps_a_snapshot_per_queue():
     assert [j.affinity for j in jobs] == ["a", "z"]
 
 
+class Unreachable:
+    """A redis-py client whose every round trip fails as a failing-over cluster's does."""
+
+    def pipeline(self, transaction: bool = False) -> "Unreachable":
+        return self
+
+    def __getattr__(self, name: str) -> object:
+        def queued(*args: object, **kwargs: object) -> "Unreachable":
+            return self
+        return queued
+
+    def execute(self) -> list:
+        raise redis.ConnectionError("connection refused")
+
+
+def test_a_failed_heartbeat_read_keeps_the_last_view_or_routes_to_the_shared_lanes():
+    clock = Clock()
+    router = AffinityRouter(KEYS, ttl_s=1.0, max_backlog=5, clock=clock)
+    fresh = [prepared("j1", "conv")]
+    router.route(Unreachable(), fresh)                   # never read: the shared lanes
+    assert fresh[0].affinity is None
+    router.store("default", {"a": LiveWorker("a", 0)})
+    clock.t += 5.0                                       # expired, and the re-read fails
+    stale = [prepared("j2", "conv")]
+    router.route(Unreachable(), stale)
+    assert stale[0].affinity == "a"
+
+
 # ------------------------------------------------------------------------------------------
 # the wire field and its OpenAI spelling
 # ------------------------------------------------------------------------------------------
@@ -150,20 +178,22 @@ def test_prompt_cache_key_is_the_routing_key_and_user_is_not():
 # on a real redis-server, with workers faked by their heartbeats and streams
 # ------------------------------------------------------------------------------------------
 
-def fake_worker(r, worker_id: str, stream: bool = True, **fields: object) -> None:
-    """What a worker writes for routing: its registry entry and heartbeat; and its stream with
-    the consumer group (unless ``stream`` is False: a worker that deleted it)."""
+def fake_worker(r, worker_id: str, stream: bool = True, keys: Keys = KEYS,
+                **fields: object) -> None:
+    """What a worker writes for routing: its registry entry and heartbeat; and its stream on
+    every shard with the consumer group (unless ``stream`` is False: a worker that deleted
+    them)."""
     hb = {"queue": "default", "engine_loaded": 1, "draining": 0, "affinity": 1, "held": 0,
           "affinity_queued": 0, **fields}
-    r.hset(KEYS.heartbeat(worker_id), mapping=hb)
-    r.pexpire(KEYS.heartbeat(worker_id), 5000)
-    r.zadd(KEYS.workers, {worker_id: 1})
-    if stream:
-        r.xgroup_create(KEYS.affinity(worker_id, 0), GROUP, id="0", mkstream=True)
+    r.hset(keys.heartbeat(worker_id), mapping=hb)
+    r.pexpire(keys.heartbeat(worker_id), 5000)
+    r.zadd(keys.workers, {worker_id: 1})
+    for s in range(keys.shards) if stream else ():
+        r.xgroup_create(keys.affinity(worker_id, s), GROUP, id="0", mkstream=True)
 
 
-def where(r, job_id: str) -> str:
-    lane, entry_id = parse_dedupe_record(r.get(KEYS.dedupe(job_id)))
+def where(r, job_id: str, keys: Keys = KEYS) -> str:
+    lane, entry_id = parse_dedupe_record(r.get(keys.dedupe(job_id)))
     assert r.xrange(lane, entry_id, entry_id), "the dedupe record names an entry that is not there"
     return lane
 
@@ -260,3 +290,50 @@ def test_status_of_a_job_waiting_in_an_affinity_stream(sdk_url):
         st = c.statuses(["s0", "s2", "shared"])
     assert [(s.state, s.lane, s.position) for s in st] == [
         ("queued", "affinity", 0), ("queued", "affinity", 2), ("queued", "default", 0)]
+
+
+KEYS3 = Keys(shards=3)
+
+
+def test_keyed_jobs_of_a_three_shard_queue_go_to_the_workers_stream_of_their_shard(sdk_url):
+    """One key, job ids on every shard: each job on the chosen worker's stream of its own
+    shard; where that worker's stream of one shard is gone, that shard's job takes its lane."""
+    with Client(sdk_url, shards=3, affinity_ttl_s=0) as c:
+        r = c.redis
+        for w in ("wa", "wb"):
+            fake_worker(r, w, keys=KEYS3)
+        best = rank("conv", ["wa", "wb"])[0]
+        ids = [f"k{i}" for i in range(12)]
+        assert {KEYS3.shard_of(j) for j in ids} == {0, 1, 2}
+        c.submit_many([{"prompt": "hi", "job_id": j, "routing_key": "conv"} for j in ids])
+        assert [where(r, j, KEYS3) for j in ids] == [KEYS3.affinity(best, KEYS3.shard_of(j))
+                                                    for j in ids]
+        r.delete(KEYS3.affinity(best, 1))
+        late = [f"late{i}" for i in range(12)]
+        c.submit_many([{"prompt": "hi", "job_id": j, "routing_key": "conv", "priority": -1}
+                       for j in late])
+        for j in late:
+            shard = KEYS3.shard_of(j)
+            assert where(r, j, KEYS3) == (KEYS3.lane("urgent", 1) if shard == 1
+                                          else KEYS3.affinity(best, shard))
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_routed_jobs_are_refused_past_the_mark_but_not_counted_in_the_depth(sdk_url, shards):
+    """Back-pressure with affinity: the high-water mark counts the shared lanes of every shard;
+    a routed job is checked against it like any other, but waiting in an affinity stream it
+    adds nothing to the depth."""
+    keys = Keys(shards=shards)
+    with Client(sdk_url, shards=shards, max_queued_jobs=3) as c:
+        fake_worker(c.redis, "wa", keys=keys)
+        routed = c.submit_many([{"prompt": "p", "routing_key": "conv"} for _ in range(5)],
+                               block=False)     # one round: no QueueFull, no retry
+        assert [where(c.redis, j.id, keys) for j in routed] == [
+            keys.affinity("wa", keys.shard_of(j.id)) for j in routed]
+        assert c.queue_depth() == 0
+        c.submit_many(["p"] * 3)
+        assert c.queue_depth() == 3
+        with pytest.raises(QueueFull):
+            c.submit("p", routing_key="conv")
+        with pytest.raises(QueueFull):
+            c.submit("p")
