@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
+import time
 
 import pytest
 
 from producer_sdk import AsyncClient
 from producer_sdk.affinity import rank
-from producer_sdk.protocol import GROUP, key_slot, parse_dedupe_record
+from producer_sdk.protocol import GROUP, PAYLOAD_FIELD, key_slot, parse_dedupe_record
 from tests.fault_harness import FaultEnv, ids_on_shard, pending_summary, wait_for
-from worker.redis_server import RedisCluster
+from worker.connection import connect
+from worker.pending import PendingList
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,17 +46,10 @@ def env3(tmp_path):
         e.close()
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = RedisCluster(masters=3).start()
-    yield c
-    c.stop()
-
-
 @pytest.fixture
-def cenv(cluster, tmp_path):
+def cenv(redis_cluster, tmp_path):
     """A 3-shard queue on the 3-master cluster, in a namespace of its own."""
-    e = FaultEnv(tmp_path, namespace=f"af{next(_namespaces)}", shards=3, cluster=cluster)
+    e = FaultEnv(tmp_path, namespace=f"af{next(_namespaces)}", shards=3, cluster=redis_cluster)
     try:
         yield e
     finally:
@@ -164,7 +160,8 @@ def test_sharded_queue_same_key_same_worker_then_elsewhere_when_it_dies(env3):
              what="the dead worker's emptied streams deleted on every shard")
 
 
-def test_cluster_routed_jobs_land_in_their_shards_affinity_stream_and_finish(cenv, cluster):
+def test_cluster_routed_jobs_land_in_their_shards_affinity_stream_and_finish(cenv,
+                                                                           redis_cluster):
     """On a 3-master cluster: each routed job is enqueued on the chosen worker's stream of the
     job's shard (the slot of the job's dedupe record and lanes, on that shard's master), by
     the sync and the async client, and runs there once; a job without a key takes its lane."""
@@ -188,7 +185,7 @@ def test_cluster_routed_jobs_land_in_their_shards_affinity_stream_and_finish(cen
         stream = keys.affinity("w2", keys.shard_of(j))
         assert routed_to(env, j) == stream
         assert key_slot(stream) == key_slot(keys.lane("default", keys.shard_of(j)))
-    masters = {cluster.master_of_slot(key_slot(keys.affinity("w2", s))) for s in range(3)}
+    masters = {redis_cluster.master_of_slot(key_slot(keys.affinity("w2", s))) for s in range(3)}
     assert len(masters) == 3, "the worker's streams should lie on the shards' masters"
     assert routed_to(env, plain.id) == keys.lane("default", 1)
 
@@ -226,3 +223,33 @@ def test_cluster_sweep_after_sigkill_moves_unread_routed_jobs(cenv):
         assert routed_to(env, j) == keys.lane("default", keys.shard_of(j))
     wait_for(lambda: not any(env.r.exists(keys.affinity("wa", s)) for s in range(3)), 10,
              what="the dead worker's emptied streams deleted on every shard")
+
+
+@pytest.mark.parametrize("where", ["env3", "cenv"])
+def test_idle_read_wakes_on_own_affinity_stream_of_any_shard_and_reads_it_first(where, request):
+    """The idle worker's blocking read names its own affinity streams (beside every lane on one
+    Redis, per shard on a cluster): a routed job on any shard wakes it at once; and of what
+    several shards' reads bring, the affinity entry is kept first (before an urgent one)."""
+    env = request.getfixturevalue(where)
+    keys = env.keys
+    client = connect(env.url, 5000)                 # the worker's own client (RESP2)
+    request.addfinalizer(client.close)
+    pending = PendingList(client, keys, "w1")
+    pending.ensure_groups()
+    for s in (2, 0, 1):
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.extend(pending.wait_new(5000)))
+        waiter.start()
+        time.sleep(0.3)                         # blocked in its reads
+        t0 = time.monotonic()
+        env.r.xadd(keys.affinity("w1", s), {PAYLOAD_FIELD: b"routed"})
+        waiter.join(6)
+        woke_s = time.monotonic() - t0
+        assert [(e.lane, e.shard, e.lane_key) for e in got] == [
+            ("affinity", s, keys.affinity("w1", s))]
+        assert woke_s < 1.0, f"woke after {woke_s:.2f} s: not by the routed job"
+    pending.reset()                             # no blocking read left to take the next ones
+    env.r.xadd(keys.lane("urgent", 0), {PAYLOAD_FIELD: b"urgent"})
+    env.r.xadd(keys.affinity("w1", 1), {PAYLOAD_FIELD: b"routed"})
+    got = sorted(pending.read_new(1), key=pending.urgency)
+    assert [(e.lane, e.payload) for e in got] == [("affinity", b"routed"), ("urgent", b"urgent")]
