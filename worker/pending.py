@@ -244,8 +244,9 @@ class PendingList:
         """Read every shard now; once more when a shard's read found a group missing (e.g. our
         affinity stream, deleted by a sweep that took us for dead): the groups are back, and
         that shard's lanes were not read at all."""
+        first = self._first
         for _ in (0, 1):
-            self._regrouped = False
+            self._regrouped, self._first = False, first    # the retry reads in the same turn
             pipe = ScriptPipeline(self.client)
             parse = self.queue_read_new(pipe, count)
             out = parse(pipe.execute())
