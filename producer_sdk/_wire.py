@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 from redis.exceptions import (AskError, ClusterDownError, OutOfMemoryError, ResponseError,
                               TryAgainError)
 
+from producer_sdk.affinity import affinity_target
 from producer_sdk.payloads import Prepared
 from producer_sdk.protocol import (DEDUPE_SEPARATOR, PAYLOAD_FIELD, Keys, ProtocolError,
                                    key_slot, parse_dedupe_record)
@@ -26,6 +27,13 @@ DEFAULT_MAX_QUEUED_JOBS = 100_000
 # timeouts) never enqueues twice. Every key is in the shard's slot (its hash tag): a Redis
 # Cluster runs the call on the master of that slot.
 # KEYS: target lane, the shard's three lanes (its depth), then one dedupe key per job.
+# A target that is none of the three lanes is a worker's affinity stream on that shard
+# (producer_sdk/affinity.py); KEYS[2] is then the jobs' own lane, where they go instead when
+# that stream does not exist: its worker deleted it when it drained, or a sweep did after it
+# died, so a job routed on a stale view of the workers is never left where nobody reads.
+# Depth is the shared lanes' (affinity streams are bounded per worker by the producer's
+# affinity_max_backlog): a routed job is refused like any other past the mark, but one written
+# to an affinity stream adds nothing to the depth (``step`` 0).
 # ARGV: limit (0: none), dedupe TTL, depth of the queue's other shards (read by the caller just
 # before; 0 for a one-shard queue), durable ('1': make sure the call writes, see below),
 # then the payloads.
@@ -40,6 +48,14 @@ local limit = tonumber(ARGV[1])
 local depth = tonumber(ARGV[3]) + redis.call('XLEN', KEYS[2]) + redis.call('XLEN', KEYS[3])
   + redis.call('XLEN', KEYS[4])
 local lane = KEYS[1]
+local step = 1
+if lane ~= KEYS[2] and lane ~= KEYS[3] and lane ~= KEYS[4] then
+  step = 0
+  if redis.call('EXISTS', lane) == 0 then
+    lane = KEYS[2]
+    step = 1
+  end
+end
 local ttl = ARGV[2]
 local out = {-1, limit}
 local wrote, known = false, nil
@@ -63,7 +79,7 @@ for i = 1, #KEYS - 4 do
     local id = redis.call('XADD', lane, '*', '@FIELD@', ARGV[4 + i])
     redis.call('SET', dk, lane .. '@SEP@' .. id, 'EX', ttl)
     wrote = true
-    depth = depth + 1
+    depth = depth + step
     out[#out + 1] = id
   end
 end
@@ -138,11 +154,16 @@ class EnqueueScript:
 
     def command(self, keys: Keys, shard: int, jobs: Sequence[Prepared], limit: int,
                 other_depth: int, durable: bool) -> bytes:
-        """One EVALSHA for jobs that all go to the same lane of shard ``shard``."""
+        """One EVALSHA for jobs that all go to the same lane of shard ``shard``, or all to one
+        worker's affinity stream on that shard (their lane is then the fallback)."""
         dkeys = [keys.dedupe(j.job_id, shard).encode() for j in jobs]
-        args = [b"EVALSHA", self.sha, b"%d" % (4 + len(jobs)),
-                keys.lane(jobs[0].lane, shard).encode(),
-                *[k.encode() for k in keys.lanes(shard)], *dkeys,
+        lane = keys.lane(jobs[0].lane, shard)
+        stream = affinity_target(keys, jobs[0], shard)
+        # an affinity target: the jobs' own lane first (KEYS[2], the fallback), then the others
+        head = keys.lanes(shard) if stream is None else [
+            lane, *(k for k in keys.lanes(shard) if k != lane)]
+        args = [b"EVALSHA", self.sha, b"%d" % (4 + len(jobs)), (stream or lane).encode(),
+                *[k.encode() for k in head], *dkeys,
                 b"%d" % limit, self._ttl, b"%d" % other_depth, b"1" if durable else b"",
                 *[j.payload for j in jobs]]
         return pack_command(args)
@@ -152,11 +173,13 @@ def chunk_jobs(indexes: Iterable[int], jobs: Sequence[Prepared],
                size: int) -> list[list[int]]:
     """Group job indexes into chunks of one lane of one shard of one queue each (the client's
     queue first, then by name; shards in order; lanes most urgent first), preserving order
-    within a lane: every chunk is one script call whose keys share one slot."""
-    groups: dict[tuple[str, int, str], list[int]] = {}
+    within a lane: every chunk is one script call whose keys share one slot. Jobs routed to a
+    worker's affinity stream chunk by worker after that lane's shared jobs."""
+    groups: dict[tuple[str, int, str, str], list[int]] = {}
     for i in indexes:
-        groups.setdefault((jobs[i].queue or "", jobs[i].shard or 0, jobs[i].lane), []).append(i)
-    order = sorted(groups, key=lambda g: (g[0], g[1], Keys.LANES.index(g[2])))
+        j = jobs[i]
+        groups.setdefault((j.queue or "", j.shard or 0, j.lane, j.affinity or ""), []).append(i)
+    order = sorted(groups, key=lambda g: (g[0], g[1], Keys.LANES.index(g[2]), g[3]))
     return [idx[s:s + size] for g in order for idx in (groups[g],)
             for s in range(0, len(idx), size)]
 
@@ -381,7 +404,8 @@ class EnqueuePlan:
                 mine = sent.setdefault(first.queue, [0] * st.keys.shards)
                 d = depths[first.queue]
                 other = sum(d) - d[shard] + sum(mine) - mine[shard]
-                mine[shard] += len(idx)
+                if first.affinity is None:      # routed jobs do not add to the depth
+                    mine[shard] += len(idx)
             cmd = self.script.command(st.keys, shard, [self.jobs[i] for i in idx], st.limit,
                                       other, self.durable)
             out.append((idx, (st.keys.lane(first.lane, shard), cmd, 1)))

@@ -145,13 +145,15 @@ class AsyncClient(ClientCore[aioredis.Redis]):
                      metadata: Optional[dict[str, Any]] = None, block: bool = False,
                      block_timeout: Optional[float] = None,
                      chat_template_kwargs: Optional[dict[str, Any]] = None,
-                     traceparent: Optional[str] = None, durable: Optional[bool] = None,
+                     traceparent: Optional[str] = None, routing_key: Optional[str] = None,
+                     durable: Optional[bool] = None,
                      **sampling: Any) -> AsyncJob:
         prepared = self._builder.build(prompt, messages, prompt_token_ids, job_id=job_id,
                                        priority=priority, deadline_s=deadline_s, stream=stream,
                                        metadata=metadata,
                                        chat_template_kwargs=chat_template_kwargs,
-                                       traceparent=traceparent, **sampling)
+                                       traceparent=traceparent, routing_key=routing_key,
+                                       **sampling)
         return (await self.enqueue([prepared], block=block, block_timeout=block_timeout,
                                    durable=durable))[0]
 
@@ -174,6 +176,7 @@ class AsyncClient(ClientCore[aioredis.Redis]):
         if not self._script_loaded:
             await self._call(r.script_load, ENQUEUE_LUA)
             self._script_loaded = True
+        await self._affinity.aroute(r, prepared)
         plan = self._plan(list(prepared), durable)
         deadline = Deadline(block_timeout)
         retry = self._retrying()

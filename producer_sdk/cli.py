@@ -83,6 +83,9 @@ class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption, DurableOptions):
     job_id: Optional[str] = Field(None, description="The job's id (a resubmission is deduped).",
                                   json_schema_extra=unset("a fresh random id"))
     block: bool = Field(False, description="Wait for room when the queue is full.")
+    routing_key: Optional[str] = Field(
+        None, description="Prefix-affinity key (a conversation or system-prompt id): jobs with "
+        "the same key go to the same live worker.", json_schema_extra=unset("none"))
 
 
 class BatchOptions(ConnectionSettings, BatchIdOption, DurableOptions):
@@ -198,7 +201,8 @@ def cmd_submit(client: Client, args: argparse.Namespace, opts: SubmitOptions) ->
     source = {"messages": [{"role": "user", "content": args.prompt}]} if opts.chat else {
         "prompt": args.prompt}
     job = client.submit(**source, job_id=opts.job_id, priority=opts.priority,
-                        stream=opts.stream, block=opts.block, **sampling)
+                        stream=opts.stream, block=opts.block, routing_key=opts.routing_key,
+                        **sampling)
     print(f"job {job.id}", file=sys.stderr)
     several = (opts.n or 1) > 1 or opts.beam_width is not None
     try:

@@ -134,7 +134,8 @@ class Client(ClientCore[redis.Redis]):
                metadata: Optional[dict[str, Any]] = None, block: bool = False,
                block_timeout: Optional[float] = None,
                chat_template_kwargs: Optional[dict[str, Any]] = None,
-               traceparent: Optional[str] = None, durable: Optional[bool] = None,
+               traceparent: Optional[str] = None, routing_key: Optional[str] = None,
+               durable: Optional[bool] = None,
                **sampling: Any) -> Job:
         """Enqueue one job. Sampling fields are validated first (ValueError names a bad one).
 
@@ -144,6 +145,9 @@ class Client(ClientCore[redis.Redis]):
         ``chat_template_kwargs`` (with ``messages``) are variables for the model's chat
         template, e.g. ``{"enable_thinking": False}`` for Qwen3. ``traceparent`` (W3C Trace
         Context) is carried with the job and logged by the worker with every line of it.
+        ``routing_key`` (a conversation or system-prompt id, OpenAI's ``prompt_cache_key``)
+        sends jobs with the same key to the same live worker, whose prefix cache holds what
+        they share (producer_sdk/affinity.py); without it the job goes to the shared lanes.
         ``durable`` (default: the client's ``durable``) waits until ``durable_replicas``
         replicas acknowledged the enqueue, else raises NotDurable with the job enqueued.
         """
@@ -151,7 +155,8 @@ class Client(ClientCore[redis.Redis]):
                                        priority=priority, deadline_s=deadline_s, stream=stream,
                                        metadata=metadata,
                                        chat_template_kwargs=chat_template_kwargs,
-                                       traceparent=traceparent, **sampling)
+                                       traceparent=traceparent, routing_key=routing_key,
+                                       **sampling)
         return self.enqueue([prepared], block=block, block_timeout=block_timeout,
                             durable=durable)[0]
 
@@ -183,6 +188,7 @@ class Client(ClientCore[redis.Redis]):
             # the first round travel twice.
             self._call(self.redis.script_load, ENQUEUE_LUA)
             self._script_loaded = True
+        self._affinity.route(self.redis, prepared)
         plan = self._plan(list(prepared), durable)
         deadline = Deadline(block_timeout)
         retry = self._retrying()

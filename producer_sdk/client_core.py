@@ -17,6 +17,7 @@ from redis.retry import Retry
 
 from producer_sdk._wire import (DEFAULT_MAX_QUEUED_JOBS, ENQUEUE_SHA, EnqueuePlan, EnqueueScript,
                                 QueueState, pack_command, redact_url)
+from producer_sdk.affinity import AffinityRouter
 from producer_sdk.config import ClientConfig
 from producer_sdk.errors import ClientClosed, NotDurable, QueueFull, RedisUnavailable
 from producer_sdk.payloads import PayloadBuilder, Prepared
@@ -101,6 +102,8 @@ class ClientCore(Generic[R]):
         self._script = EnqueueScript(self.config.dedupe_ttl_s)
         self._queues: dict[str, QueueState] = {}
         self._script_loaded = False
+        self._affinity = AffinityRouter(Keys(namespace, queue), self.config.affinity_ttl_s,
+                                        self.config.affinity_max_backlog)
 
     # -- the Redis client
     def _make_redis(self) -> R:

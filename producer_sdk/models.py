@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Optional
+from typing import Any, Callable, Generator, Optional, TypeVar
 
 from producer_sdk.protocol import Keys
 
@@ -70,13 +70,20 @@ def _listing(namespace: str) -> Generator[Pipeline, list[Any], dict[str, ServedM
     return _models(pairs, rows)
 
 
+def serving(queue: str, hb_queue: Optional[str], loaded: Optional[str],
+            draining: Optional[str]) -> bool:
+    """Whether a heartbeat's fields (decoded; None where absent) say its worker takes new jobs
+    of ``queue``: it names that queue, its engine is loaded and it is not draining."""
+    return hb_queue == queue and loaded == "1" and draining in ("0", None)
+
+
 def _models(pairs: list[tuple[str, str]], rows: list[Any]) -> dict[str, ServedModel]:
     """Group live workers' heartbeats by served model name."""
     found: dict[str, list[tuple[str, str, int]]] = {}
     for (queue, worker), row in zip(pairs, rows):
         name, hb_queue, loaded, draining, started = (None if v is None else _s(v)
                                                      for v in row or (None,) * len(_FIELDS))
-        if not name or hb_queue != queue or loaded != "1" or draining not in ("0", None):
+        if not name or not serving(queue, hb_queue, loaded, draining):
             continue
         started_ms = int(started) if started and started.isdigit() else 0
         found.setdefault(name, []).append((queue, worker, started_ms))
@@ -93,10 +100,12 @@ def _pipeline(client: Any, commands: Pipeline) -> Any:
     return pipe
 
 
-def list_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:
-    """Model name -> ``ServedModel`` for every model live workers of ``namespace`` serve, over
-    all its queues (a redis-py ``Redis``)."""
-    plan = _listing(namespace)
+T = TypeVar("T")
+
+
+def run_plan(client: Any, plan: Generator[Pipeline, list[Any], T]) -> T:
+    """Drive a sans-IO plan (a generator of pipelines, sent each one's replies) on a redis-py
+    client; returns what the plan returns."""
     try:
         commands = next(plan)
         while True:
@@ -105,15 +114,25 @@ def list_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedM
         return done.value
 
 
-async def alist_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:
-    """``list_models`` on a ``redis.asyncio.Redis``."""
-    plan = _listing(namespace)
+async def arun_plan(client: Any, plan: Generator[Pipeline, list[Any], T]) -> T:
+    """``run_plan`` on a ``redis.asyncio`` client."""
     try:
         commands = next(plan)
         while True:
             commands = plan.send(await _pipeline(client, commands).execute())
     except StopIteration as done:
         return done.value
+
+
+def list_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:
+    """Model name -> ``ServedModel`` for every model live workers of ``namespace`` serve, over
+    all its queues (a redis-py ``Redis``)."""
+    return run_plan(client, _listing(namespace))
+
+
+async def alist_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:
+    """``list_models`` on a ``redis.asyncio.Redis``."""
+    return await arun_plan(client, _listing(namespace))
 
 
 class _TTL:
@@ -180,4 +199,5 @@ class AsyncModelCache:
         self._ttl.invalidate()
 
 
-__all__ = ["ServedModel", "list_models", "alist_models", "ModelCache", "AsyncModelCache"]
+__all__ = ["ServedModel", "list_models", "alist_models", "ModelCache", "AsyncModelCache",
+           "serving", "run_plan", "arun_plan"]

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from producer_sdk.job import CompletionOutput, Result
 from producer_sdk.logprobs import TokenLogprob, TopLogprob
+from producer_sdk.protocol import MAX_ROUTING_KEY_LEN
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -117,6 +118,7 @@ def parse_request(url: str, body: Any, *, streaming: bool) -> OpenAIRequest:
             req[name] = value
     _metadata(body, req)
     _template_kwargs(url, body, req)
+    _routing_key(body, req)
     stream, include_usage = _stream(body) if streaming else (False, False)
     model, user = body.get("model"), body.get("user")
     if model is not None and not isinstance(model, str):
@@ -164,6 +166,18 @@ def _metadata(body: dict[str, Any], req: dict[str, Any]) -> None:
         if not isinstance(meta, dict):
             raise LineError("invalid_request", "metadata must be an object", "metadata")
         req["metadata"] = meta
+
+
+def _routing_key(body: dict[str, Any], req: dict[str, Any]) -> None:
+    """OpenAI's ``prompt_cache_key`` is the job's routing key (prefix affinity: requests with
+    the same key go to the worker whose prefix cache holds their common start). ``user`` is
+    never used for it: one user's requests need not share a prefix, and it stays metadata."""
+    key = body.pop("prompt_cache_key", None)
+    if key is not None:
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_ROUTING_KEY_LEN:
+            raise LineError("invalid_request", f"prompt_cache_key must be a string of 1-"
+                            f"{MAX_ROUTING_KEY_LEN} characters", "prompt_cache_key")
+        req["routing_key"] = key
 
 
 def _template_kwargs(url: str, body: dict[str, Any], req: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ from producer_sdk.sampling_params import SAMPLING_FIELDS, SamplingParams
 # Keyword arguments of submit() that are job fields rather than sampling fields.
 JOB_FIELDS = frozenset({"prompt", "messages", "prompt_token_ids", "job_id", "priority",
                         "deadline_s", "stream", "metadata", "chat_template_kwargs",
-                        "traceparent", "queue"})
+                        "traceparent", "queue", "routing_key"})
 
 
 def _freeze(value: Any) -> Any:
@@ -115,6 +115,8 @@ class Prepared:
     stream: bool
     queue: Optional[str] = None     # another queue of the client's namespace; None: the client's
     shard: Optional[int] = None     # ``Keys.shard_of(job_id)`` of its queue, once enqueued
+    routing_key: Optional[str] = None   # prefix-affinity key (producer_sdk/affinity.py)
+    affinity: Optional[str] = None      # the worker it was routed to; None: the shared lanes
 
 
 class PayloadBuilder:
@@ -140,10 +142,11 @@ class PayloadBuilder:
               metadata: Optional[Mapping[str, Any]] = None, submitted_ms: Optional[int] = None,
               chat_template_kwargs: Optional[Mapping[str, Any]] = None,
               traceparent: Optional[str] = None, queue: Optional[str] = None,
-              **sampling: Any) -> Prepared:
+              routing_key: Optional[str] = None, **sampling: Any) -> Prepared:
         """Validate and encode one job. Raises InvalidRequest naming the bad field. ``queue``
         sends it to another queue of the namespace than the client's (the payload is the same;
-        only the lanes differ)."""
+        only the lanes differ). ``routing_key`` asks for prefix affinity (the client routes
+        the job to a worker when it enqueues it)."""
         if queue is not None:
             try:
                 Keys(self.keys.namespace, queue)
@@ -165,6 +168,8 @@ class PayloadBuilder:
             payload["metadata"] = dict(metadata)
         if traceparent is not None:
             payload["traceparent"] = traceparent
+        if routing_key is not None:
+            payload["routing_key"] = routing_key
         if chat_template_kwargs is not None:
             payload["chat_template_kwargs"] = (dict(chat_template_kwargs)
                                                if isinstance(chat_template_kwargs, Mapping)
@@ -190,7 +195,8 @@ class PayloadBuilder:
         if len(raw) > self.limits.max_payload_bytes:
             raise InvalidRequest(f"payload is {len(raw)} bytes, over the limit of "
                                  f"{self.limits.max_payload_bytes} (max_payload_bytes)")
-        return Prepared(payload["job_id"], Keys.lane_for_priority(priority), raw, stream, queue)
+        return Prepared(payload["job_id"], Keys.lane_for_priority(priority), raw, stream, queue,
+                        routing_key=routing_key)
 
     def build_many(self, requests: Iterable[Any], defaults: Mapping[str, Any],
                    submitted_ms: int) -> list[Prepared]:

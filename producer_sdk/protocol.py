@@ -34,6 +34,9 @@ PROTOCOL_VERSION = 1
 GROUP = "workers"
 PAYLOAD_FIELD = b"data"
 MAX_JOB_ID_LEN = 128
+# A job's routing key (``JobRequest.routing_key``: a conversation or system-prompt id, OpenAI's
+# ``prompt_cache_key``) is hashed, never stored in a key name; the bound keeps payloads small.
+MAX_ROUTING_KEY_LEN = 256
 # Result stream entries carry the event in ``data`` and a write-batch id in ``b`` (opaque; the
 # worker uses it to make retried writes idempotent). Readers ignore ``b``.
 EVENT_FIELD = b"data"
@@ -336,6 +339,10 @@ class JobRequest(BaseModel):
     submitted_ms: Optional[int] = Field(default=None, ge=0)
     chat_template_kwargs: Optional[dict[str, Any]] = None   # with messages: template variables
     traceparent: Optional[str] = Field(default=None, pattern=TRACEPARENT_PATTERN)
+    # Prefix-affinity routing (producer_sdk/affinity.py): jobs with the same key go to the same
+    # live worker, whose prefix cache holds what they share. Only producers read it.
+    routing_key: Optional[str] = Field(default=None, min_length=1,
+                                       max_length=MAX_ROUTING_KEY_LEN)
 
     @field_validator("job_id")
     @classmethod
@@ -532,6 +539,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "PROTOCOL_VERSION", "GROUP", "PAYLOAD_FIELD", "EVENT_FIELD", "BATCH_FIELD", "MAX_JOB_ID_LEN",
+    "MAX_ROUTING_KEY_LEN",
     "PARKING_CONSUMER", "PARKED_IDLE_MS", "MAX_SHARDS", "key_slot", "shard_tag", "shard_of_job", "DEDUPE_SEPARATOR", "ErrorCode", "FinishReason",
     "ProtocolError", "readable_job_id", "readable_metadata", "validate_job_id", "now_ms", "Keys",
     "dedupe_record", "parse_dedupe_record", "Limits", "DEFAULT_LIMITS", "scan_job_id",

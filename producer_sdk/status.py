@@ -18,6 +18,7 @@ from typing import Any, Callable, Generator, Literal, Optional
 from pydantic import BaseModel, ConfigDict
 
 from producer_sdk._wire import fields_dict, record_location
+from producer_sdk.affinity import is_affinity_stream
 from producer_sdk.protocol import (EVENT_FIELD, GROUP, PARKING_CONSUMER, ErrorEvent, Keys,
                                    ProtocolError, decode_event, key_slot)
 
@@ -34,7 +35,8 @@ class JobStatus(BaseModel):
 
     job_id: str
     state: State
-    lane: Optional[str] = None              # urgent | default | bulk
+    lane: Optional[str] = None              # urgent | default | bulk | affinity (routed to a
+                                            # worker by its routing key)
     position: Optional[int] = None
     worker_id: Optional[str] = None         # running: the worker holding it
     tokens: int = 0                         # output tokens written so far (several choices:
@@ -191,7 +193,8 @@ def fold_status(keys: Keys, job_id: str, record: Any, replies: list[Any],
                 shard: int = 0) -> JobStatus:
     last, in_lane, pending, owner, cancel = replies
     lane_key, _ = record_location(keys, record, shard)
-    lane = lane_name(keys, lane_key) if record else None
+    lane = (lane_name(keys, lane_key)
+            or ("affinity" if is_affinity_stream(keys, lane_key) else None)) if record else None
     event = _last_event(last)
     base = dict(job_id=job_id, lane=lane, cancel_requested=cancel == 1, tokens=_tokens(event))
     if event is not None and event.type == "done":
@@ -229,6 +232,10 @@ def position_range(keys: Keys, record: Any, shard: int,
     when its group has not read that lane yet). Approximate: workers read shard by shard,
     and another shard's jobs of the same lane are not counted."""
     lane_key, entry = record_location(keys, record, shard)
+    if is_affinity_stream(keys, lane_key):
+        # its worker reads that stream before any lane: what is ahead is what precedes it there
+        # (some of it may be running already)
+        return 0, (lane_key, "-", f"({entry}")
     rank = Keys.LANES.index(lane_name(keys, lane_key) or "default")
     ahead, span = 0, None
     for i, lane in enumerate(keys.lanes()):

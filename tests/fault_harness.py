@@ -284,10 +284,19 @@ def wait_all_ended(r: redis.Redis, keys, job_ids: Sequence[str], timeout: float,
         time.sleep(0.1)
 
 
+def queue_streams(r: redis.Redis, keys) -> list[str]:
+    """Every stream where a queue's entries may wait: its lanes, and the affinity streams (every
+    shard) of its registered workers (a killed worker stays registered)."""
+    workers = sorted(w.decode() if isinstance(w, bytes) else str(w)
+                     for w in r.zrange(keys.workers, 0, -1))
+    return keys.lanes() + [keys.affinity(w, s) for w in workers for s in range(keys.shards)]
+
+
 def pending_summary(r: redis.Redis, keys) -> list[tuple[str, str, int, int]]:
-    """(entry id, consumer, idle ms, deliveries) of every pending entry, for failure messages."""
+    """(entry id, consumer, idle ms, deliveries) of every pending entry (lanes and affinity
+    streams), for failure messages."""
     out = []
-    for lane in keys.lanes():
+    for lane in queue_streams(r, keys):
         try:
             rows = r.xpending_range(lane, "workers", min="-", max="+", count=1000)
         except redis.ResponseError:
@@ -396,12 +405,13 @@ class FaultEnv:
 
     def assert_exactly_once(self, reports: dict[str, StreamReport]) -> None:
         """Every stream: tokens contiguous from seq 0, each once, one terminal event, nothing
-        left pending in any lane."""
+        left pending or waiting in any lane or registered worker's affinity stream."""
         bad = {j: rep.problems for j, rep in reports.items() if rep.problems}
         assert not bad, f"streams broken: {dict(list(bad.items())[:5])}"
         wait_for(lambda: not pending_summary(self.r, self.keys), 10,
                  what="every entry acknowledged")
-        assert all(self.r.xlen(lane) == 0 for lane in self.keys.lanes()), "acked jobs not deleted"
+        assert all(self.r.xlen(s) == 0 for s in queue_streams(self.r, self.keys)), \
+            "acked jobs not deleted"
 
     def logs(self) -> str:
         return "\n".join(f"--- {w.log_path.name}\n{w.log()[-4000:]}" for w in self.workers)

@@ -156,6 +156,18 @@ def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServe
     return redis_server_factory()
 
 
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[Any]:
+    """A 3-master Redis Cluster (worker.redis_server.RedisCluster) for one test module: starting
+    one costs ~2 s, so a module's tests share it, each in a namespace (or queue) of its own."""
+    from worker.redis_server import RedisCluster
+    c = RedisCluster(masters=3).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
 # --------------------------------------------------------------------------------------------
 # python -m worker as a subprocess
 # --------------------------------------------------------------------------------------------

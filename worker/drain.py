@@ -29,6 +29,7 @@ class Drain:
         self.active = True
         try:
             w.intake.hand_back_prefetched()
+            w.affinity.hand_back_own()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             # they stay pending here; our restart or a reclaim takes them
             w.log.warning("could not hand back unstarted entries", error=str(exc))

@@ -1,9 +1,9 @@
-"""The idle worker's blocking read: sleep until a new entry lands on any lane of any shard,
-without polling and without a thread.
+"""The idle worker's blocking read: sleep until a new entry lands on any lane (or the worker's
+own affinity stream, worker/affinity.py) of any shard, without polling and without a thread.
 
-On one Redis a single ``XREADGROUP ... BLOCK`` names every lane of every shard. In a Redis
-Cluster one command's keys must share a slot, so there is one blocking read per shard (its lanes
-share the shard's hash tag), each on its own connection to the master serving that shard; the
+On one Redis a single ``XREADGROUP ... BLOCK`` names every such stream of every shard. In a
+Redis Cluster one command's keys must share a slot, so there is one blocking read per shard (its
+streams share the shard's hash tag), each on its own connection to the master serving that shard; the
 worker sleeps in ``select()`` on all of them and the first reply wakes it.
 
 The other reads stay outstanding until they time out (``--block-ms``) or bring an entry.

@@ -58,7 +58,8 @@ class Intake:
         entries += self.fit(self.pending.take_arrived(), self.capacity() - len(entries))
         cap = self.capacity() - len(entries)
         if cap > 0 and w.liveness.due("reclaim", max(0.2, w.s.lease_ms / 6000.0)):
-            entries += self.pending.reclaim(cap, w.s.lease_ms)
+            entries += w.affinity.reclaim(cap, w.s.lease_ms)    # a dead worker's routed jobs
+            entries += self.pending.reclaim(self.capacity() - len(entries), w.s.lease_ms)
         cap = self.capacity() - len(entries)
         if cap > 0 and (prefetched is None or (block and not entries)):
             wait = w.s.block_ms if block and not entries else 0

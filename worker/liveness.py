@@ -142,6 +142,8 @@ class Liveness:
                 return
             if self.heartbeat():
                 on_drain()
+        if self.due("affinity", hb):
+            self.w.affinity.sweep()
         if self.due("renew", s.lease_ms / 3000.0):
             held = self.w.held_entries()
             for lane, entry_id in self.w.pending.renew(held) if held else []:
@@ -163,7 +165,7 @@ class Liveness:
             "served_model_name": w.s.served_model(),
             "started_ms": self._started_ms, "draining": int(w.draining), "held": len(w.jobs),
             "running": stats.get("num_running", 0), "waiting": stats.get("num_waiting", 0),
-            "redis_error": w.redis_error or ""})
+            "redis_error": w.redis_error or "", **w.affinity.heartbeat_fields()})
         pipe.pexpire(key, 5 * w.s.heartbeat_ms)
         pipe.zadd(w.keys.workers, {w.worker_id: now_ms()})
         pipe.sadd(w.keys.queues, w.s.queue)
@@ -171,8 +173,15 @@ class Liveness:
         return bool(pipe.execute()[-1])
 
     def shutdown(self) -> None:
-        """Leave the registry and release the id (only if still ours)."""
+        """Leave the registry and release the id (only if still ours). A worker whose affinity
+        streams still hold entries stays registered, so other workers find and sweep them."""
         if self.id_lease is None or self.id_lease.held:
-            self.w.client.zrem(self.w.keys.workers, self.w.worker_id)
+            try:
+                emptied = self.w.affinity.close()
+            except redis.RedisError as exc:       # swept by the others once our beat is gone
+                self.w.log.warning("could not empty own affinity streams", error=str(exc))
+                emptied = False
+            if emptied:
+                self.w.client.zrem(self.w.keys.workers, self.w.worker_id)
         if self.id_lease is not None:
             self.id_lease.release()

@@ -24,6 +24,7 @@ import redis
 
 from producer_sdk.protocol import GROUP, PARKED_IDLE_MS, PARKING_CONSUMER, PAYLOAD_FIELD, Keys
 from producer_sdk.topology import is_cluster
+from worker.affinity import AFFINITY_LANE, own_lanes
 from worker.idle_read import IdleRead
 from worker.scripts import (ACK, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM, ScriptPipeline,
                             text)
@@ -104,17 +105,25 @@ class PendingList:
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
-        self._lanes = [(name, keys.lane(name, s)) for name in keys.LANES
-                       for s in range(keys.shards)]
+        # Per shard, this worker's own affinity stream heads the shard's lanes (worker/
+        # affinity.py says why); visiting order: every own stream, then the lanes most urgent
+        # first across shards.
+        self._lanes = [own for s in range(keys.shards) for own in own_lanes(keys, worker_id, s)]
+        self._lanes += [(name, keys.lane(name, s)) for name in keys.LANES
+                        for s in range(keys.shards)]
         self._lane_name = {key: name for name, key in self._lanes}
-        self._rank = {name: i for i, name in enumerate(keys.LANES)}
+        # own affinity entries rank first: only this worker reads them (worker/affinity.py)
+        self._rank = {name: i for i, name in enumerate((AFFINITY_LANE, *keys.LANES))}
         self._first = 0                     # the shard read first: rotates, see shard_order
         self._on_group_recreated = on_group_recreated
         self.arrived: list[Entry] = []      # read (pending here) but not yet taken by intake
         self._idle: Optional[IdleRead] = None
+        self._regrouped = False             # a read recreated the groups (see _read_now)
 
     def lane_name(self, lane_key: str) -> str:
-        return self._lane_name.get(lane_key, "default")
+        """urgent/default/bulk, or ``affinity`` for an affinity stream (this worker's or, when
+        reclaimed, a dead one's: every stream of the queue that is no lane)."""
+        return self._lane_name.get(lane_key, AFFINITY_LANE)
 
     def entry(self, lane_key: str, entry_id: str, fields: Any, deliveries: int,
               source: str) -> Entry:
@@ -126,8 +135,14 @@ class PendingList:
     def urgency(self, e: Entry) -> tuple[int, int, int]:
         """Sort key, most urgent first: lane, then age (older first), then the shard's turn in
         the rotation (no shard always loses ties)."""
-        return (self._rank.get(e.lane, 1), e.enqueued_ms,
+        return (self._rank.get(e.lane, self._rank["default"]), e.enqueued_ms,
                 (e.shard - self._first) % self.keys.shards)
+
+    def streams(self, shard: int) -> list[str]:
+        """The streams one READ_NEW (or a cluster's blocking read) of ``shard`` names, all in
+        its slot: this worker's affinity stream there, then the shard's lanes, urgent first."""
+        return [key for _, key in own_lanes(self.keys, self.worker_id, shard)] + \
+            self.keys.lanes(shard)
 
     def shard_order(self) -> list[int]:
         """Every shard once, starting from the next one in turn."""
@@ -186,7 +201,7 @@ class PendingList:
         the shards may return up to shards x count: the caller keeps the most urgent
         (``urgency``) and hands the rest back (``park``). A reply that failed keeps what the
         other shards read in ``arrived`` before it is raised."""
-        queued = [(s, pipe.script(READ_NEW, self.keys.lanes(s),
+        queued = [(s, pipe.script(READ_NEW, self.streams(s),
                                   [GROUP, self.worker_id, int(count), PARKING_CONSUMER]))
                   for s in self.shard_order()]
 
@@ -197,10 +212,11 @@ class PendingList:
                 if isinstance(res[i], Exception):
                     if is_nogroup(res[i]):
                         self._recreate_groups()
+                        self._regrouped = True
                     else:
                         failed = failed or res[i]
                     continue
-                lanes = self.keys.lanes(s)
+                lanes = self.streams(s)
                 out += [self.entry(lanes[int(k) - 1], text(eid), f, d,
                                    "parked" if int(parked) else "new")
                         for k, eid, f, d, parked in res[i] or []]
@@ -225,15 +241,25 @@ class PendingList:
         return got
 
     def _read_now(self, count: int) -> list[Entry]:
-        pipe = ScriptPipeline(self.client)
-        parse = self.queue_read_new(pipe, count)
-        return parse(pipe.execute())
+        """Read every shard now; once more when a shard's read found a group missing (e.g. our
+        affinity stream, deleted by a sweep that took us for dead): the groups are back, and
+        that shard's lanes were not read at all."""
+        first = self._first
+        for _ in (0, 1):
+            self._regrouped, self._first = False, first    # the retry reads in the same turn
+            pipe = ScriptPipeline(self.client)
+            parse = self.queue_read_new(pipe, count)
+            out = parse(pipe.execute())
+            if out or not self._regrouped:
+                break
+        return out
 
     def _idle_read(self) -> IdleRead:
-        """One blocking read for every lane on a single Redis; one per shard in a cluster."""
+        """One blocking read for every stream (own affinity streams and lanes) on a single
+        Redis; one per shard in a cluster."""
         if self._idle is None:
-            groups = ([self.keys.lanes(s) for s in range(self.keys.shards)]
-                      if is_cluster(self.client) else [self.keys.lanes()])
+            groups = ([self.streams(s) for s in range(self.keys.shards)]
+                      if is_cluster(self.client) else [[key for _, key in self._lanes]])
             self._idle = IdleRead(self.client, groups, GROUP, self.worker_id,
                                   self._recreate_groups)
         return self._idle
@@ -284,13 +310,15 @@ class PendingList:
                 start = rows[-1].entry_id
         return out
 
-    def reclaim(self, count: int, min_idle_ms: Optional[int]) -> list[Entry]:
+    def reclaim(self, count: int, min_idle_ms: Optional[int],
+                streams: Optional[list[str]] = None) -> list[Entry]:
         """Take up to ``count`` entries, most urgent lane first: parked ones (a draining worker's
         hand-backs, delivery count kept), then, when ``min_idle_ms`` is given, entries idle
         longer than that (a dead or stalled holder; one delivery counted). Deleted entries come
-        back with ``fields`` None; the caller acks them."""
+        back with ``fields`` None; the caller acks them. ``streams``: other streams than this
+        worker's (a dead or draining worker's affinity streams)."""
         out: list[Entry] = []
-        for _, key in self._lanes:
+        for key in [k for _, k in self._lanes] if streams is None else streams:
             cursor = "0-0"
             while len(out) < count:
                 want = count - len(out)

@@ -28,6 +28,7 @@ import redis
 from engine.errors import UnsupportedModelError
 from producer_sdk.protocol import Keys
 from worker.admission import Admission
+from worker.affinity import Affinity
 from worker.config import WorkerSettings
 from producer_sdk import topology
 from producer_sdk.shards import ShardCountMismatch, register_shards
@@ -95,6 +96,7 @@ class Worker:
         self.stepper = Stepper(self)
         self.liveness = Liveness(self)
         self.drain = Drain(self)
+        self.affinity = Affinity(self)
         self.backoff = Backoff()
         self.ready = threading.Event()
         self.exit_code = 0
@@ -236,6 +238,11 @@ class Worker:
             raise PermanentRedisError(describe_permanent(exc, self.s.redis_url)) from exc
 
     def _group_recreated(self, lane_key: str) -> None:
+        if lane_key in self.affinity.own:
+            self.log.warning("own affinity stream was missing and has been recreated: another "
+                             "worker took this one for dead (its heartbeat expired) and emptied "
+                             "it", lane=lane_key)
+            return
         self.log.error("consumer group was missing (NOGROUP) and has been recreated at 0; "
                        "Redis probably restarted without persistence", lane=lane_key)
 

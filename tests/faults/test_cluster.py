@@ -31,10 +31,8 @@ _namespaces = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = RedisCluster(masters=3).start()
-    yield c
-    c.stop()
+def cluster(redis_cluster):
+    return redis_cluster
 
 
 @pytest.fixture

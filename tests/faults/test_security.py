@@ -44,7 +44,9 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
                "xgroup|create", "xreadgroup", "xinfo|groups", "xadd", "xack", "xdel", "xclaim",
                "xautoclaim", "xpending", "xrange", "xrevrange",
                "get", "set", "mget", "exists", "del", "pexpire",
-               "hset", "hsetnx", "hget", "hgetall", "zadd", "zrem", "sadd"),
+               "hset", "hsetnx", "hget", "hgetall", "zadd", "zrem", "sadd",
+               # the affinity sweep reads the registry and its own streams' lengths
+               "zrange", "xlen"),
     # producer_sdk.Client / AsyncClient / python -m producer_sdk submit|cancel|batch|status
     # (status and reattach read the job's pending row, last event and the lanes' groups;
     # producer_sdk.models and the batch runner's routing read the queues, registries and beats)

@@ -329,3 +329,25 @@ def test_disconnect_while_waiting_for_a_whole_answer_cancels_the_job(
     with Client(redis_server.url) as c:
         assert c.get(job_id).result(timeout=20).finish_reason == "cancelled"
     assert time.monotonic() - t0 < 20
+
+
+def test_prompt_cache_key_routes_by_affinity_and_user_does_not(redis_server, start_worker,
+                                                                gateway_factory):
+    """Requests with one ``prompt_cache_key`` all run on the worker rendezvous hashing gives
+    that key; one ``user`` with two keys homed on different workers runs on both."""
+    from producer_sdk.affinity import rank
+    from tests.fault_harness import read_events
+    start_worker(worker_id="w1")
+    start_worker(worker_id="w2")
+    client = oai(gateway_factory(redis_server.url))
+    keys = [next(f"conv-{i}" for i in range(100) if rank(f"conv-{i}", ["w1", "w2"])[0] == w)
+            for w in ("w1", "w2")]
+    r = redis.Redis.from_url(redis_server.url)
+    for key, home in zip(keys, ("w1", "w2")):
+        for turn in range(3):
+            out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                                 prompt_cache_key=key, user="alice")
+            job_id = out.id.removeprefix("chatcmpl-")
+            assert [e.worker_id for e in read_events(r, KEYS, job_id)
+                    if e.type == "started"] == [home], (key, turn)
+    r.close()

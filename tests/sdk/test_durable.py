@@ -79,6 +79,24 @@ def test_a_durable_submit_is_acknowledged_by_the_replica(master, pair):
     replica.close()
 
 
+def test_a_durable_routed_submit_is_acknowledged_with_its_affinity_stream_entry(master, pair):
+    """Jobs routed by a routing key ride the same rounds: the WAIT behind them covers their
+    affinity stream entries and dedupe records."""
+    replica = pair[1].client()
+    r = master.client()
+    r.hset(KEYS.heartbeat("wa"), mapping={"queue": "default", "engine_loaded": 1, "draining": 0,
+                                          "affinity": 1, "held": 0, "affinity_queued": 0})
+    r.zadd(KEYS.workers, {"wa": 1})
+    r.xgroup_create(KEYS.affinity("wa", 0), "workers", id="0", mkstream=True)
+    with Client(master.url, durable=True) as c:
+        jobs = c.submit_many([{"prompt": "p", "routing_key": "conv"} for _ in range(5)])
+    assert replica.xlen(KEYS.affinity("wa", 0)) == 5
+    assert all(replica.get(KEYS.dedupe(j.id)).startswith(KEYS.affinity("wa", 0).encode())
+               for j in jobs)
+    replica.close()
+    r.close()
+
+
 def test_more_replicas_than_acknowledge_is_not_durable_and_the_jobs_stay(master):
     with Client(master.url, durable_replicas=2, durable_timeout_ms=100) as c:
         t0 = time.monotonic()

@@ -24,7 +24,6 @@ from producer_sdk.models import list_models
 from producer_sdk.protocol import EVENT_FIELD, GROUP, Keys, key_slot
 from producer_sdk.topology import is_cluster, make_client
 from tests.sdk_helpers import FakeWorker, env_with_repo, sdk_redis  # noqa: F401
-from worker.redis_server import RedisCluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,12 +32,8 @@ KEYS = Keys("tokenrelay", Q, SHARDS)
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = RedisCluster(masters=3).start()
-    try:
-        yield c
-    finally:
-        c.stop()
+def cluster(redis_cluster):
+    return redis_cluster
 
 
 def flush(url: str) -> None:

@@ -114,7 +114,7 @@ def test_reads_take_every_shard_parked_entries_first_with_their_counts(any_redis
         (b"u1", 1, "new"), (b"d1", 1, "new"), (b"d2", 2, "new"), (b"b0", 0, "new")]
     stats = w1.lane_stats()      # one series per lane name, summed over the shards
     assert {lane: pending for lane, (_, pending) in stats.items()} == {
-        "urgent": 1, "default": 2, "bulk": 1}
+        "urgent": 1, "default": 2, "bulk": 1, "affinity": 0}   # affinity: its own streams
     assert w1.park([e.key for e in got if e.lane == "default"]) == []
     r.xadd(KEYS.lane("default", 1), {PAYLOAD_FIELD: b"d3"})
     r.xdel(KEYS.lane("default", 2), at["d2"])            # deleted while parked
