@@ -10,7 +10,8 @@ A valid job follows each one. The oracle, checked after every example:
   or error) on its result stream, and nothing after it;
 * every valid job finishes with exactly the fake engine's output (worker.fake_engine).
 
-Every job field is drawn, the optional ones (``chat_template_kwargs``, ``traceparent``) too.
+Every job field is drawn, the optional ones (``chat_template_kwargs``, ``traceparent``,
+``routing_key``) too.
 
 One redis-server and one worker serve the whole module; every example uses fresh job ids.
 Shrinking is off: each example costs real round trips, and the failure message prints the
@@ -81,6 +82,8 @@ plausible = {
         ["enable_thinking", "tokenize", "add_generation_prompt", "x"]), scalars, max_size=3),
     "traceparent": st.sampled_from(["00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
                                     "00-xyz", ""]),
+    "routing_key": st.one_of(st.text(min_size=1, max_size=40), st.just(""),
+                             st.text(min_size=257, max_size=300)),
 }
 plausible_params = {
     "max_tokens": st.integers(min_value=0, max_value=12), "temperature": st.floats(0, 2),
@@ -93,7 +96,7 @@ plausible_params = {
 
 # Every JobRequest field but job_id and params, which job_maps draws on their own.
 JOB_FIELDS = ("v", "prompt", "messages", "prompt_token_ids", "priority", "deadline_ms", "stream",
-              "metadata", "submitted_ms", "chat_template_kwargs", "traceparent")
+              "metadata", "submitted_ms", "chat_template_kwargs", "traceparent", "routing_key")
 
 
 def test_every_job_field_is_fuzzed():
