@@ -92,8 +92,10 @@ def test_takeover_resumes_sampled_job_exactly(redis_server, llm, engine):
     from engine.sampling_params import SamplingParams
     r = redis_server.client()
     w1, t1 = start(redis_server, engine, worker_id="first", drain_timeout=0.0)
+    # min_tokens: a random seed must not end the job on EOS before the hand-back (a run
+    # stopped after 2 tokens and waited here in vain)
     submit(r, KEYS, {"job_id": "res", "prompt": "Resume me please",
-                     "params": {"temperature": 0.9, "max_tokens": 40}})
+                     "params": {"temperature": 0.9, "max_tokens": 40, "min_tokens": 40}})
     deadline = time.monotonic() + 30
     while len([e for e in read_events(r, KEYS, "res") if e.type == "token"]) < 5:
         assert time.monotonic() < deadline
@@ -112,7 +114,8 @@ def test_takeover_resumes_sampled_job_exactly(redis_server, llm, engine):
     ids = [tid for e in events if e.type == "token" for tid in e.token_ids]
     text = "".join(e.text for e in events if e.type == "token")
     ref = llm.generate("Resume me please",
-                       SamplingParams(temperature=0.9, max_tokens=40, seed=seed))[0].outputs[0]
+                       SamplingParams(temperature=0.9, max_tokens=40, min_tokens=40,
+                                      seed=seed))[0].outputs[0]
     assert ids == ref.token_ids and text == ref.text
     assert events[-1].usage.completion_tokens == len(ref.token_ids)
 
