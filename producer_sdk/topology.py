@@ -87,7 +87,7 @@ def _cluster_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """A plain client's settings that RedisCluster does not take (it routes and retries by
     itself; a cluster has no database number but 0)."""
     out = dict(kwargs)
-    for k in ("retry_on_error", "health_check_interval", "db", "redis_connect_func"):
+    for k in ("retry_on_error", "health_check_interval", "db"):
         out.pop(k, None)
     return out
 

@@ -123,33 +123,10 @@ def connect(url: str, block_ms: int = 0, cluster: Any = "auto") -> Any:
     """The worker's client (``redis.Redis``, or ``RedisCluster`` for a cluster) without
     redis-py's silent retries: a retried XREADGROUP could lose the entries of the lost reply,
     so connection errors reach the loop, which re-reads its pending list. The cluster client
-    still follows MOVED/ASK by itself (that resends nothing that ran).
-
-    On a single server, redis-py's pool also replaces a connection the server closed without
-    raising anything; a Redis restarted between two steps may have lost its last writes (AOF
-    everysec), and the worker must check its jobs' streams before writing on. So a pooled
-    connection that connects again fails that once with ``ServerReconnected`` (a connection
-    error: the loop re-reads its pending list and every job's next write checks what its
-    stream holds). A cluster's failover surfaces as errors anyway (the node's address changes)."""
+    still follows MOVED/ASK by itself (that resends nothing that ran)."""
     return client_for(url, cluster, protocol=2, socket_connect_timeout=2.0,
                       socket_timeout=max(5.0, block_ms / 1000.0 + 5.0),
-                      retry=Retry(NoBackoff(), 0), health_check_interval=0,
-                      redis_connect_func=_fail_once_on_reconnect)
-
-
-class ServerReconnected(redis.ConnectionError):
-    """A pooled connection had to connect again: the server closed it (restart, CLIENT KILL)."""
-
-
-def _fail_once_on_reconnect(conn: Any) -> None:
-    conn.on_connect()
-    again = getattr(conn, "_tokenrelay_connected", False)
-    conn._tokenrelay_connected = True
-    if again and not getattr(conn, "_tokenrelay_reported", False):
-        conn._tokenrelay_reported = True
-        raise ServerReconnected(f"{conn.host}:{conn.port} closed a pooled connection and it "
-                                f"connected again: checking what the server kept")
-    conn._tokenrelay_reported = False
+                      retry=Retry(NoBackoff(), 0), health_check_interval=0)
 
 
 class Backoff:
