@@ -48,10 +48,6 @@ def registered_shards(client: Any, keys: Keys) -> Optional[int]:
     return parse_shards(client.hget(keys.config, SHARDS_FIELD), keys.config)
 
 
-async def async_registered_shards(client: Any, keys: Keys) -> Optional[int]:
-    return parse_shards(await client.hget(keys.config, SHARDS_FIELD), keys.config)
-
-
 def resolve_shards(given: Optional[int], registered: Optional[int], keys: Keys) -> int:
     """The count to use: the registered one; ``given`` must match it when both are known."""
     if registered is not None and given is not None and given != registered:
