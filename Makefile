@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: env
-	$(PY) -m worker.demo
+	$(PY) -m demos.service
 
 test: env
 	$(PY) -m pytest -q

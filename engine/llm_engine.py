@@ -27,7 +27,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceGroup
-from producer_sdk.protocol import RESERVED_CHAT_TEMPLATE_KWARGS
+from protocol.wire import RESERVED_CHAT_TEMPLATE_KWARGS
 
 class TextPrompt(TypedDict):
     """vLLM's text prompt dict."""

@@ -1,10 +1,10 @@
 """Sampling parameters for the engine: the wire schema, re-exported.
 
-The schema is part of the job protocol, so it lives in ``producer_sdk/sampling_params.py`` (the
+The schema is part of the job protocol, so it lives in ``protocol/sampling_params.py`` (the
 SDK validates with it without importing the engine); ``engine.SamplingParams`` and this module
 keep the engine's public name working unchanged.
 """
 
-from producer_sdk.sampling_params import SamplingParams
+from protocol.sampling_params import SamplingParams
 
 __all__ = ["SamplingParams"]

@@ -2,9 +2,9 @@
 
 The seven public ops match docs/contracts.md ("Ops behind attention_backend"); the engine's
 "triton" backend imports this package lazily. Without a GPU, set TRITON_INTERPRET=1 before the
-first op is touched (tests/conftest.py does; `python -m kernels.bench` does) to run the kernels in
+first op is touched (tests/conftest.py does; `python -m benchmarks.kernels` does) to run the kernels in
 Triton's CPU interpreter. Exports resolve lazily so that importing the package (or running
-`python -m kernels.bench`) does not import any @triton.jit module before that choice is made.
+`python -m benchmarks.kernels`) does not import any @triton.jit module before that choice is made.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Random paged-attention cases, shared by the tests and `kernels.bench` (the same builders at
+"""Random paged-attention cases, shared by the tests and `benchmarks.kernels` (the same builders at
 small and at realistic sizes).
 
 Why this shape of data: caches are filled with random normal values *everywhere* (including

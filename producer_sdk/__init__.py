@@ -6,8 +6,9 @@
     for delta in job.stream():
         print(delta.text, end="", flush=True)
 
-Names are imported lazily: ``producer_sdk.protocol`` and ``producer_sdk.sampling_params`` are the
-wire contract the worker and the engine import too, and importing them must not pull in redis.
+Names are imported lazily, so ``import producer_sdk`` stays cheap; the contract names
+(``SamplingParams``, ``Limits``, ``ShardCountMismatch``) live in the ``protocol`` package, which
+the worker and the engine import too.
 """
 
 from __future__ import annotations
@@ -24,15 +25,15 @@ _LAZY = {
     "CompletionOutput": "producer_sdk.job",
     "Delta": "producer_sdk.job",
     "ClientConfig": "producer_sdk.config",
-    "SamplingParams": "producer_sdk.sampling_params",
-    "Limits": "producer_sdk.protocol",
-    "DEFAULT_LIMITS": "producer_sdk.protocol",
+    "SamplingParams": "protocol.sampling_params",
+    "Limits": "protocol.limits",
+    "DEFAULT_LIMITS": "protocol.limits",
     "InvalidRequest": "producer_sdk.errors",
     "JobFailed": "producer_sdk.errors",
     "JobNotFound": "producer_sdk.errors",
     "QueueFull": "producer_sdk.errors",
     "NotDurable": "producer_sdk.errors",
-    "ShardCountMismatch": "producer_sdk.shards",
+    "ShardCountMismatch": "protocol.shards",
     "RedisUnavailable": "producer_sdk.errors",
     "SDKError": "producer_sdk.errors",
     "ClientClosed": "producer_sdk.errors",

@@ -3,7 +3,7 @@
 import sys
 
 from producer_sdk.cli import main
-from producer_sdk.cli_common import run_cli
+from protocol.settings import run_cli
 
 if __name__ == "__main__":
     sys.exit(run_cli(main))

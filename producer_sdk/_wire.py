@@ -16,9 +16,9 @@ from redis.exceptions import (AskError, ClusterDownError, OutOfMemoryError, Resp
 
 from producer_sdk.affinity import affinity_target
 from producer_sdk.payloads import Prepared
-from producer_sdk.protocol import (DEDUPE_SEPARATOR, PAYLOAD_FIELD, Keys, ProtocolError,
-                                   key_slot, parse_dedupe_record)
-from producer_sdk.topology import Packed
+from protocol.errors import ProtocolError
+from protocol.keys import DEDUPE_SEPARATOR, Keys, PAYLOAD_FIELD, key_slot, parse_dedupe_record
+from protocol.topology import Packed
 
 DEFAULT_MAX_QUEUED_JOBS = 100_000
 
@@ -313,14 +313,6 @@ def fields_dict(raw: Any) -> dict:
     return {raw[i]: raw[i + 1] for i in range(0, len(raw) - 1, 2)}
 
 
-def redact_url(url: str) -> str:
-    """The URL without its password, for error messages and logs."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    creds, _, host = rest.rpartition("@")
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user + ':***@' if user else '***@'}{host}"
 
 
 def xlen_reads(keys: Keys) -> list[Packed]:

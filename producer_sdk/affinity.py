@@ -41,7 +41,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer_sdk.models import Pipeline, arun_plan, run_plan, serving
 from producer_sdk.payloads import Prepared
-from producer_sdk.protocol import Keys
+from protocol.keys import Keys
 
 # What a read of the heartbeats may raise while Redis or a cluster node is unreachable.
 READ_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException,

@@ -16,9 +16,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, QueueState, is_oom, is_transient,
-                                merge_reads,
-                                merge_xreads, normalize_xread, parse_raw_xread, slot_groups,
-                                sliced_xread)
+                                merge_reads, merge_xreads, normalize_xread, parse_raw_xread,
+                                sliced_xread, slot_groups)
 from producer_sdk.client import (XREAD_COUNT, _len_or_none, _outcome, map_defaults,
                                  progress_bar, take_batch)
 from producer_sdk.client_core import (LIMIT_FIELD, NET_ERRORS, SEND_ERRORS, ClientCore, Retrying,
@@ -27,10 +26,12 @@ from producer_sdk.errors import DUPLICATE, JobNotFound, RedisUnavailable
 from producer_sdk.job import (Deadline, Delta, JobHandle, JobState, Result, StreamCursor,
                               feed_states, timeout_error)
 from producer_sdk.payloads import Prepared
-from producer_sdk.protocol import DEFAULT_LIMITS, Keys, Limits, now_ms, validate_job_id
+from protocol.keys import Keys
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.wire import now_ms, validate_job_id
 from producer_sdk.status import JobStatus, Lockstep, liveness, status_plan
-from producer_sdk.topology import (Packed, async_send_packed, async_send_packed_trailed,
-                                   detect_cluster, is_cluster, node_name)
+from protocol.topology import (Packed, async_send_packed, async_send_packed_trailed,
+                               detect_cluster, is_cluster, node_name)
 
 
 class AsyncJob(JobHandle):

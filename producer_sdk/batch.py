@@ -36,7 +36,7 @@ from producer_sdk.job import Job
 from producer_sdk.models import ModelCache
 from producer_sdk.openai_format import (DEFAULT_MODEL, LineError, LineTag, body_to_request,
                                         error_line, job_id_for, response_line)
-from producer_sdk.protocol import Keys
+from protocol.keys import Keys
 
 class BatchRequest(BaseModel):
     """One input line (OpenAI Batch request object)."""

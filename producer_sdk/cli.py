@@ -2,7 +2,7 @@
 
 Every command takes ``--redis-url`` (one Redis, or any node of a Redis Cluster), ``--cluster``,
 ``--namespace``, ``--queue`` and ``--shards`` (before or after it); each option is also a
-``TOKENRELAY_<NAME>`` variable (producer_sdk/cli_common.py). Exit codes: 0 ok, 1 job failed,
+``TOKENRELAY_<NAME>`` variable (protocol/settings.py). Exit codes: 0 ok, 1 job failed,
 2 bad request, 3 Redis unreachable, 4 queue full, 5 timeout, 6 unknown job id, 7 a --durable
 submit's jobs are enqueued but fewer replicas than asked acknowledged them.
 """
@@ -18,15 +18,14 @@ from typing import Any, Optional, Sequence
 from pydantic import Field
 
 from producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS
-from producer_sdk.cli_common import (
-    CliSettings, ConnectionSettings, JsonOutput, add_settings_flags, parse_settings, unset,
-)
+from protocol.settings import (CliSettings, ConnectionSettings, JsonOutput, add_settings_flags,
+                               parse_settings, unset)
 from producer_sdk.client import Client
 from producer_sdk.errors import (InvalidRequest, JobFailed, JobNotFound, NotDurable, QueueFull,
                                  RedisUnavailable)
-from producer_sdk.protocol import GROUP, Keys
-from producer_sdk.shards import ShardCountMismatch, registered_shards, resolve_shards
-from producer_sdk.topology import cluster_flag
+from protocol.keys import GROUP, Keys
+from protocol.shards import ShardCountMismatch, registered_shards, resolve_shards
+from protocol.topology import cluster_flag
 
 EXIT_FAILED, EXIT_INVALID, EXIT_UNAVAILABLE, EXIT_FULL, EXIT_TIMEOUT = 1, 2, 3, 4, 5
 EXIT_UNKNOWN = 6                # status/result of a job id Redis does not know
@@ -428,7 +427,7 @@ def cmd_stats(opts: StatsOptions) -> int:
     import redis
     from producer_sdk.client_core import NET_ERRORS, make_redis
     from producer_sdk.config import ClientConfig
-    from producer_sdk._wire import redact_url
+    from protocol.topology import redact_url
     url = opts.redis_url
     try:
         r = make_redis(ClientConfig(redis_url=url, cluster=cluster_flag(opts.cluster)))

@@ -17,18 +17,18 @@ import redis
 from redis.exceptions import NoScriptError
 
 from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, QueueState, is_oom, is_transient,
-                                merge_reads,
-                                merge_xreads, normalize_xread, parse_raw_xread, slot_groups,
-                                sliced_xread)
+                                merge_reads, merge_xreads, normalize_xread, parse_raw_xread,
+                                sliced_xread, slot_groups)
 from producer_sdk.client_core import (LIMIT_FIELD, NET_ERRORS, SEND_ERRORS, ClientCore, Retrying,
                                      make_redis)
 from producer_sdk.errors import DUPLICATE, JobFailed, JobNotFound, RedisUnavailable
 from producer_sdk.job import Deadline, Delta, Job, JobState, Result, feed_states
 from producer_sdk.payloads import Prepared
-from producer_sdk.protocol import DEFAULT_LIMITS, Keys, Limits, now_ms, validate_job_id
+from protocol.keys import Keys
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.wire import now_ms, validate_job_id
 from producer_sdk.status import JobStatus, Lockstep, liveness, status_plan
-from producer_sdk.topology import (Packed, is_cluster, node_name, send_packed,
-                                   send_packed_trailed)
+from protocol.topology import Packed, is_cluster, node_name, send_packed, send_packed_trailed
 
 XREAD_COUNT = 512
 

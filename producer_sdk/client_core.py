@@ -16,14 +16,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from producer_sdk._wire import (DEFAULT_MAX_QUEUED_JOBS, ENQUEUE_SHA, EnqueuePlan, EnqueueScript,
-                                QueueState, pack_command, redact_url)
+                                QueueState, pack_command)
+from protocol.topology import is_cluster, make_async_client, make_client, redact_url
 from producer_sdk.affinity import AffinityRouter
 from producer_sdk.config import ClientConfig
 from producer_sdk.errors import ClientClosed, NotDurable, QueueFull, RedisUnavailable
 from producer_sdk.payloads import PayloadBuilder, Prepared
-from producer_sdk.protocol import Keys, Limits
-from producer_sdk.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards, resolve_shards
-from producer_sdk.topology import is_cluster, make_async_client, make_client
+from protocol.keys import Keys
+from protocol.limits import Limits
+from protocol.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards, resolve_shards
 
 __all__ = ["ENQUEUE_SHA", "NET_ERRORS", "ClientCore", "make_redis", "make_async_redis"]
 

@@ -2,32 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from producer_sdk.protocol import MAX_SHARDS
+from protocol.keys import MAX_SHARDS
+from protocol.settings import default_cluster, default_redis_url, default_shards
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-REDIS_URL_ENV = "TOKENRELAY_REDIS_URL"
-CLUSTER_ENV = "TOKENRELAY_CLUSTER"
-SHARDS_ENV = "TOKENRELAY_SHARDS"
-
-
-def default_redis_url() -> str:
-    """``$TOKENRELAY_REDIS_URL`` or the local default; read at call time so tests can set it."""
-    return os.environ.get(REDIS_URL_ENV) or DEFAULT_REDIS_URL
-
-
-def default_cluster() -> Optional[str]:
-    """``$TOKENRELAY_CLUSTER`` (auto/on/off), the command lines' variable; unset: auto."""
-    return os.environ.get(CLUSTER_ENV) or None
-
-
-def default_shards() -> Optional[str]:
-    """``$TOKENRELAY_SHARDS``; unset: the queue's registered count."""
-    return os.environ.get(SHARDS_ENV) or None
 
 
 class ClientConfig(BaseModel):
@@ -74,7 +55,7 @@ class ClientConfig(BaseModel):
     @field_validator("cluster", mode="before")
     @classmethod
     def _cluster_mode(cls, value: Any) -> Optional[bool]:
-        from producer_sdk.topology import cluster_flag
+        from protocol.topology import cluster_flag
         return cluster_flag(value)
 
     @model_validator(mode="after")

@@ -16,9 +16,10 @@ from typing import Any, Iterator, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from producer_sdk.errors import LOST, JobFailed
-from producer_sdk.fold import Delta, ResultFold
-from producer_sdk.logprobs import TokenLogprob
-from producer_sdk.protocol import EVENT_FIELD, DoneEvent, ErrorEvent, Keys, Timings, Usage
+from protocol.fold import Delta, ResultFold
+from protocol.logprobs import TokenLogprob
+from protocol.events import DoneEvent, ErrorEvent, Timings, Usage
+from protocol.keys import EVENT_FIELD, Keys
 
 _EVENT_KEY = EVENT_FIELD.decode()
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Optional, TypeVar
 
-from producer_sdk.protocol import Keys
+from protocol.keys import Keys
 
 # Heartbeat fields the listing reads, in this order.
 _FIELDS = ("served_model_name", "queue", "engine_loaded", "draining", "started_ms")

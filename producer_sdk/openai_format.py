@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
 from producer_sdk.job import CompletionOutput, Result
-from producer_sdk.logprobs import TokenLogprob, TopLogprob
-from producer_sdk.protocol import MAX_ROUTING_KEY_LEN
+from protocol.logprobs import TokenLogprob, TopLogprob
+from protocol.wire import MAX_ROUTING_KEY_LEN
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

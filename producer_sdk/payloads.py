@@ -18,9 +18,11 @@ import msgpack
 from pydantic import ValidationError
 
 from producer_sdk.errors import InvalidRequest
-from producer_sdk.protocol import (DEFAULT_LIMITS, PROTOCOL_VERSION, Keys, Limits, ProtocolError,
-                                   now_ms, validate_job)
-from producer_sdk.sampling_params import SAMPLING_FIELDS, SamplingParams
+from protocol.errors import ProtocolError
+from protocol.keys import Keys
+from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.wire import PROTOCOL_VERSION, now_ms, validate_job
+from protocol.sampling_params import SAMPLING_FIELDS, SamplingParams
 
 # Keyword arguments of submit() that are job fields rather than sampling fields.
 JOB_FIELDS = frozenset({"prompt", "messages", "prompt_token_ids", "job_id", "priority",

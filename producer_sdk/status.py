@@ -19,8 +19,10 @@ from pydantic import BaseModel, ConfigDict
 
 from producer_sdk._wire import fields_dict, record_location
 from producer_sdk.affinity import is_affinity_stream
-from producer_sdk.protocol import (EVENT_FIELD, GROUP, PARKING_CONSUMER, ErrorEvent, Keys,
-                                   ProtocolError, decode_event, key_slot)
+from protocol.errors import ProtocolError
+from protocol.events import ErrorEvent
+from protocol.keys import EVENT_FIELD, GROUP, Keys, PARKING_CONSUMER, key_slot
+from protocol.wire import decode_event
 
 State = Literal["queued", "running", "done", "cancelled", "failed", "expired", "unknown"]
 POSITION_CAP = 1000     # entries counted ahead of a queued job in its own lane, at most

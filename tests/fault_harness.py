@@ -119,7 +119,8 @@ def submit(client: Any, keys: Any, job: Any, raw: Optional[bytes] = None,
            lane: Optional[str] = None) -> str:
     """XADD a job (JobRequest, dict, or ``raw`` payload bytes) onto its priority lane, as a raw
     producer does: no dedupe record (the worker binds the job id to the entry)."""
-    from producer_sdk.protocol import PAYLOAD_FIELD, JobRequest, encode_job
+    from protocol.keys import PAYLOAD_FIELD
+    from protocol.wire import JobRequest, encode_job
     if raw is None:
         job = job if isinstance(job, JobRequest) else JobRequest.model_validate(job)
         raw = encode_job(job)
@@ -133,7 +134,8 @@ def enqueue(client: Any, keys: Any, job: Any, dedupe_ttl_s: int = 86_400) -> tup
     priority lane of the shard its job id maps to (``keys.shard_of``), and the job's dedupe
     record in that shard, naming the entry. Works on a plain client and on a cluster client
     (both keys share the shard's slot). Returns (lane key, entry id)."""
-    from producer_sdk.protocol import PAYLOAD_FIELD, JobRequest, dedupe_record, encode_job
+    from protocol.keys import PAYLOAD_FIELD, dedupe_record
+    from protocol.wire import JobRequest, encode_job
     job = job if isinstance(job, JobRequest) else JobRequest.model_validate(job)
     shard = keys.shard_of(job.job_id)
     lane = keys.jobs_stream(job.priority, shard)
@@ -155,7 +157,8 @@ def ids_on_shard(keys: Any, shard: int, prefix: str, n: int) -> list[str]:
 
 
 def read_events(client: Any, keys: Any, job_id: str) -> list:
-    from producer_sdk.protocol import EVENT_FIELD, decode_event
+    from protocol.keys import EVENT_FIELD
+    from protocol.wire import decode_event
     return [decode_event(f[EVENT_FIELD]) for _, f in client.xrange(keys.results(job_id))]
 
 
@@ -220,7 +223,8 @@ def check_stream(r: redis.Redis, keys, job_id: str) -> StreamReport:
     """Decode a result stream and list every duplicate, gap, misplaced position, token after
     its choice finished, or extra terminal. Each choice is checked on its own: positions
     contiguous from 0 within it; seq is contiguous across the whole job."""
-    from producer_sdk.protocol import EVENT_FIELD, decode_event
+    from protocol.keys import EVENT_FIELD
+    from protocol.wire import decode_event
     rep = StreamReport(job_id)
     for entry_id, fields in r.xrange(keys.results(job_id)):
         ev = decode_event(fields[EVENT_FIELD])
@@ -330,8 +334,8 @@ class FaultEnv:
 
     def __init__(self, tmp_path: Path, namespace: str = "ft", queue: str = "q",
                  redis_args: Sequence[str] = (), shards: int = 1, cluster: Any = None) -> None:
-        from producer_sdk.protocol import Keys
-        from producer_sdk.topology import make_client
+        from protocol.keys import Keys
+        from protocol.topology import make_client
         from tests.fixtures_redis import start_redis_server
         self.tmp_path = tmp_path
         self.keys = Keys(namespace, queue, shards)

@@ -23,8 +23,9 @@ import msgpack
 import pytest
 import redis
 
-from producer_sdk.protocol import EVENT_FIELD, GROUP, PAYLOAD_FIELD, Keys, decode_job
-from producer_sdk.topology import make_client
+from protocol.keys import EVENT_FIELD, GROUP, Keys, PAYLOAD_FIELD
+from protocol.wire import decode_job
+from protocol.topology import make_client
 from tests.fixtures_redis import RedisServer, free_port, start_redis_server
 
 __all__ = ["RedisServer", "free_port", "start_redis_server", "sdk_redis", "sdk_url", "FakeWorker",

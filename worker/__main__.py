@@ -17,7 +17,7 @@ def main(argv: Optional[list[str]] = None,
          engine_factory: Optional[Callable[..., object]] = None) -> int:
     """The CLI; ``engine_factory`` (default worker.engine_api.load_engine) lets a test-only
     entry wrap the engine (tests/fault_worker.py)."""
-    from producer_sdk.cli_common import parse_settings
+    from protocol.settings import parse_settings
     from worker.config import build_parser
     parser = build_parser()
     args, settings = parse_settings(parser, sys.argv[1:] if argv is None else argv)
@@ -33,7 +33,7 @@ def main(argv: Optional[list[str]] = None,
     # server and readers on small CPU hosts (p99 token delivery 10 ms -> 5 ms on 2 cores); threads
     # that sleep at once pay a wake-up at every barrier of the compiled CPU kernels (throughput
     # through Redis fell to 0.86 of in-process). GNU OpenMP's short spin before sleeping
-    # (20,000 iterations, ~0.2 ms) keeps both: 0.94-0.96 of in-process, p99 1.7-3 ms (worker.bench,
+    # (20,000 iterations, ~0.2 ms) keeps both: 0.94-0.96 of in-process, p99 1.7-3 ms (benchmarks.worker,
     # 2 cores). Must be set before torch loads its OpenMP runtime; explicit settings win.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("GOMP_SPINCOUNT", "20000")
@@ -52,5 +52,5 @@ def main(argv: Optional[list[str]] = None,
 
 
 if __name__ == "__main__":
-    from producer_sdk.cli_common import run_cli
+    from protocol.settings import run_cli
     sys.exit(run_cli(main))

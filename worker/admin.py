@@ -25,15 +25,13 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import redis as redis_lib
 from pydantic import Field
 
-from producer_sdk._wire import redact_url
-from producer_sdk.cli_common import (
-    ConnectionSettings, JsonOutput, add_settings_flags, parse_settings, unset,
-)
-from producer_sdk.protocol import (
-    GROUP, PAYLOAD_FIELD, DeadLetter, ErrorCode, Keys, decode_job,
-)
-from producer_sdk.shards import ShardCountMismatch, registered_shards, resolve_shards
-from producer_sdk.topology import ClusterModeError
+from protocol.topology import ClusterModeError, redact_url
+from protocol.settings import (ConnectionSettings, JsonOutput, add_settings_flags, parse_settings,
+                               unset)
+from protocol.errors import ErrorCode
+from protocol.keys import GROUP, Keys, PAYLOAD_FIELD
+from protocol.wire import DeadLetter, decode_job
+from protocol.shards import ShardCountMismatch, registered_shards, resolve_shards
 from worker.connection import (EXIT_CONFIG, REDIS_ERRORS, ErrorKind, classify, client_for,
                                describe_permanent)
 from worker.deadletters import payload_job_id

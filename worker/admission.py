@@ -17,8 +17,8 @@ from pydantic import ValidationError
 
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.outputs import ResumeState
-from producer_sdk.protocol import (ErrorCode, FinishReason, JobRequest, ProtocolError,
-                                   decode_job, describe_validation_error, now_ms)
+from protocol.errors import ErrorCode, FinishReason, ProtocolError, describe_validation_error
+from protocol.wire import JobRequest, decode_job, now_ms
 from worker.connection import ErrorKind, classify
 from worker.deadletters import Rejection, payload_job_id
 from worker.fencing import bound, new_owner_value

@@ -32,8 +32,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import redis
 
-from producer_sdk.protocol import (GROUP, PARKING_CONSUMER, Keys, Limits, ProtocolError,
-                                   decode_job)
+from protocol.errors import ProtocolError
+from protocol.keys import GROUP, Keys, PARKING_CONSUMER
+from protocol.limits import Limits
+from protocol.wire import decode_job
 from worker.scripts import ScriptPipeline, _lua, run_script, text
 
 if TYPE_CHECKING:   # worker.pending imports this module (its lanes start with own_lanes)

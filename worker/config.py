@@ -1,6 +1,6 @@
 """Worker settings: pydantic-settings models, filled from CLI flags over ``TOKENRELAY_<NAME>`` env
 vars over defaults. The flags are generated from the fields by the one settings layer
-(producer_sdk/cli_common.py), shared with ``python -m producer_sdk``.
+(protocol/settings.py), shared with ``python -m producer_sdk``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import Any, Optional
 
 from pydantic import ByteSize, Field, field_validator
 
-from producer_sdk.cli_common import ConnectionSettings, add_settings_flags, unset
-from producer_sdk.protocol import PARKING_CONSUMER, Keys, Limits
+from protocol.settings import ConnectionSettings, add_settings_flags, unset
+from protocol.keys import Keys, PARKING_CONSUMER
+from protocol.limits import Limits
 
 ENGINE_DEFAULT = unset("the engine's")
 
@@ -95,7 +96,7 @@ class WorkerSettings(WorkerIdentity):
                                     "about this many entries.")
     dead_letter_payload_bytes: ByteSize = Field(65_536, ge=0, description="Bytes of a dead-lettered "
                                            "payload kept (size and truncated record the rest).")
-    # Producer-facing limits (producer_sdk.protocol.Limits), checked by decode_job: a job past
+    # Producer-facing limits (protocol.limits.Limits), checked by decode_job: a job past
     # one ends alone with invalid_request naming the field.
     max_payload_bytes: ByteSize = Field(8 * 1024 * 1024, ge=1, description="Largest job payload "
                                    "(checked before unpacking).")

@@ -26,8 +26,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from producer_sdk import topology
-from producer_sdk._wire import redact_url
+from protocol import topology
+from protocol.topology import redact_url
 
 EXIT_CONFIG = 78
 _TRANSIENT_PREFIXES = ("OOM", "LOADING", "BUSY", "READONLY", "TRYAGAIN", "MASTERDOWN",

@@ -15,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from producer_sdk.protocol import (DeadLetter, ErrorEvent, Keys, ProtocolError, decode_job,
-                                   dedupe_record, encode_event)
+from protocol.errors import ProtocolError
+from protocol.events import ErrorEvent, encode_event
+from protocol.keys import Keys, dedupe_record
+from protocol.wire import DeadLetter, decode_job
 from worker.pending import Entry
 from worker.scripts import DEAD_LETTER, ScriptPipeline, text
 

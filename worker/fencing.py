@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import msgpack
 
-from producer_sdk.protocol import Keys, dedupe_record
+from protocol.keys import Keys, dedupe_record
 from worker.scripts import BIND_AND_OWN, RELEASE_OWNER, WRITE_STEP, ScriptPipeline, text
 
 

@@ -14,9 +14,10 @@ from typing import Any
 
 import redis
 
-from producer_sdk.protocol import Keys, now_ms
+from protocol.keys import Keys
+from protocol.wire import now_ms
 from worker.config import WorkerIdentity
-from producer_sdk.topology import ClusterModeError
+from protocol.topology import ClusterModeError
 from worker.connection import (REDIS_ERRORS, ErrorKind, classify, client_for, describe_permanent,
                                redact_url)
 

@@ -14,10 +14,10 @@ from typing import Any, Optional
 
 import msgpack
 
-from producer_sdk.events import LogprobTokens
-from producer_sdk.protocol import (DoneChoice, DoneEvent, ErrorCode, ErrorEvent, FinishReason,
-                                   JobRequest,
-                                   StartedEvent, Timings, Usage, encode_event)
+from protocol.events import (DoneChoice, DoneEvent, ErrorEvent, LogprobTokens, StartedEvent,
+                             Timings, Usage, encode_event)
+from protocol.errors import ErrorCode, FinishReason
+from protocol.wire import JobRequest
 from worker.pending import Entry
 from worker.token_text import TokenTexts
 

@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional
 
 import redis
 
-from producer_sdk.protocol import Keys, now_ms
+from protocol.keys import Keys
+from protocol.wire import now_ms
 from worker.scripts import ID_CLAIM, ID_RELEASE, run_script, text
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import redis
 
-from producer_sdk.protocol import ErrorCode
+from protocol.errors import ErrorCode
 from worker.connection import ErrorKind, classify, classify_text
 from worker.deadletters import DeadLetterWriter, Rejection, outcome
 from worker.fencing import WriteStatus, parse_step_reply

@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import redis
 
-from producer_sdk.protocol import GROUP, PARKED_IDLE_MS, PARKING_CONSUMER, PAYLOAD_FIELD, Keys
-from producer_sdk.topology import is_cluster
+from protocol.keys import GROUP, Keys, PARKED_IDLE_MS, PARKING_CONSUMER, PAYLOAD_FIELD
+from protocol.topology import is_cluster
 from worker.affinity import AFFINITY_LANE, own_lanes
 from worker.idle_read import IdleRead
 from worker.scripts import (ACK, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM, ScriptPipeline,

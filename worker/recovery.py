@@ -15,8 +15,10 @@ from typing import Any, Iterable, Optional
 
 import redis
 
-from producer_sdk.fold import ChoiceFold
-from producer_sdk.protocol import BATCH_FIELD, EVENT_FIELD, Event, Keys, ProtocolError, ResultFold
+from protocol.fold import ChoiceFold, ResultFold
+from protocol.errors import ProtocolError
+from protocol.events import Event
+from protocol.keys import BATCH_FIELD, EVENT_FIELD, Keys
 
 
 @dataclass

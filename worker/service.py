@@ -26,12 +26,12 @@ from typing import Any, Callable, Optional
 import redis
 
 from engine.errors import UnsupportedModelError
-from producer_sdk.protocol import Keys
+from protocol.keys import Keys
 from worker.admission import Admission
 from worker.affinity import Affinity
 from worker.config import WorkerSettings
-from producer_sdk import topology
-from producer_sdk.shards import ShardCountMismatch, register_shards
+from protocol import topology
+from protocol.shards import ShardCountMismatch, register_shards
 from worker.connection import (EXIT_CONFIG, REDIS_ERRORS, Backoff, ErrorKind,
                                PermanentRedisError, classify, connect, describe_permanent)
 from worker.deadletters import DeadLetterWriter

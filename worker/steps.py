@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from producer_sdk.protocol import ErrorCode
+from protocol.errors import ErrorCode
 from worker.deadletters import Rejection
 from worker.jobs import Job
 

@@ -1,6 +1,6 @@
 """``python -m producer_sdk.gateway``: serve the OpenAI-compatible API with uvicorn.
 
-Every flag is also a ``TOKENRELAY_<NAME>`` variable (``producer_sdk/cli_common.py``). A bad
+Every flag is also a ``TOKENRELAY_<NAME>`` variable (``protocol/settings.py``). A bad
 value or an unreadable key file ends with exit 2 and one line saying which.
 """
 
@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from producer_sdk.cli_common import EXIT_USAGE, add_settings_flags, parse_settings
+from protocol.settings import EXIT_USAGE, add_settings_flags, parse_settings
 
 
 def parser() -> argparse.ArgumentParser:

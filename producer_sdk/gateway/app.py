@@ -33,7 +33,7 @@ from producer_sdk.gateway.models import HeartbeatDirectory, ModelDirectory, pars
 from producer_sdk.gateway.responses import (Answer, JobFeed, event_stream, first_item,
                                             whole_response)
 from producer_sdk.gateway.settings import GatewaySettings
-from producer_sdk.topology import cluster_flag, detect_cluster
+from protocol.topology import cluster_flag, detect_cluster
 
 REQUEST_ID = "x-request-id"
 TIMEOUT_HEADER = "x-request-timeout"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional, Protocol, Sequence
 
 from producer_sdk.models import AsyncModelCache, ServedModel
-from producer_sdk.protocol import Keys
+from protocol.keys import Keys
 
 
 class ModelDirectory(Protocol):

@@ -18,9 +18,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 import anyio
 
 from producer_sdk.aio import AsyncJob
-from producer_sdk.fold import Delta
+from protocol.fold import Delta
 from producer_sdk.job import Result
-from producer_sdk.logprobs import TokenLogprob
+from protocol.logprobs import TokenLogprob
 from producer_sdk.openai_format import (OpenAIRequest, choice_body, chunk_body, chunk_choice,
                                         completion_body, logprobs_body, token_logprobs_of,
                                         usage_body)

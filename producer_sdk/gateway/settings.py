@@ -1,7 +1,7 @@
 """The gateway's settings: one pydantic-settings model, so every flag is also a variable.
 
 ``python -m producer_sdk.gateway --port 8000`` and ``TOKENRELAY_PORT=8000`` are the same setting
-(``producer_sdk/cli_common.py`` generates the flags from these fields, as for every tokenrelay
+(``protocol/settings.py`` generates the flags from these fields, as for every tokenrelay
 command). The connection fields are ConnectionSettings' own, not copies, so
 ``TOKENRELAY_REDIS_URL`` and ``TOKENRELAY_NAMESPACE`` mean what they mean for the worker. There
 is no ``--queue``: the gateway routes each request to the queue whose workers serve its model.
@@ -13,8 +13,8 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator
 
-from producer_sdk.cli_common import CliSettings, ConnectionSettings, key_part, unset
-from producer_sdk.protocol import MAX_SHARDS
+from protocol.settings import CliSettings, ConnectionSettings, key_part, unset
+from protocol.keys import MAX_SHARDS
 
 _CONN = ConnectionSettings.model_fields
 

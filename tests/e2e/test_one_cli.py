@@ -1,4 +1,4 @@
-"""One settings and CLI layer (#18, producer_sdk/cli_common.py) for the four commands:
+"""One settings and CLI layer (#18, protocol/settings.py) for the four commands:
 ``python -m worker``, ``python -m worker health``, ``python -m worker admin`` and
 ``python -m producer_sdk``. Every option is a field of a pydantic-settings model, a flag and a
 ``TOKENRELAY_<NAME>`` variable; flags beat env vars beat defaults; --help shows every default;
@@ -17,9 +17,10 @@ import pytest
 from pydantic import Field
 
 from producer_sdk import cli as producer_cli
-from producer_sdk import cli_common
-from producer_sdk.cli_common import CliSettings, env_of, flag_of, parse_settings, unset
-from producer_sdk.protocol import Keys, now_ms
+from protocol import settings as cli_common
+from protocol.settings import CliSettings, env_of, flag_of, parse_settings, unset
+from protocol.keys import Keys
+from protocol.wire import now_ms
 from tests.fixtures_redis import REPO_ROOT
 from worker import admin
 from worker import config as worker_config

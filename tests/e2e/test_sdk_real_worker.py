@@ -22,7 +22,7 @@ import uvicorn
 
 from producer_sdk import AsyncClient, Client, QueueFull
 from producer_sdk.batch import BatchRunner
-from producer_sdk.protocol import Keys
+from protocol.keys import Keys
 from tests.fault_harness import wait_for
 from tests.sdk_helpers import RealWorker, free_port, sdk_redis, sdk_url  # noqa: F401
 from tests.sdk.test_batch_runner import read_jsonl, run_cli_batch, write_input

@@ -216,7 +216,7 @@ def test_peak_kv_utilization_on_the_bench_workload(engine_path):
     """The bench's workload shape and KV settings, on the tiny model: scheduling and block
     accounting do not depend on the model's size, so the figure is the bench's own."""
     from engine import LLM
-    from engine.bench import make_workload
+    from benchmarks.engine import make_workload
 
     work = make_workload(48, (16, 384), (16, 192), vocab=1024, seed=0)
     llm = LLM(engine_path, max_model_len=1024, num_kv_blocks=1024, max_num_batched_tokens=2048)

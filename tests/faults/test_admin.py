@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from producer_sdk.protocol import (
-    GROUP, PAYLOAD_FIELD, JobRequest, Keys, decode_job, encode_job,
-)
+from protocol.keys import GROUP, Keys, PAYLOAD_FIELD
+from protocol.wire import JobRequest, decode_job, encode_job
 from tests.fault_harness import REDIS_7
 from tests.fixtures_redis import RedisServer
 from tests.faults.test_leases import dead_letter

@@ -16,7 +16,7 @@ import pytest
 
 from producer_sdk import AsyncClient
 from producer_sdk.affinity import rank
-from producer_sdk.protocol import GROUP, PAYLOAD_FIELD, key_slot, parse_dedupe_record
+from protocol.keys import GROUP, PAYLOAD_FIELD, key_slot, parse_dedupe_record
 from tests.fault_harness import FaultEnv, ids_on_shard, pending_summary, wait_for
 from worker.connection import connect
 from worker.pending import PendingList

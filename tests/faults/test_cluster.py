@@ -17,8 +17,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from producer_sdk.protocol import PAYLOAD_FIELD, Keys, dedupe_record, key_slot
-from producer_sdk.shards import SHARDS_FIELD
+from protocol.keys import Keys, PAYLOAD_FIELD, dedupe_record, key_slot
+from protocol.shards import SHARDS_FIELD
 from tests.fault_harness import FaultEnv, check_stream, enqueue, ids_on_shard, wait_for
 from tests.fixtures_redis import REPO_ROOT
 from worker import admin, scripts

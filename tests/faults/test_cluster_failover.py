@@ -17,8 +17,8 @@ import signal
 
 import pytest
 
-from producer_sdk.protocol import key_slot
-from producer_sdk.topology import refresh
+from protocol.keys import key_slot
+from protocol.topology import refresh
 from tests.fault_harness import FaultEnv, enqueue, ids_on_shard, wait_for
 from worker.fake_engine import fake_completion
 from worker.redis_server import RedisCluster

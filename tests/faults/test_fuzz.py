@@ -29,8 +29,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from producer_sdk.protocol import PAYLOAD_FIELD
-from producer_sdk.sampling_params import SamplingParams
+from protocol.keys import PAYLOAD_FIELD
+from protocol.sampling_params import SamplingParams
 from tests.fault_harness import FaultEnv, pending_summary, wait_for
 from worker.fake_engine import fake_completion
 
@@ -101,7 +101,7 @@ JOB_FIELDS = ("v", "prompt", "messages", "prompt_token_ids", "priority", "deadli
 
 def test_every_job_field_is_fuzzed():
     """A field added to the protocol is drawn here too, or this fails."""
-    from producer_sdk.protocol import JobRequest
+    from protocol.wire import JobRequest
     assert set(JOB_FIELDS) | {"job_id", "params"} == set(JobRequest.model_fields)
 
 

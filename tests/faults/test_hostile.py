@@ -16,7 +16,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from producer_sdk.protocol import PAYLOAD_FIELD, DeadLetter, parse_dedupe_record
+from protocol.keys import PAYLOAD_FIELD, parse_dedupe_record
+from protocol.wire import DeadLetter
 from tests.fault_harness import FaultEnv, check_stream, pending_summary, wait_for
 from tests.fixtures_redis import REPO_ROOT
 from worker.fake_engine import fake_completion
@@ -52,7 +53,8 @@ def xadd(env: FaultEnv, payload: Any) -> str:
 
 
 def events(env: FaultEnv, job_id: str) -> list:
-    from producer_sdk.protocol import EVENT_FIELD, decode_event
+    from protocol.keys import EVENT_FIELD
+    from protocol.wire import decode_event
     return [decode_event(f[EVENT_FIELD]) for _, f in env.r.xrange(env.keys.results(job_id))]
 
 

@@ -12,9 +12,8 @@ import os
 import msgpack
 import pytest
 
-from producer_sdk.protocol import (
-    GROUP, PAYLOAD_FIELD, JobRequest, Keys, decode_event, encode_job,
-)
+from protocol.keys import GROUP, Keys, PAYLOAD_FIELD
+from protocol.wire import JobRequest, decode_event, encode_job
 from tests.fault_harness import REDIS_7, REDIS_62
 from tests.fixtures_redis import RedisServer
 from worker.deadletters import DeadLetterWriter, Rejection, outcome, payload_job_id
@@ -141,7 +140,7 @@ def test_reclaim_takes_only_expired_leases_most_urgent_first(r, keys):
 
 
 def test_parked_entries_come_first_and_keep_their_delivery_count(r, keys):
-    from producer_sdk.protocol import PARKED_IDLE_MS, PARKING_CONSUMER
+    from protocol.keys import PARKED_IDLE_MS, PARKING_CONSUMER
     lane = keys.lane("default")
     stale, parked = enqueue(r, keys, "stale"), enqueue(r, keys, "parked")
     read_as(r, keys, "dead")
@@ -199,7 +198,7 @@ def test_dead_letter_writes_the_letter_and_the_poison_error_then_ack(r, keys):
 
 
 def test_poison_error_is_not_written_after_a_terminal_event(r, keys):
-    from producer_sdk.protocol import DoneEvent, encode_event
+    from protocol.events import DoneEvent, encode_event
     enqueue(r, keys, "finished")
     r.xadd(keys.results("finished"), {PAYLOAD_FIELD: encode_event(DoneEvent(finish_reason="stop"))})
     read_as(r, keys, "b")

@@ -25,7 +25,7 @@ from typing import Iterator, Optional, Sequence
 import pytest
 import redis
 
-from producer_sdk.protocol import PAYLOAD_FIELD, Keys
+from protocol.keys import Keys, PAYLOAD_FIELD
 from tests.fault_harness import kill_group, wait_for
 from tests.fixtures_redis import REDIS_SERVER_BIN, REPO_ROOT, WorkerProcess, free_port
 from worker.fake_engine import fake_completion
@@ -259,7 +259,8 @@ def sdk_client(url: str, namespace: str):
 
 
 def results_of(srv: SecureRedis, keys: Keys, job_id: str) -> list:
-    from producer_sdk.protocol import EVENT_FIELD, decode_event
+    from protocol.keys import EVENT_FIELD
+    from protocol.wire import decode_event
     return [decode_event(f[EVENT_FIELD]) for _, f in srv.client().xrange(keys.results(job_id))]
 
 

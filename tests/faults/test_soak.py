@@ -11,7 +11,8 @@ from collections import defaultdict
 
 import pytest
 
-from producer_sdk.protocol import EVENT_FIELD, decode_event
+from protocol.keys import EVENT_FIELD
+from protocol.wire import decode_event
 from tests.fault_harness import FaultEnv, pending_summary, wait_for
 from worker.fake_engine import fake_completion
 

@@ -83,7 +83,8 @@ def test_sigkill_mid_stream_second_worker_resumes_exactly(env, tiny_checkpoint):
 
 def started_ids(env, job_ids) -> dict[str, list[str]]:
     """Result-stream entry ids (time-ordered) of each job's ``started`` events."""
-    from producer_sdk.protocol import EVENT_FIELD, decode_event
+    from protocol.keys import EVENT_FIELD
+    from protocol.wire import decode_event
     out = {}
     for j in job_ids:
         out[j] = [eid.decode() for eid, f in env.r.xrange(env.keys.results(j))
@@ -233,7 +234,8 @@ def test_redis_sigkill_and_restart_with_aof_loses_nothing(aof_env):
 # 8 ---------------------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_connection_killed_during_blocking_read_strands_nothing(env):
-    from producer_sdk.protocol import PAYLOAD_FIELD, JobRequest, encode_job
+    from protocol.keys import PAYLOAD_FIELD
+    from protocol.wire import JobRequest, encode_job
     w = env.worker("w1", lease_ms=60_000, block_ms=2000)
     time.sleep(0.5)                            # idle: blocked in XREADGROUP
     # Enqueue three jobs and deliver them to w1's pending list behind its back in one
@@ -268,7 +270,7 @@ def test_sigterm_drain_timeout_hands_back_without_counting_a_delivery(env):
              what="all four streaming")
     w1.terminate()
     assert w1.wait(15) == 0
-    from producer_sdk.protocol import PARKING_CONSUMER
+    from protocol.keys import PARKING_CONSUMER
     from tests.fault_harness import pending_summary
     parked = pending_summary(env.r, env.keys)
     assert len(parked) == 4
@@ -322,7 +324,7 @@ def test_second_live_worker_with_the_same_id_is_refused(env):
 
 @pytest.mark.timeout(60)
 def test_admin_drain_stops_a_worker_like_sigterm(env):
-    from producer_sdk.protocol import PARKING_CONSUMER
+    from protocol.keys import PARKING_CONSUMER
     from worker import admin
     w1 = env.worker("w1", drain_timeout=0.5, delay=0.05)
     jobs = env.submit(prompts(2, "adm"), prefix="adm", max_tokens=200, temperature=0.0)

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from producer_sdk import Client
-from producer_sdk.protocol import Keys
+from protocol.keys import Keys
 from tests.fault_harness import wait_for
 from tests.gateway.helpers import (chunk_texts, finish_reasons, sse_events, stream_raw,
                                    strict_chunks)

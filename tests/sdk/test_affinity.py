@@ -21,8 +21,9 @@ from producer_sdk.affinity import (HEARTBEAT_FIELDS, AffinityRouter, LiveWorker,
 from producer_sdk.errors import InvalidRequest, QueueFull
 from producer_sdk.openai_format import CHAT_URL, LineError, body_to_request, parse_request
 from producer_sdk.payloads import Prepared
-from producer_sdk.protocol import (GROUP, MAX_ROUTING_KEY_LEN, JobRequest, Keys, ProtocolError,
-                                   decode_job, encode_job, parse_dedupe_record)
+from protocol.errors import ProtocolError
+from protocol.keys import GROUP, Keys, parse_dedupe_record
+from protocol.wire import JobRequest, MAX_ROUTING_KEY_LEN, decode_job, encode_job
 from tests.sdk_helpers import env_with_repo, sdk_redis, sdk_url  # noqa: F401  (fixtures)
 
 KEYS = Keys()

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from producer_sdk import AsyncClient, JobFailed, JobNotFound, QueueFull, RedisUnavailable
-from producer_sdk.protocol import Keys
+from protocol.keys import Keys
 from tests.sdk_helpers import FakeWorker, free_port, sdk_redis, sdk_url  # noqa: F401
 
 KEYS = Keys()

@@ -17,7 +17,7 @@ from openai.types.chat import ChatCompletion
 
 from producer_sdk import Client
 from producer_sdk.batch import BatchRunner
-from producer_sdk.protocol import EVENT_FIELD, Keys
+from protocol.keys import EVENT_FIELD, Keys
 from tests.sdk.test_batch_runner import read_jsonl
 from tests.sdk_helpers import env_with_repo
 

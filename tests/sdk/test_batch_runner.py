@@ -184,7 +184,8 @@ def test_batch_killed_halfway_then_resumed(sdk_url: str, tmp_path: Path):
 def test_chat_template_kwargs_are_validated_before_enqueue():
     from producer_sdk.errors import InvalidRequest
     from producer_sdk.payloads import PayloadBuilder
-    from producer_sdk.protocol import Keys, decode_job
+    from protocol.keys import Keys
+    from protocol.wire import decode_job
     builder = PayloadBuilder(Keys())
     msgs = [{"role": "user", "content": "hi"}]
     job = decode_job(builder.build(messages=msgs, chat_template_kwargs={"enable_thinking": False},

@@ -10,7 +10,7 @@ import time
 import redis
 
 from producer_sdk import Client
-from producer_sdk.protocol import Keys
+from protocol.keys import Keys
 from tests.sdk_helpers import FakeWorker, env_with_repo, free_port, sdk_redis, sdk_url  # noqa: F401
 
 

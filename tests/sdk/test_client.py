@@ -13,7 +13,8 @@ import redis
 from producer_sdk import Client, JobFailed, JobNotFound, QueueFull, RedisUnavailable
 from producer_sdk._wire import ENQUEUE_LUA
 from producer_sdk.client_core import ENQUEUE_SHA
-from producer_sdk.protocol import Keys, decode_job
+from protocol.keys import Keys
+from protocol.wire import decode_job
 from tests.fault_harness import wait_for
 from tests.sdk_helpers import (FakeWorker, env_with_repo, free_port, sdk_redis,  # noqa: F401
                                sdk_url, start_redis_server)
@@ -38,7 +39,7 @@ def client(sdk_url: str):
 
 def test_sdk_never_imports_torch():
     code = ("import sys; import producer_sdk, producer_sdk.batch, producer_sdk.cli, "
-            "producer_sdk.aio, producer_sdk.bench, producer_sdk.__main__; "
+            "producer_sdk.aio, producer_sdk.__main__; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env=env_with_repo(), timeout=60)
 

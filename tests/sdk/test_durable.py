@@ -17,7 +17,7 @@ import redis
 
 from producer_sdk import AsyncClient, Client, NotDurable
 from producer_sdk.batch import BatchRunner
-from producer_sdk.protocol import Keys
+from protocol.keys import Keys
 from tests.fixtures_redis import RedisServer, start_redis_server
 from tests.sdk_helpers import FakeWorker, env_with_repo
 
@@ -166,7 +166,7 @@ def test_durable_jobs_survive_a_master_killed_right_after_the_submit():
     acknowledged; SIGKILL the master of one shard at once, its replica is promoted, every job
     is still there (the only replica acknowledged, so it is the one promoted), and the next
     submit goes through once the cluster failed over, without the caller retrying."""
-    from producer_sdk.protocol import key_slot
+    from protocol.keys import key_slot
     from worker.redis_server import RedisCluster
     keys = Keys("tokenrelay", "dq", 3)
     with RedisCluster(masters=3, replicas=1) as cluster, \

@@ -10,7 +10,7 @@ import redis
 
 from producer_sdk import AsyncClient, Client
 from producer_sdk.errors import ClientClosed
-from producer_sdk.protocol import EVENT_FIELD, Keys
+from protocol.keys import EVENT_FIELD, Keys
 from tests.fault_harness import wait_for
 from tests.sdk_helpers import FakeWorker, sdk_redis, sdk_url  # noqa: F401
 

@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from producer_sdk.models import AsyncModelCache, ModelCache, alist_models, list_models
-from producer_sdk.protocol import Keys
+from protocol.keys import Keys
 from worker.config import WorkerSettings, default_served_model_name
 
 

@@ -21,8 +21,8 @@ from producer_sdk import AsyncClient, Client, NotDurable, QueueFull, ShardCountM
 from producer_sdk._wire import ENQUEUE_SHA
 from producer_sdk.batch import BatchRunner
 from producer_sdk.models import list_models
-from producer_sdk.protocol import EVENT_FIELD, GROUP, Keys, key_slot
-from producer_sdk.topology import is_cluster, make_client
+from protocol.keys import EVENT_FIELD, GROUP, Keys, key_slot
+from protocol.topology import is_cluster, make_client
 from tests.sdk_helpers import FakeWorker, env_with_repo, sdk_redis  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)

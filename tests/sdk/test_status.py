@@ -10,7 +10,8 @@ import pytest
 
 from producer_sdk import AsyncClient, Client
 from producer_sdk.errors import JobFailed
-from producer_sdk.protocol import PAYLOAD_FIELD, Keys, now_ms
+from protocol.keys import Keys, PAYLOAD_FIELD
+from protocol.wire import now_ms
 from tests.fault_harness import wait_for
 from worker.fake_engine import FakeEngine
 

@@ -13,8 +13,9 @@ import pytest
 
 from producer_sdk import Client
 from producer_sdk.affinity import rank
-from producer_sdk.protocol import (GROUP, PARKED_IDLE_MS, PARKING_CONSUMER, PAYLOAD_FIELD, Keys,
-                                   dedupe_record, encode_job, JobRequest, parse_dedupe_record)
+from protocol.keys import (GROUP, Keys, PARKED_IDLE_MS, PARKING_CONSUMER, PAYLOAD_FIELD,
+                           dedupe_record, parse_dedupe_record)
+from protocol.wire import JobRequest, encode_job
 from tests.fault_harness import check_stream, read_events, wait_all_ended, wait_for
 from worker.config import WorkerSettings
 from worker.fake_engine import FakeEngine

@@ -11,7 +11,7 @@ import pytest
 
 from producer_sdk import Client
 from producer_sdk.affinity import rank
-from producer_sdk.protocol import Keys
+from protocol.keys import Keys
 from tests.fault_harness import read_events
 from tests.sdk_helpers import RealWorker
 

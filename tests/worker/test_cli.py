@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from producer_sdk.protocol import GROUP, Keys
+from protocol.keys import GROUP, Keys
 from tests.fixtures_redis import REPO_ROOT
 from tests.fault_harness import read_events, submit, wait_for_terminal
 from worker.fake_engine import fake_completion
@@ -38,7 +38,7 @@ def test_help_lists_every_flag():
 
 def test_engine_options_reach_the_engine_config_only_when_set(monkeypatch):
     """Unset engine flags keep the engine's defaults; a flag or its env var is passed through."""
-    from producer_sdk.cli_common import settings_from_args
+    from protocol.settings import settings_from_args
     from worker.config import build_parser
 
     monkeypatch.delenv("TOKENRELAY_ENFORCE_EAGER", raising=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from producer_sdk.protocol import GROUP, PARKING_CONSUMER, Keys, dedupe_record
+from protocol.keys import GROUP, Keys, PARKING_CONSUMER, dedupe_record
 from worker.fencing import Fence, WriteStatus, bound, parse_step_reply
 from worker.pending import AckStatus, PendingList
 from worker.scripts import ScriptPipeline

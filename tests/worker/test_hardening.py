@@ -9,7 +9,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from producer_sdk.protocol import GROUP, DeadLetter, Keys, dedupe_record
+from protocol.keys import GROUP, Keys, dedupe_record
+from protocol.wire import DeadLetter
 from tests.fault_harness import read_events, submit, wait_for, wait_for_terminal
 from worker.fake_engine import FakeEngine, fake_completion
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from producer_sdk.protocol import JobRequest, TokenEvent, decode_event, encode_event
+from protocol.events import TokenEvent, encode_event
+from protocol.wire import JobRequest, decode_event
 from worker.pending import Entry
 from worker.jobs import Job
 from engine.outputs import RequestDelta
@@ -76,7 +77,7 @@ def test_batch_id_is_unique_per_owner_and_batch():
 def test_usage_total_tokens_is_on_the_wire_and_derived_for_older_writers():
     import msgpack
 
-    from producer_sdk.protocol import DoneEvent, Usage
+    from protocol.events import DoneEvent, Usage
     wire = msgpack.unpackb(encode_event(DoneEvent(finish_reason="stop",
                                                   usage=Usage(prompt_tokens=5,
                                                               completion_tokens=2))))

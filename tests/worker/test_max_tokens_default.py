@@ -9,7 +9,7 @@ import pytest
 
 from producer_sdk import Client
 from producer_sdk.openai_format import body_to_request
-from producer_sdk.protocol import Keys
+from protocol.keys import Keys
 from tests.fault_harness import submit, wait_for_terminal
 from worker.fake_engine import FakeEngine, FakeTokenizer
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from producer_sdk.protocol import Keys
+from protocol.keys import Keys
 from worker.config import WorkerSettings
 from worker.service import Worker
 from tests.fault_harness import read_events, submit, wait_for_terminal

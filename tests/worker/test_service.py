@@ -14,7 +14,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from producer_sdk.protocol import (GROUP, PARKING_CONSUMER, DeadLetter, Keys, now_ms)
+from protocol.keys import GROUP, Keys, PARKING_CONSUMER
+from protocol.wire import DeadLetter, now_ms
 from tests.fault_harness import read_events, submit, wait_for, wait_for_terminal
 from tests.fixtures_redis import REPO_ROOT
 from worker.fake_engine import FakeEngine, fake_completion

@@ -9,8 +9,8 @@ import sys
 import fakeredis
 import pytest
 
-from producer_sdk.protocol import PARKING_CONSUMER, Keys
-from producer_sdk.cli_common import settings_from_args
+from protocol.keys import Keys, PARKING_CONSUMER
+from protocol.settings import settings_from_args
 from worker.config import WorkerSettings, build_parser
 from worker.health import check_health
 
@@ -57,7 +57,7 @@ def test_default_worker_id_is_stable():
 
 
 def test_health_check_against_fakeredis():
-    from producer_sdk.protocol import now_ms
+    from protocol.wire import now_ms
     r, k = fakeredis.FakeRedis(), Keys()
     assert not check_health(r, k, "w")[0]
     r.hset(k.heartbeat("w"), mapping={"ts": now_ms(), "engine_loaded": 0})

@@ -14,8 +14,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from producer_sdk.protocol import GROUP, PAYLOAD_FIELD, DeadLetter, Keys, dedupe_record
-from producer_sdk.shards import SHARDS_FIELD
+from protocol.keys import GROUP, Keys, PAYLOAD_FIELD, dedupe_record
+from protocol.wire import DeadLetter
+from protocol.shards import SHARDS_FIELD
 from tests.fault_harness import (REDIS_7, REDIS_62, FaultEnv, check_stream, enqueue, ids_on_shard, pending_summary,
                                  read_events, wait_all_ended, wait_for, wait_for_terminal)
 from tests.fixtures_redis import REPO_ROOT, RedisServer

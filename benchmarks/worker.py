@@ -1,0 +1,336 @@
+"""``python -m benchmarks.worker``: what does going through Redis cost?
+
+Runs one workload in-process on ``LLMEngine`` (step until done) and through Redis (a private
+redis-server, one ``python -m worker`` subprocess, all jobs submitted at once, a reader
+following every result stream), alternating for ``--rounds``. Also prints the share of wall time
+the worker spent inside ``engine.step()`` (from its metrics): on a shared, loaded machine the
+two throughputs drift with the load, while 1 - share is the service's own overhead. Prints output tokens/s of both and their ratio (target >= 0.9),
+and the p50/p99 delay from the engine emitting a token (``ts`` of the token event, taken when the
+step returned) to the reader receiving it (target p99 < 5 ms on loopback).
+
+Workload (the engine benchmark's): 48 requests, prompt length uniform 16-384 (random token ids),
+output length uniform 16-192 with ``ignore_eos``, greedy, the ``bench``-size tiny checkpoint,
+float32 on CPU. Not a test: it takes a minute or two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import redis
+
+from protocol.keys import EVENT_FIELD, Keys
+from protocol.wire import JobRequest, decode_event, encode_job
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Request:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                  vocab: int, seed: int = 0) -> list[Request]:
+    """The engine benchmark's workload (engine/bench.py's generator), as requests."""
+    from benchmarks.engine import make_workload as engine_workload
+    return [Request(list(p), int(m))
+            for p, m in engine_workload(n, prompt_range, output_range, vocab, seed)]
+
+
+def ensure_model(path: Optional[str]) -> str:
+    """The engine bench's checkpoint (.models/tiny-bench), written if missing."""
+    if path:
+        return path
+    out = REPO / ".models" / "tiny-bench"
+    if not (out / "config.json").exists():
+        from engine.tiny import write_checkpoint
+        write_checkpoint(out, arch="llama", size="bench")
+    return str(out)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine bench's settings, as EngineConfig keywords."""
+    return dict(device="cpu", dtype="float32", max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+                max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    out = []
+    for k, v in engine_kwargs(args).items():
+        out += ["--" + k.replace("_", "-"), str(v)]
+    return out
+
+
+def params(req: Request) -> dict[str, Any]:
+    return {"max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+# ------------------------------------------------------------------------------------------
+# in-process
+# ------------------------------------------------------------------------------------------
+
+def run_in_process(model: str, work: list[Request], args: argparse.Namespace
+                   ) -> tuple[float, float]:
+    """(output tok/s, output tokens per CPU-second of this process)."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    eng = LLMEngine(EngineConfig(model=model, **engine_kwargs(args)))
+    _drive(eng, [Request([11, 12, 13, 14], 4)] * 2, SamplingParams)  # warm-up
+    t0, c0 = time.perf_counter(), time.process_time()
+    tokens = _drive(eng, work, SamplingParams)
+    return tokens / (time.perf_counter() - t0), tokens / (time.process_time() - c0)
+
+
+def _drive(eng: Any, work: list[Request], SamplingParams: Any) -> int:
+    base = f"r{time.monotonic_ns()}-"
+    for i, req in enumerate(work):
+        eng.add_request(base + str(i), list(req.prompt_token_ids),
+                        SamplingParams(**params(req)))
+    tokens = 0
+    while eng.has_unfinished_requests():
+        tokens += sum(len(d.new_token_ids) for d in eng.step())
+    return tokens
+
+
+# ------------------------------------------------------------------------------------------
+# through Redis
+# ------------------------------------------------------------------------------------------
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class Reader(threading.Thread):
+    """Follows every result stream with one blocking XREAD; records (receive - emit) per token.
+
+    Before Redis 7.2 a blocked multi-stream XREAD is answered with only the first stream that
+    got data. So every blocking XREAD goes out pipelined with a non-blocking one for the same
+    ids: Redis runs the second as soon as the first is answered, and the other streams' entries
+    follow without a client round trip (entries already seen are skipped by id). Both go out on
+    a bare connection (hiredis-parsed replies, no client-side response callbacks): redis-py's
+    per-command machinery costs ~0.2 ms, which would be measured as delivery delay."""
+
+    def __init__(self, url: str, keys: Keys, job_ids: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.r = redis.Redis.from_url(url, socket_timeout=30)
+        self.conn = self.r.connection_pool.make_connection()
+        self.keys = keys
+        self.last = {keys.results(j): "0-0" for j in job_ids}
+        self.open = set(self.last)
+        self.delays: list[float] = []
+        self.tokens = 0
+        self.finished_at = 0.0
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        try:
+            while self.open:
+                keys = list(self.open)
+                ids = [self.last[k] for k in keys]
+                self.conn.send_packed_command(self.conn.pack_commands([
+                    ("XREAD", "BLOCK", 1000, "STREAMS", *keys, *ids),
+                    ("XREAD", "STREAMS", *keys, *ids)]))
+                for _ in range(2):
+                    reply = self.conn.read_response()
+                    self._take(reply, time.time())
+            self.finished_at = time.perf_counter()
+        except BaseException as exc:  # reported by the main thread
+            self.error = exc
+        finally:
+            self.conn.disconnect()
+
+    def _take(self, reply: Any, now: float) -> None:
+        streams = reply.items() if isinstance(reply, dict) else reply or []  # RESP3 / RESP2
+        for stream, entries in streams:
+            key = stream.decode()
+            for entry_id, flat in entries:
+                eid = entry_id.decode()
+                if _id_key(eid) <= _id_key(self.last[key]):
+                    continue                    # already taken from the blocking read's reply
+                self.last[key] = eid
+                fields = dict(zip(flat[0::2], flat[1::2]))
+                self._event(key, decode_event(fields[EVENT_FIELD]), now)
+
+    def _event(self, key: str, ev: Any, now: float) -> None:
+        if ev.type == "token":
+            self.tokens += len(ev.token_ids)
+            self.delays.append(now - ev.ts)
+        elif ev.type in ("done", "error"):
+            if ev.type == "error":
+                raise RuntimeError(f"{key}: {ev.code}: {ev.message}")
+            self.open.discard(key)
+
+
+class WorkerProcess:
+    """One ``python -m worker`` on a private redis-server, warmed up, reused across rounds."""
+
+    def __init__(self, model: str, args: argparse.Namespace) -> None:
+        from worker.redis_server import RedisServer, free_port
+        self.srv = RedisServer(args=["--appendonly", "no"]).start()
+        self.metrics_port = free_port()
+        self._tmp = tempfile.TemporaryDirectory()
+        self._log = open(Path(self._tmp.name) / "worker.log", "wb")
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "--model", model, "--redis-url", self.srv.url,
+             "--worker-id", "bench", "--log-level", "warning", "--metrics-port",
+             str(self.metrics_port), "--metrics-host", "127.0.0.1", *worker_flags(args)],
+            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self.r = redis.Redis.from_url(self.srv.url)
+        self.rounds = 0
+        self.run([Request([11, 12, 13, 14], 4)] * 2, timeout=600)  # warm-up (and model load)
+
+    def run(self, work: list[Request], timeout: float = 1800
+            ) -> tuple[float, list[float], float, float]:
+        """(output tok/s, delivery delays, share of the wall time the worker spent in steps,
+        output tokens per CPU-second of the worker and redis-server together)."""
+        before, cpu0 = self.step_seconds(), self.cpu_seconds()
+        self.rounds += 1
+        # The reader thread shares this process with torch and the in-process run: keep full
+        # collections of that heap out of its measurements, as the worker does for itself.
+        from worker.service import freeze_heap, thaw_heap
+        freeze_heap()
+        try:
+            tps, delays, wall = _submit_and_read(self.r, self.srv.url, Keys(), f"r{self.rounds}",
+                                                 work, timeout)
+        finally:
+            thaw_heap()     # frozen objects outlive exit: nanobind would list them as leaked
+        cpu = self.cpu_seconds() - cpu0
+        return tps, delays, (self.step_seconds() - before) / wall, tps * wall / cpu
+
+    def cpu_seconds(self) -> float:
+        import psutil
+        total = 0.0
+        for pid in (self.proc.pid, self.srv.proc.pid):
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        return total
+
+    def step_seconds(self) -> float:
+        import urllib.request
+        try:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                          timeout=5).read().decode()
+        except OSError:
+            return 0.0
+        for line in body.splitlines():
+            if line.startswith("tokenrelay_engine_step_seconds_sum"):
+                return float(line.split()[-1])
+        return 0.0
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+        self._tmp.cleanup()
+        self.srv.stop()
+
+
+def _submit_and_read(r: redis.Redis, url: str, keys: Keys, tag: str, work: list[Request],
+                     timeout: float) -> tuple[float, list[float], float]:
+    ids = [f"{tag}-{i}" for i in range(len(work))]
+    reader = Reader(url, keys, ids)
+    reader.start()
+    pipe = r.pipeline(transaction=False)
+    for jid, req in zip(ids, work):
+        job = JobRequest(job_id=jid, prompt_token_ids=req.prompt_token_ids, params=params(req))
+        pipe.xadd(keys.jobs_stream(0), {"data": encode_job(job)})
+    t0 = time.perf_counter()
+    pipe.execute()
+    reader.join(timeout)
+    if reader.error:
+        raise reader.error
+    if reader.is_alive():
+        raise TimeoutError(f"{len(reader.open)} jobs unfinished after {timeout}s")
+    wall = reader.finished_at - t0
+    return reader.tokens / wall, reader.delays, wall
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] * 1000.0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.worker", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="checkpoint (default: build the bench-size tiny one)")
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--quick", action="store_true", help="16 requests, prompts 16-128, "
+                   "outputs 16-64 (as benchmarks.engine --quick)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--num-kv-blocks", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--skip-in-process", action="store_true")
+    p.add_argument("--rounds", type=int, default=1, help="alternate in-process and Redis runs")
+    args = p.parse_args(argv)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    model = ensure_model(args.model)
+    from engine.model_config import ModelConfig
+    vocab = ModelConfig.from_pretrained(model).vocab_size
+    n, pr, orng = args.num_requests, (16, 384), (16, 192)
+    if args.quick:
+        n, pr, orng = min(n, 16), (16, 128), (16, 64)
+    work = make_workload(n, pr, orng, vocab, args.seed)
+    print(f"workload: {len(work)} requests, {sum(len(w.prompt_token_ids) for w in work)} prompt "
+          f"tokens, {sum(w.max_tokens for w in work)} output tokens; model {model}", flush=True)
+    in_proc: list[tuple[float, float]] = []
+    redis_runs: list[tuple[float, float]] = []
+    delays: list[float] = []
+    worker = WorkerProcess(model, args)
+    try:
+        for rnd in range(args.rounds):  # alternate, so load drift on a shared box hits both
+            # Fresh token ids each round (same lengths): the worker's prefix cache outlives a
+            # round, the in-process engine does not, and a repeat would skip the worker's prefill.
+            work_r = [Request([5 + (t - 5 + 7919 * rnd) % (vocab - 5) for t in w.prompt_token_ids],
+                              w.max_tokens) for w in work]
+            if not args.skip_in_process:
+                in_proc.append(run_in_process(model, work_r, args))
+            tps, d, share, per_cpu = worker.run(work_r)
+            redis_runs.append((tps, per_cpu))
+            delays += d
+            line = f"round {rnd + 1}: through Redis {tps:.1f} tok/s ({per_cpu:.1f} per CPU-s)"
+            if in_proc:
+                a, a_cpu = in_proc[-1]
+                line += (f", in-process {a:.1f} tok/s ({a_cpu:.1f} per CPU-s): ratio "
+                         f"{tps / a:.3f} wall, {per_cpu / a_cpu:.3f} per CPU-s")
+            print(line + f"; worker inside engine.step {share:.1%} of the wall time", flush=True)
+    finally:
+        worker.close()
+    med = statistics.median
+    if in_proc:
+        wall_ratio = med([b[0] / a[0] for a, b in zip(in_proc, redis_runs)])
+        cpu_ratio = med([b[1] / a[1] for a, b in zip(in_proc, redis_runs)])
+        print(f"in-process engine : {med([a[0] for a in in_proc]):8.1f} output tok/s (median)")
+        print(f"through Redis     : {med([b[0] for b in redis_runs]):8.1f} output tok/s (median); "
+              f"ratio {wall_ratio:.3f} wall-clock, {cpu_ratio:.3f} per CPU-second incl. "
+              f"redis-server (medians; target >= 0.9)")
+    print(f"token delivery    : p50 {pct(delays, 0.5):.2f} ms  p99 {pct(delays, 0.99):.2f} ms  "
+          f"max {max(delays) * 1000:.2f} ms over {len(delays)} token events (target p99 < 5 ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
