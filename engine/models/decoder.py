@@ -26,7 +26,7 @@ from engine import compiled_rope, cpu_gemm
 from engine.attention import AttentionMetadata
 from engine.layers import build_cos_sin_cache
 from engine.model_config import ModelConfig
-from engine.models.linear import Linear, param
+from engine.linear import Linear, param
 from engine.models.ops import Ops, get_ops
 from engine.parallel.group import ParallelGroup
 from engine.parallel.layers import row_parallel, vocab_embedding

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.linear import Linear
+from engine.linear import Linear
 from engine.parallel.group import ParallelGroup
 from engine.parallel.partition import Partition
 
