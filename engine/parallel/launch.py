@@ -70,6 +70,7 @@ class RankSet:
         self.on_failure = on_failure
         self.error: Optional[str] = None
         self._lock = threading.Lock()
+        self._failure_lock = threading.Lock()
         self._stopped = False
         # Per-rank threads split this process's budget (OMP_NUM_THREADS, or the cores).
         threads = max(1, torch.get_num_threads() // size)
@@ -163,13 +164,17 @@ class RankSet:
         return TensorParallelError(self.error or message)
 
     def _fail(self, message: str) -> None:
-        with self._lock:
+        """Record the first failure and report it once: through ``on_failure`` (which may end
+        the process; a second failing thread waits here meanwhile, so only one path acts),
+        else as one log line."""
+        with self._failure_lock:
             if self.error is not None:
                 return
             self.error = message
-        log.error("%s; the engine cannot continue", message)
-        if self.on_failure is not None:
-            self.on_failure(message)
+            if self.on_failure is not None:
+                self.on_failure(message)
+            else:
+                log.error("%s; the engine cannot continue", message)
 
     def _watch(self, proc: subprocess.Popen) -> None:
         proc.wait()
