@@ -70,8 +70,8 @@ class EngineConfig:
     # vocabulary are divided among them (engine/parallel/). Rank 0 runs in this process; the
     # others are spawned processes, on the next CUDA devices (cuda:k+r) or on CPU with gloo.
     tensor_parallel_size: int = 1
-    # Seconds a rank may wait in a collective (and the ranks to join at start) before the
-    # engine gives up on the group: a hung rank fails the engine after this long.
+    # Seconds a rank may wait in a collective (and at least 120 s for the ranks to start and
+    # join) before the engine gives up on the group: a hung rank fails it after this long.
     tensor_parallel_timeout: float = 120.0
     # Filled by resolve(): the checkpoint's config.json, parsed.
     hf_config: Optional[ModelConfig] = field(default=None, repr=False)

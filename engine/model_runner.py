@@ -287,7 +287,10 @@ class ModelRunner:
             self.ranks.send(step)
             return self.run(step), sample_rows
         except BaseException as exc:
-            raise self.ranks.failed(exc) from exc
+            error = self.ranks.failed(exc)
+            if not isinstance(exc, Exception):      # KeyboardInterrupt and the like go on
+                raise
+            raise error from exc
 
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do at size 1)."""

@@ -8,7 +8,8 @@ each have their own):
   logits gather, with the engine's collective timeout;
 - the *control* group (always gloo, on host tensors) carries the prepared step from rank 0. A
   rank waits on it for the next step for as long as the engine sits idle, so its timeout is
-  effectively infinite; a rank 0 that dies closes the connection, which ends the wait at once.
+  effectively infinite (rank 0's sends still give up after the engine's timeout); a rank 0
+  that dies closes the connection, which ends the wait at once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ import torch.distributed as dist
 
 # A rank may wait this long for rank 0's next step (an idle engine sends none).
 _IDLE_WAIT = datetime.timedelta(days=365)
+# Starting an interpreter, importing torch and loading a share of the weights may take a while
+# on a busy host: start-up waits at least this long, whatever the collectives' timeout.
+START_TIMEOUT_S = 120.0
+
+
+def start_timeout(timeout_s: float) -> float:
+    """How long ranks get to start, check in and agree on the KV pool."""
+    return max(timeout_s, START_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -98,11 +107,12 @@ class ParallelGroup:
 
     def min_int(self, value: int) -> int:
         """The minimum of ``value`` over the ranks (start-up agreements, e.g. the KV pool),
-        waiting at most the group's timeout for the slowest rank."""
+        waiting at most :func:`start_timeout` for the slowest rank to load."""
         t = torch.tensor([value], dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        self.control.allreduce([t], opts).wait(datetime.timedelta(seconds=self.timeout_s))
+        wait = datetime.timedelta(seconds=start_timeout(self.timeout_s))
+        self.control.allreduce([t], opts).wait(wait)
         return int(t.item())
 
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
@@ -119,6 +129,12 @@ class ParallelGroup:
         return torch.cat(parts, dim=-1)[:, :vocab_size]
 
     def broadcast_control(self, t: torch.Tensor) -> torch.Tensor:
-        """Rank 0's host tensor ``t`` into every rank's ``t`` (same shape and dtype)."""
-        self.control.broadcast(t, 0).wait()
+        """Rank 0's host tensor ``t`` into every rank's ``t`` (same shape and dtype). Rank 0
+        gives up after the timeout (a rank that stopped reading is hung); the others wait for
+        as long as rank 0 lets them."""
+        work = self.control.broadcast(t, 0)
+        if self.rank == 0:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        else:
+            work.wait()
         return t

@@ -9,8 +9,8 @@ and gives up at once on a rank that exits instead.
 
 No orphans, on any exit path: a rank exits when its stdin reads end-of-file (this process is
 gone, however it died), when its connection to rank 0 drops, or when told to stop;
-``shutdown`` (also run when the engine is garbage collected, and at interpreter exit) stops
-them cleanly, then terminates or kills what is left. Ranks stay in this process's process
+``shutdown`` (also run when the engine is garbage collected, and at interpreter exit) closes
+the lifelines, then kills what is left. Ranks stay in this process's process
 group, so a ``kill`` of the group reaches them too.
 
 Failure: one watcher thread per rank waits for its exit. A rank that dies, or a step that fails
@@ -38,7 +38,7 @@ from engine.config import EngineConfig
 from engine.errors import TensorParallelError
 from engine.model_runner import StepInputs
 from engine.parallel import step as step_wire
-from engine.parallel.group import ParallelGroup, open_store, rank_devices
+from engine.parallel.group import ParallelGroup, open_store, rank_devices, start_timeout
 from engine.parallel.rank import RankSpec, hello_key
 
 log = logging.getLogger("engine.parallel")
@@ -47,6 +47,7 @@ log = logging.getLogger("engine.parallel")
 # described (so the message says how it ended).
 _DEATH_GRACE_S = 2.0
 _STOP_JOIN_S = 5.0
+_FAILED_JOIN_S = 1.0
 
 
 def describe_exit(code: Optional[int]) -> str:
@@ -76,7 +77,10 @@ class RankSet:
         threads = max(1, torch.get_num_threads() // size)
         torch.set_num_threads(threads)
         devices = rank_devices(config.device, size)
-        store, rendezvous = open_store(None, size, config.tensor_parallel_timeout)
+        if devices[0].startswith("cuda"):
+            torch.cuda.set_device(devices[0])       # NCCL's device for rank 0
+        join_s = start_timeout(config.tensor_parallel_timeout)
+        store, rendezvous = open_store(None, size, join_s)
         self.procs: list[subprocess.Popen] = []
         atexit.register(self.shutdown)
         try:
@@ -84,7 +88,7 @@ class RankSet:
                 spec = RankSpec(dataclasses.replace(config, device=devices[rank]), rank,
                                 rendezvous, threads)
                 self.procs.append(_spawn(spec))
-            self._await_hellos(store, config.tensor_parallel_timeout)
+            self._await_hellos(store, join_s)
             self.group = ParallelGroup(store, 0, size, torch.device(devices[0]),
                                        config.tensor_parallel_timeout)
         except BaseException:
@@ -99,10 +103,10 @@ class RankSet:
                              name=f"tp-rank{rank}-watch").start()
 
     def abort_start(self, exc: BaseException) -> BaseException:
-        """Start-up failed with ``exc``: stop the ranks; the error to raise is a
-        TensorParallelError naming a rank that died, else ``exc`` itself (say, a checkpoint
-        this engine cannot load, which every rank found)."""
-        dead = self._await_death()
+        """Start-up failed with ``exc``: stop the ranks. The error to raise: a
+        TensorParallelError naming the rank that died when ``exc`` is the collective that
+        noticed it, else ``exc`` itself (say, a checkpoint this engine cannot load)."""
+        dead = self._await_death() if isinstance(exc, RuntimeError) else []
         self.shutdown()
         if dead:
             return TensorParallelError(f"tensor-parallel {', '.join(dead)} while starting; "
@@ -123,7 +127,7 @@ class RankSet:
                 if time.monotonic() > deadline:
                     raise TensorParallelError(
                         f"tensor-parallel rank {rank} (pid {proc.pid}) did not join within "
-                        f"{timeout_s:g} s (tensor_parallel_timeout)")
+                        f"{timeout_s:g} s")
                 time.sleep(0.02)
 
     # -- steps ------------------------------------------------------------------------------
@@ -157,7 +161,7 @@ class RankSet:
         if dead:
             message = f"tensor-parallel {', '.join(dead)}"
         else:
-            message = (f"a tensor-parallel collective failed on rank 0 "
+            message = (f"a tensor-parallel step failed on rank 0, the ranks are out of step "
                        f"({type(exc).__name__}: {exc})")
         self._fail(message)
         self.shutdown()
@@ -183,20 +187,16 @@ class RankSet:
 
     # -- stop -------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop every rank (idempotent): the stop message when the group is healthy, then
-        terminate, then kill whatever has not exited."""
+        """Stop every rank (idempotent): close their lifelines (a rank exits on its end of
+        file, even in the middle of a wait for a step), then kill whatever has not exited."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
-        if self.error is None and getattr(self, "group", None) is not None:
-            try:
-                step_wire.send_stop(self.group)
-            except Exception:  # a rank is gone already: the kill below handles the rest
-                pass
         for proc in self.procs:         # end of file on the lifeline: the rank exits
             _close_quietly(proc.stdin)
-        deadline = time.monotonic() + _STOP_JOIN_S
+        # A failed group's ranks may hang in a collective (or be stopped): no long wait.
+        deadline = time.monotonic() + (_STOP_JOIN_S if self.error is None else _FAILED_JOIN_S)
         for proc in self.procs:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))

@@ -5,7 +5,7 @@ watching stdin (the lifeline: end of file means rank 0's process is gone), check
 rendezvous store, join the process groups, load this rank's share of the model and its KV
 cache (engine/model_runner.py, the same class rank 0 runs), then serve: receive the prepared
 step, run the forward (joining its all-reduces and the logits gather), repeat until told to
-stop. There is no scheduler, sampler or tokenizer here; those live on rank 0.
+stop (the lifeline). There is no scheduler, sampler or tokenizer here; those live on rank 0.
 
 A rank ignores SIGINT and SIGTERM: a Ctrl-C or a ``kill`` of the process group is for rank 0
 to handle (the worker drains on SIGTERM), and the rank ends with it through the lifeline.
@@ -21,7 +21,7 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -58,18 +58,16 @@ def _watch_lifeline(lifeline: Any) -> None:
     threading.Thread(target=wait, name="tp-lifeline", daemon=True).start()
 
 
-def serve(runner: Any, group: ParallelGroup) -> None:
-    """Run rank 0's steps until it says stop."""
+def serve(runner: Any, group: ParallelGroup) -> NoReturn:
+    """Run rank 0's steps, for as long as rank 0 lives (the lifeline ends the process)."""
     from engine.parallel.step import receive_step
     while True:
-        step = receive_step(group)
-        if step is None:
-            return
-        runner.run(step)
+        runner.run(receive_step(group))
 
 
-def rank_main(spec: RankSpec, lifeline: Any) -> None:
-    """A rank's life, from its spec to the end of rank 0's steps."""
+def rank_main(spec: RankSpec, lifeline: Any) -> NoReturn:
+    """A rank's life, from its spec to the end of rank 0's process."""
+    parent = os.getppid()
     _watch_lifeline(lifeline)
     config = spec.config
     size = config.tensor_parallel_size
@@ -85,12 +83,13 @@ def rank_main(spec: RankSpec, lifeline: Any) -> None:
         runner = ModelRunner(config, group=group)
         serve(runner, group)
     except BaseException as exc:     # one line, then the details, then exit 1
+        if os.getppid() != parent:   # rank 0's process died first: its connections dropped
+            os._exit(0)
         print(f"tokenrelay tensor-parallel rank {spec.rank} (pid {os.getpid()}) failed: "
               f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
         os._exit(1)
-    os._exit(0)
 
 
 def main() -> None:

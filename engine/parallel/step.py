@@ -5,7 +5,8 @@ is), then one int64 *payload* holding every input tensor back to back: token ids
 slot mapping, block tables, sequence and context lengths, query offsets, the rows whose logits
 are computed, and the copy-on-write block copies. Another rank rebuilds the same
 :class:`~engine.model_runner.StepInputs` from them and plans the step's attention itself (the
-plan is a function of those tensors). A header of kind ``STOP`` ends a rank's loop.
+plan is a function of those tensors). (A rank's loop ends with rank 0's process or its
+``shutdown``, through the rank's lifeline: no message is needed, none can hang.)
 
 Both go over the group's control channel (gloo, host tensors), where a rank waits for as long
 as the engine is idle.
@@ -13,29 +14,26 @@ as the engine is idle.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from engine.model_runner import StepInputs
 from engine.parallel.group import ParallelGroup
 
-STOP, STEP = 0, 1
+STEP = 1          # the header's kind: a step (the only kind so far)
 # Header layout: one int64 each.
 _KIND, _TOKENS, _SEQS, _BLOCKS, _LOGITS, _COPIES, _MAX_Q, _MAX_K, _DECODE = range(9)
 HEADER_LEN = 9
 
 
-def _header(kind: int, step: Optional[StepInputs] = None) -> torch.Tensor:
+def _header(step: StepInputs) -> torch.Tensor:
     h = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    h[_KIND] = kind
-    if step is not None:
-        h[_TOKENS] = step.input_ids.shape[0]
-        h[_SEQS], h[_BLOCKS] = step.block_tables.shape
-        h[_LOGITS] = step.logits_indices.shape[0]
-        h[_COPIES] = step.block_copies.shape[0]
-        h[_MAX_Q], h[_MAX_K] = step.max_seqlen_q, step.max_seqlen_k
-        h[_DECODE] = int(step.is_decode)
+    h[_KIND] = STEP
+    h[_TOKENS] = step.input_ids.shape[0]
+    h[_SEQS], h[_BLOCKS] = step.block_tables.shape
+    h[_LOGITS] = step.logits_indices.shape[0]
+    h[_COPIES] = step.block_copies.shape[0]
+    h[_MAX_Q], h[_MAX_K] = step.max_seqlen_q, step.max_seqlen_k
+    h[_DECODE] = int(step.is_decode)
     return h
 
 
@@ -45,7 +43,7 @@ def pack(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
              step.seq_lens, step.context_lens, step.cu_seqlens_q, step.logits_indices,
              step.block_copies.reshape(-1)]
     payload = torch.cat([p.to(torch.int64) for p in parts])
-    return _header(STEP, step), payload
+    return _header(step), payload
 
 
 def payload_len(header: torch.Tensor) -> int:
@@ -76,15 +74,11 @@ def send_step(group: ParallelGroup, step: StepInputs) -> None:
     group.broadcast_control(payload)
 
 
-def send_stop(group: ParallelGroup) -> None:
-    """Rank 0: end every other rank's loop."""
-    group.broadcast_control(_header(STOP))
-
-
-def receive_step(group: ParallelGroup) -> Optional[StepInputs]:
-    """Another rank: wait for rank 0's next step; None when told to stop."""
+def receive_step(group: ParallelGroup) -> StepInputs:
+    """Another rank: wait for rank 0's next step."""
     header = group.broadcast_control(torch.zeros(HEADER_LEN, dtype=torch.int64))
-    if int(header[_KIND]) == STOP:
-        return None
+    if int(header[_KIND]) != STEP:
+        raise RuntimeError(f"step header of unknown kind {int(header[_KIND])}: rank 0 runs "
+                           f"another version of engine/parallel/step.py")
     payload = torch.empty(payload_len(header), dtype=torch.int64)
     return unpack(header, group.broadcast_control(payload))

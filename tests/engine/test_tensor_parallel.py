@@ -210,3 +210,46 @@ def test_two_size_2_engines_start_at_once_and_shut_down_clean(tiny_checkpoint):
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(pid) for pid in pids), "a rank outlived its engine's shutdown"
+
+
+def test_a_dead_rank_is_reported_once_and_fails_every_later_step(tiny_checkpoint):
+    """Rank 1 killed while the engine idles: ``on_parallel_failure`` hears it at once (the
+    worker exits there), and every later step raises TensorParallelError naming the rank."""
+    from engine.config import EngineConfig
+    from engine.errors import TensorParallelError
+    from engine.llm_engine import LLMEngine
+    reports: list[str] = []
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("qwen2")), tensor_parallel_size=2,
+                                    **ENGINE), on_parallel_failure=reports.append)
+    try:
+        rank1 = engine.model_runner.ranks.procs[0]
+        os.kill(rank1.pid, 9)
+        deadline = time.monotonic() + 10
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert reports == [f"tensor-parallel rank 1 (pid {rank1.pid}) was killed by SIGKILL"]
+        engine.add_request("r", "Hello", GREEDY)
+        for _ in range(2):
+            with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) was killed by "):
+                engine.step()
+        assert len(reports) == 1
+    finally:
+        engine.shutdown()
+
+
+def test_a_collective_that_times_out_fails_the_step(tiny_checkpoint):
+    """Rank 1 stopped (SIGSTOP): rank 0's next all-reduce gives up after the timeout with a
+    TensorParallelError, and shutting down still leaves no rank behind."""
+    from engine.errors import TensorParallelError
+    llm = LLM(str(tiny_checkpoint("qwen2")), tensor_parallel_size=2, tensor_parallel_timeout=2,
+              **ENGINE)
+    rank1 = llm.engine.model_runner.ranks.procs[0]
+    try:
+        os.kill(rank1.pid, 19)                    # SIGSTOP
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="step failed on rank 0"):
+            llm.generate(PROMPTS[:1], GREEDY)
+        assert time.monotonic() - start < 15
+    finally:
+        llm.shutdown()
+    assert rank1.poll() is not None and not alive(rank1.pid)
