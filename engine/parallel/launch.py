@@ -95,6 +95,7 @@ class RankSet:
             self.shutdown()
             raise
 
+    # -- start ------------------------------------------------------------------------------
     def ready(self) -> None:
         """Every rank loaded its share: from now on a rank that dies fails the engine at once
         (``on_failure``), even while it sits idle between steps."""
@@ -113,7 +114,6 @@ class RankSet:
                                        f"its error is above")
         return exc
 
-    # -- start ------------------------------------------------------------------------------
     def _await_hellos(self, store, timeout_s: float) -> None:
         """Every rank checked in to the store; a rank that exits first fails the start at once
         (its own error is on this process's stderr), one that never comes after the timeout."""
