@@ -106,11 +106,12 @@ def tokens(outs) -> list[list[list[int]]]:
 
 
 def alive(pid: int) -> bool:
+    """Running (a zombie waiting for its new parent to reap it counts as gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
         return False
-    return True
 
 
 # -- everything one pair offers, on Llama (the first pair, reused by its arch test below) ------
@@ -253,3 +254,35 @@ def test_a_collective_that_times_out_fails_the_step(tiny_checkpoint):
     finally:
         llm.shutdown()
     assert rank1.poll() is not None and not alive(rank1.pid)
+
+
+def test_ranks_end_with_their_process_however_it_ends(tiny_checkpoint, tmp_path):
+    """A process holding a size-2 engine is SIGKILLed: its rank exits (its lifeline reads end
+    of file); one that returns without ``shutdown``: its rank exits too (at interpreter exit)."""
+    import signal
+    import subprocess
+    import sys
+    script = tmp_path / "hold.py"
+    script.write_text(
+        "import sys, time\n"
+        "from engine import LLM\n"
+        f"llm = LLM({str(tiny_checkpoint('qwen2'))!r}, tensor_parallel_size=2, "
+        "enforce_eager=True, num_kv_blocks=8)\n"
+        "print(llm.engine.model_runner.ranks.procs[0].pid, flush=True)\n"
+        "if sys.argv[1] == 'wait':\n"
+        "    time.sleep(600)\n")
+    for how in ("wait", "return"):
+        proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            rank = int(proc.stdout.readline())
+            if how == "wait":
+                proc.send_signal(signal.SIGKILL)
+            assert proc.wait(60) in (0, -signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while alive(rank) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not alive(rank), f"rank {rank} outlived its process ({how})"
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
