@@ -17,11 +17,14 @@ temperature and truncation: they describe the model, not the sampling knobs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence as Seq
+from typing import TYPE_CHECKING, Optional, Sequence as Seq
 
 import torch
 
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.structured import RowMasks
 
 _MASK64 = (1 << 64) - 1
 
@@ -54,7 +57,9 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 masks: Optional["RowMasks"] = None) -> SamplerOutput:
+        """One token per row. ``masks``: the tokens structured outputs allow in some rows."""
         logits = logits.float()
         n, vocab = logits.shape
         if n != len(seqs):
@@ -63,6 +68,8 @@ class Sampler:
         lse = torch.logsumexp(logits, dim=-1)
 
         processed = self._apply_penalties_and_min_tokens(logits, seqs)
+        if masks is not None:
+            processed = self._apply_masks(processed, logits, masks)
         greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
         random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
 
@@ -115,6 +122,29 @@ class Sampler:
                 if out is logits:
                     out = logits.clone()
                 self._penalize_row(out, i, seq)
+        return out
+
+    def _apply_masks(self, processed: torch.Tensor, logits: torch.Tensor,
+                     masks: "RowMasks") -> torch.Tensor:
+        """Forbid what each constrained row's grammar does not allow.
+
+        A row left with no token is a conflict between the grammar and ``min_tokens`` (its
+        ban on EOS and stop tokens), met when the answer is complete before ``min_tokens``:
+        the grammar wins, the row takes the grammar's tokens over the raw logits, so the
+        choice ends (EOS) with a complete answer. A row whose grammar allows nothing at all
+        (not reachable from a matcher without an error) gets EOS alone: never a row of
+        ``-inf``, which would sample NaN."""
+        out = processed.clone() if processed is logits else processed
+        rows = torch.tensor(masks.rows, device=logits.device)
+        sub = out[rows].masked_fill_(~masks.allowed, float("-inf"))
+        empty = torch.isneginf(sub).all(dim=-1)
+        if bool(empty.any()):
+            fallback = logits[rows[empty]].masked_fill(~masks.allowed[empty], float("-inf"))
+            nothing = torch.isneginf(fallback).all(dim=-1)
+            if bool(nothing.any()) and self.eos_token_ids:
+                fallback[nothing, self.eos_token_ids[0]] = 0.0
+            sub[empty] = fallback
+        out[rows] = sub
         return out
 
     def _penalize_row(self, logits: torch.Tensor, i: int, seq: Sequence) -> None:
