@@ -161,22 +161,28 @@ class LLMEngine:
         group = self.requests.pop(request_id, None)
         if group is None:
             return False
-        now = time.time()
-        compiling = self.structured.abort(request_id)
-        for seq in list(group.seqs):
-            if compiling:                   # never reached the scheduler
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-                group.seqs.remove(seq)
-            else:
-                self.scheduler.finish(seq, "abort")
-            seq.finished_time = now
+        self._drop(group, scheduled=not self.structured.abort(request_id))
         return True
 
-    def _fail_request(self, request_id: str, exc: Exception) -> RequestDelta:
+    def _drop(self, group: SequenceGroup, scheduled: bool) -> None:
+        """Finish every live sequence of a request taken out of ``self.requests``; one still
+        waiting for its grammar never reached the scheduler."""
+        now = time.time()
+        for seq in list(group.seqs):
+            if scheduled:
+                self.scheduler.finish(seq, "abort")
+            else:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                group.seqs.remove(seq)
+            seq.finished_time = now
+
+    def _fail_request(self, request_id: str, exc: Exception,
+                      scheduled: bool = True) -> RequestDelta:
         """End a request the engine accepted with an error: its one, last delta."""
-        group = self.requests.get(request_id)
+        group = self.requests.pop(request_id, None)
         seqs = list(group.seqs) + list(group.finished.values()) if group is not None else []
-        self.abort_request(request_id)
+        if group is not None:
+            self._drop(group, scheduled)
         return RequestDelta(
             request_id=request_id, new_token_ids=[], new_text="", logprobs=None,
             token_logprobs=[], finished=True, finish_reason=None, stop_reason=None,
@@ -252,7 +258,7 @@ class LLMEngine:
         polled = self.structured.poll(block=not self.scheduler.has_unfinished())
         for seq in polled.ready:
             self.scheduler.add(seq)
-        return [self._fail_request(rid, exc) for rid, exc in polled.failed]
+        return [self._fail_request(rid, exc, scheduled=False) for rid, exc in polled.failed]
 
     def _beam_step(self, group: SequenceGroup, rows: dict[int, int],
                    logits: torch.Tensor) -> list[RequestDelta]:
