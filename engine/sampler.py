@@ -69,7 +69,7 @@ class Sampler:
 
         processed = self._apply_penalties_and_min_tokens(logits, seqs)
         if masks is not None:
-            processed = self._apply_masks(processed, logits, masks)
+            processed = self._apply_masks(processed, logits, masks, seqs)
         greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
         random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
 
@@ -125,26 +125,30 @@ class Sampler:
         return out
 
     def _apply_masks(self, processed: torch.Tensor, logits: torch.Tensor,
-                     masks: "RowMasks") -> torch.Tensor:
-        """Forbid what each constrained row's grammar does not allow.
+                     masks: "RowMasks", seqs: list[Sequence]) -> torch.Tensor:
+        """Forbid what each constrained row's grammar does not allow (one ``where`` pass).
 
-        A row left with no token is a conflict between the grammar and ``min_tokens`` (its
-        ban on EOS and stop tokens), met when the answer is complete before ``min_tokens``:
-        the grammar wins, the row takes the grammar's tokens over the raw logits, so the
-        choice ends (EOS) with a complete answer. A row whose grammar allows nothing at all
-        (not reachable from a matcher without an error) gets EOS alone: never a row of
-        ``-inf``, which would sample NaN."""
-        out = processed.clone() if processed is logits else processed
-        rows = torch.tensor(masks.rows, device=logits.device)
-        sub = out[rows].masked_fill_(~masks.allowed, float("-inf"))
-        empty = torch.isneginf(sub).all(dim=-1)
-        if bool(empty.any()):
-            fallback = logits[rows[empty]].masked_fill(~masks.allowed[empty], float("-inf"))
-            nothing = torch.isneginf(fallback).all(dim=-1)
-            if bool(nothing.any()) and self.eos_token_ids:
-                fallback[nothing, self.eos_token_ids[0]] = 0.0
-            sub[empty] = fallback
-        out[rows] = sub
+        Only ``min_tokens`` can leave a row with no token (its ban on EOS and stop tokens,
+        when the answer is complete before ``min_tokens``), so only rows under it are checked:
+        there the grammar wins, the row takes the grammar's tokens over the raw logits and
+        the choice ends (EOS) with a complete answer; if even the raw logits leave nothing,
+        EOS alone. So a live row is never all ``-inf`` (which would sample NaN). A matcher
+        in its error state allows nothing: its request ends this step (engine/structured.py
+        reports it before sampling) and the row's draw is discarded."""
+        neg = torch.tensor(float("-inf"), device=logits.device)
+        if masks.rows == list(range(processed.shape[0])):
+            out = torch.where(masks.allowed, processed, neg)
+        else:
+            out = processed.clone() if processed is logits else processed
+            rows = torch.tensor(masks.rows, device=logits.device)
+            out[rows] = torch.where(masks.allowed, out[rows], neg)
+        for j, i in enumerate(masks.rows):
+            if seqs[i].num_output_tokens < seqs[i].params.min_tokens \
+                    and bool(torch.isneginf(out[i]).all()):
+                fallback = torch.where(masks.allowed[j], logits[i], neg)
+                if bool(torch.isneginf(fallback).all()) and self.eos_token_ids:
+                    fallback[self.eos_token_ids[0]] = 0.0
+                out[i] = fallback
         return out
 
     def _penalize_row(self, logits: torch.Tensor, i: int, seq: Sequence) -> None:
