@@ -306,7 +306,8 @@ def test_one_wakeup_brings_every_stream_written_together(redis_server):
     write_all = "for i = 1, #KEYS do redis.call('XADD', KEYS[i], '*', 'data', 'x') end"
     got: list = []
     with Client(redis_server.url) as c:
-        reader = threading.Thread(target=lambda: got.extend(c._xread(streams, 5_000)))
+        read = c._reader.read(streams, 5_000)
+        reader = threading.Thread(target=lambda: got.extend(c._run(read)))
         reader.start()
         time.sleep(0.2)                          # let the XREAD block
         r.eval(write_all, len(streams), *streams)
