@@ -64,6 +64,7 @@ class Enqueuer:
         self.wait = pack_command([b"WAIT", b"%d" % config.durable_replicas,
                                   b"%d" % config.durable_timeout_ms])
         self.loaded = False         # the script was loaded (on every master of a cluster)
+        self.cluster: Optional[bool] = None     # the client is a cluster client (asked once)
 
     def plan(self, prepared: Sequence[Prepared], block: bool, block_timeout: Optional[float],
              durable: Optional[bool]) -> Plan[EnqueuePlan]:
@@ -79,8 +80,10 @@ class Enqueuer:
             yield Call(lambda r: r.script_load(ENQUEUE_LUA))
             self.loaded = True
         yield from self.router.route_plan(batch.jobs)
+        if self.cluster is None:
+            self.cluster = yield cluster()
         deadline = Deadline(block_timeout)
-        retry = Retrying(self.window_s if (yield cluster()) else 0.0)
+        retry = Retrying(self.window_s if self.cluster else 0.0)
         pause = 0.02
         while True:
             if batch.todo:

@@ -33,6 +33,10 @@ SDK_FILLED = frozenset({"v", "params", "submitted_ms", "deadline_ms"})
 PAYLOAD_FIELDS = frozenset(MODEL_DEFAULTS) - SDK_FILLED
 # Keyword arguments of submit() that are job fields rather than sampling fields.
 JOB_FIELDS = PAYLOAD_FIELDS | {"deadline_s", "queue"}
+# (field, model default, whether that default is an empty map) after ``v`` and ``job_id``
+_LAYOUT = tuple((name, default, default == {}) for name, default in MODEL_DEFAULTS.items()
+                if name not in ("v", "job_id"))
+_PLAIN = frozenset({str, int, float, bool, list, dict})
 # Job fields a bulk template cannot hold: they differ per job, or shape the Prepared itself.
 PER_JOB_FIELDS = frozenset({*INPUT_FIELDS, "job_id", "queue", "routing_key"})
 
@@ -172,8 +176,7 @@ class PayloadBuilder:
             except ValueError as exc:
                 raise InvalidRequest(f"queue: {exc}", field="queue") from None
         deadline_s = fields.pop("deadline_s", None)
-        params = self.params.validate({k: v for k, v in fields.items()
-                                       if k not in PAYLOAD_FIELDS})
+        params = self.params.validate({k: fields[k] for k in fields.keys() - PAYLOAD_FIELDS})
         submitted = submitted_ms if submitted_ms is not None else now_ms()
         payload = self._payload(fields, params, submitted, _deadline_ms(deadline_s, submitted))
         try:
@@ -198,15 +201,26 @@ class PayloadBuilder:
         field given (else the model's default). None is left out, and so is an empty value
         where the model's default is an empty map (metadata)."""
         job_id = fields.get("job_id")
-        filled = {"v": PROTOCOL_VERSION, "job_id": self.new_id() if job_id is None else job_id,
-                  "params": params, "submitted_ms": submitted, "deadline_ms": deadline}
-        payload: dict[str, Any] = {}
-        for name, default in MODEL_DEFAULTS.items():
-            value = filled[name] if name in filled else fields.get(name, default)
-            if value is None or (default == {} and name not in filled and not value):
+        payload: dict[str, Any] = {"v": PROTOCOL_VERSION,
+                                   "job_id": self.new_id() if job_id is None else job_id}
+        get = fields.get
+        for name, default, empty_default in _LAYOUT:
+            if name == "params":
+                payload[name] = params
                 continue
-            payload[name] = _as_dicts(value) if name == "messages" else \
-                dict(value) if isinstance(value, Mapping) and type(value) is not dict else value
+            if name == "submitted_ms":
+                value = submitted
+            elif name == "deadline_ms":
+                value = deadline
+            else:
+                value = get(name, default)
+            if value is None or (empty_default and not value):
+                continue
+            if name == "messages":
+                value = _as_dicts(value)
+            elif type(value) not in _PLAIN and isinstance(value, Mapping):
+                value = dict(value)     # msgpack packs dicts only
+            payload[name] = value
         return payload
 
     def build_many(self, requests: Iterable[Any], defaults: Mapping[str, Any],

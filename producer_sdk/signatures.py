@@ -63,14 +63,24 @@ submit.__doc__ = (submit.__doc__ or "").rstrip() + "\n" + _sampling_doc()
 SUBMIT = inspect.signature(submit)
 
 
+# Every named parameter after ``prompt`` is keyword-only with a default, so binding a call is
+# merging its keywords over these (with ``**sampling`` flattened in): a dict merge, not
+# ``Signature.bind`` (which costs more than the rest of building a payload).
+_DEFAULTS = {name: p.default for name, p in SUBMIT.parameters.items()
+             if p.default is not inspect.Parameter.empty}
+
+
 def bind_submit(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """A ``submit(*args, **kwargs)`` call as the template's arguments, defaults applied and
     ``**sampling`` flattened in (a TypeError, as Python's own, for a call that does not fit)."""
-    bound = SUBMIT.bind(None, *args, **kwargs)
-    bound.apply_defaults()
-    out = dict(bound.arguments)
-    del out["self"]
-    out.update(out.pop("sampling"))
+    out = {**_DEFAULTS, **kwargs}
+    if args:
+        if len(args) > 1:
+            raise TypeError(f"submit() takes 1 positional argument (prompt) but {len(args)} "
+                            f"were given")
+        if "prompt" in kwargs:
+            raise TypeError("submit() got multiple values for argument 'prompt'")
+        out["prompt"] = args[0]
     return out
 
 
