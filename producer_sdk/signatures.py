@@ -103,7 +103,7 @@ def docs_from(source: type) -> Callable[[C], C]:
     def apply(cls: C) -> C:
         for name, member in vars(cls).items():
             original = getattr(source, name, None)
-            if (not name.startswith("_") and callable(member) and not member.__doc__
+            if (not name.startswith("_") and inspect.isfunction(member) and not member.__doc__
                     and original is not None and original.__doc__):
                 member.__doc__ = original.__doc__
         return cls
