@@ -10,6 +10,7 @@ other logic, so a fix made here is made for both.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from typing import Any, Generic, Iterable, Optional, Sequence, TypeVar
 
 from redis.backoff import ExponentialBackoff
@@ -61,7 +62,7 @@ def make_async_redis(cfg: ClientConfig, cluster: Optional[bool] = None) -> Any:
 R = TypeVar("R")
 
 
-class ClientCore(Generic[R]):
+class ClientCore(ABC, Generic[R]):
     """What a producer client over Redis client ``R`` does, as plans; a subclass runs them.
 
     The Redis client is made on first use (asking a server whether it is a cluster node is
@@ -90,8 +91,9 @@ class ClientCore(Generic[R]):
         self._reader = ResultReader(cfg.poll_ms, cfg.reconnect_timeout_s, self.url)
 
     # -- the Redis client
+    @abstractmethod
     def _make_redis(self) -> R:
-        raise NotImplementedError(f"{type(self).__name__} makes no Redis client")
+        """A new Redis client for ``config`` (sync or asyncio: the subclass's)."""
 
     @property
     def redis(self) -> R:
