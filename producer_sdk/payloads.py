@@ -177,6 +177,9 @@ class PayloadBuilder:
                 raise InvalidRequest(f"queue: {exc}", field="queue") from None
         deadline_s = fields.pop("deadline_s", None)
         params = self.params.validate({k: fields[k] for k in fields.keys() - PAYLOAD_FIELDS})
+        metadata = fields.get("metadata")
+        if metadata and not isinstance(metadata, Mapping):
+            raise InvalidRequest("metadata must be a dict", field="metadata")
         submitted = submitted_ms if submitted_ms is not None else now_ms()
         payload = self._payload(fields, params, submitted, _deadline_ms(deadline_s, submitted))
         try:
@@ -198,8 +201,9 @@ class PayloadBuilder:
     def _payload(self, fields: Mapping[str, Any], params: dict[str, Any], submitted: int,
                  deadline: Optional[int]) -> dict[str, Any]:
         """The payload map, in the model's field order: what the SDK fills in, and each job
-        field given (else the model's default). None is left out, and so is an empty value
-        where the model's default is an empty map (metadata)."""
+        field given (else the model's default). Left out: None where the model's default is
+        None (an optional field), and an empty value where it is an empty map (metadata); a
+        None given for any other field reaches validation, which names it."""
         job_id = fields.get("job_id")
         payload: dict[str, Any] = {"v": PROTOCOL_VERSION,
                                    "job_id": self.new_id() if job_id is None else job_id}
@@ -214,7 +218,7 @@ class PayloadBuilder:
                 value = deadline
             else:
                 value = get(name, default)
-            if value is None or (empty_default and not value):
+            if (value is None and default is None) or (empty_default and not value):
                 continue
             if name == "messages":
                 value = _as_dicts(value)
