@@ -62,6 +62,10 @@ def test_payloads_follow_protocol(client: Client, sdk_url: str):
     ({"top_p": 0}, "top_p"),
     ({"job_id": "has space"}, "job_id"),
     ({"prompt": None}, "prompt"),
+    ({"priority": None}, "priority"),       # None is no default where the model has one
+    ({"stream": None}, "stream"),
+    ({"metadata": "tag"}, "metadata"),
+    ({"deadline_s": 0}, "deadline_s"),
 ])
 def test_bad_fields_rejected_before_sending(client: Client, sdk_url: str, kwargs, field):
     kwargs = {"prompt": "hi", **kwargs}
