@@ -39,7 +39,8 @@ from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer_sdk.models import Pipeline, arun_plan, run_plan, serving
+from producer_sdk.effects import Plan, pipelined
+from producer_sdk.models import Pipeline, serving
 from producer_sdk.payloads import Prepared
 from protocol.keys import Keys
 
@@ -115,7 +116,7 @@ class _Snapshot:
 class AffinityRouter:
     """Decides, per job with a routing key, the worker whose affinity stream it goes to
     (``Prepared.affinity``; None: the shared lanes). One per client; the I/O is the caller's
-    (``route`` sync, ``aroute`` async) and happens only for a queue whose snapshot is older
+    (``route_plan``, run by either client) and happens only for a queue whose snapshot is older
     than ``ttl_s`` when a keyed job is sent to it."""
 
     def __init__(self, keys: Keys, ttl_s: float, max_backlog: int,
@@ -161,26 +162,15 @@ class AffinityRouter:
             j.affinity = None if j.routing_key is None else self.choose(
                 self._keys(j.queue).queue, j.routing_key)
 
-    def route(self, client: Any, jobs: Sequence[Prepared]) -> None:
-        """Refresh what is stale on a redis-py client, then ``assign`` the keyed jobs (the
-        others are left alone: no work for the bulk path). A read that fails (a lost
-        connection, a cluster failing a master over) keeps the last view, or sends the jobs to
-        the shared lanes when there is none: routing never fails a submit, whose own retries
-        ride out the failover."""
+    def route_plan(self, jobs: Sequence[Prepared]) -> Plan[None]:
+        """Refresh what is stale, then ``assign`` the keyed jobs (the others are left alone: no
+        work for the bulk path). A read that fails (a lost connection, a cluster failing a
+        master over) keeps the last view, or sends the jobs to the shared lanes when there is
+        none: routing never fails a submit, whose own retries ride out the failover."""
         keyed = [j for j in jobs if j.routing_key is not None]
         for queue in self.stale(keyed):
             try:
-                self.store(queue, run_plan(client, live_workers_plan(self._keys(queue))))
-            except READ_ERRORS:
-                pass
-        self.assign(keyed)
-
-    async def aroute(self, client: Any, jobs: Sequence[Prepared]) -> None:
-        """``route`` on a ``redis.asyncio`` client."""
-        keyed = [j for j in jobs if j.routing_key is not None]
-        for queue in self.stale(keyed):
-            try:
-                self.store(queue, await arun_plan(client, live_workers_plan(self._keys(queue))))
+                self.store(queue, (yield from pipelined(live_workers_plan(self._keys(queue)))))
             except READ_ERRORS:
                 pass
         self.assign(keyed)

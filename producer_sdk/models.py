@@ -11,7 +11,8 @@ queues and workers (no keyspace scan), so it is cheap enough per request; ``Mode
 Live means: the heartbeat hash still exists (a dead or frozen worker's expires within 5 beats;
 its registry entry may linger, which is why the hash decides), its engine is loaded, it is not
 draining (it takes no new jobs), and it names this queue. The sync and async variants share all
-the logic (``_listing``, a generator of pipelines); they differ only in how they run them.
+the logic (``_listing``, a generator of pipelines); the SDK's two drivers run it
+(``producer_sdk.effects``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Optional, TypeVar
+from typing import Any, Callable, Generator, Optional
 
+from producer_sdk.effects import arun, pipelined, run
 from protocol.keys import Keys
 
 # Heartbeat fields the listing reads, in this order.
@@ -93,46 +95,17 @@ def _models(pairs: list[tuple[str, str]], rows: list[Any]) -> dict[str, ServedMo
             for name, live in sorted(found.items())}
 
 
-def _pipeline(client: Any, commands: Pipeline) -> Any:
-    pipe = client.pipeline(transaction=False)
-    for command in commands:
-        pipe.execute_command(*command)
-    return pipe
-
-
-T = TypeVar("T")
-
-
-def run_plan(client: Any, plan: Generator[Pipeline, list[Any], T]) -> T:
-    """Drive a sans-IO plan (a generator of pipelines, sent each one's replies) on a redis-py
-    client; returns what the plan returns."""
-    try:
-        commands = next(plan)
-        while True:
-            commands = plan.send(_pipeline(client, commands).execute())
-    except StopIteration as done:
-        return done.value
-
-
-async def arun_plan(client: Any, plan: Generator[Pipeline, list[Any], T]) -> T:
-    """``run_plan`` on a ``redis.asyncio`` client."""
-    try:
-        commands = next(plan)
-        while True:
-            commands = plan.send(await _pipeline(client, commands).execute())
-    except StopIteration as done:
-        return done.value
-
-
 def list_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:
     """Model name -> ``ServedModel`` for every model live workers of ``namespace`` serve, over
     all its queues (a redis-py ``Redis``)."""
-    return run_plan(client, _listing(namespace))
+    return run(pipelined(_listing(namespace)), lambda: client)
 
 
 async def alist_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:
     """``list_models`` on a ``redis.asyncio.Redis``."""
-    return await arun_plan(client, _listing(namespace))
+    async def conn() -> Any:
+        return client
+    return await arun(pipelined(_listing(namespace)), conn)
 
 
 class _TTL:
@@ -200,4 +173,4 @@ class AsyncModelCache:
 
 
 __all__ = ["ServedModel", "list_models", "alist_models", "ModelCache", "AsyncModelCache",
-           "serving", "run_plan", "arun_plan"]
+           "serving"]

@@ -18,6 +18,7 @@ import redis
 from producer_sdk import AsyncClient, Client
 from producer_sdk.affinity import (HEARTBEAT_FIELDS, AffinityRouter, LiveWorker, live_worker,
                                    rank)
+from producer_sdk.effects import run
 from producer_sdk.errors import InvalidRequest, QueueFull
 from producer_sdk.openai_format import CHAT_URL, LineError, body_to_request, parse_request
 from producer_sdk.payloads import Prepared
@@ -131,7 +132,7 @@ class Unreachable:
             return self
         return queued
 
-    def execute(self) -> list:
+    def execute(self, *args: object, **kwargs: object) -> list:
         raise redis.ConnectionError("connection refused")
 
 
@@ -139,12 +140,12 @@ def test_a_failed_heartbeat_read_keeps_the_last_view_or_routes_to_the_shared_lan
     clock = Clock()
     router = AffinityRouter(KEYS, ttl_s=1.0, max_backlog=5, clock=clock)
     fresh = [prepared("j1", "conv")]
-    router.route(Unreachable(), fresh)                   # never read: the shared lanes
+    run(router.route_plan(fresh), Unreachable)          # never read: the shared lanes
     assert fresh[0].affinity is None
     router.store("default", {"a": LiveWorker("a", 0)})
     clock.t += 5.0                                       # expired, and the re-read fails
     stale = [prepared("j2", "conv")]
-    router.route(Unreachable(), stale)
+    run(router.route_plan(stale), Unreachable)
     assert stale[0].affinity == "a"
 
 

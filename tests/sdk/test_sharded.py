@@ -154,7 +154,7 @@ def test_events_written_by_hand_reach_a_window_spread_over_slots(client):
             r.xadd(job.keys.results(job.id, job.shard),
                    {EVENT_FIELD: msgpack.packb(event, use_bin_type=True)})
     t0 = time.monotonic()
-    done = client._pump([j.state for j in jobs], 2000)
+    done = client._run(client._pump([j.state for j in jobs], 2000))
     assert time.monotonic() - t0 < 1.5
     assert sorted(s.job_id for s, _ in done) == sorted(j.id for j in jobs)
     assert [j.result(timeout=0).text for j in jobs] == [j.id for j in jobs]
