@@ -1,8 +1,9 @@
 """LLMEngine: the step API (add_request / step / abort_request) the worker drives.
 
-One ``step()`` = schedule -> one forward pass -> sample -> detokenize -> finish checks. The
-engine holds no threads and no queues of its own beyond the scheduler's; the caller decides
-when to step. See docs/contracts.md for the contract this implements.
+One ``step()`` = admit requests whose grammar is ready -> schedule -> one forward pass ->
+mask and sample -> detokenize -> finish checks. The engine's only threads are the grammar
+compiler's (engine/grammar.py, started by the first constrained request); its only queues
+besides the scheduler's hold requests waiting for a grammar. The caller decides when to step. See docs/contracts.md for the contract this implements.
 """
 
 from __future__ import annotations
