@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 from engine.errors import InvalidRequestError, PromptTooLongError, UnsupportedModelError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 _LAZY = {
     "LLM": "engine.llm",
@@ -20,11 +20,11 @@ _LAZY = {
     "CompletionOutput": "engine.outputs",
     "RequestDelta": "engine.outputs",
     "ResumeState": "engine.outputs",
-    "TextPrompt": "engine.llm_engine",
-    "TokensPrompt": "engine.llm_engine",
+    "TextPrompt": "engine.prompts",
+    "TokensPrompt": "engine.prompts",
 }
 
-__all__ = ["SamplingParams", "InvalidRequestError", "PromptTooLongError",
+__all__ = ["SamplingParams", "StructuredOutputsParams", "InvalidRequestError", "PromptTooLongError",
            "UnsupportedModelError", *_LAZY]
 
 

@@ -36,6 +36,10 @@ class Stepper:
             job = w.jobs.get(d.request_id)
             if job is None or not job.in_engine:
                 continue
+            if d.error is not None:     # the engine ended this request alone (its grammar)
+                job.in_engine = False
+                w.jobs.fail(job, _error_code(d.error.code), d.error.message)
+                continue
             prev, open_ = job.last_token_at, job.terminal is None
             first = job.on_delta(d, ts)
             ended = open_ and job.terminal is not None   # its last choice finished
@@ -104,3 +108,11 @@ class Stepper:
         except (redis.ConnectionError, redis.TimeoutError) as err:
             w.log.warning("hand-back failed; the lease will expire instead", error=str(err),
                           **job.log_fields())
+
+
+def _error_code(code: str) -> ErrorCode:
+    """The protocol code an engine error names (``internal`` for one the protocol lacks)."""
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return ErrorCode.INTERNAL
