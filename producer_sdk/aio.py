@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
-from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, QueueState, is_oom, is_transient,
+from producer_sdk._wire import (EnqueuePlan, QueueState, is_oom, is_transient,
                                 merge_reads, merge_xreads, normalize_xread, parse_raw_xread,
                                 sliced_xread, slot_groups)
 from producer_sdk.client import (XREAD_COUNT, _len_or_none, _outcome, map_defaults,
@@ -28,6 +28,7 @@ from producer_sdk.job import (Deadline, Delta, JobHandle, JobState, Result, Stre
 from producer_sdk.payloads import Prepared
 from protocol.keys import Keys
 from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.scripts import ENQUEUE
 from protocol.wire import now_ms, validate_job_id
 from producer_sdk.status import JobStatus, Lockstep, liveness, status_plan
 from protocol.topology import (Packed, async_send_packed, async_send_packed_trailed,
@@ -175,7 +176,7 @@ class AsyncClient(ClientCore[aioredis.Redis]):
             return []
         r = await self._conn()
         if not self._script_loaded:
-            await self._call(r.script_load, ENQUEUE_LUA)
+            await self._call(r.script_load, ENQUEUE.source)
             self._script_loaded = True
         await self._affinity.aroute(r, prepared)
         plan = self._plan(list(prepared), durable)
@@ -222,7 +223,7 @@ class AsyncClient(ClientCore[aioredis.Redis]):
             else:
                 plan.on_reply(idx, rep, ack)
         if load:
-            await self._call(self.redis.script_load, ENQUEUE_LUA)
+            await self._call(self.redis.script_load, ENQUEUE.source)
         return failed
 
     async def _send(self, items: list[Packed], retry: Retrying, trailer: Optional[bytes] = None,

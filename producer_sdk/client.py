@@ -1,6 +1,6 @@
 """The synchronous producer client: submit, stream, cancel, bulk submit and map.
 
-All enqueueing goes through one Lua script (``_wire.ENQUEUE_LUA``) that checks the queue's
+All enqueueing goes through one Lua script (``protocol.scripts.ENQUEUE``) that checks the queue's
 high-water mark and sets the job's dedupe record together with the XADD, so retries never create a
 second job; a queue of several shards gets one call per chunk of a shard, all sent in one round
 trip per Redis node (``topology.send_packed``). Result streams are read with XREAD BLOCK from the
@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 import redis
 from redis.exceptions import NoScriptError
 
-from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, QueueState, is_oom, is_transient,
+from producer_sdk._wire import (EnqueuePlan, QueueState, is_oom, is_transient,
                                 merge_reads, merge_xreads, normalize_xread, parse_raw_xread,
                                 sliced_xread, slot_groups)
 from producer_sdk.client_core import (LIMIT_FIELD, NET_ERRORS, SEND_ERRORS, ClientCore, Retrying,
@@ -26,6 +26,7 @@ from producer_sdk.job import Deadline, Delta, Job, JobState, Result, feed_states
 from producer_sdk.payloads import Prepared
 from protocol.keys import Keys
 from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.scripts import ENQUEUE
 from protocol.wire import now_ms, validate_job_id
 from producer_sdk.status import JobStatus, Lockstep, liveness, status_plan
 from protocol.topology import Packed, is_cluster, node_name, send_packed, send_packed_trailed
@@ -186,7 +187,7 @@ class Client(ClientCore[redis.Redis]):
         if not self._script_loaded:
             # Load once up front (on every master of a cluster): a NOSCRIPT reply would make
             # the first round travel twice.
-            self._call(self.redis.script_load, ENQUEUE_LUA)
+            self._call(self.redis.script_load, ENQUEUE.source)
             self._script_loaded = True
         self._affinity.route(self.redis, prepared)
         plan = self._plan(list(prepared), durable)
@@ -236,7 +237,7 @@ class Client(ClientCore[redis.Redis]):
             else:
                 plan.on_reply(idx, rep, ack)
         if load:
-            self._call(self.redis.script_load, ENQUEUE_LUA)
+            self._call(self.redis.script_load, ENQUEUE.source)
         return failed
 
     def _send(self, items: list[Packed], retry: Retrying, trailer: Optional[bytes] = None,

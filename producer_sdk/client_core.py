@@ -15,8 +15,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from producer_sdk._wire import (DEFAULT_MAX_QUEUED_JOBS, ENQUEUE_SHA, EnqueuePlan, EnqueueScript,
-                                QueueState, pack_command)
+from producer_sdk._wire import (DEFAULT_MAX_QUEUED_JOBS, EnqueuePlan, EnqueueScript,
+                                QueueState)
 from protocol.topology import is_cluster, make_async_client, make_client, redact_url
 from producer_sdk.affinity import AffinityRouter
 from producer_sdk.config import ClientConfig
@@ -24,9 +24,10 @@ from producer_sdk.errors import ClientClosed, NotDurable, QueueFull, RedisUnavai
 from producer_sdk.payloads import PayloadBuilder, Prepared
 from protocol.keys import Keys
 from protocol.limits import Limits
+from protocol.scripts import pack
 from protocol.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards, resolve_shards
 
-__all__ = ["ENQUEUE_SHA", "NET_ERRORS", "ClientCore", "make_redis", "make_async_redis"]
+__all__ = ["NET_ERRORS", "ClientCore", "make_redis", "make_async_redis"]
 
 NET_ERRORS = (RedisConnectionError, RedisTimeoutError)
 # What a packed send may raise while a cluster fails a master over (a lost connection, a slot
@@ -197,7 +198,7 @@ class ClientCore(Generic[R]):
         """The trailer of a durable round: WAIT on each node that took writes."""
         if not plan.durable:
             return None
-        return pack_command([b"WAIT", b"%d" % self.config.durable_replicas,
+        return pack([b"WAIT", b"%d" % self.config.durable_replicas,
                              b"%d" % self.config.durable_timeout_ms])
 
     def _handle(self, job_cls: type, p: Prepared, known: bool) -> Any:

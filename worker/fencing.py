@@ -7,7 +7,7 @@ otherwise write into the new owner's result stream. ``Keys.owner(job_id)`` holds
 job id to the entry it runs (``Keys.dedupe``: identity, see docs/contracts.md). The result
 stream shares the owner record's hash slot (every per-job key carries the hash tag of the queue
 shard whose stream held the entry), so one script checks the owner and appends, and one script
-call writes every job of a step that came from the same shard (worker/scripts.py). Acks are
+call writes every job of a step that came from the same shard (protocol/scripts/results.py). Acks are
 fenced by the pending list instead (worker/pending.py).
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import msgpack
 
 from protocol.keys import Keys, dedupe_record
-from worker.scripts import BIND_AND_OWN, RELEASE_OWNER, WRITE_STEP, ScriptPipeline, text
+from protocol.scripts import BIND_AND_OWN, RELEASE_OWNER, WRITE_STEP, ScriptPipeline, text
 
 
 class WriteStatus(str, Enum):
@@ -74,7 +74,7 @@ class Fence:
         refresh)`` each (``expect``: '' for a plain append; after a lost reply or any Redis
         error, the mark of the last entry the worker knows landed, so the script can tell a
         retried batch that landed from events a failover lost (status BEHIND; see
-        worker/scripts.py); ``refresh``: reset the TTLs); also reads each job's cancel flag.
+        protocol/scripts/results.py); ``refresh``: reset the TTLs); also reads each job's cancel flag.
         Parse the reply with ``parse_step_reply``."""
         keys: list[str] = []
         spec = []

@@ -18,7 +18,7 @@ from protocol.events import (DoneChoice, DoneEvent, ErrorEvent, LogprobTokens, S
                              Timings, Usage, encode_event)
 from protocol.errors import ErrorCode, FinishReason
 from protocol.wire import JobRequest
-from worker.pending import Entry
+from worker.entries import Entry
 from worker.token_text import TokenTexts
 
 
@@ -289,7 +289,7 @@ class JobTable(dict):
 
     def mark_unsure(self) -> None:
         """After a Redis error every job's next write checks what its stream holds: a lost
-        reply, or a failover that lost acknowledged writes (worker/scripts.py, _APPEND)."""
+        reply, or a failover that lost acknowledged writes (protocol/scripts/results.py, _APPEND)."""
         for job in self.values():
             job.unsure = True
 

@@ -11,55 +11,23 @@ NOGROUP recreates them with a loud log; a worker reads only as many entries as i
 after (re)connecting it first re-reads its own pending list (ID 0). Both XAUTOCLAIM reply shapes
 are handled (Redis 7: ``[cursor, entries, deleted ids]``; 6.2: ``[cursor, entries]``, a deleted
 entry coming back with a nil body). Every hold-changing command checks, inside its script, that
-the entry is still pending under this worker (worker/scripts.py).
+the entry is still pending under this worker (protocol/scripts/pending.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Callable, Iterable, Optional
 
 import redis
 
-from protocol.keys import GROUP, Keys, PARKED_IDLE_MS, PARKING_CONSUMER, PAYLOAD_FIELD
+from protocol.keys import GROUP, Keys, PARKED_IDLE_MS, PARKING_CONSUMER
+from protocol.scripts import (ACK, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM, ScriptPipeline,
+                              text)
 from protocol.topology import is_cluster
-from worker.affinity import AFFINITY_LANE, own_lanes
+from worker.entries import (AFFINITY_LANE, CHUNK, Entry, EntryKey, by_lane, entry_fields,
+                            is_nogroup, own_lanes)
 from worker.idle_read import IdleRead
-from worker.scripts import (ACK, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM, ScriptPipeline,
-                            text)
-
-# Lua's unpack() is limited by the C stack (LUAI_MAXCSTACK = 8000); stay far below it.
-CHUNK = 500
-
-
-@dataclass
-class Entry:
-    """One job stream entry this worker holds (pending under its consumer name)."""
-
-    lane: str                                  # lane name: urgent | default | bulk
-    lane_key: str                              # the stream key
-    entry_id: str
-    fields: Optional[dict[bytes, bytes]]       # None: the entry was deleted while pending
-    deliveries: int = 1
-    source: str = "new"                        # new | pending | parked | reclaimed
-    shard: int = 0                             # the queue shard of lane_key (its per-job keys)
-
-    @property
-    def payload(self) -> Optional[bytes]:
-        return None if self.fields is None else self.fields.get(PAYLOAD_FIELD)
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return self.lane_key, self.entry_id
-
-    @property
-    def enqueued_ms(self) -> int:
-        """The ms part of an auto-generated id is when the producer's XADD ran."""
-        try:
-            return int(self.entry_id.split("-", 1)[0])
-        except ValueError:
-            return 0
 
 
 class AckStatus(IntEnum):
@@ -68,26 +36,6 @@ class AckStatus(IntEnum):
     ACKED = 1
     NOT_PENDING = 0      # already acked, or never delivered
     NOT_OWNER = -1       # pending at another consumer: untouched
-
-
-def entry_fields(raw: Any) -> dict[bytes, bytes]:
-    """Entry fields from a script's flat list or redis-py's dict, keys as bytes."""
-    pairs = raw.items() if isinstance(raw, dict) else zip(list(raw or [])[0::2],
-                                                           list(raw or [])[1::2])
-    return {(k if isinstance(k, bytes) else str(k).encode()): v for k, v in pairs}
-
-
-def is_nogroup(exc: Exception) -> bool:
-    """NOGROUP, or Redis 7 unblocking a blocked read because the stream key was deleted."""
-    return isinstance(exc, redis.ResponseError) and (
-        "NOGROUP" in str(exc) or "no longer exists" in str(exc))
-
-
-def by_lane(pairs: Iterable[tuple[str, Any]]) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for lane, item in pairs:
-        out.setdefault(lane, []).append(item)
-    return out
 
 
 class PendingList:
@@ -334,7 +282,7 @@ class PendingList:
         return out
 
     def _move(self, items: Iterable[tuple[str, str, str]], target: str,
-              idle_ms: int) -> list[tuple[str, str]]:
+              idle_ms: int) -> list[EntryKey]:
         """MOVE_MINE over ``(lane, id, count)``, every lane in one round trip per node; returns
         the (lane, id) no longer ours."""
         calls = [(lane, flat[i:i + CHUNK])
@@ -345,12 +293,12 @@ class PendingList:
             *[x for eid, n in chunk for x in (eid, n)]]) for lane, chunk in calls])
         return [(lane, text(x)) for (lane, _), gone in zip(calls, replies) for x in gone or []]
 
-    def renew(self, held: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    def renew(self, held: Iterable[EntryKey]) -> list[EntryKey]:
         """Reset the idle time of held entries (no delivery counted). Returns those no longer
         ours (reclaimed after we stalled, or acked away): drop them, write nothing more."""
         return self._move(((lane, eid, "") for lane, eid in held), self.worker_id, 0)
 
-    def release(self, held: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    def release(self, held: Iterable[EntryKey]) -> list[EntryKey]:
         """Hand entries back counting a delivery: still pending here but idle "forever", so the
         next reclaim anywhere takes them at once, raising the count; for jobs that may have
         broken the engine, so a poison prompt reaches --max-deliveries instead of crash-looping
@@ -358,7 +306,7 @@ class PendingList:
         return self._move(((lane, eid, "") for lane, eid in held), self.worker_id,
                           PARKED_IDLE_MS)
 
-    def park(self, held: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    def park(self, held: Iterable[EntryKey]) -> list[EntryKey]:
         """Hand entries back without counting a delivery (drain, surplus reads): to the parking
         consumer, where the next read of any worker takes them first."""
         return self._move(((lane, eid, "") for lane, eid in held), PARKING_CONSUMER,
@@ -370,7 +318,7 @@ class PendingList:
                                                PARKED_IDLE_MS, *[x for e in entry_ids
                                                                  for x in (e, "")]])
 
-    def restore_counts(self, entries: Iterable[tuple[str, str, int]]) -> list[tuple[str, str]]:
+    def restore_counts(self, entries: Iterable[tuple[str, str, int]]) -> list[EntryKey]:
         """Set the delivery count of entries we still hold (and renew them). A re-read of our
         own pending list after a reconnect raises the count of entries we never stopped
         working on; left alone, a few Redis blips would make healthy jobs look like poison."""
@@ -382,7 +330,7 @@ class PendingList:
         AckStatus per id."""
         return pipe.script(ACK, [lane], [GROUP, self.worker_id, *entry_ids])
 
-    def ack(self, held: Iterable[tuple[str, str]]) -> list[AckStatus]:
+    def ack(self, held: Iterable[EntryKey]) -> list[AckStatus]:
         """``queue_ack`` now, for every lane in one round trip per node; the codes in order of
         ``held`` per lane."""
         calls = [(lane, ids[i:i + CHUNK]) for lane, ids in by_lane(held).items()

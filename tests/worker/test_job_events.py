@@ -7,7 +7,7 @@ import pytest
 
 from protocol.events import TokenEvent, encode_event
 from protocol.wire import JobRequest, decode_event
-from worker.pending import Entry
+from worker.entries import Entry
 from worker.jobs import Job
 from engine.outputs import RequestDelta
 
