@@ -68,6 +68,57 @@ def own_streams(keys: Keys, worker_id: str) -> list[str]:
     return [key for s in range(keys.shards) for _, key in own_lanes(keys, worker_id, s)]
 
 
+class Lanes:
+    """The streams one consumer reads, across every shard of its queue, and how urgent an
+    entry of each is.
+
+    Visiting order: this worker's affinity stream of every shard, then the priority lanes most
+    urgent first across shards (every shard's urgent lane, then every default lane, ...). A read
+    of new entries runs per shard (its streams share the shard's slot), starting from the next
+    shard in turn (``shard_order``), so no shard always loses ties."""
+
+    def __init__(self, keys: Keys, worker_id: str) -> None:
+        self.keys = keys
+        self.worker_id = worker_id
+        self.all = [own for s in range(keys.shards) for own in own_lanes(keys, worker_id, s)]
+        self.all += [(name, keys.lane(name, s)) for name in keys.LANES
+                     for s in range(keys.shards)]
+        self._name = {key: name for name, key in self.all}
+        # own affinity entries rank first: only this worker reads them (worker/affinity.py)
+        self._rank = {name: i for i, name in enumerate((AFFINITY_LANE, *keys.LANES))}
+        self.first = 0                     # the shard read first: rotates, see shard_order
+
+    def name(self, lane_key: str) -> str:
+        """urgent/default/bulk, or ``affinity`` for an affinity stream (this worker's or, when
+        reclaimed, a dead one's: every stream of the queue that is no lane)."""
+        return self._name.get(lane_key, AFFINITY_LANE)
+
+    def entry(self, lane_key: str, entry_id: str, fields: Any, deliveries: int,
+              source: str) -> Entry:
+        """An entry of one of this queue's streams; its shard is that of the stream."""
+        return Entry(self.name(lane_key), lane_key, entry_id,
+                     entry_fields(fields) if fields else None, int(deliveries or 0), source,
+                     self.keys.shard_of_stream(lane_key))
+
+    def urgency(self, e: Entry) -> tuple[int, int, int]:
+        """Sort key, most urgent first: lane, then age (older first), then the shard's turn in
+        the rotation (no shard always loses ties)."""
+        return (self._rank.get(e.lane, self._rank["default"]), e.enqueued_ms,
+                (e.shard - self.first) % self.keys.shards)
+
+    def streams(self, shard: int) -> list[str]:
+        """The streams one read of ``shard`` names, all in its slot: this worker's affinity
+        stream there, then the shard's lanes, urgent first."""
+        return [key for _, key in own_lanes(self.keys, self.worker_id, shard)] + \
+            self.keys.lanes(shard)
+
+    def shard_order(self) -> list[int]:
+        """Every shard once, starting from the next one in turn."""
+        n = self.keys.shards
+        self.first = (self.first + 1) % n
+        return [(self.first + i) % n for i in range(n)]
+
+
 def entry_fields(raw: Any) -> dict[bytes, bytes]:
     """Entry fields from a script's flat list or redis-py's dict, keys as bytes."""
     pairs = raw.items() if isinstance(raw, dict) else zip(list(raw or [])[0::2],

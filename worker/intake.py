@@ -100,7 +100,7 @@ class Intake:
         flush, its delivery count unchanged, and the next read anywhere takes it first."""
         if len(entries) <= cap:
             return entries
-        ranked = sorted(entries, key=self.pending.urgency)
+        ranked = sorted(entries, key=self.pending.lanes.urgency)
         keep = max(0, cap)
         self.surplus += ranked[keep:]
         return ranked[:keep]

@@ -25,8 +25,7 @@ from protocol.keys import GROUP, Keys, PARKED_IDLE_MS, PARKING_CONSUMER
 from protocol.scripts import (ACK, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM, ScriptPipeline,
                               text)
 from protocol.topology import is_cluster
-from worker.entries import (AFFINITY_LANE, CHUNK, Entry, EntryKey, by_lane, entry_fields,
-                            is_nogroup, own_lanes)
+from worker.entries import CHUNK, Entry, EntryKey, Lanes, by_lane, is_nogroup
 from worker.idle_read import IdleRead
 
 
@@ -45,64 +44,25 @@ class PendingList:
 
     A script's keys must share a slot, so reads run per shard (one READ_NEW per shard, all in
     one round trip per node) and hold-changing commands per lane; ``ScriptPipeline`` sends each
-    to the node that serves it. Lanes are visited most urgent first across shards (every
-    shard's urgent lane, then every default lane, ...)."""
+    to the node that serves it. Which streams, in which order, and how urgent an entry of each
+    is: ``lanes`` (worker/entries.py)."""
 
     def __init__(self, client: Any, keys: Keys, worker_id: str,
                  on_group_recreated: Optional[Callable[[str], None]] = None) -> None:
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
-        # Per shard, this worker's own affinity stream heads the shard's lanes (worker/
-        # affinity.py says why); visiting order: every own stream, then the lanes most urgent
-        # first across shards.
-        self._lanes = [own for s in range(keys.shards) for own in own_lanes(keys, worker_id, s)]
-        self._lanes += [(name, keys.lane(name, s)) for name in keys.LANES
-                        for s in range(keys.shards)]
-        self._lane_name = {key: name for name, key in self._lanes}
-        # own affinity entries rank first: only this worker reads them (worker/affinity.py)
-        self._rank = {name: i for i, name in enumerate((AFFINITY_LANE, *keys.LANES))}
-        self._first = 0                     # the shard read first: rotates, see shard_order
+        self.lanes = Lanes(keys, worker_id)
         self._on_group_recreated = on_group_recreated
         self.arrived: list[Entry] = []      # read (pending here) but not yet taken by intake
         self._idle: Optional[IdleRead] = None
         self._regrouped = False             # a read recreated the groups (see _read_now)
 
-    def lane_name(self, lane_key: str) -> str:
-        """urgent/default/bulk, or ``affinity`` for an affinity stream (this worker's or, when
-        reclaimed, a dead one's: every stream of the queue that is no lane)."""
-        return self._lane_name.get(lane_key, AFFINITY_LANE)
-
-    def entry(self, lane_key: str, entry_id: str, fields: Any, deliveries: int,
-              source: str) -> Entry:
-        """An entry of one of this queue's streams; its shard is that of the stream."""
-        return Entry(self.lane_name(lane_key), lane_key, entry_id,
-                     entry_fields(fields) if fields else None, int(deliveries or 0), source,
-                     self.keys.shard_of_stream(lane_key))
-
-    def urgency(self, e: Entry) -> tuple[int, int, int]:
-        """Sort key, most urgent first: lane, then age (older first), then the shard's turn in
-        the rotation (no shard always loses ties)."""
-        return (self._rank.get(e.lane, self._rank["default"]), e.enqueued_ms,
-                (e.shard - self._first) % self.keys.shards)
-
-    def streams(self, shard: int) -> list[str]:
-        """The streams one READ_NEW (or a cluster's blocking read) of ``shard`` names, all in
-        its slot: this worker's affinity stream there, then the shard's lanes, urgent first."""
-        return [key for _, key in own_lanes(self.keys, self.worker_id, shard)] + \
-            self.keys.lanes(shard)
-
-    def shard_order(self) -> list[int]:
-        """Every shard once, starting from the next one in turn."""
-        n = self.keys.shards
-        self._first = (self._first + 1) % n
-        return [(self._first + i) % n for i in range(n)]
-
     # ---------------------------------------------------------------- groups
     def ensure_groups(self) -> list[str]:
         """Create the group on every lane at 0 (MKSTREAM); returns the lanes where it was new."""
         created = []
-        for _, key in self._lanes:
+        for _, key in self.lanes.all:
             try:
                 self.client.xgroup_create(key, GROUP, id="0", mkstream=True)
                 created.append(key)
@@ -139,7 +99,7 @@ class PendingList:
 
     def _rows(self, key: str, rows: Any, source: str) -> list[Entry]:
         """``{id, fields|false, deliveries}`` rows as entries (fields None: deleted)."""
-        return [self.entry(key, text(i), f, d, source) for i, f, d in rows or []]
+        return [self.lanes.entry(key, text(i), f, d, source) for i, f, d in rows or []]
 
     # ---------------------------------------------------------------- new entries
     def queue_read_new(self, pipe: ScriptPipeline, count: int) -> Callable[[list], list[Entry]]:
@@ -149,9 +109,9 @@ class PendingList:
         the shards may return up to shards x count: the caller keeps the most urgent
         (``urgency``) and hands the rest back (``park``). A reply that failed keeps what the
         other shards read in ``arrived`` before it is raised."""
-        queued = [(s, pipe.script(READ_NEW, self.streams(s),
+        queued = [(s, pipe.script(READ_NEW, self.lanes.streams(s),
                                   [GROUP, self.worker_id, int(count), PARKING_CONSUMER]))
-                  for s in self.shard_order()]
+                  for s in self.lanes.shard_order()]
 
         def parse(res: list) -> list[Entry]:
             out: list[Entry] = []
@@ -164,8 +124,8 @@ class PendingList:
                     else:
                         failed = failed or res[i]
                     continue
-                lanes = self.streams(s)
-                out += [self.entry(lanes[int(k) - 1], text(eid), f, d,
+                lanes = self.lanes.streams(s)
+                out += [self.lanes.entry(lanes[int(k) - 1], text(eid), f, d,
                                    "parked" if int(parked) else "new")
                         for k, eid, f, d, parked in res[i] or []]
             if failed is not None:
@@ -192,9 +152,9 @@ class PendingList:
         """Read every shard now; once more when a shard's read found a group missing (e.g. our
         affinity stream, deleted by a sweep that took us for dead): the groups are back, and
         that shard's lanes were not read at all."""
-        first = self._first
+        first = self.lanes.first
         for _ in (0, 1):
-            self._regrouped, self._first = False, first    # the retry reads in the same turn
+            self._regrouped, self.lanes.first = False, first    # the retry reads in the same turn
             pipe = ScriptPipeline(self.client)
             parse = self.queue_read_new(pipe, count)
             out = parse(pipe.execute())
@@ -206,14 +166,14 @@ class PendingList:
         """One blocking read for every stream (own affinity streams and lanes) on a single
         Redis; one per shard in a cluster."""
         if self._idle is None:
-            groups = ([self.streams(s) for s in range(self.keys.shards)]
-                      if is_cluster(self.client) else [[key for _, key in self._lanes]])
+            groups = ([self.lanes.streams(s) for s in range(self.keys.shards)]
+                      if is_cluster(self.client) else [[key for _, key in self.lanes.all]])
             self._idle = IdleRead(self.client, groups, GROUP, self.worker_id,
                                   self._recreate_groups)
         return self._idle
 
     def _arrivals(self, got: list[tuple[str, str, list]]) -> list[Entry]:
-        return [self.entry(lane, eid, f, 1, "new") for lane, eid, f in got]
+        return [self.lanes.entry(lane, eid, f, 1, "new") for lane, eid, f in got]
 
     def wait_new(self, block_ms: int) -> list[Entry]:
         """Sleep until new entries land (at most ``block_ms``); see worker/idle_read.py."""
@@ -246,7 +206,7 @@ class PendingList:
         """Every entry pending under this consumer, all lanes, urgent first (XREADGROUP ... 0).
         Each such read counts a delivery; see ``restore_counts``."""
         out: list[Entry] = []
-        for _, key in self._lanes:
+        for _, key in self.lanes.all:
             start = "0"
             while True:
                 reply = self._run(lambda p: p.script(READ_OWN_PENDING, [key], [
@@ -266,7 +226,7 @@ class PendingList:
         back with ``fields`` None; the caller acks them. ``streams``: other streams than this
         worker's (a dead or draining worker's affinity streams)."""
         out: list[Entry] = []
-        for key in [k for _, k in self._lanes] if streams is None else streams:
+        for key in [k for _, k in self.lanes.all] if streams is None else streams:
             cursor = "0-0"
             while len(out) < count:
                 want = count - len(out)
@@ -275,7 +235,7 @@ class PendingList:
                     cursor, want, PARKING_CONSUMER]))
                 source = "reclaimed" if min_idle_ms is not None else "parked"
                 out += self._rows(key, rows, source)
-                out += [self.entry(key, text(i), None, 0, source) for i in deleted or []]
+                out += [self.lanes.entry(key, text(i), None, 0, source) for i in deleted or []]
                 cursor = text(nxt)
                 if cursor == "0-0":
                     break
@@ -343,7 +303,7 @@ class PendingList:
         """lane name -> (lag, pending) of the group summed over the shards, from XINFO GROUPS
         (lag needs Redis 7). One label per lane name, never per shard: bounded label sets."""
         out: dict[str, tuple[int, int]] = {}
-        for name, key in self._lanes:
+        for name, key in self.lanes.all:
             try:
                 groups = self.client.xinfo_groups(key)
             except redis.ResponseError:

@@ -13,9 +13,12 @@ import os
 import pytest
 
 from protocol.keys import GROUP, Keys, PAYLOAD_FIELD
+from protocol.scripts import ScriptPipeline
 from protocol.wire import JobRequest, encode_job
 from tests.fault_harness import REDIS_7, REDIS_62
 from tests.fixtures_redis import RedisServer
+from worker.deadletters import DeadLetterWriter, Rejection, outcome, payload_job_id
+from worker.entries import Entry
 from worker.pending import PendingList
 
 LEASE_MS = 1000
@@ -71,3 +74,18 @@ class Keeper(PendingList):
 
 def keeper(r, keys: Keys, me: str) -> Keeper:
     return Keeper(r, keys, me)
+
+
+
+
+def dead_letter(r, keys: Keys, me: str, entry: Entry, code: str = "poison",
+                reason: str = "too many deliveries", payload_bytes: int = 65536,
+                maxlen: int = 10_000) -> str:
+    """Write one dead letter the way the worker does; returns the script's outcome."""
+    writer = DeadLetterWriter(keys, me, 60_000, 600, maxlen, payload_bytes)
+    pipe = ScriptPipeline(r)
+    writer.queue(pipe, Rejection(entry, code, reason, payload_job_id(entry.payload), {}))
+    (reply,) = pipe.execute()
+    if isinstance(reply, Exception):
+        raise reply
+    return outcome(reply)

@@ -6,28 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.keys import Keys, PAYLOAD_FIELD
-from protocol.scripts import ScriptPipeline
+from protocol.keys import PAYLOAD_FIELD
 from protocol.wire import JobRequest, decode_event, encode_job
-from tests.worker.redis_layer import enqueue, keeper, keys, pending, r, read_as  # noqa: F401
-from worker.deadletters import DeadLetterWriter, Rejection, outcome, payload_job_id
-from worker.entries import Entry
+from tests.worker.redis_layer import (dead_letter, enqueue, keeper, keys, pending,  # noqa: F401
+                                      r, read_as)
 from worker.pending import AckStatus
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def dead_letter(r, keys: Keys, me: str, entry: Entry, code: str = "poison",
-                reason: str = "too many deliveries", payload_bytes: int = 65536,
-                maxlen: int = 10_000) -> str:
-    """Write one dead letter the way the worker does; returns the script's outcome."""
-    writer = DeadLetterWriter(keys, me, 60_000, 600, maxlen, payload_bytes)
-    pipe = ScriptPipeline(r)
-    writer.queue(pipe, Rejection(entry, code, reason, payload_job_id(entry.payload), {}))
-    (reply,) = pipe.execute()
-    if isinstance(reply, Exception):
-        raise reply
-    return outcome(reply)
 
 
 def test_dead_letter_writes_the_letter_and_the_poison_error_then_ack(r, keys):

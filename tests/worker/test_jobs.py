@@ -1,5 +1,4 @@
-"""worker/jobs.py: a job's engine deltas become protocol events (moved out of
-tests/worker/test_protocol.py, which covers the wire protocol only)."""
+"""worker/jobs.py: a job's engine deltas become protocol events."""
 
 from __future__ import annotations
 
