@@ -1,7 +1,8 @@
 """The worker loop: Redis Streams in, engine steps, token streams out.
 
-One thread does everything, in this order, each iteration (this file holds that order and
-nothing else; each step lives in the module named beside it)::
+One thread does everything, in this order, each iteration (this file holds that order and what
+the loop does with what each step reports; each step lives in the module named beside it, its
+collaborators wired in worker/crew.py)::
 
     liveness   heartbeat + worker id lease + drain flag, lease renewal    worker/liveness.py
     intake     own pending list after (re)connect, reclaims, new entries  worker/intake.py
@@ -9,6 +10,12 @@ nothing else; each step lives in the module named beside it)::
     step       engine.step() -> one token event per job                   worker/steps.py
     flush      ONE round trip: events, cancel flags, dead letters, acks   worker/outbox.py
     account    the step's logs and metrics (off the engine-to-reader path) worker/steps.py
+
+Each reports what the loop must act on, and only the loop changes the worker's state: a
+``Tick`` (worker id lost: exit 3; admin drain; leases lost: drop those jobs), ``StartDeferred``
+(a transient error: take the batch again after the backoff), an ``EngineFailure`` (the engine
+is unloaded in the heartbeat, exit 1), a ``FlushReport`` (back off, or exit 78; resume jobs
+whose streams lost events).
 
 Redis errors are classified once (worker/connection.py): transient ones (a Redis Cluster's
 failover and slot moves included) pause intake and retry with backoff, keeping every job;
