@@ -183,9 +183,9 @@ class Liveness:
         self.heartbeat()  # the claim created the hash: fill it in before anyone reads it
         return True
 
-    def tick(self) -> Tick:
+    def tick(self, draining: bool) -> Tick:
         """Run what is due: beat (stopping there when the id was lost), sweep, renew, lane
-        metrics."""
+        metrics (not while ``draining``)."""
         out = Tick()
         hb = self.s.heartbeat_ms / 1000.0
         due = self.cadence.due
@@ -199,7 +199,7 @@ class Liveness:
         if due("renew", self.s.lease_ms / 3000.0):
             held = self._held()
             out.lost_entries = self.pending.renew(held) if held else []
-        if due("lane_stats", 5 * hb) and not self._status().draining:
+        if not draining and due("lane_stats", 5 * hb):
             for lane, (lag, pending) in self.pending.lane_stats().items():
                 self.metrics.stream_lag.labels(lane).set(lag)
                 self.metrics.stream_pending.labels(lane).set(pending)

@@ -275,7 +275,7 @@ class Worker:
             c.drain.begin(self._force.is_set())
         if c.drain.active and c.drain.step(self._force.is_set()):
             return True
-        self._on_tick(c.liveness.tick())
+        self._on_tick(c.liveness.tick(draining=c.drain.active))
         busy = self.engine.has_unfinished_requests()
         if not c.drain.active and not self.backoff.paused:
             entries = c.intake.collect(block=not busy and not c.outbox.owes())

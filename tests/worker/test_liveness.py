@@ -51,7 +51,7 @@ def test_a_beat_writes_the_schema_and_a_tick_reports_nothing_when_all_is_well(ha
                                                                              redis_server):
     r = redis_server.client()
     w = hand_worker(served_model_name="alpha")
-    tick = w._crew().liveness.tick()
+    tick = w._crew().liveness.tick(draining=False)
     assert tick == Tick()
     beat = Heartbeat.decode(r.hgetall(KEYS.heartbeat("w1")))
     assert beat.serving("default") and beat.affinity and beat.served_model_name == "alpha"
@@ -66,7 +66,7 @@ def test_a_lost_worker_id_stops_the_worker_at_once_touching_nothing(hand_worker,
     iterate_until(w, lambda: "j" in w.jobs)
     r.hset(KEYS.heartbeat("w1"), INSTANCE_FIELD, "elsewhere:1:t")     # a successor took it
     w._crew().liveness.cadence = Cadence()                             # a beat is due now
-    tick = w._crew().liveness.tick()
+    tick = w._crew().liveness.tick(draining=False)
     assert tick.lost_worker_id and not tick.drain_requested and tick.lost_entries == []
     w._on_tick(tick)
     assert w.exit_code == 3 and w.stopping and not w.jobs
@@ -78,7 +78,7 @@ def test_an_admin_drain_flag_starts_a_graceful_drain(hand_worker, redis_server):
     w = hand_worker()
     r.set(KEYS.drain("w1"), "1")
     w._crew().liveness.cadence = Cadence()
-    tick = w._crew().liveness.tick()
+    tick = w._crew().liveness.tick(draining=False)
     assert tick.drain_requested and not tick.lost_worker_id
     w._on_tick(tick)
     assert w.stopping and not w._force.is_set() and w.exit_code == 0
@@ -91,7 +91,7 @@ def test_an_entry_reclaimed_from_us_is_reported_and_its_job_dropped(hand_worker,
     iterate_until(w, lambda: "j" in w.jobs)
     r.xclaim(KEYS.lane("default"), GROUP, "w2", 0, [entry_id], justid=True)   # w2 reclaimed it
     w._crew().liveness.cadence = Cadence()
-    tick = w._crew().liveness.tick()
+    tick = w._crew().liveness.tick(draining=False)
     assert tick.lost_entries == [(KEYS.lane("default"), entry_id)]
     w._on_tick(tick)
     assert "j" not in w.jobs and not w.engine.has_unfinished_requests() and not w.stopping
