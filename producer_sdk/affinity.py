@@ -13,19 +13,19 @@ enqueue script writes it), which only that worker reads, before its shared lanes
 key over the queue's live workers: every producer picks the same one without coordination, and
 when a worker leaves or joins only the keys it wins or held move.
 
-Live workers come from their heartbeats (``Keys.workers`` registry, then each heartbeat hash),
-read at most once per ``affinity_ttl_s`` per queue: a worker qualifies when its hash exists (a
-dead worker's expires within 5 beats), it advertises ``affinity``, serves this queue with its
-engine loaded and is not draining -- ``Heartbeat.serving``, what the model listing calls live,
-no stricter: a worker whose loop is slow for a beat or two (a long prefill step) keeps its
-conversations, while the few jobs routed to a worker that died before its hash expired are
-moved to the shared lanes by the sweep. A job goes to the shared lane of its priority, as one without a
-key, when no worker qualifies or the chosen one's backlog -- what it held and what sat unread in
-its affinity streams at its last beat, plus what this router sent it since -- is at or past
-``affinity_max_backlog``. Affinity never strands a job: the enqueue script itself falls back to
-the shared lane when the chosen worker's stream no longer exists (its worker deleted it while
-draining, or a sweep did after it died), and workers move what sits unread in a dead or
-draining worker's stream back to the shared lanes (worker/affinity.py).
+Live workers come from their heartbeats (``Keys.workers`` registry, then each heartbeat hash), read
+at most once per ``affinity_ttl_s`` per queue: a worker qualifies when its hash exists (a dead
+worker's expires within 5 beats), it advertises ``affinity``, serves this queue with its engine
+loaded and is not draining -- ``Heartbeat.serving``, what the model listing calls live, no
+stricter: a worker whose loop is slow for a beat or two (a long prefill step) keeps its
+conversations, while the few jobs routed to a worker that died before its hash expired are moved to
+the shared lanes by the sweep. A job goes to the shared lane of its priority, as one without a key,
+when no worker qualifies or the chosen one's backlog -- what it held and what sat unread in its
+affinity streams at its last beat, plus what this router sent it since -- is at or past
+``affinity_max_backlog``. Affinity never strands a job: the enqueue script itself falls back to the
+shared lane when the chosen worker's stream no longer exists (its worker deleted it while draining,
+or a sweep did after it died), and workers move what sits unread in a dead or draining worker's
+stream back to the shared lanes (worker/affinity.py).
 """
 
 from __future__ import annotations

@@ -215,9 +215,9 @@ class Admission:
             return
         if req.deadline_ms is not None and progress.attempts == 0 and now_ms() > req.deadline_ms:
             late = now_ms() - req.deadline_ms
-            self.jobs.fail(job, ErrorCode.EXPIRED, f"deadline_ms={req.deadline_ms} passed {late} ms "
-                           "before a worker could start the job; raise the deadline or add "
-                           "workers")
+            self.jobs.fail(job, ErrorCode.EXPIRED, f"deadline_ms={req.deadline_ms} passed "
+                           f"{late} ms before a worker could start the job; raise the deadline "
+                           "or add workers")
             return
         seed = progress.seed if progress.seed is not None else params.seed
         if seed is None:

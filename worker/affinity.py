@@ -13,18 +13,18 @@ routed job keeps its priority inside the engine (the engine schedules every job 
 priority), and the producer's backlog bound (``affinity_max_backlog``) keeps the stream short,
 so it never holds much ahead of the shared lanes.
 
-Never stranded. Every heartbeat interval the worker sweeps the streams of the queue's other
-workers that are dead (heartbeat hash gone) or draining: one script per stream
-(``MOVE_UNREAD``, protocol/scripts/affinity.py; all keys in the stream's shard slot) moves each entry nobody holds -- unread, or parked by a
-draining worker -- to the shared lane of its priority, rewrites the job's dedupe record to name
-the new entry and deletes the old one; once the stream is empty it deletes the stream, so a
-producer's enqueue that still names it falls back to the shared lane (the enqueue script,
-protocol/scripts/enqueue.py).
-Entries read but not acknowledged there (a dead worker's running jobs) are reclaimed like
-shared-lane entries, by XAUTOCLAIM past the lease (``reclaim``), so they resume elsewhere with
-their delivery counted. A draining worker moves its own unread entries back at once
-(``hand_back_own``) and, at exit, whatever it parked (``close``); it leaves the registry only
-when its streams are empty, so a stream it could not empty is still found and swept.
+Never stranded. Every heartbeat interval the worker sweeps the streams of the queue's other workers
+that are dead (heartbeat hash gone) or draining: one script per stream (``MOVE_UNREAD``,
+protocol/scripts/affinity.py; all keys in the stream's shard slot) moves each entry nobody holds --
+unread, or parked by a draining worker -- to the shared lane of its priority, rewrites the job's
+dedupe record to name the new entry and deletes the old one; once the stream is empty it deletes
+the stream, so a producer's enqueue that still names it falls back to the shared lane (the enqueue
+script, protocol/scripts/enqueue.py). Entries read but not acknowledged there (a dead worker's
+running jobs) are reclaimed like shared-lane entries, by XAUTOCLAIM past the lease (``reclaim``),
+so they resume elsewhere with their delivery counted. A draining worker moves its own unread
+entries back at once (``hand_back_own``) and, at exit, whatever it parked (``close``); it leaves
+the registry only when its streams are empty, so a stream it could not empty is still found and
+swept.
 """
 
 from __future__ import annotations

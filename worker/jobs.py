@@ -288,8 +288,8 @@ class JobTable(dict):
         self.log.warning("dropped", why=why, **job.log_fields())
 
     def mark_unsure(self) -> None:
-        """After a Redis error every job's next write checks what its stream holds: a lost
-        reply, or a failover that lost acknowledged writes (protocol/scripts/results.py, _APPEND)."""
+        """After a Redis error every job's next write checks what its stream holds: a lost reply,
+        or a failover that lost acknowledged writes (protocol/scripts/results.py, _APPEND)."""
         for job in self.values():
             job.unsure = True
 

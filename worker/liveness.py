@@ -46,11 +46,11 @@ def _pid_alive(pid: int) -> bool:
 class WorkerIdLease:
     """The worker id as a lease held by one process at a time.
 
-    The heartbeat hash carries an ``instance`` field (``host:pid:token``, protocol/heartbeat.py); ``acquire`` takes it
-    only when it is absent, expired, or left by a dead process on this host (a supervisor
-    restarting a crashed worker must not wait for the TTL); ``still_mine`` is checked with every
-    heartbeat so a process that stalled past the TTL and was replaced learns it and exits
-    instead of fighting its successor.
+    The heartbeat hash carries an ``instance`` field (``host:pid:token``, protocol/heartbeat.py);
+    ``acquire`` takes it only when it is absent, expired, or left by a dead process on this host (a
+    supervisor restarting a crashed worker must not wait for the TTL); ``still_mine`` is checked
+    with every heartbeat so a process that stalled past the TTL and was replaced learns it and
+    exits instead of fighting its successor.
     """
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, ttl_ms: int) -> None:

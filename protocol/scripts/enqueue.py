@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from protocol.scripts.lua import lua
 
+# One script call enqueues a chunk of jobs of one lane of one queue shard: per job, SET-if-absent
 # of the dedupe record and XADD happen atomically, so a retried call (redis-py retries on
 # timeouts) never enqueues twice. Every key is in the shard's slot (its hash tag): a Redis
 # Cluster runs the call on the master of that slot.

@@ -74,11 +74,12 @@ end
 """
 
 # One call for every job of an engine step. KEYS: per job owner, results, cancel. ARGV[1]: ttl
-# ms; ARGV[2]: msgpack array, per job [owner value, create 0/1, batch id, expect ('' or a
-# mark, see _APPEND), [events], refresh 0/1]. Owners and cancel flags are read with one MGET each. Returns {status letters,
-# cancel flags ('0'/'1' per job), {job number, error, ...}}, one letter per job: o ok, d dup,
-# r refused, m missing, g gone, b behind, s skip (no events), e error. Each job is isolated (pcall): one
-# job's broken key never fails another job's write (MGET reads a key of the wrong type as absent).
+# ms; ARGV[2]: msgpack array, per job [owner value, create 0/1, batch id, expect ('' or a mark,
+# see _APPEND), [events], refresh 0/1]. Owners and cancel flags are read with one MGET each.
+# Returns {status letters, cancel flags ('0'/'1' per job), {job number, error, ...}}, one letter
+# per job: o ok, d dup, r refused, m missing, g gone, b behind, s skip (no events), e error. Each
+# job is isolated (pcall): one job's broken key never fails another job's write (MGET reads a key
+# of the wrong type as absent).
 WRITE_STEP = lua("write_step", _APPEND + """
 local jobs = cmsgpack.unpack(ARGV[2])
 local status, cancel, errors = {}, {}, {}
