@@ -32,10 +32,10 @@ class LuaScript:
     name: str
     source: str                                       # what Redis runs
     template: str = field(default="", repr=False)     # as written, before substitution
+    sha: str = field(init=False, repr=False)          # what EVALSHA names (once, not per call)
 
-    @property
-    def sha(self) -> str:
-        return hashlib.sha1(self.source.encode()).hexdigest()
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
 def lua(name: str, template: str) -> LuaScript:
