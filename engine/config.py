@@ -66,6 +66,11 @@ class EngineConfig:
     # Which packed GEMM: "onednn", "mkl", or "auto" (time both per weight shape at load).
     cpu_gemm_backend: str = "auto"
     seed: int = 0
+    # Structured outputs (engine/grammar.py): grammars compile on this many threads, off the
+    # step loop; a request whose grammar is not ready within the timeout ends with
+    # invalid_request (the cache remembers a spec whose compile itself ran that long).
+    grammar_compile_threads: int = 2
+    grammar_compile_timeout_s: float = 10.0
     # Ranks the model is split over (vLLM's name): query/KV heads, MLP columns and the
     # vocabulary are divided among them (engine/parallel/). Rank 0 runs in this process; the
     # others are spawned processes, on the next CUDA devices (cuda:k+r) or on CPU with gloo.
@@ -93,7 +98,11 @@ class EngineConfig:
                              f"got {self.cpu_gemm_backend!r}")
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
-        for name in ("block_size", "max_num_seqs", "max_n", "max_beam_width"):
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, "
+                             f"got {self.grammar_compile_timeout_s}")
+        for name in ("block_size", "max_num_seqs", "max_n", "max_beam_width",
+                     "grammar_compile_threads"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_size(self.hf_config, self.tensor_parallel_size)
