@@ -17,6 +17,7 @@ import torch
 
 from engine import cpu_gemm
 from engine.model_config import ModelConfig
+from engine.parallel.partition import Partition, check_size
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -70,6 +71,13 @@ class EngineConfig:
     # invalid_request (the cache remembers a spec whose compile itself ran that long).
     grammar_compile_threads: int = 2
     grammar_compile_timeout_s: float = 10.0
+    # Ranks the model is split over (vLLM's name): query/KV heads, MLP columns and the
+    # vocabulary are divided among them (engine/parallel/). Rank 0 runs in this process; the
+    # others are spawned processes, on the next CUDA devices (cuda:k+r) or on CPU with gloo.
+    tensor_parallel_size: int = 1
+    # Seconds a rank may wait in a collective (and at least 120 s for the ranks to start and
+    # join) before the engine gives up on the group: a hung rank fails it after this long.
+    tensor_parallel_timeout: float = 120.0
     # Filled by resolve(): the checkpoint's config.json, parsed.
     hf_config: Optional[ModelConfig] = field(default=None, repr=False)
 
@@ -97,6 +105,13 @@ class EngineConfig:
                      "grammar_compile_threads"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_size(self.hf_config, self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            from engine.parallel.group import rank_devices
+            rank_devices(self.device, self.tensor_parallel_size)    # enough devices?
+        if not self.tensor_parallel_timeout > 0:
+            raise ValueError(f"tensor_parallel_timeout must be > 0 seconds, "
+                             f"got {self.tensor_parallel_timeout}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < self.kv_block_bytes():
@@ -138,12 +153,14 @@ class EngineConfig:
         return _DTYPES[name]
 
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block across all layers (K and V)."""
+        """Bytes of one KV block across all layers (K and V), on one rank: with tensor
+        parallelism each rank holds its own KV heads of every block, and the memory knobs
+        (``kv_cache_memory``, ``gpu_memory_utilization``, the CPU default) are per rank."""
         c = self.hf_config
         elem = torch.empty((), dtype=self.dtype if isinstance(self.dtype, torch.dtype)
                            else torch.float32).element_size()
-        return (2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim
-                * elem)
+        kv_heads = Partition.of(c, 0, self.tensor_parallel_size).num_kv_heads
+        return 2 * c.num_hidden_layers * self.block_size * kv_heads * c.head_dim * elem
 
     def max_useful_blocks(self) -> int:
         """More blocks than this could never be in use at once."""

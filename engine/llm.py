@@ -25,6 +25,10 @@ class LLM:
                                 tokenizer=tokenizer_object)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop a tensor-parallel engine's other ranks (see ``LLMEngine.shutdown``)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from typing import Any, Mapping, Optional, Sequence as Seq, Union
+from typing import Any, Callable, Mapping, Optional, Sequence as Seq, Union
 
 import torch
 
@@ -50,17 +50,20 @@ class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
     ``model``/``tokenizer`` may be injected (tests use a fake model); by default they are
-    loaded from ``config.model`` with ``engine.loader``.
+    loaded from ``config.model`` with ``engine.loader``. ``on_parallel_failure(message)`` is
+    called once if a rank of a tensor-parallel engine dies or a collective fails (after which
+    every step raises ``TensorParallelError``); the worker exits there.
     """
 
     def __init__(self, config: EngineConfig, *, model: Optional[Any] = None,
-                 tokenizer: Optional[Any] = None) -> None:
+                 tokenizer: Optional[Any] = None,
+                 on_parallel_failure: Optional[Callable[[str], None]] = None) -> None:
         self.config = config.resolve()
         if tokenizer is None:
             from engine.loader import load_tokenizer
             tokenizer = load_tokenizer(config.model)
         self.tokenizer = tokenizer
-        self.model_runner = ModelRunner(config, model)
+        self.model_runner = ModelRunner(config, model, on_parallel_failure=on_parallel_failure)
         self.vocab_size = config.hf_config.vocab_size
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
@@ -373,6 +376,11 @@ class LLMEngine:
         group.finished[seq.index] = seq
         if not group.seqs:
             del self.requests[seq.request_id]
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (also done when it is garbage
+        collected or the process exits); nothing to do at size 1."""
+        self.model_runner.shutdown()
 
     # -- statistics ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -123,8 +123,11 @@ def build_tokenizer_json(arch: str, vocab_size: int) -> str:
 
 
 def make_config(arch: str, size: str = "tiny", rope_scaling: str = "none",
-                dtype: str = "float32", tie_word_embeddings: bool | None = None) -> dict:
-    """config.json contents, in the classic (transformers 4.x) layout real checkpoints use."""
+                dtype: str = "float32", tie_word_embeddings: bool | None = None,
+                attention_bias: bool = False, vocab_size: int | None = None) -> dict:
+    """config.json contents, in the classic (transformers 4.x) layout real checkpoints use.
+    ``attention_bias`` (Llama, Mistral, Qwen3): biases on q/k/v and o_proj; ``vocab_size``
+    overrides the size's (an odd one exercises tensor-parallel vocabulary padding)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
     if size not in SIZES:
@@ -137,6 +140,12 @@ def make_config(arch: str, size: str = "tiny", rope_scaling: str = "none",
     cfg.update(SIZES[size])
     if tie_word_embeddings is not None:
         cfg["tie_word_embeddings"] = tie_word_embeddings
+    if attention_bias:
+        if arch == "qwen2":
+            raise ValueError("qwen2 always has q/k/v biases and never an o_proj bias")
+        cfg["attention_bias"] = True
+    if vocab_size is not None:
+        cfg["vocab_size"] = vocab_size
     qwen = arch.startswith("qwen")
     cfg.update(hidden_act="silu", rms_norm_eps=1e-6, initializer_range=0.02, use_cache=True,
                attention_dropout=0.0, bos_token_id=BOS_ID,
@@ -170,6 +179,8 @@ def make_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
             if qkv_bias:
                 w[p + f"self_attn.{name}.bias"] = normal(rows, std=0.1)
         w[p + "self_attn.o_proj.weight"] = normal(h, hq * d, std=1.0 / math.sqrt(hq * d))
+        if cfg.get("attention_bias", False):        # Llama/Mistral/Qwen3: o_proj too
+            w[p + "self_attn.o_proj.bias"] = normal(h, std=0.1)
         if cfg["model_type"] == "qwen3":
             w[p + "self_attn.q_norm.weight"] = norm_weight(d)
             w[p + "self_attn.k_norm.weight"] = norm_weight(d)
@@ -208,13 +219,16 @@ def _save_weights(out: Path, weights: dict[str, torch.Tensor], shards: int) -> N
 
 def write_checkpoint(out: str | Path, arch: str = "llama", seed: int = 0, size: str = "tiny",
                      shards: int = 1, rope_scaling: str = "none", dtype: str = "float32",
-                     tie_word_embeddings: bool | None = None) -> Path:
-    """Write a complete HF checkpoint folder at ``out`` and return its path."""
+                     tie_word_embeddings: bool | None = None, attention_bias: bool = False,
+                     vocab_size: int | None = None) -> Path:
+    """Write a complete HF checkpoint folder at ``out`` and return its path (options: see
+    :func:`make_config`)."""
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = make_config(arch, size, rope_scaling, dtype, tie_word_embeddings)
+    cfg = make_config(arch, size, rope_scaling, dtype, tie_word_embeddings, attention_bias,
+                      vocab_size)
     weights = {n: t.to(DTYPES[dtype]).contiguous()
                for n, t in make_weights(cfg, seed).items()}
     _save_weights(out, weights, shards)

@@ -81,6 +81,10 @@ class WorkerSettings(WorkerIdentity):
     enforce_eager: Optional[bool] = Field(
         None, description="No CUDA graphs (GPU) and no compiled kernels (CPU float32): "
                           "seconds less start-up, slower steps.", json_schema_extra=ENGINE_DEFAULT)
+    tensor_parallel_size: Optional[int] = Field(
+        None, ge=1, description="Split the model over this many ranks: GPUs from --device on "
+        "(cuda:0..N-1), or processes on CPU. Its query/KV heads and MLP size must divide by it "
+        "(checked at start).", json_schema_extra=ENGINE_DEFAULT)
     result_ttl: float = Field(3600.0, gt=0, description="Seconds a result stream lives after its "
                               "last write.")
     drain_timeout: float = Field(30.0, ge=0, description="Seconds running jobs get to finish on "
@@ -152,7 +156,7 @@ class WorkerSettings(WorkerIdentity):
         """Keyword arguments for EngineConfig; unset options keep the engine's defaults."""
         names = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "kv_cache_memory", "num_kv_blocks", "max_model_len", "enable_prefix_caching", "attention_backend",
-                 "enforce_eager")
+                 "enforce_eager", "tensor_parallel_size")
         out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         out["model"] = self.model
         # The job limits bound choices before admission; the engine holds the same bounds.

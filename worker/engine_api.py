@@ -56,7 +56,7 @@ class EngineAPI(Protocol):
 
 _SUMMARY_FIELDS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "block_size",
                    "max_model_len", "enable_prefix_caching", "attention_backend",
-                   "enforce_eager")
+                   "enforce_eager", "tensor_parallel_size")
 
 
 def describe_engine(engine: EngineAPI) -> dict[str, Any]:
@@ -85,4 +85,27 @@ def load_engine(settings: WorkerSettings) -> EngineAPI:
                           max_n=settings.max_n, max_beam_width=settings.max_beam_width)
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    return LLMEngine(EngineConfig(**settings.engine_kwargs()))
+    worker_id = settings.resolved_worker_id()
+    return LLMEngine(EngineConfig(**settings.engine_kwargs()),
+                     on_parallel_failure=lambda message: exit_on_parallel_failure(
+                         message, worker_id))
+
+
+def exit_on_parallel_failure(message: str, worker_id: str) -> None:
+    """A tensor-parallel rank died or a collective failed: the engine cannot step again. The
+    worker exits at once, as if it had been killed, with one log line saying why; its jobs'
+    leases lapse and other workers reclaim and resume them exactly once (the same path as
+    after a SIGKILL). Its other ranks end with it (their lifeline closes)."""
+    import os
+    import sys
+
+    from worker.logs import get_logger
+    get_logger(worker_id=worker_id).error("tensor-parallel engine failed; worker exiting so other workers "
+                       "reclaim its jobs", cause=message, exit_code=EXIT_PARALLEL_FAILURE)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(EXIT_PARALLEL_FAILURE)
+
+
+# The exit status after a tensor-parallel failure: the engine's, like an engine step failure.
+EXIT_PARALLEL_FAILURE = 1
