@@ -156,7 +156,7 @@ def test_worker_help_accepts_every_flag_the_docs_name():
                                text=True, timeout=60, cwd=REPO).stdout
     for flag in ("--model", "--redis-url", "--namespace", "--queue", "--worker-id", "--device",
                  "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
-                 "--kv-cache-memory", "--max-model-len", "--enable-prefix-caching",
+                 "--kv-cache-memory-bytes", "--max-model-len", "--enable-prefix-caching",
                  "--result-ttl", "--drain-timeout", "--metrics-port", "--lease-ms",
                  "--max-deliveries"):
         assert flag in help_text, flag
