@@ -33,25 +33,15 @@ RUN update-ca-certificates >/dev/null 2>&1 || true; \
 # docker/local/wheels never reach a final image.
 FROM base AS deps
 RUN python -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH PIP_FIND_LINKS=/tmp/wheels
+ENV PATH=/opt/venv/bin:$PATH
 COPY docker/local/wheels/ /tmp/wheels/
-COPY pyproject.toml README.md /tmp/project/
+COPY pyproject.toml /tmp/project/
+RUN touch /tmp/project/README.md          # pyproject names it; its text changes no dependency
 
+# Stage order matters to Docker's classic builder (no BuildKit), which builds every stage
+# above the target: each image's stages come before the next image's, the CUDA ones last.
 FROM deps AS deps-producer
-RUN pip install "/tmp/project[gateway]" && pip uninstall -y tokenrelay
-
-FROM deps AS deps-cpu
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# +cpu exists only on the CPU index (or in docker/local/wheels): the CUDA build cannot slip in.
-RUN pip install "torch==${TORCH_VERSION}+cpu" --extra-index-url "${TORCH_INDEX_URL}" \
- && pip install "/tmp/project[worker,fetch]" && pip uninstall -y tokenrelay
-
-FROM deps AS deps-cuda
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=
-RUN pip install "torch==${TORCH_VERSION}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
- && pip install "/tmp/project[worker,gpu,fetch]" && pip uninstall -y tokenrelay
+RUN pip install --find-links /tmp/wheels "/tmp/project[gateway]" && pip uninstall -y tokenrelay
 
 FROM base AS producer
 COPY --from=deps-producer /opt/venv /opt/venv
@@ -62,6 +52,15 @@ COPY producer_sdk ./producer_sdk
 USER tokenrelay
 EXPOSE 8000
 ENTRYPOINT ["python", "-m", "producer_sdk"]
+
+FROM deps AS deps-cpu
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# +cpu exists only on the CPU index (or in docker/local/wheels): the CUDA build cannot slip in.
+RUN pip install --find-links /tmp/wheels "torch==${TORCH_VERSION}+cpu" \
+        --extra-index-url "${TORCH_INDEX_URL}" \
+ && pip install --find-links /tmp/wheels "/tmp/project[worker,fetch]" \
+ && pip uninstall -y tokenrelay
 
 FROM base AS worker-cpu
 COPY --from=deps-cpu /opt/venv /opt/venv
@@ -76,6 +75,13 @@ RUN mkdir -p /models && chown tokenrelay /models
 USER tokenrelay
 EXPOSE 9400
 ENTRYPOINT ["python", "-m", "worker"]
+
+FROM deps AS deps-cuda
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=
+# no --find-links here: a local torch X+cpu wheel would satisfy torch==X (and win: it sorts higher)
+RUN pip install "torch==${TORCH_VERSION}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
+ && pip install "/tmp/project[worker,gpu,fetch]" && pip uninstall -y tokenrelay
 
 FROM base AS worker-cuda
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
