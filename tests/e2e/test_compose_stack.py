@@ -156,7 +156,11 @@ def stack(tmp_path_factory):
         s.compose("--profile", "cpu", "build", "worker-cpu")
         TIMINGS["build producer and cpu images"] = time.monotonic() - t1
         t1 = time.monotonic()
-        s.compose("--profile", "cpu", "up", "-d", "--scale", "worker-cpu=2")
+        try:
+            s.compose("--profile", "cpu", "up", "-d", "--scale", "worker-cpu=2")
+        except RuntimeError as exc:
+            logs = s.compose("--profile", "cpu", "logs", "--tail", "30", check=False).stdout
+            raise RuntimeError(f"{exc}\n--- logs ---\n{logs[-6000:]}") from None
         s.wait_healthy("gateway", 1)
         s.wait_healthy("worker-cpu", 2)
         TIMINGS["up: SmolLM2 fetched, 2 workers and the gateway healthy"] = time.monotonic() - t1
