@@ -37,8 +37,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _bootstrap(wheels: Path) -> dict[str, Any]:
     """Install the missing wheels before any module that needs them is imported."""
+    import importlib
+
     from benchmarks.gpu_wheels import install_missing
     installed, last = install_missing(wheels)
+    importlib.invalidate_caches()          # the new packages are importable in this process
     return {"installed": installed, "pip": last}
 
 

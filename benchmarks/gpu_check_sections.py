@@ -81,7 +81,9 @@ def parity(plan: Plan) -> Outcome:
     models = [plan.tiny_model("llama"), plan.tiny_model("qwen2")]
     if plan.smollm2 is not None:
         models.append(plan.smollm2)
-    results = [greedy_parity(str(m), device=plan.device) for m in models]
+    # a bounded pool: the default share of an 80-140 GB card would be tens of GB of float32 KV
+    pool = {} if plan.dry else {"kv_cache_memory_bytes": 4 << 30}
+    results = [greedy_parity(str(m), device=plan.device, **pool) for m in models]
     lines = [r.describe() for r in results]
     ok = all(r.ok for r in results)
     return Outcome("pass" if ok else "fail",
@@ -198,7 +200,8 @@ def worker_stream(plan: Plan) -> Outcome:
     dtype = "float32" if plan.dry else "bfloat16"
     with RedisServer(["--appendonly", "no"]) as server:
         proc = WorkerProcess(model, server.url, "gpucheck", "gpucheck-0", device=plan.device,
-                             dtype=dtype, extra=["--max-model-len", "1024"])
+                             dtype=dtype, extra=["--max-model-len", "1024",
+                                                 "--kv-cache-memory-bytes", "1GiB"])
         try:
             proc.wait_healthy(timeout=300)
             jobs = []
