@@ -276,7 +276,7 @@ def test_the_cuda_worker_image_builds_and_its_kernels_compile_without_a_gpu(stac
         "run", "--rm", "--entrypoint", "python", image, "-c",
         "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"
     ).stdout.split()
-    assert versions[0] == "2.13.0" and versions[1] is not None, versions
+    assert versions[0].startswith("2.13.0+cu") and versions[1] != "None", versions
     t0 = time.monotonic()
     out = stack.docker.run("run", "--rm", "--entrypoint", "python", image, "-m",
                            "kernels.compile_check", "--arch", "90", timeout=1200).stdout
