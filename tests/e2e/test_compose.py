@@ -27,8 +27,17 @@ from tests.fault_harness import stop_group, wait_for
 jsonschema = pytest.importorskip("jsonschema")
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "docker"))
-import compose_gpus  # noqa: E402  (docker/compose_gpus.py, a script)
+
+def _load_script(path: Path):
+    """A script (not a package module) as a module, without putting its folder on sys.path."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+compose_gpus = _load_script(REPO / "docker" / "compose_gpus.py")
 
 
 class ComposeLoader(yaml.SafeLoader):
