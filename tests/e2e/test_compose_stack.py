@@ -243,7 +243,9 @@ def test_restarting_the_redis_container_keeps_the_queue(stack):
         stack.wait_healthy("redis", 1, timeout=120)
         TIMINGS["restart the Redis container"] = time.monotonic() - t0
         with Client(stack.redis_url, namespace=NAMESPACE) as client:
-            assert [client.status(i).state for i in ids] == ["queued"] * 3
+            # queued, or delivered to a frozen worker's blocking read (the server answers it
+            # for the frozen process): either way still there, as entries and pending lists
+            assert {client.status(i).state for i in ids} <= {"queued", "running"}
     finally:
         stack.compose("--profile", "cpu", "unpause", "worker-cpu")
     with Client(stack.redis_url, namespace=NAMESPACE) as client:
