@@ -36,8 +36,10 @@ $(STAMP): pyproject.toml
 demo: env
 	$(PY) -m demos.service
 
+# Two pytest workers, a file at a time (tests sharing a module fixture stay together): most
+# tests wait on worker and redis-server processes, so two of them fit two cores.
 test: env
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 clean-env:
 	rm -rf $(VENV)

@@ -157,7 +157,7 @@ def run_batch(client, workdir: Path, lines: int) -> None:
 
 
 def print_stats(url: str, namespace: str) -> None:
-    from producer_sdk.cli import queue_stats
+    from producer_sdk.stats import queue_stats
     from protocol.keys import Keys
     r = redis.Redis.from_url(url)
     try:

@@ -30,7 +30,8 @@ from typing import Any, Iterator, Optional, TextIO
 
 from pydantic import BaseModel, ConfigDict
 
-from producer_sdk.client import Client, progress_bar
+from producer_sdk.client import Client
+from producer_sdk.window import progress_bar
 from producer_sdk.errors import InvalidRequest, JobFailed
 from producer_sdk.job import Job
 from producer_sdk.models import ModelCache

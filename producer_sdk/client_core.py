@@ -1,41 +1,42 @@
-"""What the sync and async producer clients share before any I/O: their settings, the Redis
-client they own (one server or a cluster, made on first use), what they know of each queue they
-send to (its keys with the shard count resolved, its high-water mark), the payload builder and
-enqueue script, and the closed state."""
+"""Everything the sync and async producer clients do, written once, without I/O.
+
+``ClientCore`` holds what a client owns (its settings, the Redis client, made on first use, the
+queues it knows, the payload builder, the enqueue and the result reader) and writes each
+operation as a plan (``producer_sdk.effects``): it says which commands to send and what their
+replies mean. ``Client`` runs the plans blocking, ``AsyncClient`` awaiting; neither holds any
+other logic, so a fix made here is made for both.
+"""
 
 from __future__ import annotations
 
 import threading
-import time
-from typing import Any, Generic, Optional, TypeVar
+from abc import ABC, abstractmethod
+from typing import Any, Generic, Iterable, Optional, Sequence, TypeVar
 
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ClusterError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from producer_sdk._wire import (DEFAULT_MAX_QUEUED_JOBS, ENQUEUE_SHA, EnqueuePlan, EnqueueScript,
-                                QueueState, pack_command)
-from protocol.topology import is_cluster, make_async_client, make_client, redact_url
+from producer_sdk._wire import EnqueuePlan
 from producer_sdk.affinity import AffinityRouter
 from producer_sdk.config import ClientConfig
-from producer_sdk.errors import ClientClosed, NotDurable, QueueFull, RedisUnavailable
+from producer_sdk.effects import NET_ERRORS, SEND_ERRORS, Call, Plan
+from producer_sdk.enqueue import Enqueuer
+from producer_sdk.errors import ClientClosed, JobNotFound, NotDurable, QueueFull, RedisUnavailable
+from producer_sdk.job import Deadline, Delta, JobHandle, JobState
 from producer_sdk.payloads import PayloadBuilder, Prepared
+from producer_sdk.queues import LIMIT_FIELD, QueueBook
+from producer_sdk.reads import ResultReader
+from producer_sdk.signatures import SEND_OPTIONS, bind_submit
+from producer_sdk.status import JobStatus, liveness, read_statuses
 from protocol.keys import Keys
 from protocol.limits import Limits
-from protocol.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards, resolve_shards
+from protocol.topology import make_async_client, make_client, redact_url
+from protocol.wire import now_ms, validate_job_id
 
-__all__ = ["ENQUEUE_SHA", "NET_ERRORS", "ClientCore", "make_redis", "make_async_redis"]
-
-NET_ERRORS = (RedisConnectionError, RedisTimeoutError)
-# What a packed send may raise while a cluster fails a master over (a lost connection, a slot
-# map without a master for a slot for a moment).
-SEND_ERRORS = (*NET_ERRORS, ClusterError, RedisClusterException)
-LIMIT_FIELD = "max_queued_jobs"
-# How long a producer reuses a queue's high-water mark (and watches for a shard count being
-# registered) before reading its config hash again: one HMGET per queue per second of submits.
-CONFIG_TTL_S = 1.0
+__all__ = ["NET_ERRORS", "SEND_ERRORS", "LIMIT_FIELD", "ClientCore",
+           "make_redis", "make_async_redis"]
 
 
 def connection_kwargs(cfg: ClientConfig) -> dict[str, Any]:
@@ -58,57 +59,41 @@ def make_async_redis(cfg: ClientConfig, cluster: Optional[bool] = None) -> Any:
     return make_async_client(cfg.redis_url, known, **connection_kwargs(cfg))
 
 
-class Retrying:
-    """How long one enqueue keeps resending what a lost connection or a failing-over cluster
-    did not answer: on one Redis a single retry after 0.1 s (fail fast: it is down), on a
-    cluster up to ``window_s`` (a failover takes seconds; every resend is safe, the enqueue
-    script dedupes by job id), pausing 0.1 s doubling to 1 s."""
-
-    def __init__(self, window_s: float) -> None:
-        self.end = time.monotonic() + window_s
-        self.tries = 0
-        self.pause_s = 0.1
-
-    def pause(self) -> Optional[float]:
-        """Seconds to wait before the next try, None when it is time to give up."""
-        self.tries += 1
-        if self.tries > 1 and time.monotonic() >= self.end:
-            return None
-        pause, self.pause_s = self.pause_s, min(self.pause_s * 2, 1.0)
-        return pause
-
-
 R = TypeVar("R")
 
 
-class ClientCore(Generic[R]):
-    """What Client and AsyncClient (over client ``R``) share before any I/O: settings, the
-    Redis client (made on first use: asking a server whether it is a cluster node is I/O, and
-    a client is made before Redis may be up), per-queue state, the payload builder and the
-    enqueue script, and the closed state: after ``close()`` every use raises ClientClosed,
-    never a silent reconnect."""
+class ClientCore(ABC, Generic[R]):
+    """What a producer client over Redis client ``R`` does, as plans; a subclass runs them.
+
+    The Redis client is made on first use (asking a server whether it is a cluster node is
+    I/O, and a client is made before Redis may be up); after ``close()`` every use raises
+    ClientClosed, never a silent reconnect. ``job_class`` is the handle the subclass returns.
+    """
+
+    job_class: type[JobHandle] = JobHandle
 
     def __init__(self, redis_url: Optional[str], queue: str, namespace: str,
                  redis_client: Optional[R], limits: Limits, settings: dict[str, Any]) -> None:
         if redis_url is not None:
             settings["redis_url"] = redis_url
-        self.config = ClientConfig(queue=queue, namespace=namespace, **settings)
+        cfg = self.config = ClientConfig(queue=queue, namespace=namespace, **settings)
         self.queue = queue
         self.namespace = namespace
-        self.url = redact_url(self.config.redis_url)
+        self.url = redact_url(cfg.redis_url)
         self._redis: Optional[R] = redis_client
         self._making = threading.Lock()
         self._closed = False
         self._builder = PayloadBuilder(Keys(namespace, queue), limits=limits)
-        self._script = EnqueueScript(self.config.dedupe_ttl_s)
-        self._queues: dict[str, QueueState] = {}
-        self._script_loaded = False
-        self._affinity = AffinityRouter(Keys(namespace, queue), self.config.affinity_ttl_s,
-                                        self.config.affinity_max_backlog)
+        self._queues = QueueBook(namespace, queue, cfg.shards, cfg.max_queued_jobs)
+        self._affinity = AffinityRouter(Keys(namespace, queue), cfg.affinity_ttl_s,
+                                        cfg.affinity_max_backlog)
+        self._enqueuer = Enqueuer(self._queues, self._affinity, cfg, self.url)
+        self._reader = ResultReader(cfg.poll_ms, cfg.reconnect_timeout_s, self.url)
 
     # -- the Redis client
+    @abstractmethod
     def _make_redis(self) -> R:
-        raise NotImplementedError
+        """A new Redis client for ``config`` (sync or asyncio: the subclass's)."""
 
     @property
     def redis(self) -> R:
@@ -128,99 +113,120 @@ class ClientCore(Generic[R]):
     def closed(self) -> bool:
         return self._closed
 
-    # -- queues
-    def _cached_queue(self, queue: Optional[str], fresh: bool) -> Optional[QueueState]:
-        """The queue's state when known (and, with ``fresh``, not due for a re-read)."""
-        st = self._queues.get(queue or self.queue)
-        if st is None or (fresh and time.monotonic() >= st.expires):
-            return None
-        return st
+    def prepare(self, request: Any, **defaults: Any) -> Prepared:
+        """Validate and encode one request without sending it (for custom windows)."""
+        return self._builder.build_request(request, defaults)
 
-    def _config_key(self, queue: Optional[str]) -> str:
-        return Keys(self.namespace, queue or self.queue).config
+    # -- plans: submit
+    def _submit(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan[Any]:
+        fields = bind_submit(args, kwargs)
+        block, block_timeout, durable = (fields.pop(k) for k in SEND_OPTIONS)
+        prepared = self._builder.build(**fields)
+        return (yield from self._enqueue([prepared], block=block, block_timeout=block_timeout,
+                                         durable=durable))[0]
 
-    def _config_read(self, queue: Optional[str]) -> tuple[str, str, str]:
-        """The HMGET (key, fields) that ``_store_queue`` wants the replies of."""
-        return self._config_key(queue), LIMIT_FIELD, SHARDS_FIELD
+    def _submit_many(self, requests: Iterable[Any], block: bool, block_timeout: Optional[float],
+                     durable: Optional[bool], defaults: dict[str, Any]) -> Plan[list[Any]]:
+        prepared = self._builder.build_many(requests, defaults, now_ms())
+        return (yield from self._enqueue(prepared, block=block, block_timeout=block_timeout,
+                                         durable=durable))
 
-    def _store_queue(self, queue: Optional[str], raw_limit: Any, raw_shards: Any) -> QueueState:
-        """What the queue's config hash says, checked against what this client knew.
-
-        The shard count is the client's ``shards`` (its own queue only) or the one the
-        queue's workers registered, else 1; a registered count is kept for the client's life
-        (a queue resharded under it raises ShardCountMismatch rather than sending jobs where
-        no worker reads), while a count not registered yet follows a later registration."""
-        name = queue or self.queue
-        base = Keys(self.namespace, name)
-        old = self._queues.get(name)
-        registered = parse_shards(raw_shards, base.config)
-        if registered is None and old is not None and old.registered:
-            registered = old.keys.shards    # the field was deleted under a live client
-        count = resolve_shards(self.config.shards if name == self.queue else None, registered,
-                               base)
-        if old is not None and old.registered and old.keys.shards != count:
-            raise ShardCountMismatch(
-                f"queue {name!r} was registered with {old.keys.shards} shards when this client "
-                f"first used it and now with {count} ({base.config}): it was resharded; "
-                f"create a new client")
-        keys = old.keys if old is not None and old.keys.shards == count else \
-            Keys(self.namespace, name, count)
-        st = QueueState(keys, self._limit(raw_limit), registered is not None,
-                        time.monotonic() + CONFIG_TTL_S)
-        self._queues[name] = st
-        return st
-
-    def _limit(self, raw: Any) -> int:
-        """The high-water mark: the client's own, else the config hash's, else the default."""
-        if self.config.max_queued_jobs is not None:
-            return self.config.max_queued_jobs
-        try:
-            return max(0, int(raw)) if raw is not None else DEFAULT_MAX_QUEUED_JOBS
-        except ValueError:
-            return DEFAULT_MAX_QUEUED_JOBS
-
-    def _stale(self, queue: Optional[str]) -> None:
-        """Read the queue's config again on next use (after this client changed it)."""
-        st = self._queues.get(queue or self.queue)
-        if st is not None:
-            st.expires = 0.0
-
-    # -- enqueue (shared bookkeeping)
-    def _plan(self, prepared: list[Prepared], durable: Optional[bool]) -> EnqueuePlan:
-        durable = self.config.durable if durable is None else durable
-        return EnqueuePlan(prepared, self._script, self.config.chunk_size, durable)
-
-    def _retrying(self) -> Retrying:
-        return Retrying(self.config.reconnect_timeout_s if is_cluster(self._redis) else 0.0)
-
-    def _wait_command(self, plan: EnqueuePlan) -> Optional[bytes]:
-        """The trailer of a durable round: WAIT on each node that took writes."""
-        if not plan.durable:
-            return None
-        return pack_command([b"WAIT", b"%d" % self.config.durable_replicas,
-                             b"%d" % self.config.durable_timeout_ms])
-
-    def _handle(self, job_cls: type, p: Prepared, known: bool) -> Any:
-        st = self._queues[p.queue or self.queue]
-        return job_cls(self, p.job_id, keys=st.keys, shard=p.shard, reattached=known)
-
-    def _handles(self, job_cls: type, plan: EnqueuePlan, indexes: list[int]) -> list[Any]:
-        return [self._handle(job_cls, plan.jobs[i], plan.entries[i][0]) for i in indexes]
-
-    def _queue_full(self, job_cls: type, plan: EnqueuePlan) -> QueueFull:
-        return QueueFull(plan.refused_queue(self.queue), plan.depth, plan.limit,
-                         reason="oom" if plan.oom else "high-water mark",
-                         accepted=self._handles(job_cls, plan, plan.accepted()))
-
-    def _finish(self, job_cls: type, plan: EnqueuePlan) -> list[Any]:
-        """The handles of a finished plan; NotDurable (carrying them) when a durable submit's
-        jobs were acknowledged by fewer replicas than asked."""
-        jobs = self._handles(job_cls, plan, list(range(len(plan.jobs))))
-        if plan.durable:
+    def _enqueue(self, prepared: Sequence[Prepared], *, block: bool,
+                 block_timeout: Optional[float] = None,
+                 durable: Optional[bool] = None) -> Plan[list[Any]]:
+        """Send prepared jobs; their handles in input order. QueueFull carries the jobs that
+        went in; NotDurable (a durable enqueue short of replicas) all of them."""
+        batch = yield from self._enqueuer.plan(prepared, block, block_timeout, durable)
+        if batch.refused:
+            raise QueueFull(batch.refused_queue(self.queue), batch.depth, batch.limit,
+                            reason="oom" if batch.oom else "high-water mark",
+                            accepted=self._handles(batch, batch.accepted()))
+        jobs = self._handles(batch, list(range(len(batch.jobs))))
+        if batch.durable:
             asked = self.config.durable_replicas
-            acked, short = plan.short_of(asked)
+            acked, short = batch.short_of(asked)
             if short:
-                errors = {str(a) for a in plan.acks if isinstance(a, Exception)}
-                raise NotDurable(acked, asked, [plan.jobs[i].job_id for i in short], jobs,
+                errors = {str(a) for a in batch.acks if isinstance(a, Exception)}
+                raise NotDurable(acked, asked, [batch.jobs[i].job_id for i in short], jobs,
                                  detail="; ".join(sorted(errors)))
         return jobs
+
+    def _handles(self, batch: EnqueuePlan, indexes: list[int]) -> list[Any]:
+        out = []
+        for i in indexes:
+            p, known = batch.jobs[i], batch.entries[i][0]
+            keys = self._queues.cached(p.queue).keys
+            out.append(self.job_class(self, p.job_id, keys=keys, shard=p.shard,
+                                      reattached=known))
+        return out
+
+    # -- plans: jobs by id
+    def _keys_of(self, queue: Optional[str]) -> Plan[Keys]:
+        return (yield from self._queues.keys(queue))
+
+    def _get(self, job_id: str, queue: Optional[str]) -> Plan[Any]:
+        validate_job_id(job_id)
+        job = self.job_class(self, job_id, keys=(yield from self._queues.keys(queue)),
+                             reattached=True)
+        if (yield from self._probe([job]))[0] == "unknown":
+            raise JobNotFound(job_id)
+        return job
+
+    def _probe(self, jobs: Sequence[JobHandle]) -> Plan[list[str]]:
+        """Per job: 'active' (queued, running or has results), 'lost' or 'unknown' (see
+        ``status.liveness``); marks lost jobs so reading them fails at once."""
+        statuses = yield from read_statuses([(j.keys, j.id, j.shard) for j in jobs],
+                                            position=False)
+        found = [liveness(s) for s in statuses]
+        for j, state in zip(jobs, found):
+            if state == "lost":
+                j.state.mark_lost()
+        return found
+
+    def _statuses(self, job_ids: Sequence[str], queue: Optional[str]) -> Plan[list[JobStatus]]:
+        for job_id in job_ids:
+            validate_job_id(job_id)
+        keys = yield from self._queues.keys(queue)
+        return (yield from read_statuses([(keys, j, None) for j in job_ids]))
+
+    def _cancel(self, job_id: str, queue: Optional[str]) -> Plan[None]:
+        yield from self._cancel_keys([(yield from self._queues.keys(queue)).cancel(job_id)])
+
+    def _cancel_keys(self, keys: list[str]) -> Plan[None]:
+        """Set each cancel flag (with a TTL); one command, or one pipeline for several."""
+        ttl = self.config.cancel_ttl_s
+        if len(keys) == 1:
+            yield Call(lambda r: r.set(keys[0], b"1", ex=ttl))
+            return
+
+        def flag_all(r: Any) -> Any:
+            pipe = r.pipeline(transaction=False)
+            for key in keys:
+                pipe.set(key, b"1", ex=ttl)
+            return pipe.execute()
+        yield Call(flag_all)
+
+    # -- plans: queues
+    def _ping(self) -> Plan[None]:
+        yield Call(lambda r: r.ping())
+
+    def _queue_depth(self, queue: Optional[str]) -> Plan[int]:
+        lanes = (yield from self._queues.keys(queue)).lanes()
+
+        def xlen_all(r: Any) -> Any:
+            pipe = r.pipeline(transaction=False)
+            for lane in lanes:
+                pipe.xlen(lane)
+            return pipe.execute()
+        return sum((yield Call(xlen_all)))
+
+    def _set_max_queued_jobs(self, limit: int, queue: Optional[str]) -> Plan[None]:
+        yield from self._queues.set_limit(limit, queue)
+
+    # -- plans: results
+    def _pump(self, states: Iterable[JobState],
+              block_ms: int) -> Plan[list[tuple[JobState, list[Delta]]]]:
+        return (yield from self._reader.pump(states, block_ms))
+
+    def _pump_one(self, state: JobState, deadline: Deadline) -> Plan[list[Delta]]:
+        return (yield from self._reader.pump_one(state, deadline))

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterator, Optional, Union
+from typing import Any, AsyncIterator, Iterator, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from producer_sdk.effects import Plan
 from producer_sdk.errors import LOST, JobFailed
+from producer_sdk.signatures import docs_from
 from protocol.fold import Delta, ResultFold
 from protocol.logprobs import TokenLogprob
 from protocol.events import DoneEvent, ErrorEvent, Timings, Usage
@@ -240,7 +242,8 @@ _STATE_LOCK = threading.Lock()  # two threads touching a fresh handle must share
 
 class JobHandle:
     """What the sync and async job handles share: ids, where the job's keys are (its queue and
-    the shard of that queue it was put on) and the state read so far (no I/O)."""
+    the shard of that queue it was put on), the state read so far, and what reading it means
+    (plans, ``producer_sdk.effects``); ``Job`` and ``AsyncJob`` only run them on their client."""
 
     __slots__ = ("client", "id", "keys", "shard", "_state", "reattached")
 
@@ -287,10 +290,24 @@ class JobHandle:
         unread: ``timeout=0`` still reads everything a finished job already wrote."""
         return deadline.expired and self.state.caught_up
 
+    def _result(self, timeout: Optional[float]) -> Plan[Result]:
+        """Read until the job finished; its Result. Reads Redis at least once, so
+        ``timeout=0`` returns a finished job's result."""
+        deadline = Deadline(timeout)
+        while not self.state.finished:
+            yield from self.client._pump_one(self.state, deadline)
+            if not self.state.finished and self._timed_out(deadline):
+                raise timeout_error(self.id, timeout, streaming=False)
+        return self.state.result()
+
+    def _cancel(self) -> Plan[None]:
+        return self.client._cancel_keys([self.cancel_key])
+
 
 class StreamCursor:
-    """One ``stream()`` call's place in a job's delta log: the I/O-free half of ``Job.stream``
-    and ``AsyncJob.stream``, which differ only in how they pump Redis when ``take`` says so."""
+    """One ``stream()`` call's place in a job's delta log: the I/O-free part of ``Job.stream``
+    and ``AsyncJob.stream``, which differ only in how they run ``pump()`` when ``take`` says
+    so. A context manager: leaving it (also early) unregisters the reader."""
 
     def __init__(self, job: JobHandle, timeout: Optional[float]) -> None:
         self.job = job
@@ -300,9 +317,16 @@ class StreamCursor:
         self.pumped = False
         self.fresh = False      # the last take before a pump returned deltas
 
+    def __enter__(self) -> "StreamCursor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.job.state.close_stream()
+
     def take(self) -> Optional[list[Delta]]:
         """The deltas readable now; ``[]``: pump once, then take again; None: the stream is
-        over. Raises TimeoutError once the deadline passed and a pump left nothing unread."""
+        over. Raises JobFailed when it ended in an error, TimeoutError once the deadline passed
+        and a pump left nothing unread."""
         state = self.job.state
         new = state.read_log(self.at)
         self.at += len(new)
@@ -310,14 +334,16 @@ class StreamCursor:
             self.fresh = True
             return new
         if state.finished and self.at >= state.delta_count:
+            self.job._raise_if_failed()
             return None
         if self.pumped and not self.fresh and self.job._timed_out(self.deadline):
             raise timeout_error(self.job.id, self.timeout, streaming=True)
         self.pumped, self.fresh = True, False
         return []
 
-    def close(self) -> None:
-        self.job.state.close_stream()
+    def pump(self) -> Plan[list[Delta]]:
+        """One read of the job's stream (what ``take`` returns next)."""
+        return self.job.client._pump_one(self.job.state, self.deadline)
 
 
 def timeout_error(job_id: str, timeout: Optional[float], streaming: bool) -> TimeoutError:
@@ -337,28 +363,42 @@ class Job(JobHandle):
     __slots__ = ()
 
     def stream(self, timeout: Optional[float] = None) -> Iterator[Delta]:
-        """Yield deltas as they arrive, from when this call starts; JobFailed on error."""
-        cursor = StreamCursor(self, timeout)
-        try:
+        """Yield deltas as they arrive, from when this call starts; JobFailed on error,
+        TimeoutError when no terminal event came within ``timeout`` seconds."""
+        with StreamCursor(self, timeout) as cursor:
             while (deltas := cursor.take()) is not None:
                 yield from deltas
                 if not deltas:
-                    self.client._pump_one(self.state, cursor.deadline)
-        finally:
-            cursor.close()
-        self._raise_if_failed()
+                    self.client._run(cursor.pump())
 
     def result(self, timeout: Optional[float] = None) -> Result:
         """Wait for the job to finish. Raises JobFailed, or TimeoutError after ``timeout`` s.
 
         Reads Redis at least once, so ``timeout=0`` returns a finished job's result."""
-        deadline = Deadline(timeout)
-        while not self.state.finished:
-            self.client._pump_one(self.state, deadline)
-            if not self.state.finished and self._timed_out(deadline):
-                raise timeout_error(self.id, timeout, streaming=False)
-        return self.state.result()
+        return self.client._run(self._result(timeout))
 
     def cancel(self) -> None:
         """Ask the worker to stop (a queued job never starts). The job ends with done/cancelled."""
-        self.client._cancel_keys([self.cancel_key])
+        self.client._run(self._cancel())
+
+
+@docs_from(Job)
+class AsyncJob(JobHandle):
+    """A handle on one submitted job (asyncio); see ``Job``. Several tasks may stream one job:
+    each sees every delta from its start once."""
+
+    __slots__ = ()
+
+    async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Delta]:
+        with StreamCursor(self, timeout) as cursor:
+            while (deltas := cursor.take()) is not None:
+                for delta in deltas:
+                    yield delta
+                if not deltas:
+                    await self.client._run(cursor.pump())
+
+    async def result(self, timeout: Optional[float] = None) -> Result:
+        return await self.client._run(self._result(timeout))
+
+    async def cancel(self) -> None:
+        await self.client._run(self._cancel())

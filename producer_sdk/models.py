@@ -10,8 +10,9 @@ queues and workers (no keyspace scan), so it is cheap enough per request; ``Mode
 
 Live means: the heartbeat hash still exists (a dead or frozen worker's expires within 5 beats;
 its registry entry may linger, which is why the hash decides), its engine is loaded, it is not
-draining (it takes no new jobs), and it names this queue. The sync and async variants share all
-the logic (``_listing``, a generator of pipelines); they differ only in how they run them.
+draining (it takes no new jobs), and it names this queue (``Heartbeat.serving``; the hash's
+schema is protocol/heartbeat.py). The sync and async variants share all the logic
+(``_listing``, a generator of pipelines); the SDK's two drivers run it (``producer_sdk.effects``).
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Optional, TypeVar
+from typing import Any, Callable, Generator, Optional
 
+from producer_sdk.effects import arun, pipelined, run
+from protocol.heartbeat import FIELDS, Heartbeat
 from protocol.keys import Keys
-
-# Heartbeat fields the listing reads, in this order.
-_FIELDS = ("served_model_name", "queue", "engine_loaded", "draining", "started_ms")
 
 
 @dataclass(frozen=True)
@@ -66,73 +66,36 @@ def _listing(namespace: str) -> Generator[Pipeline, list[Any], dict[str, ServedM
     pairs = [(q, _s(w)) for q, ids in zip(names, registries) for w in ids or ()]
     if not pairs:
         return {}
-    rows = yield [("HMGET", ns.heartbeat(w), *_FIELDS) for _, w in pairs]
-    return _models(pairs, rows)
+    rows = yield [("HMGET", ns.heartbeat(w), *FIELDS) for _, w in pairs]
+    return _models(pairs, [Heartbeat.from_row(row) for row in rows])
 
 
-def serving(queue: str, hb_queue: Optional[str], loaded: Optional[str],
-            draining: Optional[str]) -> bool:
-    """Whether a heartbeat's fields (decoded; None where absent) say its worker takes new jobs
-    of ``queue``: it names that queue, its engine is loaded and it is not draining."""
-    return hb_queue == queue and loaded == "1" and draining in ("0", None)
-
-
-def _models(pairs: list[tuple[str, str]], rows: list[Any]) -> dict[str, ServedModel]:
-    """Group live workers' heartbeats by served model name."""
+def _models(pairs: list[tuple[str, str]],
+            beats: list[Optional[Heartbeat]]) -> dict[str, ServedModel]:
+    """Group live workers' heartbeats (None: the hash is gone) by served model name."""
     found: dict[str, list[tuple[str, str, int]]] = {}
-    for (queue, worker), row in zip(pairs, rows):
-        name, hb_queue, loaded, draining, started = (None if v is None else _s(v)
-                                                     for v in row or (None,) * len(_FIELDS))
-        if not name or not serving(queue, hb_queue, loaded, draining):
+    for (queue, worker), beat in zip(pairs, beats):
+        if beat is None or not beat.served_model_name or not beat.serving(queue):
             continue
-        started_ms = int(started) if started and started.isdigit() else 0
-        found.setdefault(name, []).append((queue, worker, started_ms))
+        found.setdefault(beat.served_model_name, []).append(
+            (queue, worker, max(0, beat.started_ms)))
     return {name: ServedModel(name=name, queues=tuple(sorted({q for q, _, _ in live})),
                               workers=tuple(sorted((q, w) for q, w, _ in live)),
                               created=min(ms for _, _, ms in live) // 1000)
             for name, live in sorted(found.items())}
 
 
-def _pipeline(client: Any, commands: Pipeline) -> Any:
-    pipe = client.pipeline(transaction=False)
-    for command in commands:
-        pipe.execute_command(*command)
-    return pipe
-
-
-T = TypeVar("T")
-
-
-def run_plan(client: Any, plan: Generator[Pipeline, list[Any], T]) -> T:
-    """Drive a sans-IO plan (a generator of pipelines, sent each one's replies) on a redis-py
-    client; returns what the plan returns."""
-    try:
-        commands = next(plan)
-        while True:
-            commands = plan.send(_pipeline(client, commands).execute())
-    except StopIteration as done:
-        return done.value
-
-
-async def arun_plan(client: Any, plan: Generator[Pipeline, list[Any], T]) -> T:
-    """``run_plan`` on a ``redis.asyncio`` client."""
-    try:
-        commands = next(plan)
-        while True:
-            commands = plan.send(await _pipeline(client, commands).execute())
-    except StopIteration as done:
-        return done.value
-
-
 def list_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:
     """Model name -> ``ServedModel`` for every model live workers of ``namespace`` serve, over
     all its queues (a redis-py ``Redis``)."""
-    return run_plan(client, _listing(namespace))
+    return run(pipelined(_listing(namespace)), lambda: client)
 
 
 async def alist_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:
     """``list_models`` on a ``redis.asyncio.Redis``."""
-    return await arun_plan(client, _listing(namespace))
+    async def conn() -> Any:
+        return client
+    return await arun(pipelined(_listing(namespace)), conn)
 
 
 class _TTL:
@@ -199,5 +162,4 @@ class AsyncModelCache:
         self._ttl.invalidate()
 
 
-__all__ = ["ServedModel", "list_models", "alist_models", "ModelCache", "AsyncModelCache",
-           "serving", "run_plan", "arun_plan"]
+__all__ = ["ServedModel", "list_models", "alist_models", "ModelCache", "AsyncModelCache"]

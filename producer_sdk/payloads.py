@@ -3,7 +3,7 @@
 Every payload is validated by the protocol's own ``validate_job`` (the worker's validation, with
 the same Limits), so nothing a worker would reject is enqueued. The hot path (``submit_many`` of
 100k prompt strings) validates a template once and splices each job id and prompt into it;
-``tests/sdk/test_wire_contract.py`` proves the spliced payloads decode to the very JobRequest the
+``tests/protocol/test_sdk_contract.py`` proves the spliced payloads decode to the very JobRequest the
 validation builds. Sampling dicts are validated once per distinct dict (``ParamsCache``).
 """
 
@@ -21,13 +21,24 @@ from producer_sdk.errors import InvalidRequest
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.limits import DEFAULT_LIMITS, Limits
-from protocol.wire import PROTOCOL_VERSION, now_ms, validate_job
 from protocol.sampling_params import SAMPLING_FIELDS, SamplingParams
+from protocol.wire import INPUT_FIELDS, PROTOCOL_VERSION, JobRequest, now_ms, validate_job
 
+# The job fields, read from the model: JobRequest's fields in its order, with the model's
+# defaults. The SDK fills in the version, the validated sampling ``params``, the submit time and
+# the deadline (a caller gives ``deadline_s``, relative); a caller gives the others.
+MODEL_DEFAULTS = {name: f.get_default(call_default_factory=True)
+                  for name, f in JobRequest.model_fields.items()}
+SDK_FILLED = frozenset({"v", "params", "submitted_ms", "deadline_ms"})
+PAYLOAD_FIELDS = frozenset(MODEL_DEFAULTS) - SDK_FILLED
 # Keyword arguments of submit() that are job fields rather than sampling fields.
-JOB_FIELDS = frozenset({"prompt", "messages", "prompt_token_ids", "job_id", "priority",
-                        "deadline_s", "stream", "metadata", "chat_template_kwargs",
-                        "traceparent", "queue", "routing_key"})
+JOB_FIELDS = PAYLOAD_FIELDS | {"deadline_s", "queue"}
+# (field, model default, whether that default is an empty map) after ``v`` and ``job_id``
+_LAYOUT = tuple((name, default, default == {}) for name, default in MODEL_DEFAULTS.items()
+                if name not in ("v", "job_id"))
+_PLAIN = frozenset({str, int, float, bool, list, dict})
+# Job fields a bulk template cannot hold: they differ per job, or shape the Prepared itself.
+PER_JOB_FIELDS = frozenset({*INPUT_FIELDS, "job_id", "queue", "routing_key"})
 
 
 def _freeze(value: Any) -> Any:
@@ -99,6 +110,17 @@ class JobIds:
         return f"{self._prefix}{next(self._count):x}"
 
 
+def _deadline_ms(deadline_s: Any, submitted_ms: int) -> Optional[int]:
+    """The absolute deadline of a job given ``deadline_s`` seconds from its submit time."""
+    if deadline_s is None:
+        return None
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) \
+            or not deadline_s > 0:
+        raise InvalidRequest(f"deadline_s must be > 0 seconds, got {deadline_s!r}",
+                             field="deadline_s")
+    return submitted_ms + int(deadline_s * 1000)
+
+
 def _as_dicts(messages: Any) -> Any:
     """Chat messages given as any Mapping become dicts (msgpack packs dicts only)."""
     if isinstance(messages, list) and not all(type(m) is dict for m in messages):
@@ -138,52 +160,28 @@ class PayloadBuilder:
         self.params = ParamsCache()
         self.new_id = job_ids or JobIds()
 
-    def build(self, prompt: Optional[str] = None, messages: Any = None,
-              prompt_token_ids: Any = None, *, job_id: Optional[str] = None, priority: int = 0,
-              deadline_s: Optional[float] = None, stream: bool = True,
-              metadata: Optional[Mapping[str, Any]] = None, submitted_ms: Optional[int] = None,
-              chat_template_kwargs: Optional[Mapping[str, Any]] = None,
-              traceparent: Optional[str] = None, queue: Optional[str] = None,
-              routing_key: Optional[str] = None, **sampling: Any) -> Prepared:
-        """Validate and encode one job. Raises InvalidRequest naming the bad field. ``queue``
-        sends it to another queue of the namespace than the client's (the payload is the same;
-        only the lanes differ). ``routing_key`` asks for prefix affinity (the client routes
-        the job to a worker when it enqueues it)."""
+    def build(self, prompt: Optional[str] = None, *, submitted_ms: Optional[int] = None,
+              **fields: Any) -> Prepared:
+        """Validate and encode one job from submit() keyword arguments: job fields
+        (``JOB_FIELDS``) and sampling fields (the rest). Raises InvalidRequest naming the bad
+        field. ``queue`` sends it to another queue of the namespace than the client's (the
+        payload is the same; only the lanes differ). ``routing_key`` asks for prefix affinity
+        (the client routes the job to a worker when it enqueues it)."""
+        if prompt is not None:
+            fields["prompt"] = prompt
+        queue = fields.pop("queue", None)
         if queue is not None:
             try:
                 Keys(self.keys.namespace, queue)
             except ValueError as exc:
                 raise InvalidRequest(f"queue: {exc}", field="queue") from None
-        params = self.params.validate(sampling)
-        payload: dict[str, Any] = {"v": PROTOCOL_VERSION,
-                                   "job_id": self.new_id() if job_id is None else job_id}
-        for name, value in (("prompt", prompt), ("messages", _as_dicts(messages)),
-                            ("prompt_token_ids", prompt_token_ids)):
-            if value is not None:
-                payload[name] = value
-        payload["params"] = params
-        payload["priority"] = priority
-        payload["stream"] = stream
-        if metadata:
-            if not isinstance(metadata, Mapping):
-                raise InvalidRequest("metadata must be a dict", field="metadata")
-            payload["metadata"] = dict(metadata)
-        if traceparent is not None:
-            payload["traceparent"] = traceparent
-        if routing_key is not None:
-            payload["routing_key"] = routing_key
-        if chat_template_kwargs is not None:
-            payload["chat_template_kwargs"] = (dict(chat_template_kwargs)
-                                               if isinstance(chat_template_kwargs, Mapping)
-                                               else chat_template_kwargs)
+        deadline_s = fields.pop("deadline_s", None)
+        params = self.params.validate({k: fields[k] for k in fields.keys() - PAYLOAD_FIELDS})
+        metadata = fields.get("metadata")
+        if metadata and not isinstance(metadata, Mapping):
+            raise InvalidRequest("metadata must be a dict", field="metadata")
         submitted = submitted_ms if submitted_ms is not None else now_ms()
-        payload["submitted_ms"] = submitted
-        if deadline_s is not None:
-            if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) \
-                    or not deadline_s > 0:
-                raise InvalidRequest(f"deadline_s must be > 0 seconds, got {deadline_s!r}",
-                                     field="deadline_s")
-            payload["deadline_ms"] = submitted + int(deadline_s * 1000)
+        payload = self._payload(fields, params, submitted, _deadline_ms(deadline_s, submitted))
         try:
             validate_job(payload, self.limits)
         except ProtocolError as exc:
@@ -197,8 +195,37 @@ class PayloadBuilder:
         if len(raw) > self.limits.max_payload_bytes:
             raise InvalidRequest(f"payload is {len(raw)} bytes, over the limit of "
                                  f"{self.limits.max_payload_bytes} (max_payload_bytes)")
-        return Prepared(payload["job_id"], Keys.lane_for_priority(priority), raw, stream, queue,
-                        routing_key=routing_key)
+        return Prepared(payload["job_id"], Keys.lane_for_priority(payload["priority"]), raw,
+                        payload["stream"], queue, routing_key=payload.get("routing_key"))
+
+    def _payload(self, fields: Mapping[str, Any], params: dict[str, Any], submitted: int,
+                 deadline: Optional[int]) -> dict[str, Any]:
+        """The payload map, in the model's field order: what the SDK fills in, and each job
+        field given (else the model's default). Left out: None where the model's default is
+        None (an optional field), and an empty value where it is an empty map (metadata); a
+        None given for any other field reaches validation, which names it."""
+        job_id = fields.get("job_id")
+        payload: dict[str, Any] = {"v": PROTOCOL_VERSION,
+                                   "job_id": self.new_id() if job_id is None else job_id}
+        get = fields.get
+        for name, default, empty_default in _LAYOUT:
+            if name == "params":
+                payload[name] = params
+                continue
+            if name == "submitted_ms":
+                value = submitted
+            elif name == "deadline_ms":
+                value = deadline
+            else:
+                value = get(name, default)
+            if (value is None and default is None) or (empty_default and not value):
+                continue
+            if name == "messages":
+                value = _as_dicts(value)
+            elif type(value) not in _PLAIN and isinstance(value, Mapping):
+                value = dict(value)     # msgpack packs dicts only
+            payload[name] = value
+        return payload
 
     def build_many(self, requests: Iterable[Any], defaults: Mapping[str, Any],
                    submitted_ms: int) -> list[Prepared]:
@@ -229,15 +256,12 @@ class PayloadBuilder:
     def _template(self, defaults: Mapping[str, Any],
                   submitted_ms: int) -> Optional[tuple[bytes, bytes, bytes, str, bool]]:
         """Constant payload parts for prompt-only requests, or None when defaults need the
-        general path (job ids, inputs or anything unusual in the defaults)."""
-        if not set(defaults) <= SAMPLING_FIELDS | {"priority", "stream", "metadata",
-                                                   "deadline_s"}:
+        general path (job ids, inputs, another queue or a routing key in the defaults)."""
+        if not PER_JOB_FIELDS.isdisjoint(defaults):
             return None
-        sampling = {k: v for k, v in defaults.items() if k in SAMPLING_FIELDS}
         probe = self.build("x", job_id="x", submitted_ms=submitted_ms,
-                           **{k: v for k, v in defaults.items()})  # validates everything once
+                           **defaults)  # validates everything once
         fields = msgpack.unpackb(probe.payload, raw=False)
-        fields["params"] = self.params.validate(sampling)
         pack = msgpack.Packer(use_bin_type=True).pack
         rest = [(k, v) for k, v in fields.items() if k not in ("v", "job_id", "prompt")]
         head = bytes([0x80 | (3 + len(rest))]) + pack("v") + pack(PROTOCOL_VERSION) + pack("job_id")

@@ -7,18 +7,21 @@ deadline passed before it started), ``expired`` also when the job is known but i
 expired, and ``unknown``. The reads are I/O-free here, shared by ``Client.status`` and
 ``AsyncClient.status``: ``queue_snapshot`` adds one MULTI to a pipeline and ``fold_status`` turns
 its replies into a ``JobStatus``; for a queued job ``queue_position_reads`` and
-``fold_position`` count the entries ahead of it.
+``position_range`` count the entries ahead of it. ``status_plan`` is one job's sequence of
+round trips (``Step``s); ``read_statuses`` runs many of them in lockstep, as a plan of effects
+(``producer_sdk.effects``) that either client runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Literal, Optional
+from typing import Any, Callable, Generator, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
 from producer_sdk._wire import fields_dict, record_location
 from producer_sdk.affinity import is_affinity_stream
+from producer_sdk.effects import Call, Plan, cluster
 from protocol.errors import ProtocolError
 from protocol.events import ErrorEvent
 from protocol.keys import EVENT_FIELD, GROUP, Keys, PARKING_CONSUMER, key_slot
@@ -65,10 +68,14 @@ class Step:
         self.queue(pipe)
         return pipe
 
+    def execute(self, redis: Any) -> Any:
+        """Send the step; its replies, errors as values (awaitable on an asyncio client)."""
+        return self.pipeline(redis).execute(False)
+
 
 # An I/O-free sequence of round trips: it yields Steps, is sent each one's replies (errors as
-# values) and returns its answer; Client and AsyncClient drive plans through Lockstep.
-Plan = Generator[Step, Any, Any]
+# values) and returns its answer; ``read_statuses`` drives many through Lockstep.
+StepPlan = Generator[Step, Any, Any]
 
 
 class _Counting:
@@ -92,7 +99,7 @@ class Lockstep:
     (a Redis Cluster) makes one MULTI per slot instead (a queue shard's jobs share one).
     I/O-free: the driver executes ``round()``'s steps and ``feed``s their replies, in order."""
 
-    def __init__(self, plans: list[Plan], by_slot: bool = False) -> None:
+    def __init__(self, plans: list[StepPlan], by_slot: bool = False) -> None:
         self.plans = plans
         self.by_slot = by_slot
         self.results: list[Any] = [None] * len(plans)
@@ -135,6 +142,20 @@ class Lockstep:
                 at += n
 
 
+def read_statuses(targets: Sequence[tuple[Keys, str, Optional[int]]],
+                  position: bool = True) -> Plan[list[JobStatus]]:
+    """``status_plan`` of each (keys, job id, shard) target, in the round trips of one: each
+    Lockstep round's pipelines, one after another. On a Redis Cluster a MULTI per slot."""
+    lock = Lockstep([status_plan(k, j, s, position) for k, j, s in targets],
+                    by_slot=(yield cluster()))
+    while (steps := lock.round()) is not None:
+        replies = []
+        for step in steps:
+            replies.append((yield Call(step.execute)))
+        lock.feed(replies)
+    return lock.results
+
+
 def _queue_all(pipe: Any, steps: list[tuple[int, Step]], shares: list) -> None:
     for i, step in steps:
         counting = _Counting(pipe)
@@ -143,7 +164,7 @@ def _queue_all(pipe: Any, steps: list[tuple[int, Step]], shares: list) -> None:
 
 
 def status_plan(keys: Keys, job_id: str, shard: Optional[int] = None,
-                position: bool = True) -> Plan:
+                position: bool = True) -> StepPlan:
     """The reads of ``Client.status`` for a job of ``keys``' queue (on ``shard``, None: the
     one its id goes to): the dedupe record, one MULTI snapshot (all in the shard's slot), and
     (``position``) for a queued job the lanes' groups and the entries ahead of it in its lane."""

@@ -62,6 +62,10 @@ RESERVED_CHAT_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize
                                            "chat_template", "tools", "documents"})
 
 
+# A job's input: exactly one of these fields of JobRequest is set.
+INPUT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: str = Field(min_length=1)
@@ -117,7 +121,7 @@ class JobRequest(BaseModel):
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> "JobRequest":
-        given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None]
+        given = [n for n in INPUT_FIELDS if getattr(self, n) is not None]
         if len(given) != 1:
             raise ValueError("exactly one of prompt, messages or prompt_token_ids is required; "
                              f"got {given or 'none'}")

@@ -68,3 +68,96 @@ def loaded_packages(modules: list[str], timeout: float = 120) -> set[str]:
     if done.returncode != 0:
         raise RuntimeError(f"importing {modules} failed:\n{done.stderr[-2000:]}")
     return set(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _resolve(name: str, imported: list[str], modules: set[str]) -> list[str]:
+    """The repository modules an ``import``/``from name import imported`` statement loads:
+    ``name`` (when it is one) and each ``name.x`` that is a module itself."""
+    out = [name] if name in modules else []
+    out += [f"{name}.{x}" for x in imported if f"{name}.{x}" in modules]
+    return out
+
+
+def import_graph(packages: list[str]) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports, anywhere in its source (lazy imports
+    inside functions included: a circle hidden behind one is still a circle)."""
+    paths = {module_name(p): p for package in packages for p in package_files(package)}
+    modules = set(paths)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    graph[mod].update(_resolve(alias.name, [], modules))
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                graph[mod].update(_resolve(node.module, [a.name for a in node.names], modules))
+        graph[mod].discard(mod)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of ``graph``: each strongly connected set of two or more modules, sorted
+    (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                members = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    members.append(member)
+                    if member == node:
+                        break
+                if len(members) > 1:
+                    found.append(sorted(members))
+    return sorted(found)
+
+
+def isolated_import_failures(modules: list[str], timeout: float = 120) -> dict[str, str]:
+    """Module -> error, for each of ``modules`` that fails to import as the first module of
+    the repository loaded (one interpreter; the repository's modules are unloaded between
+    imports, third-party ones stay): an import circle shows up as an ImportError only when it
+    is entered from the right module, so every entry point is tried."""
+    roots = sorted({m.split(".")[0] for m in modules})
+    code = ("import importlib, json, sys\n"
+            f"roots = {roots!r}\n"
+            "failed = {}\n"
+            f"for m in {modules!r}:\n"
+            "    for name in [n for n in sys.modules if n.split('.')[0] in roots]:\n"
+            "        del sys.modules[name]\n"
+            "    try:\n"
+            "        importlib.import_module(m)\n"
+            "    except Exception as exc:\n"
+            "        failed[m] = f'{type(exc).__name__}: {exc}'\n"
+            "print(json.dumps(failed))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"the import check itself failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -43,6 +43,9 @@ _job_fields = st.fixed_dictionaries({}, optional={
                                                                         max_size=3)),
                                 max_size=3),
     "deadline_s": st.one_of(st.floats(0.001, 100), st.just(0)),
+    "traceparent": st.sampled_from(["00-" + "a" * 32 + "-" + "b" * 16 + "-01", "not-a-trace"]),
+    "routing_key": st.sampled_from(["conversation-7", ""]),
+    "chat_template_kwargs": st.just({"enable_thinking": False}),   # a prompt job has none
 })
 _prompts = st.lists(st.text(max_size=30), min_size=1, max_size=4)
 
@@ -75,6 +78,7 @@ def test_fast_bulk_encoder_equals_the_pydantic_model(prompts, sampling, job_fiel
         assert decoded == model and decoded.prompt == prompt
         assert p.lane == g.lane == Keys.lane_for_priority(decoded.priority)
         assert p.stream == decoded.stream
+        assert p.routing_key == g.routing_key == decoded.routing_key
 
 
 def test_client_applies_the_limits_before_enqueue(sdk_url: str):

@@ -16,12 +16,13 @@ import pytest
 import redis
 
 from producer_sdk import AsyncClient, Client
-from producer_sdk.affinity import (HEARTBEAT_FIELDS, AffinityRouter, LiveWorker, live_worker,
-                                   rank)
+from producer_sdk.affinity import AffinityRouter, LiveWorker, live_worker, rank
+from producer_sdk.effects import run
 from producer_sdk.errors import InvalidRequest, QueueFull
 from producer_sdk.openai_format import CHAT_URL, LineError, body_to_request, parse_request
 from producer_sdk.payloads import Prepared
 from protocol.errors import ProtocolError
+from protocol.heartbeat import FIELDS, Heartbeat
 from protocol.keys import GROUP, Keys, parse_dedupe_record
 from protocol.wire import JobRequest, MAX_ROUTING_KEY_LEN, decode_job, encode_job
 from tests.sdk_helpers import env_with_repo, sdk_redis, sdk_url  # noqa: F401  (fixtures)
@@ -55,16 +56,20 @@ def test_a_worker_leaving_moves_only_the_keys_it_won():
 # which heartbeats qualify
 # ------------------------------------------------------------------------------------------
 
-def beat(**fields: object) -> list:
+def beat(**fields: object) -> Heartbeat:
+    """A heartbeat as the router reads it: HMGET of every field, these as given (None:
+    absent), the others absent."""
     base = {"queue": "default", "engine_loaded": "1", "draining": "0", "affinity": "1",
             "held": "3", "affinity_queued": "2"}
     base.update({k: v for k, v in fields.items()})
-    return [None if base[f] is None else str(base[f]).encode() for f in HEARTBEAT_FIELDS]
+    return Heartbeat.from_row([None if base.get(f) is None else str(base[f]).encode()
+                               for f in FIELDS])
 
 
 def test_live_worker_reads_the_heartbeat():
     assert live_worker("default", "w", beat()) == LiveWorker("w", 5)
-    assert live_worker("default", "w", [None] * len(HEARTBEAT_FIELDS)) is None   # hash gone
+    assert live_worker("default", "w", None) is None                     # hash gone
+    assert Heartbeat.from_row([None] * len(FIELDS)) is None
     assert live_worker("default", "w", beat(draining="1")) is None
     assert live_worker("default", "w", beat(engine_loaded="0")) is None
     assert live_worker("default", "w", beat(affinity=None)) is None   # an older worker
@@ -131,7 +136,7 @@ class Unreachable:
             return self
         return queued
 
-    def execute(self) -> list:
+    def execute(self, *args: object, **kwargs: object) -> list:
         raise redis.ConnectionError("connection refused")
 
 
@@ -139,12 +144,12 @@ def test_a_failed_heartbeat_read_keeps_the_last_view_or_routes_to_the_shared_lan
     clock = Clock()
     router = AffinityRouter(KEYS, ttl_s=1.0, max_backlog=5, clock=clock)
     fresh = [prepared("j1", "conv")]
-    router.route(Unreachable(), fresh)                   # never read: the shared lanes
+    run(router.route_plan(fresh), Unreachable)          # never read: the shared lanes
     assert fresh[0].affinity is None
     router.store("default", {"a": LiveWorker("a", 0)})
     clock.t += 5.0                                       # expired, and the re-read fails
     stale = [prepared("j2", "conv")]
-    router.route(Unreachable(), stale)
+    run(router.route_plan(stale), Unreachable)
     assert stale[0].affinity == "a"
 
 

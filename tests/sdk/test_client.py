@@ -11,8 +11,7 @@ import pytest
 import redis
 
 from producer_sdk import Client, JobFailed, JobNotFound, QueueFull, RedisUnavailable
-from producer_sdk._wire import ENQUEUE_LUA
-from producer_sdk.client_core import ENQUEUE_SHA
+from protocol.scripts import ENQUEUE
 from protocol.keys import Keys
 from protocol.wire import decode_job
 from tests.fault_harness import wait_for
@@ -62,6 +61,10 @@ def test_payloads_follow_protocol(client: Client, sdk_url: str):
     ({"top_p": 0}, "top_p"),
     ({"job_id": "has space"}, "job_id"),
     ({"prompt": None}, "prompt"),
+    ({"priority": None}, "priority"),       # None is no default where the model has one
+    ({"stream": None}, "stream"),
+    ({"metadata": "tag"}, "metadata"),
+    ({"deadline_s": 0}, "deadline_s"),
 ])
 def test_bad_fields_rejected_before_sending(client: Client, sdk_url: str, kwargs, field):
     kwargs = {"prompt": "hi", **kwargs}
@@ -158,13 +161,13 @@ def test_idempotent_submit(client: Client, sdk_url: str):
     r = redis.Redis.from_url(sdk_url)
     args = [KEYS.lane("default"), *KEYS.lanes(), KEYS.dedupe("same"), 100, 86400, 0, "",
             b"payload"]
-    reply = r.evalsha(ENQUEUE_SHA, 5, *args)
+    reply = r.evalsha(ENQUEUE.sha, 5, *args)
     assert reply[2].startswith(b"=")
     assert len(entries(sdk_url)) == 1
     r.script_flush()  # NOSCRIPT is handled by loading the script and resending
     client.submit("z", job_id="other")
-    assert len(entries(sdk_url)) == 2 and r.script_exists(ENQUEUE_SHA) == [True]
-    assert ENQUEUE_LUA.count("XADD") == 1
+    assert len(entries(sdk_url)) == 2 and r.script_exists(ENQUEUE.sha) == [True]
+    assert ENQUEUE.source.count("XADD") == 1
     r.close()
 
 
@@ -278,40 +281,6 @@ def test_bulk_fast_path_payloads_match_general_path(client: Client):
     assert [p.lane for p in fast] == ["bulk", "default", "bulk"]
     with pytest.raises(ValueError, match="max_tokens"):
         builder.build_many(["a"], {"max_tokens": 0}, 1000)
-
-
-def test_merge_xreads_keeps_the_longer_read_per_stream():
-    """The follow-up read behind a blocking XREAD (RESP2 list or RESP3 map) fills in streams
-    the blocking answer left out; per stream the longer entry list wins."""
-    from producer_sdk._wire import merge_xreads
-    e1, e2 = (b"1-0", {b"data": b"a"}), (b"2-0", {b"data": b"b"})
-    blocking = [[b"s1", [e1]]]
-    follow_up = {b"s1": [[e1, e2]], b"s2": [[e1]]}
-    got = dict(merge_xreads(blocking, follow_up))
-    assert got == {"s1": [e1, e2], "s2": [e1]}
-    assert merge_xreads(None, None) == []
-    assert dict(merge_xreads([[b"s1", [e1, e2]]], [[b"s1", [e1]]])) == {"s1": [e1, e2]}
-
-
-def test_one_wakeup_brings_every_stream_written_together(redis_server):
-    """A multiplexed reader blocked on several result streams gets all of them from one call
-    when a worker writes them in one script (Redis < 7.2 answers the blocked XREAD with the
-    first stream only; the pipelined follow-up read brings the rest)."""
-    r = redis_server.client()
-    keys = Keys()
-    streams = {keys.results(f"j{i}"): b"0-0" for i in range(5)}
-    for key in streams:
-        r.xadd(key, {"data": b"seed"})
-    streams = {key: r.xrevrange(key, count=1)[0][0] for key in streams}
-    write_all = "for i = 1, #KEYS do redis.call('XADD', KEYS[i], '*', 'data', 'x') end"
-    got: list = []
-    with Client(redis_server.url) as c:
-        reader = threading.Thread(target=lambda: got.extend(c._xread(streams, 5_000)))
-        reader.start()
-        time.sleep(0.2)                          # let the XREAD block
-        r.eval(write_all, len(streams), *streams)
-        reader.join(10)
-    assert sorted(k for k, entries in got if len(entries) == 1) == sorted(streams)
 
 
 def test_oom_is_recognised_from_redis_7_and_from_6_2_scripts():

@@ -1,0 +1,156 @@
+"""The producer SDK's one I/O style: plans yield effects, a driver performs them.
+
+Everything the sync and async clients do with Redis is written once, as a *plan*: a generator
+that yields effects (``Call`` a redis-py method, ``Send`` packed commands one round trip per
+node, ``Sleep``), is sent each effect's result, has each effect's exception thrown in where it
+yielded (so a plan retries, falls back or gives up as plain Python code), and returns its
+answer. Plans compose with ``yield from``. The only code that differs between ``Client`` and
+``AsyncClient`` is the pair of drivers here (``run``, ``arun``): how an effect is performed,
+and whether that waits by blocking or by awaiting. Why: the two clients used to mirror each
+other method for method, and every fix had to be made twice.
+
+Plans written in the older pipeline style (a generator of command-tuple lists, e.g. the
+heartbeat readers of ``producer_sdk.models``) run here through ``pipelined``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Generator, Optional, Sequence, TypeVar, Union
+
+from redis.exceptions import ClusterError, RedisClusterException
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from protocol.topology import (Packed, async_send_packed_trailed, is_cluster,
+                               send_packed_trailed)
+
+T = TypeVar("T")
+
+# What an effect raises when Redis cannot be reached; a client turns one that leaves its plan
+# into RedisUnavailable.
+NET_ERRORS = (RedisConnectionError, RedisTimeoutError)
+# What a packed send may raise while a cluster fails a master over (a lost connection, a slot
+# map without a master for a slot for a moment).
+SEND_ERRORS = (*NET_ERRORS, ClusterError, RedisClusterException)
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """``fn(redis client)``: one command, a pipeline's execute, or a question about the client
+    (``is_cluster``). A redis.asyncio client returns an awaitable, which the async driver
+    awaits; a plain value is the result as it is."""
+
+    fn: Callable[[Any], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Packed commands, one round trip per node (``topology.send_packed_trailed``); the result
+    is ``(replies, trailer replies)``, error replies in place."""
+
+    items: Sequence[Packed]
+    trailer: Optional[bytes] = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Wait this long before going on (a back-off between retries)."""
+
+    seconds: float
+
+
+Effect = Union[Call, Send, Sleep]
+Plan = Generator[Effect, Any, T]
+
+
+def run(plan: Plan[T], conn: Callable[[], Any]) -> T:
+    """Drive ``plan`` to its answer, blocking; ``conn()`` gives the redis-py client (called per
+    effect, so a client made lazily is made by the first effect that needs it)."""
+    result: Any = None
+    error: Optional[Exception] = None
+    try:
+        while True:
+            try:
+                effect = plan.throw(error) if error is not None else plan.send(result)
+            except StopIteration as done:
+                return done.value
+            result, error = None, None
+            try:
+                result = _perform(effect, conn)
+            except Exception as exc:    # the plan's business: thrown in where it yielded
+                error = exc
+    finally:
+        plan.close()
+
+
+def _perform(effect: Effect, conn: Callable[[], Any]) -> Any:
+    if isinstance(effect, Call):
+        return effect.fn(conn())
+    if isinstance(effect, Send):
+        return send_packed_trailed(conn(), effect.items, effect.trailer)
+    time.sleep(effect.seconds)
+    return None
+
+
+async def arun(plan: Plan[T], conn: Callable[[], Awaitable[Any]]) -> T:
+    """``run`` on a redis.asyncio client: ``await conn()`` gives it."""
+    result: Any = None
+    error: Optional[Exception] = None
+    try:
+        while True:
+            try:
+                effect = plan.throw(error) if error is not None else plan.send(result)
+            except StopIteration as done:
+                return done.value
+            result, error = None, None
+            try:
+                result = await _aperform(effect, conn)
+            except Exception as exc:
+                error = exc
+    finally:
+        plan.close()
+
+
+async def _aperform(effect: Effect, conn: Callable[[], Awaitable[Any]]) -> Any:
+    if isinstance(effect, Call):
+        out = effect.fn(await conn())
+        return await out if inspect.isawaitable(out) else out
+    if isinstance(effect, Send):
+        return await async_send_packed_trailed(await conn(), effect.items, effect.trailer)
+    await asyncio.sleep(effect.seconds)
+    return None
+
+
+def cluster() -> Call:
+    """Whether the client is a Redis Cluster client (no I/O once it is made)."""
+    return Call(is_cluster)
+
+
+def pipeline(commands: Sequence[tuple[Any, ...]], transaction: bool = False,
+             raise_on_error: bool = True) -> Call:
+    """One pipeline of raw commands (``execute_command`` tuples); the result is their replies."""
+    def execute(client: Any) -> Any:
+        pipe = client.pipeline(transaction=transaction)
+        for command in commands:
+            pipe.execute_command(*command)
+        return pipe.execute(raise_on_error)
+    return Call(execute)
+
+
+def pipelined(plan: Generator[Sequence[tuple[Any, ...]], list[Any], T]) -> Plan[T]:
+    """A plan of the pipeline style (it yields lists of commands and is sent their replies)
+    as a plan of effects."""
+    try:
+        commands = next(plan)
+        while True:
+            commands = plan.send((yield pipeline(commands)))
+    except StopIteration as done:
+        return done.value
+
+
+__all__ = ["Call", "Send", "Sleep", "Effect", "Plan", "run", "arun", "cluster", "pipeline",
+           "pipelined", "NET_ERRORS", "SEND_ERRORS"]
