@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import ACTIVATION_BYTES_PER_TOKEN, CudaMemory, EngineConfig, gpu_kv_budget
 from engine.attention import AttentionMetadata
 from engine.parallel.partition import Partition
 from engine.sequence import Sequence
@@ -82,6 +82,7 @@ class ModelRunner:
 
     def _load(self, config: EngineConfig, model: Optional[Any]) -> None:
         group = self.group
+        before = self._cuda_memory()                 # None on CPU
         if model is None:
             from engine.loader import load_model
             model = load_model(config.model, dtype=config.dtype, device=config.device,
@@ -91,7 +92,7 @@ class ModelRunner:
         if (self.device.type == "cpu" and config.cpu_prepack_weights
                 and hasattr(model, "prepack_cpu_weights")):      # injected test models may not
             model.prepack_cpu_weights(config.cpu_gemm_backend)
-        self.num_blocks = config.num_kv_blocks_for(self._free_bytes_for_kv())
+        self.num_blocks = config.num_kv_blocks_for(self._free_bytes_for_kv(before))
         if group is not None:                   # every rank's pool holds the same blocks
             self.num_blocks = group.min_int(self.num_blocks)
         c = config.hf_config
@@ -143,15 +144,23 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
-    def _free_bytes_for_kv(self) -> Optional[int]:
-        """CUDA: what ``gpu_memory_utilization`` leaves after the weights; CPU: None."""
+    def _cuda_memory(self) -> Optional[CudaMemory]:
+        """The device's memory now (None on CPU); read before and after loading the weights."""
         if self.device.type != "cuda":
             return None
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        # Leave room for activations of the largest step (a generous per-token estimate).
-        activations = self.config.max_num_batched_tokens * 64 * 1024
-        return int(total * self.config.gpu_memory_utilization - (total - free) - activations)
+        return CudaMemory(total=total, free=free,
+                          reserved=torch.cuda.memory_reserved(self.device))
+
+    def _free_bytes_for_kv(self, before: Optional[CudaMemory]) -> Optional[int]:
+        """CUDA: this engine's share (``gpu_memory_utilization``) less what it already uses;
+        CPU: None (the config's fixed budget applies)."""
+        if before is None:
+            return None
+        activations = self.config.max_num_batched_tokens * ACTIVATION_BYTES_PER_TOKEN
+        return gpu_kv_budget(self.config.gpu_memory_utilization, before, self._cuda_memory(),
+                             activations)
 
     def _with_plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Build the step's attention plan once, here, for every layer to read from ``meta``
