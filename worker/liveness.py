@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import redis
 
 from protocol.keys import Keys
+from protocol.tools import TOOL_FORMAT_FIELD
 from protocol.wire import now_ms
 from worker.scripts import ID_CLAIM, ID_RELEASE, run_script, text
 
@@ -164,6 +165,7 @@ class Liveness:
             "ts": now_ms(), "engine_loaded": int(not w.engine_broken), "pid": os.getpid(),
             "host": socket.gethostname(), "queue": w.s.queue, "model": str(w.s.model),
             "served_model_name": w.s.served_model(),
+            TOOL_FORMAT_FIELD: tool_format(w.engine),
             "started_ms": self._started_ms, "draining": int(w.draining), "held": len(w.jobs),
             "running": stats.get("num_running", 0), "waiting": stats.get("num_waiting", 0),
             "redis_error": w.redis_error or "", **w.affinity.heartbeat_fields()})
@@ -186,3 +188,12 @@ class Liveness:
                 self.w.client.zrem(self.w.keys.workers, self.w.worker_id)
         if self.id_lease is not None:
             self.id_lease.release()
+
+
+def tool_format(engine: Any) -> str:
+    """What the engine's chat template does with tools (protocol/tools.py), for the
+    heartbeat; "" when the engine cannot say (producers then treat it as an older worker)."""
+    try:
+        return str(engine.tool_call_format)
+    except Exception:  # an engine without the attribute, or a template that broke: unknown
+        return ""
