@@ -24,9 +24,11 @@ from typing import Any, Callable, Generator, Optional
 
 from producer_sdk.effects import arun, pipelined, run
 from protocol.keys import Keys
+from protocol.tools import TOOL_FORMAT_FIELD
 
 # Heartbeat fields the listing reads, in this order.
-_FIELDS = ("served_model_name", "queue", "engine_loaded", "draining", "started_ms")
+_FIELDS = ("served_model_name", "queue", "engine_loaded", "draining", "started_ms",
+           TOOL_FORMAT_FIELD)
 
 
 @dataclass(frozen=True)
@@ -34,12 +36,16 @@ class ServedModel:
     """One model name served by live workers: on which queues, by which workers, since when.
 
     ``created`` (epoch seconds) is the start of its longest-running live worker: the
-    ``created`` of OpenAI's model object. ``workers`` are ``(queue, worker id)`` pairs."""
+    ``created`` of OpenAI's model object. ``workers`` are ``(queue, worker id)`` pairs.
+    ``tool_format``: what the model's chat template does with tools (protocol/tools.py), when
+    every live worker of it says the same; None when one says nothing (an older worker) or
+    they disagree."""
 
     name: str
     queues: tuple[str, ...]
     workers: tuple[tuple[str, str], ...]
     created: int
+    tool_format: Optional[str] = None
 
     @property
     def queue(self) -> str:
@@ -81,18 +87,22 @@ def serving(queue: str, hb_queue: Optional[str], loaded: Optional[str],
 
 def _models(pairs: list[tuple[str, str]], rows: list[Any]) -> dict[str, ServedModel]:
     """Group live workers' heartbeats by served model name."""
-    found: dict[str, list[tuple[str, str, int]]] = {}
+    found: dict[str, list[tuple[str, str, int, Optional[str]]]] = {}
     for (queue, worker), row in zip(pairs, rows):
-        name, hb_queue, loaded, draining, started = (None if v is None else _s(v)
-                                                     for v in row or (None,) * len(_FIELDS))
+        name, hb_queue, loaded, draining, started, tools = (
+            None if v is None else _s(v) for v in row or (None,) * len(_FIELDS))
         if not name or not serving(queue, hb_queue, loaded, draining):
             continue
         started_ms = int(started) if started and started.isdigit() else 0
-        found.setdefault(name, []).append((queue, worker, started_ms))
-    return {name: ServedModel(name=name, queues=tuple(sorted({q for q, _, _ in live})),
-                              workers=tuple(sorted((q, w) for q, w, _ in live)),
-                              created=min(ms for _, _, ms in live) // 1000)
-            for name, live in sorted(found.items())}
+        found.setdefault(name, []).append((queue, worker, started_ms, tools or None))
+    out = {}
+    for name, live in sorted(found.items()):
+        formats = {t for _, _, _, t in live}
+        out[name] = ServedModel(name=name, queues=tuple(sorted({w[0] for w in live})),
+                                workers=tuple(sorted((w[0], w[1]) for w in live)),
+                                created=min(w[2] for w in live) // 1000,
+                                tool_format=formats.pop() if len(formats) == 1 else None)
+    return out
 
 
 def list_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from producer_sdk.errors import InvalidRequest
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
-from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check_job_limits
 from protocol.sampling_params import SAMPLING_FIELDS, SamplingParams
 from protocol.wire import INPUT_FIELDS, PROTOCOL_VERSION, JobRequest, now_ms, validate_job
 
@@ -190,7 +190,10 @@ class PayloadBuilder:
             except ValueError as exc:
                 raise InvalidRequest(f"queue: {exc}", field="queue") from None
         deadline_s = fields.pop("deadline_s", None)
-        params = self.params.validate({k: fields[k] for k in fields.keys() - PAYLOAD_FIELDS})
+        sampling = {k: fields[k] for k in fields.keys() - PAYLOAD_FIELDS}
+        if "structured_outputs" in sampling:
+            self._bound_constraint(sampling)
+        params = self.params.validate(sampling)
         metadata = fields.get("metadata")
         if metadata and not isinstance(metadata, Mapping):
             raise InvalidRequest("metadata must be a dict", field="metadata")
@@ -211,6 +214,15 @@ class PayloadBuilder:
                                  f"{self.limits.max_payload_bytes} (max_payload_bytes)")
         return Prepared(payload["job_id"], Keys.lane_for_priority(payload["priority"]), raw,
                         payload["stream"], queue, routing_key=payload.get("routing_key"))
+
+    def _bound_constraint(self, sampling: Mapping[str, Any]) -> None:
+        """The limits of a constraint before the sampling check compiles it (as the worker's
+        validation checks limits before the schema): an oversized schema is refused by its
+        size, never compiled."""
+        try:
+            check_job_limits({"params": dict(sampling)}, self.limits)
+        except LimitExceeded as exc:
+            raise InvalidRequest(str(exc), field=exc.field) from None
 
     def _payload(self, fields: Mapping[str, Any], params: dict[str, Any], submitted: int,
                  deadline: Optional[int]) -> dict[str, Any]:

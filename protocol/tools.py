@@ -87,6 +87,38 @@ def call_schema(tools: Sequence[Tool], parallel: bool = True) -> dict[str, Any]:
     return schema
 
 
+
+
+def template_tool_calls(calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's OpenAI ``tool_calls`` as chat templates read them: each
+    ``{"id", "type": "function", "function": {"name", "arguments"}}`` with ``arguments``
+    parsed into a map (transformers' convention: templates write ``arguments | tojson``);
+    arguments that are not a JSON object stay the string they were. ValueError for a call
+    without a function name."""
+    import json
+
+    if not isinstance(calls, list):
+        raise ValueError("tool_calls must be an array")
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tool_calls[{i}] needs function.name")
+        args: Any = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                parsed = None
+            args = parsed if isinstance(parsed, dict) else args
+        entry: dict[str, Any] = {"type": "function",
+                                 "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
 __all__ = ["Tool", "FunctionDef", "TOOL_NAME_PATTERN", "TOOL_FORMAT_FIELD", "HERMES",
            "UNPARSED", "NO_TOOLS", "TOOL_FORMATS", "PARSED_FORMATS", "NO_PARAMETERS",
-           "check_unique_names", "call_schema"]
+           "check_unique_names", "call_schema", "template_tool_calls"]

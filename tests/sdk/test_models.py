@@ -128,12 +128,21 @@ def test_only_loaded_undrained_workers_of_the_queue_count():
     from producer_sdk.models import _models
     pairs = [("q", "ok"), ("q", "broken"), ("q", "draining"), ("q", "moved"), ("q", "gone"),
              ("q", "old")]
-    rows = [[b"m", b"q", b"1", b"0", b"5000"], [b"m", b"q", b"0", b"0", b"1"],
-            [b"m", b"q", b"1", b"1", b"1"], [b"m", b"other", b"1", b"0", b"1"],
-            [None] * 5, [None, b"q", b"1", b"0", b"1"]]
+    rows = [[b"m", b"q", b"1", b"0", b"5000", b"hermes"], [b"m", b"q", b"0", b"0", b"1", None],
+            [b"m", b"q", b"1", b"1", b"1", None], [b"m", b"other", b"1", b"0", b"1", None],
+            [None] * 6, [None, b"q", b"1", b"0", b"1", None]]
     models = _models(pairs, rows)
     assert list(models) == ["m"] and models["m"].workers == (("q", "ok"),)
-    assert models["m"].created == 5
+    assert models["m"].created == 5 and models["m"].tool_format == "hermes"
+
+
+def test_a_model_has_a_tool_format_only_when_every_live_worker_says_the_same():
+    from producer_sdk.models import _models
+    pairs = [("q", "a"), ("q", "b")]
+    row = [b"m", b"q", b"1", b"0", b"1"]
+    assert _models(pairs, [row + [b"none"], row + [b"none"]])["m"].tool_format == "none"
+    assert _models(pairs, [row + [b"hermes"], row + [b"none"]])["m"].tool_format is None
+    assert _models(pairs, [row + [b"hermes"], row + [None]])["m"].tool_format is None
 
 
 def test_submit_to_another_queue_of_the_namespace(redis_server):
