@@ -35,8 +35,8 @@ from producer_sdk.window import progress_bar
 from producer_sdk.errors import InvalidRequest, JobFailed
 from producer_sdk.job import Job
 from producer_sdk.models import ModelCache
-from producer_sdk.openai_format import (DEFAULT_MODEL, LineError, LineTag, error_line,
-                                        job_id_for, parse_request, response_line)
+from producer_sdk.batch_lines import LineTag, error_line, job_id_for, response_line
+from producer_sdk.openai_format import DEFAULT_MODEL, LineError, parse_request
 from producer_sdk.structured import fit_tools, rename_error
 from protocol.keys import Keys
 

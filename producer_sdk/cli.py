@@ -309,7 +309,7 @@ def cmd_batch_status(client: Client, opts: StatusOptions) -> int:
     from pathlib import Path
 
     from producer_sdk.batch import scan_input
-    from producer_sdk.openai_format import job_id_for
+    from producer_sdk.batch_lines import job_id_for
     path = Path(opts.batch)
     batch_id = opts.batch_id or f"batch_{scan_input(path)[1][:24]}"
     custom_ids = []

@@ -4,22 +4,22 @@ The one home of those shapes: the batch runner (``batch.py``, OpenAI Batch files
 gateway (``producer_sdk.gateway``) both map request bodies with ``parse_request`` and build every
 response body, streamed chunk, logprobs object (``openai_logprobs.py``) and error object here,
 so a field OpenAI spells one way is never spelled two ways by us. Structured-output and tool
-fields are mapped by ``structured.py``, tool calls read back by ``tool_calls.py``. ``tests/gateway`` validates what these functions build
+fields are mapped by ``structured.py``, tool calls read back by ``tool_calls.py``, batch output
+lines built by ``batch_lines.py``. ``tests/gateway`` validates what these functions build
 against the ``openai`` package's own types. Nothing here does I/O.
 """
 
 from __future__ import annotations
 
-import hashlib
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from producer_sdk.job import CompletionOutput, Result
+from producer_sdk.errors import LineError  # noqa: F401 (home: errors.py; imported from here too)
 # The logprobs objects live beside these shapes (openai_logprobs.py) and are re-exported here.
 from producer_sdk.openai_logprobs import (TOKEN_ID_PREFIX, chat_logprobs,  # noqa: F401
                                           completion_logprobs, logprobs_body,
                                           token_logprobs_from_ids, token_logprobs_of)
+from producer_sdk.structured import pop_openai
 from protocol.tools import template_tool_calls
 from protocol.wire import MAX_ROUTING_KEY_LEN
 
@@ -37,31 +37,6 @@ _ONLY_DEFAULT = {"echo": (False, None), "best_of": (1, None), "suffix": (None, "
 # Streaming fields: a batch line cannot stream, so there they too only take their defaults.
 _STREAM_DEFAULTS = {"stream": (False, None), "stream_options": (None,)}
 _IGNORED = ("model", "user", "service_tier", "store")
-
-
-class LineError(Exception):
-    """A request body that cannot become a job: ``code`` says why (``invalid_request``,
-    ``unsupported_field``, ...), ``param`` names the body field when one is to blame."""
-
-    def __init__(self, code: str, message: str, param: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-
-
-@dataclass(frozen=True, slots=True)
-class LineTag:
-    """What the writer needs to know about a job once it finishes."""
-
-    custom_id: str
-    line: int
-    url: str
-    model: str
-    logprobs: bool
-    top_logprobs: int = 0        # alternatives per token asked for (chat top_logprobs, or logprobs)
-    tools: Any = None            # producer_sdk.structured.ToolPlan: the answer may hold calls
-    constraint_param: Optional[str] = None   # the body field that asked for a constraint
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +98,7 @@ def parse_request(url: str, body: Any, *, streaming: bool) -> OpenAIRequest:
     _metadata(body, req)
     _template_kwargs(url, body, req)
     _routing_key(body, req)
-    from producer_sdk.structured import pop_openai       # it imports this module
-    constraint, plan, tools = pop_openai(url, body)     # response_format, guided_*, tools
+    constraint, plan, tools = pop_openai(url == CHAT_URL, body)  # response_format, tools, ...
     if constraint is not None:
         req["structured_outputs"] = constraint.spec
     if tools:
@@ -349,42 +323,3 @@ def error_body(message: str, type_: str, param: Optional[str] = None,
 def model_body(name: str, created: int, owned_by: str = "tokenrelay") -> dict[str, Any]:
     """One ``Model`` of ``GET /v1/models``."""
     return {"id": name, "object": "model", "created": created, "owned_by": owned_by}
-
-
-# --------------------------------------------------------------------------------------------
-# Batch output lines
-# --------------------------------------------------------------------------------------------
-
-def job_id_for(batch_id: str, custom_id: str) -> str:
-    """Deterministic, protocol-safe job id: the same line of the same batch is the same job."""
-    return "b-" + hashlib.sha256(f"{batch_id}\0{custom_id}".encode()).hexdigest()[:40]
-
-
-def response_line(tag: LineTag, result: Result) -> dict[str, Any]:
-    """The OpenAI-shaped output line: one choice per output (``n`` of them), each with its
-    index, message (chat) or text, logprobs (``tag.top_logprobs`` alternatives) and
-    finish_reason; usage sums every choice."""
-    chat = tag.url == CHAT_URL
-    choices = [_choice(chat, tag, out, tag.top_logprobs, result.job_id)
-               for out in result.outputs]
-    body = completion_body(chat, result.job_id, int(time.time()), tag.model, choices,
-                           usage_body(result.usage.prompt_tokens, result.usage.completion_tokens))
-    return {"id": f"batch_req_{result.job_id}", "custom_id": tag.custom_id,
-            "response": {"status_code": 200, "request_id": result.job_id, "body": body},
-            "error": None}
-
-
-def _choice(chat: bool, tag: LineTag, out: CompletionOutput, top: int,
-            job_id: str) -> dict[str, Any]:
-    records = token_logprobs_of(out) if tag.logprobs else []
-    lp = logprobs_body(chat, records, top) if records else None
-    if tag.tools is not None:
-        from producer_sdk.tool_calls import whole_choice     # it imports this module
-        return whole_choice(tag.tools, job_id, out.index, out.text, lp, out.finish_reason)
-    return choice_body(chat, out.index, out.text, lp, out.finish_reason)
-
-
-def error_line(custom_id: Optional[str], line: int, code: str, message: str,
-               job_id: Optional[str] = None) -> dict[str, Any]:
-    return {"id": f"batch_req_{job_id}" if job_id else None, "custom_id": custom_id,
-            "line": line, "response": None, "error": {"code": code, "message": message}}

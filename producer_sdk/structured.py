@@ -29,8 +29,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from producer_sdk.errors import InvalidRequest
-from producer_sdk.openai_format import CHAT_URL, LineError
+from producer_sdk.errors import InvalidRequest, LineError
 from protocol.tools import HERMES, UNPARSED, Tool, call_schema, check_unique_names
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -69,16 +68,17 @@ def lenient(schema: dict[str, Any]) -> dict[str, Any]:
 # OpenAI request bodies
 # --------------------------------------------------------------------------------------------
 
-def pop_openai(url: str, body: dict[str, Any]
+def pop_openai(chat: bool, body: dict[str, Any]
                ) -> tuple[Optional[Constraint], Optional[ToolPlan], Optional[list[dict]]]:
-    """Take the constraint and tool fields out of a request body: (the constraint, the tool
-    plan, the job's ``tools``). LineError naming the field for what cannot be done."""
+    """Take the constraint and tool fields out of a request body (``chat``: of
+    ``/v1/chat/completions``): (the constraint, the tool plan, the job's ``tools``).
+    LineError naming the field for what cannot be done."""
     given = [c for c in (from_response_format(body.pop("response_format", None)),
                          from_vllm_extras(body)) if c is not None]
     if len(given) > 1:
         raise LineError("invalid_request", f"{given[0].param} and {given[1].param} both "
                         f"constrain the answer; send one", given[1].param)
-    plan, tools, forced = from_tools(url, body)
+    plan, tools, forced = from_tools(chat, body)
     if forced is not None and given:
         raise LineError("invalid_request", f"tool_choice {plan.choice!r} constrains the answer "
                         f"to a tool call; it cannot also follow {given[0].param}",
@@ -165,7 +165,7 @@ def from_vllm_extras(body: dict[str, Any]) -> Optional[Constraint]:
     return given[0] if given else None
 
 
-def from_tools(url: str, body: dict[str, Any]
+def from_tools(chat: bool, body: dict[str, Any]
                ) -> tuple[Optional[ToolPlan], Optional[list[dict]], Optional[Constraint]]:
     """``tools`` / ``tool_choice`` / ``parallel_tool_calls``: (the plan, the job's tools, the
     constraint of a forced call). ``tool_choice`` ``none`` sends no tools at all."""
@@ -178,8 +178,8 @@ def from_tools(url: str, body: dict[str, Any]
         if choice not in (None, "none"):
             raise LineError("invalid_request", "tool_choice needs tools", "tool_choice")
         return None, None, None
-    if url != CHAT_URL:
-        raise LineError("unsupported_field", f"tools are a {CHAT_URL} field", "tools")
+    if not chat:
+        raise LineError("unsupported_field", "tools are a /v1/chat/completions field", "tools")
     tools = _tools(raw)
     names = tuple(t.function.name for t in tools)
     if choice == "none":
