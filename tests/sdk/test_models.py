@@ -33,10 +33,12 @@ def test_heartbeat_carries_served_model_name_and_queue(redis_server, start_worke
     beat = {k.decode(): v.decode() for k, v in r.hgetall(Keys().heartbeat("hb1")).items()}
     assert beat["served_model_name"] == "alpha" and beat["queue"] == "q1"
     assert beat["model"] == "fake:"
+    assert beat["tool_format"] == "hermes"          # what its "template" does with tools
     assert r.smembers(Keys().queues) == {b"q1"}
     models = list_models(r)
     assert list(models) == ["alpha"]
     assert models["alpha"].queues == ("q1",) and models["alpha"].workers == (("q1", "hb1"),)
+    assert models["alpha"].tool_format == "hermes"
     assert abs(models["alpha"].created - time.time()) < 60
     assert run.stop() == 0
     assert list_models(r) == {}            # a clean exit deletes the heartbeat at once
