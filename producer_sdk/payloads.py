@@ -67,7 +67,8 @@ class ParamsCache:
     """Validates sampling dicts with SamplingParams, once per distinct dict (bounded cache),
     keyed by ``_freeze`` (order and types count)."""
 
-    def __init__(self, max_entries: int = 1024) -> None:
+    def __init__(self, max_entries: int = 1024, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.limits = limits
         self._cache: dict[Any, dict[str, Any]] = {}
         self._max = max_entries
         self._last: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
@@ -96,8 +97,14 @@ class ParamsCache:
         self._last = (dict(sampling), out)
         return out
 
-    @staticmethod
-    def _validate(sampling: Mapping[str, Any]) -> dict[str, Any]:
+    def _validate(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
+        if "structured_outputs" in sampling:
+            # Its limits before SamplingParams compiles it (the worker's validation checks
+            # limits before the schema too): an oversized schema is refused by its size alone.
+            try:
+                check_job_limits({"params": dict(sampling)}, self.limits)
+            except LimitExceeded as exc:
+                raise InvalidRequest(str(exc), field=exc.field) from None
         unknown = sorted(set(sampling) - SAMPLING_FIELDS)
         if unknown:
             raise InvalidRequest(
@@ -171,7 +178,7 @@ class PayloadBuilder:
                  limits: Limits = DEFAULT_LIMITS) -> None:
         self.keys = keys
         self.limits = limits
-        self.params = ParamsCache()
+        self.params = ParamsCache(limits=limits)
         self.new_id = job_ids or JobIds()
 
     def build(self, prompt: Optional[str] = None, *, submitted_ms: Optional[int] = None,
@@ -190,10 +197,7 @@ class PayloadBuilder:
             except ValueError as exc:
                 raise InvalidRequest(f"queue: {exc}", field="queue") from None
         deadline_s = fields.pop("deadline_s", None)
-        sampling = {k: fields[k] for k in fields.keys() - PAYLOAD_FIELDS}
-        if "structured_outputs" in sampling:
-            self._bound_constraint(sampling)
-        params = self.params.validate(sampling)
+        params = self.params.validate({k: fields[k] for k in fields.keys() - PAYLOAD_FIELDS})
         metadata = fields.get("metadata")
         if metadata and not isinstance(metadata, Mapping):
             raise InvalidRequest("metadata must be a dict", field="metadata")
@@ -214,15 +218,6 @@ class PayloadBuilder:
                                  f"{self.limits.max_payload_bytes} (max_payload_bytes)")
         return Prepared(payload["job_id"], Keys.lane_for_priority(payload["priority"]), raw,
                         payload["stream"], queue, routing_key=payload.get("routing_key"))
-
-    def _bound_constraint(self, sampling: Mapping[str, Any]) -> None:
-        """The limits of a constraint before the sampling check compiles it (as the worker's
-        validation checks limits before the schema): an oversized schema is refused by its
-        size, never compiled."""
-        try:
-            check_job_limits({"params": dict(sampling)}, self.limits)
-        except LimitExceeded as exc:
-            raise InvalidRequest(str(exc), field=exc.field) from None
 
     def _payload(self, fields: Mapping[str, Any], params: dict[str, Any], submitted: int,
                  deadline: Optional[int]) -> dict[str, Any]:
