@@ -10,9 +10,9 @@ queues and workers (no keyspace scan), so it is cheap enough per request; ``Mode
 
 Live means: the heartbeat hash still exists (a dead or frozen worker's expires within 5 beats;
 its registry entry may linger, which is why the hash decides), its engine is loaded, it is not
-draining (it takes no new jobs), and it names this queue. The sync and async variants share all
-the logic (``_listing``, a generator of pipelines); the SDK's two drivers run it
-(``producer_sdk.effects``).
+draining (it takes no new jobs), and it names this queue (``Heartbeat.serving``; the hash's
+schema is protocol/heartbeat.py). The sync and async variants share all the logic
+(``_listing``, a generator of pipelines); the SDK's two drivers run it (``producer_sdk.effects``).
 """
 
 from __future__ import annotations
@@ -23,12 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, Optional
 
 from producer_sdk.effects import arun, pipelined, run
+from protocol.heartbeat import FIELDS, Heartbeat
 from protocol.keys import Keys
-from protocol.tools import TOOL_FORMAT_FIELD
-
-# Heartbeat fields the listing reads, in this order.
-_FIELDS = ("served_model_name", "queue", "engine_loaded", "draining", "started_ms",
-           TOOL_FORMAT_FIELD)
 
 
 @dataclass(frozen=True)
@@ -74,34 +70,27 @@ def _listing(namespace: str) -> Generator[Pipeline, list[Any], dict[str, ServedM
     pairs = [(q, _s(w)) for q, ids in zip(names, registries) for w in ids or ()]
     if not pairs:
         return {}
-    rows = yield [("HMGET", ns.heartbeat(w), *_FIELDS) for _, w in pairs]
-    return _models(pairs, rows)
+    rows = yield [("HMGET", ns.heartbeat(w), *FIELDS) for _, w in pairs]
+    return _models(pairs, [Heartbeat.from_row(row) for row in rows])
 
 
-def serving(queue: str, hb_queue: Optional[str], loaded: Optional[str],
-            draining: Optional[str]) -> bool:
-    """Whether a heartbeat's fields (decoded; None where absent) say its worker takes new jobs
-    of ``queue``: it names that queue, its engine is loaded and it is not draining."""
-    return hb_queue == queue and loaded == "1" and draining in ("0", None)
-
-
-def _models(pairs: list[tuple[str, str]], rows: list[Any]) -> dict[str, ServedModel]:
-    """Group live workers' heartbeats by served model name."""
-    found: dict[str, list[tuple[str, str, int, Optional[str]]]] = {}
-    for (queue, worker), row in zip(pairs, rows):
-        name, hb_queue, loaded, draining, started, tools = (
-            None if v is None else _s(v) for v in row or (None,) * len(_FIELDS))
-        if not name or not serving(queue, hb_queue, loaded, draining):
+def _models(pairs: list[tuple[str, str]],
+            beats: list[Optional[Heartbeat]]) -> dict[str, ServedModel]:
+    """Group live workers' heartbeats (None: the hash is gone) by served model name."""
+    found: dict[str, list[tuple[str, str, int, str]]] = {}
+    for (queue, worker), beat in zip(pairs, beats):
+        if beat is None or not beat.served_model_name or not beat.serving(queue):
             continue
-        started_ms = int(started) if started and started.isdigit() else 0
-        found.setdefault(name, []).append((queue, worker, started_ms, tools or None))
+        found.setdefault(beat.served_model_name, []).append(
+            (queue, worker, max(0, beat.started_ms), beat.tool_format))
     out = {}
     for name, live in sorted(found.items()):
-        formats = {t for _, _, _, t in live}
+        formats = {w[3] for w in live}           # "" (an older worker) disagrees with any
         out[name] = ServedModel(name=name, queues=tuple(sorted({w[0] for w in live})),
                                 workers=tuple(sorted((w[0], w[1]) for w in live)),
                                 created=min(w[2] for w in live) // 1000,
-                                tool_format=formats.pop() if len(formats) == 1 else None)
+                                tool_format=(formats.pop() or None) if len(formats) == 1
+                                else None)
     return out
 
 
@@ -182,5 +171,4 @@ class AsyncModelCache:
         self._ttl.invalidate()
 
 
-__all__ = ["ServedModel", "list_models", "alist_models", "ModelCache", "AsyncModelCache",
-           "serving"]
+__all__ = ["ServedModel", "list_models", "alist_models", "ModelCache", "AsyncModelCache"]

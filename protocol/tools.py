@@ -11,7 +11,8 @@ text; a forced call is an ordinary ``params.structured_outputs`` constraint buil
 Why tools travel in their own field rather than in ``chat_template_kwargs``: a template that
 ignores ``tools`` would silently drop them, so the worker refuses a job with tools when its
 template does not read them (``invalid_request`` naming ``tools``), and advertises what its
-template does in its heartbeat (``TOOL_FORMAT_FIELD``) so producers can tell beforehand.
+template does in its heartbeat (``tool_format``, protocol/heartbeat.py), so producers can tell
+beforehand.
 ``tools`` stays a reserved template variable (``protocol.wire.RESERVED_CHAT_TEMPLATE_KWARGS``):
 it comes from this field only.
 """
@@ -25,9 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field
 # OpenAI's function names: letters, digits, underscores and dashes, at most 64.
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
-# The heartbeat field, and its values: what the worker's chat template does with ``tools``.
-TOOL_FORMAT_FIELD = "tool_format"
-HERMES = "hermes"          # renders tools; calls come back as <tool_call>{"name", "arguments"}</tool_call>
+# What a worker's chat template does with ``tools``: its heartbeat's ``tool_format``
+# (protocol/heartbeat.py).
+HERMES = "hermes"          # renders tools; calls: <tool_call>{"name", "arguments"}</tool_call>
 UNPARSED = "unparsed"      # renders tools; its call format is not one producers here parse
 NO_TOOLS = "none"          # the template ignores tools
 TOOL_FORMATS = (HERMES, UNPARSED, NO_TOOLS)
@@ -119,6 +120,6 @@ def template_tool_calls(calls: Any) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["Tool", "FunctionDef", "TOOL_NAME_PATTERN", "TOOL_FORMAT_FIELD", "HERMES",
+__all__ = ["Tool", "FunctionDef", "TOOL_NAME_PATTERN", "HERMES",
            "UNPARSED", "NO_TOOLS", "TOOL_FORMATS", "PARSED_FORMATS", "NO_PARAMETERS",
            "check_unique_names", "call_schema", "template_tool_calls"]

@@ -142,6 +142,11 @@ class WorkerSettings(WorkerIdentity):
         """The name this worker serves under: ``--served-model-name``, else the default."""
         return self.served_model_name or default_served_model_name(self.model)
 
+    @property
+    def result_ttl_ms(self) -> int:
+        """``--result-ttl`` in ms: the TTL of a job's result stream and owner record."""
+        return int(self.result_ttl * 1000)
+
     def decode_limits(self) -> Limits:
         """The producer-facing limits ``decode_job`` checks, from the --max-* flags."""
         return Limits(**{name: getattr(self, name) for name in Limits.model_fields})

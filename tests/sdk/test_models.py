@@ -11,6 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from producer_sdk.models import AsyncModelCache, ModelCache, alist_models, list_models
+from protocol.heartbeat import Heartbeat
 from protocol.keys import Keys
 from worker.config import WorkerSettings, default_served_model_name
 
@@ -130,10 +131,13 @@ def test_only_loaded_undrained_workers_of_the_queue_count():
     from producer_sdk.models import _models
     pairs = [("q", "ok"), ("q", "broken"), ("q", "draining"), ("q", "moved"), ("q", "gone"),
              ("q", "old")]
-    rows = [[b"m", b"q", b"1", b"0", b"5000", b"hermes"], [b"m", b"q", b"0", b"0", b"1", None],
-            [b"m", b"q", b"1", b"1", b"1", None], [b"m", b"other", b"1", b"0", b"1", None],
-            [None] * 6, [None, b"q", b"1", b"0", b"1", None]]
-    models = _models(pairs, rows)
+    beats = [Heartbeat(served_model_name="m", queue="q", engine_loaded=True, started_ms=5000,
+                       tool_format="hermes"),
+             Heartbeat(served_model_name="m", queue="q", started_ms=1),
+             Heartbeat(served_model_name="m", queue="q", engine_loaded=True, draining=True),
+             Heartbeat(served_model_name="m", queue="other", engine_loaded=True),
+             None, Heartbeat(queue="q", engine_loaded=True, started_ms=1)]
+    models = _models(pairs, beats)
     assert list(models) == ["m"] and models["m"].workers == (("q", "ok"),)
     assert models["m"].created == 5 and models["m"].tool_format == "hermes"
 
@@ -141,10 +145,13 @@ def test_only_loaded_undrained_workers_of_the_queue_count():
 def test_a_model_has_a_tool_format_only_when_every_live_worker_says_the_same():
     from producer_sdk.models import _models
     pairs = [("q", "a"), ("q", "b")]
-    row = [b"m", b"q", b"1", b"0", b"1"]
-    assert _models(pairs, [row + [b"none"], row + [b"none"]])["m"].tool_format == "none"
-    assert _models(pairs, [row + [b"hermes"], row + [b"none"]])["m"].tool_format is None
-    assert _models(pairs, [row + [b"hermes"], row + [None]])["m"].tool_format is None
+
+    def beat(fmt: str) -> Heartbeat:
+        return Heartbeat(served_model_name="m", queue="q", engine_loaded=True, tool_format=fmt)
+    assert _models(pairs, [beat("none"), beat("none")])["m"].tool_format == "none"
+    assert _models(pairs, [beat("hermes"), beat("none")])["m"].tool_format is None
+    assert _models(pairs, [beat("hermes"), beat("")])["m"].tool_format is None
+    assert _models(pairs, [beat(""), beat("")])["m"].tool_format is None
 
 
 def test_submit_to_another_queue_of_the_namespace(redis_server):

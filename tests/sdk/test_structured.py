@@ -122,7 +122,8 @@ def test_clients_get_constrained_answers_from_a_fake_worker(fake):
 
     async def run() -> str:
         async with AsyncClient(fake) as aclient:
-            job = await aclient.submit("x", max_tokens=40, structured_outputs={"json": FLIPPED})
+            job = await aclient.submit("x", max_tokens=200, seed=1,
+                                       structured_outputs={"json": FLIPPED})
             return (await job.result(timeout=30)).text
     text = asyncio.run(run())
     assert list(json.loads(text)) == ["age", "name"]        # the order the schema gave
@@ -136,15 +137,15 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_constraint_flags(fake, tmp_path: Path):
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMA))
-    res = cli("submit", "Maria is 34.", "--chat", "--redis-url", fake, "--max-tokens", "80",
-              "--json-schema", str(schema_file))
+    res = cli("submit", "Maria is 34.", "--chat", "--redis-url", fake, "--max-tokens", "200",
+              "--seed", "1", "--json-schema", str(schema_file))
     assert res.returncode == 0, res.stderr
     jsonschema.validate(json.loads(res.stdout), SCHEMA)
     res = cli("submit", "pick", "--redis-url", fake, "--choice", "left", "--choice", "right",
               "--max-tokens", "8", "--stream")
     assert res.returncode == 0 and res.stdout.strip() in ("left", "right"), res.stderr
     res = cli("submit", "n", "--redis-url", fake, "--json-schema", '{"type": "integer"}',
-              "--max-tokens", "8")
+              "--max-tokens", "8", "--seed", "1")
     assert res.returncode == 0 and isinstance(json.loads(res.stdout), int)
     bad = cli("submit", "x", "--redis-url", fake, "--regex", "(abc")
     assert bad.returncode == 2 and "--regex: " in bad.stderr and "unclosed" in bad.stderr
