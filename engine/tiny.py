@@ -62,6 +62,42 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# A ChatML template that renders tools in the Hermes format (the Qwen2.5 family's): function
+# signatures as JSON lines within <tools></tools> in the system turn, calls answered as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results as <tool_response> turns.
+# Tests of tool calls use it (``--chat-template tools``); random weights never write a call by
+# themselves, so those tests constrain the answer into the format.
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n"
+    "Function signatures, one JSON object per line, within <tools></tools> tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call a function, answer with a JSON object holding its name "
+    "and arguments within <tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- set skip_first = messages[0]['role'] == 'system' %}"
+    "{%- else %}{%- set skip_first = false %}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if loop.first and skip_first %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call.get('function') else call %}"
+    "{%- set args = fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' + args"
+    " + '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CHAT_TEMPLATES = {"chatml": CHAT_TEMPLATE, "tools": TOOLS_CHAT_TEMPLATE}
 QWEN_PRETOKENIZE_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                           r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
@@ -220,9 +256,13 @@ def _save_weights(out: Path, weights: dict[str, torch.Tensor], shards: int) -> N
 def write_checkpoint(out: str | Path, arch: str = "llama", seed: int = 0, size: str = "tiny",
                      shards: int = 1, rope_scaling: str = "none", dtype: str = "float32",
                      tie_word_embeddings: bool | None = None, attention_bias: bool = False,
-                     vocab_size: int | None = None) -> Path:
+                     vocab_size: int | None = None, chat_template: str = "chatml") -> Path:
     """Write a complete HF checkpoint folder at ``out`` and return its path (options: see
-    :func:`make_config`)."""
+    :func:`make_config`). ``chat_template``: ``chatml`` (plain), or ``tools`` (renders tools,
+    Hermes calls)."""
+    if chat_template not in CHAT_TEMPLATES:
+        raise ValueError(f"chat_template must be one of {sorted(CHAT_TEMPLATES)}, got "
+                         f"{chat_template!r}")
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
     out = Path(out)
@@ -245,7 +285,7 @@ def write_checkpoint(out: str | Path, arch: str = "llama", seed: int = 0, size: 
         "additional_special_tokens": [IM_START, IM_END],
         "model_max_length": cfg["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": CHAT_TEMPLATES[chat_template],
     })
     return out
 
@@ -259,13 +299,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shards", type=int, default=1)
     parser.add_argument("--rope-scaling", choices=list(ROPE_SCALINGS), default="none")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--chat-template", choices=sorted(CHAT_TEMPLATES), default="chatml",
+                        help="tools: a template that renders tools (Hermes <tool_call> format)")
     tie = parser.add_mutually_exclusive_group()
     tie.add_argument("--tie", dest="tie", action="store_true", default=None,
                      help="force tie_word_embeddings=true (default: per arch)")
     tie.add_argument("--no-tie", dest="tie", action="store_false")
     args = parser.parse_args(argv)
     path = write_checkpoint(args.out, args.arch, args.seed, args.size, args.shards,
-                            args.rope_scaling, args.dtype, args.tie)
+                            args.rope_scaling, args.dtype, args.tie, args.chat_template)
     print(path)
 
 

@@ -134,6 +134,9 @@ class WorkerSettings(WorkerIdentity):
                                  "whitespace_pattern).")
     max_grammar_bytes: ByteSize = Field(64 * 1024, ge=1, description="Largest Lark / GBNF "
                                         "grammar constraint.")
+    max_tools: int = Field(128, ge=1, description="Most tools per chat job.")
+    max_tools_bytes: ByteSize = Field(256 * 1024, ge=1, description="Largest tools list of a "
+                                      "job (packed).")
     log_level: str = Field("info", description="debug, info, warning, error.")
     log_prompts: bool = Field(False, description="Log prompt text (debug only; off by default).")
 

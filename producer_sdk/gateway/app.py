@@ -33,6 +33,7 @@ from producer_sdk.gateway.models import HeartbeatDirectory, ModelDirectory, pars
 from producer_sdk.gateway.responses import (Answer, JobFeed, event_stream, first_item,
                                             whole_response)
 from producer_sdk.gateway.settings import GatewaySettings
+from producer_sdk.structured import fit_tools, rename_error
 from protocol.topology import cluster_flag, detect_cluster
 
 REQUEST_ID = "x-request-id"
@@ -151,11 +152,19 @@ class Gateway:
             raise no_live_worker(model, known)
         raise model_not_found(model, sorted({m.name for m in await self.directory.models()}))
 
+    async def tool_format(self, model: str) -> Optional[str]:
+        """What the model's chat template does with tools, as its live workers advertise it."""
+        served = {m.name: m for m in await self.directory.models()}.get(model)
+        return getattr(served, "tool_format", None)
+
     async def submit(self, request: Request, req: OpenAIRequest) -> Answer:
         priority = self.priority(request)
         deadline = self.deadline_s(request)
         queue = await self.queue_of(req.model)
         kwargs = dict(req.kwargs)
+        if req.tools is not None:           # tools as the served model's template takes them
+            kwargs = fit_tools(kwargs, req.tools, await self.tool_format(req.model or ""),
+                               req.model or "")
         meta = {**kwargs.pop("metadata", {}), "request_id": request.state.request_id}
         if req.user is not None:
             meta["user"] = req.user
@@ -164,7 +173,8 @@ class Gateway:
                                                   deadline_s=deadline, stream=True,
                                                   metadata=meta)
         except Exception as exc:
-            raise api_error(exc, self.s.retry_after_s) from None
+            raise api_error(rename_error(exc, req.constraint_param),
+                            self.s.retry_after_s) from None
         top = kwargs.get("logprobs")
         return Answer(req, job, req.model or "", top if type(top) is int else 0)
 
