@@ -84,6 +84,12 @@ plausible = {
                                     "00-xyz", ""]),
     "routing_key": st.one_of(st.text(min_size=1, max_size=40), st.just(""),
                              st.text(min_size=257, max_size=300)),
+    "tools": st.lists(st.fixed_dictionaries({
+        "type": st.sampled_from(["function", "x"]),
+        "function": st.fixed_dictionaries({"name": st.text(max_size=12),
+                                           "parameters": st.sampled_from([
+                                               {"type": "object"}, {"type": 3}, {}])})}),
+        max_size=3),
 }
 plausible_params = {
     "max_tokens": st.integers(min_value=0, max_value=12), "temperature": st.floats(0, 2),
@@ -91,12 +97,17 @@ plausible_params = {
     "stop": st.lists(st.text(max_size=5), max_size=4), "n": st.integers(0, 4),
     "beam_width": st.one_of(st.none(), st.integers(0, 4)), "length_penalty": st.floats(-11, 11),
     "logprobs": st.integers(0, 30), "stop_token_ids": st.lists(st.integers(0, 300), max_size=4),
+    "structured_outputs": st.sampled_from([
+        {"choice": ["yes", "no"]}, {"regex": "[a-z]{1,4}"}, {"json": {"type": "object"}},
+        {"json_object": True}, {"regex": "("}, {"choice": []}, {"json": 3},
+        {"choice": ["a"], "regex": "b"}]),
 }
 
 
 # Every JobRequest field but job_id and params, which job_maps draws on their own.
 JOB_FIELDS = ("v", "prompt", "messages", "prompt_token_ids", "priority", "deadline_ms", "stream",
-              "metadata", "submitted_ms", "chat_template_kwargs", "traceparent", "routing_key")
+              "metadata", "submitted_ms", "chat_template_kwargs", "traceparent", "routing_key",
+              "tools")
 
 
 def test_every_job_field_is_fuzzed():

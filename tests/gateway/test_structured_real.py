@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_thread")
               pytest.mark.skipif(importlib.util.find_spec("engine.llm_engine") is None,
                                  reason="the real engine is not available")]
 
-ENGINE_KW = dict(kv_cache_memory=64 * 2**20, max_num_seqs=16, max_model_len=1024)
+ENGINE_KW = dict(kv_cache_memory_bytes=64 * 2**20, max_num_seqs=16, max_model_len=1024)
 NAME = "tiny-tools"
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "function", "function": {
