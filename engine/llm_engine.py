@@ -18,11 +18,12 @@ import torch
 from engine.beam_search import BeamSearch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, detokenize_step
+from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.forks import advance_beams, beam_deltas, branch_seed, fork_samples
 from engine.grammar import GrammarError
 from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestDelta, RequestError, ResumeState
 from engine.prompts import (PromptType, check_chat_template_kwargs, prompt_of, render_chat,
                             tool_call_format)
@@ -78,6 +79,7 @@ class LLMEngine:
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids,
                                             threads=config.grammar_compile_threads,
                                             timeout_s=config.grammar_compile_timeout_s)
+        self.outputs = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, SequenceGroup] = {}
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
@@ -252,7 +254,12 @@ class LLMEngine:
             failed = {s.request_id: GrammarError(s.constraint.error() or "matcher failed")
                       for s in broken}
             sampled = self.sampler(logits_s, sample_seqs, masks)
-            deltas.extend(self._process_samples(sample_seqs, sampled, failed))
+            done, ended = self.outputs.process(sample_seqs, sampled, failed, time.time())
+            for request_id in ended:
+                del self.requests[request_id]
+            self._num_generated_tokens += len(done)
+            deltas.extend(done)
+            deltas.extend(self._fail_request(rid, exc) for rid, exc in failed.items())
         for group, by_seq in beam_rows.values():
             deltas.extend(self._beam_step(group, by_seq, logits))
         return deltas
@@ -295,90 +302,6 @@ class LLMEngine:
         del self.requests[group.request_id]
         self._num_generated_tokens += sum(len(d.new_token_ids) for d in deltas)
         return deltas
-
-    def _process_samples(self, seqs: list[Sequence], sampled,
-                         failed: dict[str, Exception]) -> list[RequestDelta]:
-        """Append each sampled token, advance its matcher, check the finish conditions and
-        detokenize. ``failed``: requests whose matcher broke; they end with an error delta.
-
-        With a constraint, EOS ends the choice even before ``min_tokens``: the sampler lets
-        EOS through only when the grammar is complete and allows nothing else."""
-        now = time.time()
-        eos = self.eos_token_ids
-        for seq, tok in zip(seqs, sampled.token_ids):
-            c = seq.constraint
-            if c is not None and seq.request_id not in failed and not c.consume(tok):
-                failed[seq.request_id] = GrammarError(f"output token {seq.num_output_tokens}: "
-                                                      f"{c.error()}")
-        if failed:
-            keep = [i for i, s in enumerate(seqs) if s.request_id not in failed]
-            seqs = [seqs[i] for i in keep]
-            sampled = type(sampled)(*[[getattr(sampled, f)[i] for i in keep]
-                                      for f in ("token_ids", "logprobs", "top_logprobs")])
-        finish: list[Optional[str]] = []
-        stop_reasons: list[Union[str, int, None]] = []
-        items = []
-        for seq, tok, lp, top in zip(seqs, sampled.token_ids, sampled.logprobs,
-                                     sampled.top_logprobs):
-            p = seq.params
-            seq.token_ids.append(tok)
-            seq.cumulative_logprob += lp
-            if p.logprobs is not None:
-                seq.output_logprobs.append(top)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            n_out = seq.num_output_tokens
-            reason: Optional[str] = None
-            stop_reason: Union[str, int, None] = None
-            text_tokens = [tok]
-            if n_out >= p.min_tokens:
-                if tok in p.stop_token_ids:
-                    reason, stop_reason, text_tokens = "stop", tok, []
-                elif not p.ignore_eos and tok in eos:
-                    reason, text_tokens = "stop", []
-            elif seq.constraint is not None and tok in eos:
-                reason, text_tokens = "stop", []
-            if reason is None and (n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-                reason = "length"
-            finish.append(reason)
-            stop_reasons.append(stop_reason)
-            items.append((seq.detokenizer, text_tokens, reason is not None))
-        texts = detokenize_step(items)
-        deltas = []
-        for seq, tok, lp, top, reason, stop_reason, (text, stop_str) in zip(
-                seqs, sampled.token_ids, sampled.logprobs, sampled.top_logprobs,
-                finish, stop_reasons, texts):
-            if stop_str is not None:
-                reason, stop_reason = "stop", stop_str
-            if reason is not None:
-                self._finish_choice(seq, reason, stop_reason, now)
-            deltas.append(RequestDelta(
-                request_id=seq.request_id,
-                new_token_ids=[tok],
-                new_text=text,
-                logprobs=[top] if seq.params.logprobs is not None else None,
-                token_logprobs=[lp],
-                finished=reason is not None,
-                finish_reason=reason,
-                stop_reason=stop_reason,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_output_tokens=seq.num_output_tokens,
-                index=seq.index,
-                cumulative_logprob=seq.cumulative_logprob,
-            ))
-        self._num_generated_tokens += len(deltas)
-        return deltas + [self._fail_request(rid, exc) for rid, exc in failed.items()]
-
-    def _finish_choice(self, seq: Sequence, reason: str, stop_reason: Union[str, int, None],
-                       now: float) -> None:
-        """One choice ended: free what only it holds; the request ends with its last choice."""
-        seq.stop_reason = stop_reason
-        seq.finished_time = now
-        group = seq.group
-        self.scheduler.finish(seq, reason)
-        group.finished[seq.index] = seq
-        if not group.seqs:
-            del self.requests[seq.request_id]
 
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (also done when it is garbage
