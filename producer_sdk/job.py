@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Iterator, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from producer_sdk.effects import Plan
-from producer_sdk.errors import LOST, JobFailed
+from producer_sdk.errors import JOB_LOST, LOST, JobFailed
 from producer_sdk.signatures import docs_from
 from protocol.fold import Delta, ResultFold
 from protocol.logprobs import TokenLogprob
@@ -76,14 +76,29 @@ class JobState:
     ``feed`` is serialized by a lock and ignores entries at or before ``last_id``, so two readers
     whose XREADs overlap fold each entry once, in order. While a ``stream()`` reads, the deltas
     are also kept in a log that each reader walks with its own cursor.
+
+    What a waiting reader decides by itself (``producer_sdk/reads.py``) needs a little more: the
+    job's dedupe and cancel keys, the request it was submitted with (None for a job reattached
+    by id), which lets a reader put a job Redis lost back in its queue, and the job's start
+    deadline (epoch ms), past which a job no worker started is the reader's to end.
     """
 
     __slots__ = ("job_id", "key", "last_id", "fold", "failure", "lock", "delta_count", "log",
-                 "log_start", "streamers", "caught_up")
+                 "log_start", "streamers", "caught_up", "dedupe_key", "cancel_key", "request",
+                 "start_deadline_ms", "seen_at", "checked_at", "reruns")
 
-    def __init__(self, job_id: str, key: str) -> None:
+    def __init__(self, job_id: str, key: str, dedupe_key: Optional[str] = None,
+                 cancel_key: Optional[str] = None, request: Any = None,
+                 start_deadline_ms: Optional[int] = None) -> None:
         self.job_id = job_id
         self.key = key
+        self.dedupe_key = dedupe_key
+        self.cancel_key = cancel_key
+        self.request = request                  # producer_sdk.payloads.Prepared, or None
+        self.start_deadline_ms = start_deadline_ms
+        self.seen_at = time.monotonic()         # when an entry last arrived (or reading began)
+        self.checked_at = 0.0                   # when its records were last checked (reads.py)
+        self.reruns = 0                         # times a reader put it back in its queue
         self.last_id: bytes = b"0-0"
         self.fold = ResultFold(job_id)
         self.failure: Optional[JobFailed] = None  # ended without a terminal event (see fail())
@@ -110,11 +125,40 @@ class JobState:
     def finished(self) -> bool:
         return self.fold.terminal is not None or self.failure is not None
 
+    @property
+    def started(self) -> bool:
+        """A worker took the job: its stream has a ``started`` event (or anything at all)."""
+        return self.fold.attempts > 0 or self.delta_count > 0 or self.fold.terminal is not None
+
+    def overdue(self, now_ms: float, grace_ms: float) -> bool:
+        """Its start deadline passed ``grace_ms`` ago and no worker has started it."""
+        return (self.start_deadline_ms is not None and not self.finished and not self.started
+                and now_ms > self.start_deadline_ms + grace_ms)
+
+    def expire(self) -> None:
+        """End it the way a worker ends a job read past its deadline (the reader cancels it)."""
+        self.fail("expired", "the job did not start before its deadline (deadline_s / "
+                  "X-Request-Timeout); it was cancelled, so no worker will run it")
+
+    def lose(self, why: str) -> None:
+        """End it with ``job_lost``: Redis no longer holds its records."""
+        self.fail(JOB_LOST, why)
+
+    def rerun(self) -> None:
+        """Its request went back in the queue under the same id: read the new stream from its
+        start (the fold skips the tokens already folded, by ``seq``)."""
+        with self.lock:
+            self.last_id = b"0-0"
+            self.reruns += 1
+            self.seen_at = time.monotonic()
+
     def feed(self, entries: list[tuple[Any, dict]]) -> list[Delta]:
         """Apply result-stream entries in order; return the new deltas (duplicates skipped)."""
         deltas: list[Delta] = []
         with self.lock:
             last = _entry_key(self.last_id)
+            if entries:
+                self.seen_at = time.monotonic()
             for entry_id, fields in entries:
                 eid = entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
                 key = _entry_key(eid)
@@ -245,16 +289,17 @@ class JobHandle:
     the shard of that queue it was put on), the state read so far, and what reading it means
     (plans, ``producer_sdk.effects``); ``Job`` and ``AsyncJob`` only run them on their client."""
 
-    __slots__ = ("client", "id", "keys", "shard", "_state", "reattached")
+    __slots__ = ("client", "id", "keys", "shard", "_state", "reattached", "request")
 
     def __init__(self, client: Any, job_id: str, *, keys: Keys, shard: Optional[int] = None,
-                 reattached: bool = False) -> None:
+                 reattached: bool = False, request: Any = None) -> None:
         self.client = client
         self.id = job_id
         self.keys = keys                # the keys of the job's queue (its shard count included)
         self.shard = keys.shard_of(job_id) if shard is None else shard
         self._state: Optional[JobState] = None  # created on first read: submit_many stays cheap
         self.reattached = reattached
+        self.request = request          # the Prepared it was submitted with; None: by id
 
     @property
     def queue(self) -> str:
@@ -269,7 +314,11 @@ class JobHandle:
         if self._state is None:
             with _STATE_LOCK:
                 if self._state is None:
-                    self._state = JobState(self.id, self.keys.results(self.id, self.shard))
+                    req = self.request
+                    self._state = JobState(
+                        self.id, self.keys.results(self.id, self.shard),
+                        self.keys.dedupe(self.id, self.shard), self.cancel_key, req,
+                        None if req is None else getattr(req, "deadline_ms", None))
         return self._state
 
     def __repr__(self) -> str:
@@ -385,20 +434,30 @@ class Job(JobHandle):
 @docs_from(Job)
 class AsyncJob(JobHandle):
     """A handle on one submitted job (asyncio); see ``Job``. Several tasks may stream one job:
-    each sees every delta from its start once."""
+    each sees every delta from its start once. Waiting holds no connection of its own: the
+    client's shared readers (``producer_sdk/hub.py``) read the job with the others."""
 
     __slots__ = ()
 
     async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Delta]:
-        with StreamCursor(self, timeout) as cursor:
+        hub = self.client.hub
+        with hub.watching(self) as watch, StreamCursor(self, timeout) as cursor:
             while (deltas := cursor.take()) is not None:
                 for delta in deltas:
                     yield delta
                 if not deltas:
-                    await self.client._run(cursor.pump())
+                    await hub.wait(watch, cursor.deadline.block_ms(self.client.config.poll_ms)
+                                   / 1000)
 
     async def result(self, timeout: Optional[float] = None) -> Result:
-        return await self.client._run(self._result(timeout))
+        deadline = Deadline(timeout)
+        hub = self.client.hub
+        with hub.watching(self) as watch:
+            while not self.state.finished:
+                await hub.wait(watch, deadline.block_ms(self.client.config.poll_ms) / 1000)
+                if not self.state.finished and self._timed_out(deadline):
+                    raise timeout_error(self.id, timeout, streaming=False)
+        return self.state.result()
 
     async def cancel(self) -> None:
         await self.client._run(self._cancel())
