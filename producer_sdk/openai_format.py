@@ -34,6 +34,9 @@ _ONLY_DEFAULT = {"echo": (False, None), "best_of": (1, None), "suffix": (None, "
 # Streaming fields: a batch line cannot stream, so there they too only take their defaults.
 _STREAM_DEFAULTS = {"stream": (False, None), "stream_options": (None,)}
 _IGNORED = ("model", "user", "service_tier", "store")
+# The chat roles OpenAI's API knows; any other is refused (400) rather than handed to a chat
+# template that would render it as text.
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # The token text of a logprob entry when the worker sent only token ids: vLLM's spelling for
 # ``--return-tokens-as-token-ids``, so a client can still tell tokens apart.
 TOKEN_ID_PREFIX = "token_id:"
@@ -197,6 +200,9 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise LineError("invalid_request", f"messages[{i}] needs a string role",
                             f"messages[{i}].role")
+        if m["role"] not in CHAT_ROLES:
+            raise LineError("invalid_request", f"messages[{i}].role {m['role']!r:.40} is not "
+                            f"one of {', '.join(sorted(CHAT_ROLES))}", f"messages[{i}].role")
         content = m.get("content")
         if isinstance(content, list):
             texts = []

@@ -12,6 +12,7 @@ import httpx
 import uvicorn
 
 from producer_sdk.gateway import GatewaySettings, create_app
+from producer_sdk.gateway.http import server_config
 from tests.fault_harness import wait_for
 from tests.fixtures_redis import free_port
 
@@ -36,10 +37,9 @@ class Gateway:
 
 
 def start_gateway(redis_url: str, **settings: Any) -> Gateway:
-    s = GatewaySettings(redis_url=redis_url, **{**FAST, **settings})
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(s), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
+    s = GatewaySettings(redis_url=redis_url, port=port, **{**FAST, **settings})
+    server = uvicorn.Server(server_config(create_app(s), s, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True, name=f"gateway-{port}")
     thread.start()
     wait_for(lambda: server.started or not thread.is_alive(), timeout=20, what="gateway up")
