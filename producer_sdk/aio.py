@@ -107,6 +107,9 @@ class AsyncClient(ClientCore[aioredis.Redis]):
     async def ping(self) -> None:
         await self._run(self._ping())
 
+    async def live_workers(self, queue: Optional[str] = None) -> list[str]:
+        return await self._run(self._live_workers(queue))
+
     # -- queues
     async def keys_of(self, queue: Optional[str] = None) -> Keys:
         return await self._run(self._keys_of(queue))

@@ -17,16 +17,19 @@ from typing import Any, Generic, Iterable, Optional, Sequence, TypeVar
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.retry import Retry
 
 from producer_sdk._wire import ENQUEUE_SHA, EnqueuePlan
 from producer_sdk.affinity import AffinityRouter
 from producer_sdk.config import ClientConfig
-from producer_sdk.effects import NET_ERRORS, SEND_ERRORS, Call, Plan, raise_transient, retrying
+from producer_sdk.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, pipelined, raise_transient,
+                                  retrying)
 from producer_sdk.enqueue import Enqueuer
 from producer_sdk.errors import (ClientClosed, JobNotFound, NotDurable, QueueFull, RedisUnavailable,
                                  SDKError)
 from producer_sdk.job import Deadline, JobHandle, JobState
+from producer_sdk.models import live_workers as queue_workers
 from producer_sdk.payloads import PayloadBuilder, Prepared
 from producer_sdk.queues import LIMIT_FIELD, QueueBook
 from producer_sdk.reads import Pumped, ResultReader, rerun_request
@@ -43,10 +46,13 @@ __all__ = ["ENQUEUE_SHA", "NET_ERRORS", "SEND_ERRORS", "LIMIT_FIELD", "ClientCor
 log = logging.getLogger("producer_sdk")
 
 
-def connection_kwargs(cfg: ClientConfig) -> dict[str, Any]:
-    """A short connect timeout and few retries: fail fast, not hang."""
+def connection_kwargs(cfg: ClientConfig, asyncio: bool = False) -> dict[str, Any]:
+    """A short connect timeout and one retry on a fresh connection: fail fast, not hang, and
+    a pooled connection a restarted server closed is replaced, not answered as an error.
+    (An asyncio client needs the asyncio Retry: the sync one does not retry awaited calls.)"""
+    retry = (AsyncRetry if asyncio else Retry)(ExponentialBackoff(cap=0.5, base=0.05), 1)
     return dict(socket_connect_timeout=cfg.connect_timeout_s, socket_timeout=cfg.socket_timeout_s,
-                socket_keepalive=True, retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1),
+                socket_keepalive=True, retry=retry,
                 retry_on_error=[RedisConnectionError, RedisTimeoutError])
 
 
@@ -63,7 +69,8 @@ def make_async_redis(cfg: ClientConfig, cluster: Optional[bool] = None) -> Any:
     (redis-py's default pool raises at once when it is empty)."""
     known = cfg.cluster if cluster is None else cluster
     return make_async_client(cfg.redis_url, known, max_connections=cfg.max_connections,
-                             pool_timeout_s=cfg.pool_timeout_s, **connection_kwargs(cfg))
+                             pool_timeout_s=cfg.pool_timeout_s,
+                             **connection_kwargs(cfg, asyncio=True))
 
 
 R = TypeVar("R")
@@ -230,6 +237,13 @@ class ClientCore(ABC, Generic[R]):
     # -- plans: queues
     def _ping(self) -> Plan[None]:
         yield Call(lambda r: r.ping())
+
+    def _live_workers(self, queue: Optional[str]) -> Plan[list[str]]:
+        """Ids of the workers that take new jobs of ``queue`` now (``producer_sdk.models``:
+        heartbeat fresh, engine loaded, not draining)."""
+        name = queue or self.queue
+        return (yield from self._retrying(
+            lambda: pipelined(queue_workers(self.namespace, name))))
 
     def _queue_depth(self, queue: Optional[str]) -> Plan[int]:
         lanes = (yield from self._queues.keys(queue)).lanes()

@@ -72,6 +72,20 @@ def _listing(namespace: str) -> Generator[Pipeline, list[Any], dict[str, ServedM
     return _models(pairs, rows)
 
 
+def live_workers(namespace: str, queue: str) -> Generator[Pipeline, list[Any], list[str]]:
+    """The ids of ``queue``'s live workers (``serving``), as a plan of the same style: its
+    registry, then every registered worker's heartbeat."""
+    keys = Keys(namespace, queue)
+    (ids,) = yield [("ZRANGE", keys.workers, 0, -1)]
+    workers = sorted(_s(w) for w in ids or ())
+    if not workers:
+        return []
+    rows = yield [("HMGET", keys.heartbeat(w), "queue", "engine_loaded", "draining")
+                  for w in workers]
+    return [w for w, row in zip(workers, rows)
+            if serving(queue, *(None if v is None else _s(v) for v in row or (None,) * 3))]
+
+
 def serving(queue: str, hb_queue: Optional[str], loaded: Optional[str],
             draining: Optional[str]) -> bool:
     """Whether a heartbeat's fields (decoded; None where absent) say its worker takes new jobs

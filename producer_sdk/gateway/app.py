@@ -21,8 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from producer_sdk.errors import RedisUnavailable
 from producer_sdk.gateway.backend import Gateway
 from producer_sdk.gateway.errors import APIError, api_error
 from producer_sdk.gateway.guard import Guard
@@ -73,6 +75,17 @@ def _register_errors(app: FastAPI, gw: Gateway) -> None:
                            "unknown_url")
         else:
             err = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
+        return answer(err)
+
+    @app.exception_handler(RedisUnavailable)
+    async def _redis_down(_: Request, exc: RedisUnavailable) -> JSONResponse:
+        return answer(api_error(exc, gw.s.retry_after_s))
+
+    @app.exception_handler(RedisError)
+    async def _redis_error(request: Request, exc: RedisError) -> JSONResponse:
+        err = api_error(exc, gw.s.retry_after_s)
+        if err.code == "internal":
+            log.error("%s %s: Redis answered %s", request.method, request.url.path, exc)
         return answer(err)
 
     @app.exception_handler(RequestValidationError)
