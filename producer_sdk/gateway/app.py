@@ -130,22 +130,29 @@ def create_app(settings: Optional[GatewaySettings] = None,
         try:
             req = parse_request(url, _body(await request.body()), streaming=True)
             sub = await gw.submit(request, req)
-            top = req.kwargs.get("logprobs")
-            answer = Answer(req, sub.job, req.model or "", top if type(top) is int else 0)
-            feed = JobFeed(sub, gw.cancels, settings.retry_after_s)
-            headers = {"X-Job-Id": sub.job.id}
-            if req.stream:
-                first = await first_item(feed, settings.status_wait_s)
-                return StreamingResponse(
-                    event_stream(answer, feed, first, settings.keepalive_s, metrics),
-                    media_type="text/event-stream",
-                    headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            body = await whole_response(answer, feed, request.is_disconnected, metrics)
-            if body is None:            # the client left; its job was cancelled
-                return Response(status_code=499)
-            return JSONResponse(body, headers=headers)
+            try:
+                return await answer(request, req, sub)
+            except APIError as exc:     # the caller may look the job up: name it
+                exc.headers = {**exc.headers, "X-Job-Id": sub.job.id}
+                raise
         finally:
             endpoint.dec()
+
+    async def answer(request: Request, req: Any, sub: Any) -> Response:
+        top = req.kwargs.get("logprobs")
+        answer = Answer(req, sub.job, req.model or "", top if type(top) is int else 0)
+        feed = JobFeed(sub, gw.cancels, settings.retry_after_s)
+        headers = {"X-Job-Id": sub.job.id}
+        if req.stream:
+            first = await first_item(feed, settings.status_wait_s)
+            return StreamingResponse(
+                event_stream(answer, feed, first, settings.keepalive_s, metrics),
+                media_type="text/event-stream",
+                headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        body = await whole_response(answer, feed, request.is_disconnected, metrics)
+        if body is None:            # the client left; its job was cancelled
+            return Response(status_code=499)
+        return JSONResponse(body, headers=headers)
 
     @app.post(COMPLETIONS_URL)
     async def completions(request: Request) -> Response:
