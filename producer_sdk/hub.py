@@ -95,6 +95,7 @@ class ReadHub:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._background: set[asyncio.Task] = set()
         self._noperm_logged = False
+        self._closed = False
 
     # -- what waiters use
     @contextlib.contextmanager
@@ -132,14 +133,17 @@ class ReadHub:
                    if g.task is not None and not g.task.done())
 
     async def close(self) -> None:
-        """Stop every reader (waiters still blocked time out on their own)."""
+        """Stop every reader (waiters still blocked time out on their own). A reader's task is
+        cancelled and given a second to end: redis-py can lose a cancellation that lands while
+        it tears a connection down (its retry resends the read), so the loop also stops at
+        the closed flag, once closing the client's pool ends that read."""
+        self._closed = True
         tasks = [g.task for gs in self.slots.values() for g in gs if g.task is not None]
         tasks += list(self._background)
         for t in tasks:
             t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        if tasks:
+            await asyncio.wait(tasks, timeout=1.0)
         self.slots.clear()
         self.watches.clear()
 
@@ -194,8 +198,10 @@ class ReadHub:
             pipe.xadd(key, {"w": b"1"}, maxlen=1, approximate=False)
             pipe.pexpire(key, WAKE_TTL_MS)
             return pipe.execute(False)
+        def plan() -> Plan[Any]:
+            return (yield Call(xadd))
         try:
-            replies = await self.run(Call(xadd))
+            replies = await self.run(plan())
         except Exception as exc:    # the reader's own block ends soon enough; its read retries
             log.debug("wake of %s failed: %s", key, exc)
             return
@@ -207,7 +213,7 @@ class ReadHub:
     # -- one reader
     async def _read_loop(self, g: Group) -> None:
         """Read the group's streams until none of its jobs is left unfinished."""
-        while True:
+        while not self._closed:
             watches = list(g.watches.values())
             states = [w.state for w in watches if not w.state.finished]
             if not states:
