@@ -79,7 +79,13 @@ class AsyncClient(ClientCore[aioredis.Redis]):
                 self._redis = make_async_redis(self.config, cluster)
         r = self.redis
         if is_cluster(r):
-            await r.initialize()
+            try:
+                await r.initialize()
+            except NET_ERRORS:
+                # its default node died (a failover): ask another one next time (what
+                # redis-py's own command retries do), and let the plan retry
+                r.replace_default_node()
+                raise
         return r
 
     async def _run(self, plan: Plan[T]) -> T:

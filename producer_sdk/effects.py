@@ -177,7 +177,10 @@ def retrying(make: Callable[[], Plan[T]], window_s: float, url: str,
                 raise
             if time.monotonic() >= give_up:
                 raise RedisUnavailable(url, exc) from exc
-        yield refresh_slots()
+        try:
+            yield refresh_slots()
+        except Exception:       # the slot map is read again at the next try, whatever failed
+            pass
         yield Sleep(pause)
         pause = min(pause * 2, 1.0)
 

@@ -227,6 +227,8 @@ class ReadHub:
                 raise
             except Exception as exc:
                 g.blocking = False
+                log.warning("a shared reader of %d streams gave up: %r", len(states), exc,
+                            exc_info=exc)
                 for w in watches:
                     w.notify(exc)
                 await asyncio.sleep(ERROR_PAUSE_S)
