@@ -151,7 +151,13 @@ class ClientCore(ABC, Generic[R]):
                  durable: Optional[bool] = None) -> Plan[list[Any]]:
         """Send prepared jobs; their handles in input order. QueueFull carries the jobs that
         went in; NotDurable (a durable enqueue short of replicas) all of them."""
-        batch = yield from self._enqueuer.plan(prepared, block, block_timeout, durable)
+        # A cluster failing over answers the config, routing and script reads around the
+        # rounds (which retry by themselves) with CLUSTERDOWN / TRYAGAIN / MOVED too: the whole
+        # plan is run again then, safely (the script dedupes by job id); connection errors keep
+        # the enqueuer's own policy (fail fast on one Redis).
+        batch = yield from retrying(
+            lambda: self._enqueuer.plan(prepared, block, block_timeout, durable),
+            self.config.reconnect_timeout_s, self.url, connection=False)
         if batch.refused:
             raise QueueFull(batch.refused_queue(self.queue), batch.depth, batch.limit,
                             reason="oom" if batch.oom else "high-water mark",
