@@ -7,8 +7,8 @@ ordinary requests beside them.
 Starts a private redis-server, ``--workers`` ``python -m worker --model fake:`` processes and
 one ``python -m producer_sdk.gateway``; opens ``--streams`` streamed completions at once, of
 which the ``--abandon`` fraction leave after 3 chunks of a 2000-token job and the rest read
-their ``--held-tokens`` to the end, while ``--ordinary`` non-streamed requests go in beside
-them at ``--ordinary-rate`` per second. Printed: answers by status (no 5xx is the target),
+their ``--held-tokens`` to the end; once every stream has its headers, ``--ordinary``
+non-streamed requests (8 tokens) go in beside the held ones at ``--ordinary-rate`` per second. Printed: answers by status (no 5xx is the target),
 time to first chunk of the held streams, latency of the ordinary requests (p50 / p99), for
 each abandoned job the tokens generated after its client read its last chunk (a fake engine
 makes one token per job per step: the steps its cancel took), the gateway's peak RSS and its
@@ -128,22 +128,25 @@ class Sampler(threading.Thread):
             time.sleep(0.1)
 
 
-async def held(client: httpx.AsyncClient, url: str, i: int, tokens: int) -> tuple[int, float]:
+async def held(client: httpx.AsyncClient, url: str, i: int, tokens: int,
+               opened: list[int]) -> tuple[int, float]:
     t0 = time.monotonic()
     first = float("nan")
     body = {"model": "fake", "prompt": f"held {i}", "max_tokens": tokens, "stream": True}
     async with client.stream("POST", url, json=body) as resp:
+        opened[0] += 1
         async for line in resp.aiter_lines():
             if line.startswith("data: {") and first != first:
                 first = time.monotonic() - t0
     return resp.status_code, first
 
 
-async def abandoned(client: httpx.AsyncClient, url: str,
-                    i: int) -> tuple[int, tuple[str, float]]:
+async def abandoned(client: httpx.AsyncClient, url: str, i: int,
+                    opened: list[int]) -> tuple[int, tuple[str, float]]:
     """Leave after 3 chunks: (status, (job id, when the connection was closed, epoch s))."""
     body = {"model": "fake", "prompt": f"left {i}", "max_tokens": 2000, "stream": True}
     async with client.stream("POST", url, json=body) as resp:
+        opened[0] += 1
         if resp.status_code != 200:
             return resp.status_code, ("", 0.0)
         chunks = 0
@@ -169,9 +172,14 @@ async def load(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=args.streams + args.ordinary + 100,
                           max_keepalive_connections=100)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        streams = [asyncio.create_task(abandoned(client, url, i)) for i in range(n_left)]
-        streams += [asyncio.create_task(held(client, url, i, args.held_tokens))
+        opened = [0]
+        streams = [asyncio.create_task(abandoned(client, url, i, opened))
+                   for i in range(n_left)]
+        streams += [asyncio.create_task(held(client, url, i, args.held_tokens, opened))
                     for i in range(args.streams - n_left)]
+        until = time.monotonic() + 120      # ordinary requests go in once every stream opened
+        while opened[0] < args.streams and time.monotonic() < until:
+            await asyncio.sleep(0.05)
         plain = []
         for i in range(args.ordinary):
             plain.append(asyncio.create_task(ordinary(client, url, i)))
@@ -267,7 +275,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=2000)
     p.add_argument("--abandon", type=float, default=0.5, help="fraction that leave early")
-    p.add_argument("--held-tokens", type=int, default=32)
+    p.add_argument("--held-tokens", type=int, default=200)
     p.add_argument("--ordinary", type=int, default=200)
     p.add_argument("--ordinary-rate", type=float, default=20.0, help="per second")
     p.add_argument("--workers", type=int, default=2)

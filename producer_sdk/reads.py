@@ -102,15 +102,15 @@ class ResultReader:
 
     def check_lost(self, states: Sequence[JobState]) -> Plan[list[JobState]]:
         """The jobs of ``states`` whose result stream and dedupe record are both gone: one
-        pipeline of EXISTS (routed per key on a cluster), retried like a read."""
+        ``EXISTS stream record`` per job (the two share the job's slot), in one pipeline
+        (routed per key on a cluster), retried like a read."""
         if not states:
             return []
 
         def exists_all(r: Any) -> Any:
             pipe = r.pipeline(transaction=False)
             for s in states:
-                pipe.exists(s.key)
-                pipe.exists(s.dedupe_key)
+                pipe.exists(s.key, s.dedupe_key)
             return pipe.execute(False)
 
         def check() -> Plan[list[Any]]:
@@ -119,12 +119,9 @@ class ResultReader:
         replies = yield from retrying(check, self.reconnect_timeout_s, self.url)
         now = time.monotonic()
         lost = []
-        for i, s in enumerate(states):
+        for s, found in zip(states, replies):
             s.checked_at = now
-            stream, record = replies[2 * i], replies[2 * i + 1]
-            if isinstance(stream, Exception) or isinstance(record, Exception):
-                continue
-            if not stream and not record and not s.finished:
+            if found == 0 and not s.finished:
                 lost.append(s)
         return lost
 
