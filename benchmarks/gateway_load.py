@@ -9,10 +9,12 @@ one ``python -m producer_sdk.gateway``; opens ``--streams`` streamed completions
 which the ``--abandon`` fraction leave after 3 chunks of a 2000-token job and the rest read
 their ``--held-tokens`` to the end; once every stream has its headers, ``--ordinary``
 non-streamed requests (8 tokens) go in beside the held ones at ``--ordinary-rate`` per second. Printed: answers by status (no 5xx is the target),
-time to first chunk of the held streams, latency of the ordinary requests (p50 / p99), for
+time to first chunk of the held streams (and the workers' own, from enqueue), latency of the ordinary requests (p50 / p99), for
 each abandoned job the tokens generated after its client read its last chunk (a fake engine
 makes one token per job per step: the steps its cancel took), the gateway's peak RSS and its
-peak Redis connections, Redis commands/s. Then an idle phase: ``--idle`` streams wait in a
+peak Redis connections, Redis commands/s, the gateway's own time to first token (from the
+request's arrival, its histogram), the CPU seconds each process used (the host is shared:
+on a small one the client, gateway, workers and Redis compete for the cores). Then an idle phase: ``--idle`` streams wait in a
 queue no worker serves (``X-Wait-For-Worker``) for 5 s: Redis commands/s and gateway CPU
 while nothing happens, the price of the shared readers' blocking (wake streams) or slicing.
 """
@@ -129,7 +131,8 @@ class Sampler(threading.Thread):
 
 
 async def held(client: httpx.AsyncClient, url: str, i: int, tokens: int,
-               opened: list[int]) -> tuple[int, float]:
+               opened: list[int]) -> tuple[int, tuple[float, str]]:
+    """Read to the end: (status, (time to the first chunk, job id))."""
     t0 = time.monotonic()
     first = float("nan")
     body = {"model": "fake", "prompt": f"held {i}", "max_tokens": tokens, "stream": True}
@@ -138,7 +141,39 @@ async def held(client: httpx.AsyncClient, url: str, i: int, tokens: int,
         async for line in resp.aiter_lines():
             if line.startswith("data: {") and first != first:
                 first = time.monotonic() - t0
-    return resp.status_code, first
+    return resp.status_code, (first, resp.headers.get("x-job-id", ""))
+
+
+def histogram_quantile(metrics: str, name: str, q: float) -> float:
+    """The upper bound of the Prometheus histogram bucket holding quantile ``q``."""
+    buckets = []
+    for line in metrics.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float(le), float(line.rsplit(" ", 1)[1])))
+    if not buckets or buckets[-1][1] == 0:
+        return float("nan")
+    total = buckets[-1][1]
+    return next(le for le, count in buckets if count >= q * total)
+
+
+def cpu_s(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def worker_ttft(r: redis.Redis, job_ids: list[str]) -> list[float]:
+    """The workers' own time to first token of these jobs (from enqueue, their ``done``
+    event's timings): what the gateway's figure would be if it added nothing."""
+    keys = Keys(NS, QUEUE)
+    out = []
+    for job_id in job_ids:
+        last = r.xrevrange(keys.results(job_id), count=1)
+        if last:
+            event = decode_event(last[0][1][EVENT_FIELD])
+            if event.type == "done" and event.timings.ttft_ms is not None:
+                out.append(event.timings.ttft_ms / 1000)
+    return out
 
 
 async def abandoned(client: httpx.AsyncClient, url: str, i: int,
@@ -240,9 +275,15 @@ def run(args: argparse.Namespace, wake: bool) -> dict[str, Any]:
     try:
         sampler = Sampler(stack)
         sampler.start()
+        pids = {"gateway": [stack.gateway.pid], "workers": [w.pid for w in stack.workers],
+                "redis": [stack.server.proc.pid], "this client": [os.getpid()]}
+        cpu0 = {k: sum(cpu_s(p) for p in v) for k, v in pids.items()}
         c0, t0 = sampler.commands(), time.monotonic()
         got = asyncio.run(load(stack, args))
         wall = time.monotonic() - t0
+        cpu = {k: round(sum(cpu_s(p) for p in v) - cpu0[k], 1) for k, v in pids.items()}
+        metrics = httpx.get(f"{stack.url}/metrics", timeout=10).text
+        ttft_name = "tokenrelay_gateway_time_to_first_token_seconds"
         cmds = (sampler.commands() - c0) / wall
         r = redis.Redis(port=stack.server.port)
         steps = after_leaving(r, [j for s, j in got["left"] if s == 200])
@@ -251,11 +292,16 @@ def run(args: argparse.Namespace, wake: bool) -> dict[str, Any]:
         statuses: dict[int, int] = {}
         for s, _ in [*got["left"], *got["held"], *got["ordinary"]]:
             statuses[s] = statuses.get(s, 0) + 1
-        ttft = [t for s, t in got["held"] if s == 200]
+        ttft = [t for s, (t, _) in got["held"] if s == 200]
+        engine_ttft = worker_ttft(r, [j for s, (_, j) in got["held"] if s == 200])
         lat = [t for s, t in got["ordinary"] if s == 200]
         return {"reader_wake": wake, "wall_s": round(wall, 1), "statuses": statuses,
                 "held_ttft_p50_ms": 1000 * percentile(ttft, 0.5),
                 "held_ttft_p99_ms": 1000 * percentile(ttft, 0.99),
+                "gateway_ttft_p50_le_ms": 1000 * histogram_quantile(metrics, ttft_name, 0.5),
+                "gateway_ttft_p99_le_ms": 1000 * histogram_quantile(metrics, ttft_name, 0.99),
+                "held_worker_ttft_p50_ms": 1000 * percentile(engine_ttft, 0.5),
+                "held_worker_ttft_p99_ms": 1000 * percentile(engine_ttft, 0.99),
                 "ordinary_p50_ms": 1000 * percentile(lat, 0.5),
                 "ordinary_p99_ms": 1000 * percentile(lat, 0.99),
                 "abandoned": len(steps),
@@ -265,7 +311,9 @@ def run(args: argparse.Namespace, wake: bool) -> dict[str, Any]:
                 "not_cancelled": sum(1 for s in steps if s < 0),
                 "gateway_peak_rss_mb": round(sampler.rss / 2**20, 1),
                 "gateway_peak_redis_conns": sampler.conns,
-                "redis_cmds_per_s": round(cmds), "idle": idle}
+                "redis_cmds_per_s": round(cmds), "cpu_s_during_load": cpu,
+                "host_cores": psutil.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+                "idle": idle}
     finally:
         stack.stop()
 
