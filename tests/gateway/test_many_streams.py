@@ -110,5 +110,6 @@ def test_300_abandoned_streams_and_ordinary_requests_beside_them(env):
     assert peak[0] < 45, peak[0]
     metrics = httpx.get(f"{gw.url}/metrics").text
     assert "tokenrelay_gateway_cancels_pending 0.0" in metrics
+    assert "tokenrelay_gateway_streams_watched 0.0" in metrics     # nobody holds a reader
     assert 'status="5' not in metrics, [m for m in metrics.splitlines() if 'status="5' in m]
     r.close()

@@ -74,3 +74,47 @@ def test_gateway_outlives_its_redis(tmp_path, worker_process):
     finally:
         gw.stop()
         srv.kill()
+
+
+def test_a_cancel_owed_while_redis_is_down_lands_when_it_is_back(tmp_path, worker_process):
+    """A client leaves while Redis is down (killed; its AOF keeps every write): the cancel its
+    disconnect owes is not swallowed; it is retried and lands once Redis is back, and the job
+    (resumed by its worker) ends cancelled instead of running to its end for nobody."""
+    from protocol.wire import decode_event
+    from protocol.keys import EVENT_FIELD
+    srv = RedisServer(dir=tmp_path / "redis", port=free_port(),
+                      extra_args=("--appendonly", "yes", "--appendfsync", "always")).start()
+    gw = GatewayProcess(tmp_path / "gateway.log", "--redis-url", srv.url, "--namespace", "out",
+                        "--status-wait-s", "0.2")
+    try:
+        flags = [f"--{k}={v}" for k, v in FAST_FLAGS.items()]
+        worker_process("--model", "fake:step_delay=0.02", "--redis-url", srv.url,
+                       "--namespace", "out", "--queue", "q", "--worker-id", "w1",
+                       *flags).wait_for_log("worker ready")
+        gw.wait_up()
+        wait_for(lambda: httpx.get(gw.url + "/v1/models").json()["data"], 15, interval=0.2,
+                 what="the worker's model listed")
+        keys = Keys("out", "q")
+        with httpx.stream("POST", gw.v1 + "/completions", timeout=30, json={
+                "model": "fake", "prompt": "long", "max_tokens": 3000, "stream": True}) as resp:
+            job_id = resp.headers["x-job-id"]
+            lines = resp.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+            srv.kill()
+        time.sleep(1.0)                         # the cancel is owed, Redis is down
+        assert "tokenrelay_gateway_cancels_pending 1.0" in httpx.get(gw.url + "/metrics").text
+        srv.start()
+        r = srv.client()
+        wait_for(lambda: r.exists(keys.cancel(job_id)), 20, interval=0.1,
+                 what="the cancel flag, once Redis is back")
+
+        def last() -> object:
+            tail = r.xrevrange(keys.results(job_id), count=1)
+            return decode_event(tail[0][1][EVENT_FIELD]) if tail else None
+        wait_for(lambda: getattr(last(), "type", None) == "done", 30, what="the job ended")
+        assert last().finish_reason == "cancelled" and last().usage.completion_tokens < 3000
+        r.close()
+    finally:
+        gw.stop()
+        srv.kill()
