@@ -10,8 +10,10 @@ finished (early stopping), when no running beam can still beat the worst finishe
 every continuation ends. The arithmetic mirrors transformers' tensors (float32, the same -1e9
 masks), because any other formula reorders near-ties.
 
-This module only ranks; ``LLMEngine`` turns each step's decisions into forks (a beam chosen
-twice shares its parent's blocks) and frees the beams nobody continues.
+This module only ranks. ``LLMEngine._beam_step`` asks it for each step's decisions and
+``engine/forks.py`` (``advance_beams``) carries them out: a beam chosen twice forks on its
+parent's blocks (copy on write), beams nobody continues are freed, and ``beam_deltas`` reports
+the finished beams, best first.
 """
 
 from __future__ import annotations

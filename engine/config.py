@@ -65,6 +65,11 @@ class EngineConfig:
     # Which packed GEMM: "onednn", "mkl", or "auto" (time both per weight shape at load).
     cpu_gemm_backend: str = "auto"
     seed: int = 0
+    # Structured outputs (engine/grammar.py): grammars compile on this many threads, off the
+    # step loop; a request whose grammar is not ready within the timeout ends with
+    # invalid_request (the cache remembers a spec whose compile itself ran that long).
+    grammar_compile_threads: int = 2
+    grammar_compile_timeout_s: float = 10.0
     # Filled by resolve(): the checkpoint's config.json, parsed.
     hf_config: Optional[ModelConfig] = field(default=None, repr=False)
 
@@ -85,7 +90,11 @@ class EngineConfig:
                              f"got {self.cpu_gemm_backend!r}")
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device.startswith("cuda") else "torch"
-        for name in ("block_size", "max_num_seqs", "max_n", "max_beam_width"):
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, "
+                             f"got {self.grammar_compile_timeout_s}")
+        for name in ("block_size", "max_num_seqs", "max_n", "max_beam_width",
+                     "grammar_compile_threads"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -13,7 +13,7 @@ parent that nobody continues is freed, and with it every block only it held.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from engine.beam_search import BeamStep
 from engine.detokenizer import IncrementalDetokenizer
@@ -47,8 +47,10 @@ def fork_samples(seq: Sequence, scheduler: Scheduler, tokenizer: Any) -> list[Se
     return children
 
 
-def advance_beams(group: SequenceGroup, step: BeamStep, scheduler: Scheduler) -> None:
-    """Make ``group.seqs`` the beams ``step`` chose, each with its new token appended."""
+def advance_beams(group: SequenceGroup, step: BeamStep, scheduler: Scheduler) -> Optional[str]:
+    """Make ``group.seqs`` the beams ``step`` chose, each with its new token appended (and
+    consumed by its matcher, under structured outputs: a fork copied the parent's matcher
+    before the parent's own token). Returns why a matcher refused its token, else None."""
     old = list(group.seqs)
     taken: set[int] = set()
     chosen: list[tuple[Sequence, int, float]] = []
@@ -63,12 +65,16 @@ def advance_beams(group: SequenceGroup, step: BeamStep, scheduler: Scheduler) ->
     for s in old:
         if id(s) not in taken:
             scheduler.finish(s, "beam_pruned")
+    refused = None
     for i, (s, token, logprob) in enumerate(chosen):
         s.index = i
         s.token_ids.append(token)
         s.cumulative_logprob += logprob
+        if s.constraint is not None and not s.constraint.consume(token) and refused is None:
+            refused = f"beam {i}, output token {s.num_output_tokens - 1}: {s.constraint.error()}"
     group.seqs = [s for s, _, _ in chosen]
     group.forked = True
+    return refused
 
 
 def beam_deltas(group: SequenceGroup, scheduler: Scheduler, tokenizer: Any

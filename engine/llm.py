@@ -139,6 +139,8 @@ class LLM:
         pending = set(ids)
         while pending:
             for d in engine.step():
+                if d.error is not None and d.request_id in deltas:
+                    self._abandon(pending, d)
                 if d.request_id in deltas:
                     deltas[d.request_id].append(d)
             for rid in [r for r in pending if r not in engine.requests]:
@@ -150,6 +152,14 @@ class LLM:
         if bar is not None:
             bar.close()
         return ids, groups, firsts, deltas
+
+    def _abandon(self, pending: set[str], failed: RequestDelta) -> None:
+        """A request the engine ended with an error (its grammar did not compile in time, its
+        matcher failed): as for a request refused at add time, the call raises, and the rest
+        of its requests are withdrawn."""
+        for rid in pending:
+            self.engine.abort_request(rid)
+        raise InvalidRequestError(f"request {failed.request_id}: {failed.error.message}")
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
              priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:

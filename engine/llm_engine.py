@@ -1,17 +1,17 @@
 """LLMEngine: the step API (add_request / step / abort_request) the worker drives.
 
-One ``step()`` = schedule -> one forward pass -> sample -> detokenize -> finish checks. The
-engine holds no threads and no queues of its own beyond the scheduler's; the caller decides
-when to step. See docs/contracts.md for the contract this implements.
+One ``step()`` = admit requests whose grammar is ready -> schedule -> one forward pass ->
+mask and sample -> detokenize -> finish checks. The engine's only threads are the grammar
+compiler's (engine/grammar.py, started by the first constrained request); its only queues
+besides the scheduler's hold requests waiting for a grammar. The caller decides when to step. See docs/contracts.md for the contract this implements.
 """
 
 from __future__ import annotations
 
 import itertools
-import numbers
 import random
 import time
-from typing import Any, Mapping, Optional, Sequence as Seq, TypedDict, Union
+from typing import Any, Mapping, Optional, Sequence as Seq, Union
 
 import torch
 
@@ -21,67 +21,19 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, detokenize_step
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.forks import advance_beams, beam_deltas, branch_seed, fork_samples
+from engine.grammar import GrammarError
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestDelta, ResumeState
+from engine.outputs import RequestDelta, RequestError, ResumeState
+from engine.prompts import PromptType, check_chat_template_kwargs, prompt_of
+from engine.request_checks import check_pool, check_width, resume_states
+from engine.request_checks import prompt_ids as prompt_ids_of
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceGroup
-from protocol.wire import RESERVED_CHAT_TEMPLATE_KWARGS
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from engine.structured import StructuredOutputs
 
-class TextPrompt(TypedDict):
-    """vLLM's text prompt dict."""
-
-    prompt: str
-
-
-class TokensPrompt(TypedDict):
-    """vLLM's token-ids prompt dict."""
-
-    prompt_token_ids: list[int]
-
-
-# A prompt: text, token ids, or one of vLLM's prompt dicts.
-PromptType = Union[str, list[int], TextPrompt, TokensPrompt]
-_PROMPT_KEYS = ("prompt", "prompt_token_ids")
-
-
-def check_chat_template_kwargs(kwargs: Optional[Mapping[str, Any]]) -> dict[str, Any]:
-    """The template variables as a dict; InvalidRequestError for anything else."""
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
-        raise InvalidRequestError("chat_template_kwargs: must be a dict with string keys")
-    reserved = sorted(RESERVED_CHAT_TEMPLATE_KWARGS & set(kwargs))
-    if reserved:
-        raise InvalidRequestError(f"chat_template_kwargs: {reserved} are set by the engine, "
-                                  f"not by the request")
-    return dict(kwargs)
-
-
-def prompt_of(prompt: Any) -> Union[str, list[int]]:
-    """The text or token ids a prompt holds; a prompt dict must hold exactly one of
-    ``prompt`` / ``prompt_token_ids`` and nothing this engine would silently ignore."""
-    if not isinstance(prompt, Mapping):
-        return prompt
-    unknown = sorted(str(k) for k in prompt if k not in _PROMPT_KEYS)
-    if unknown:
-        raise InvalidRequestError(
-            f"prompt: unsupported prompt dict keys {unknown}; a prompt dict holds either "
-            f"'prompt' (text) or 'prompt_token_ids' (token ids)")
-    present = [k for k in _PROMPT_KEYS if k in prompt]
-    if len(present) != 1:
-        raise InvalidRequestError(
-            "prompt: a prompt dict holds exactly one of 'prompt' (text) or 'prompt_token_ids' "
-            f"(token ids), got {present or 'neither'}")
-    value = prompt[present[0]]
-    if present[0] == "prompt" and not isinstance(value, str):
-        raise InvalidRequestError(f"prompt: 'prompt' must be a string, got "
-                                  f"{type(value).__name__}")
-    if present[0] == "prompt_token_ids" and not isinstance(value, (list, tuple)):
-        raise InvalidRequestError(f"prompt: 'prompt_token_ids' must be a list of token ids, "
-                                  f"got {type(value).__name__}")
-    return value
+__all__ = ["LLMEngine", "PromptType", "check_chat_template_kwargs", "prompt_of"]
 
 
 def _eos_ids(config: EngineConfig, tokenizer: Any) -> set[int]:
@@ -118,6 +70,9 @@ class LLMEngine:
                                    typical_request_tokens=min(self.max_model_len, 512))
         self.eos_token_ids = _eos_ids(config, tokenizer)
         self.sampler = Sampler(self.vocab_size, sorted(self.eos_token_ids))
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, self.eos_token_ids,
+                                            threads=config.grammar_compile_threads,
+                                            timeout_s=config.grammar_compile_timeout_s)
         self.requests: dict[str, SequenceGroup] = {}
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
@@ -133,30 +88,6 @@ class LLMEngine:
         return cls(EngineConfig(**kwargs), model=model, tokenizer=tokenizer)
 
     # -- requests --------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: Union[str, list[int]]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt: must not be empty")
-            ids = list(self.tokenizer.encode(prompt))
-            if not ids:
-                raise InvalidRequestError("prompt: tokenizes to zero tokens")
-            return ids
-        if not isinstance(prompt, (list, tuple)):
-            raise InvalidRequestError(
-                f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not prompt:
-            raise InvalidRequestError("prompt: must not be empty")
-        self._check_token_ids("prompt", prompt)
-        return [int(t) for t in prompt]
-
-    def _check_token_ids(self, field: str, ids: Any) -> None:
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise InvalidRequestError(f"{field}: token ids must be integers, got {t!r}")
-            if not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(
-                    f"{field}: token id {t} is outside the vocabulary [0, {self.vocab_size})")
-
     def add_request(self, request_id: str, prompt: PromptType,
                     params: Union[SamplingParams, Mapping[str, Any], None] = None,
                     priority: int = 0,
@@ -165,7 +96,10 @@ class LLMEngine:
         or pydantic's ValidationError for bad sampling fields; on error nothing is changed.
 
         ``resume``: for ``n == 1`` a ResumeState; for ``n > 1`` one per choice (a choice with
-        ``finish_reason`` set already ended and is not run). Beam search is never resumed."""
+        ``finish_reason`` set already ended and is not run). Beam search is never resumed.
+
+        A request with ``structured_outputs`` waits outside the scheduler until its grammar is
+        compiled (engine/structured.py); a spec known to fail raises GrammarError here."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id: must be a non-empty string")
         if request_id in self.requests:
@@ -182,16 +116,16 @@ class LLMEngine:
         if params.min_tokens > params.max_tokens:   # SamplingParams checks it only when set
             raise InvalidRequestError(f"min_tokens: {params.min_tokens} exceeds max_tokens "
                                       f"({params.max_tokens})")
-        self._check_width(params)
+        check_width(params, self.config)
         prompt = prompt_of(prompt)
-        prompt_ids = self._prompt_ids(prompt)
-        states = self._resume_states(resume, params)
+        prompt_ids = prompt_ids_of(prompt, self.tokenizer, self.vocab_size)
+        states = resume_states(resume, params, self.vocab_size)
         p, m = len(prompt_ids), params.max_tokens
         if p + m > self.max_model_len:
             raise PromptTooLongError(
                 f"prompt ({p} tokens) + max_tokens ({m}) = {p + m} exceeds max_model_len "
                 f"({self.max_model_len})")
-        self._check_pool(p, params)
+        check_pool(p, params, self.block_manager)
 
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         beam = None
@@ -216,72 +150,46 @@ class LLMEngine:
                 seq.token_ids.extend(state.output_token_ids)
                 seq.detokenizer.replay(list(state.output_token_ids), state.output_text)
             seqs.append(seq)
+        if params.structured_outputs is not None:
+            self.structured.add(request_id, params.structured_outputs, seqs)
         self.requests[request_id] = group
-        for seq in seqs:
-            self.scheduler.add(seq)
-
-    def _check_width(self, params: SamplingParams) -> None:
-        """Choices past the configured bounds, or more than could ever run at once, are the
-        request's error (naming the field) rather than a request that stalls the scheduler."""
-        field, limit = (("beam_width", self.config.max_beam_width) if params.use_beam_search
-                        else ("n", self.config.max_n))
-        width = params.num_choices
-        if width > limit:
-            raise InvalidRequestError(f"{field}: {width} exceeds this engine's limit of {limit} "
-                                      f"(EngineConfig.max_{field})")
-        for knob in ("max_num_seqs", "max_num_batched_tokens"):
-            cap = int(getattr(self.config, knob))
-            if width > 1 and width > cap:
-                raise InvalidRequestError(f"{field}: {width} choices cannot run together with "
-                                          f"{knob}={cap}")
-
-    def _resume_states(self, resume: Any, params: SamplingParams) -> Optional[list[ResumeState]]:
-        """One ResumeState per choice, or None when nothing was delivered (a fresh start)."""
-        if resume is None:
-            return None
-        if params.use_beam_search:
-            raise InvalidRequestError("resume: beam search is not resumed; run it again")
-        states = [resume] if isinstance(resume, ResumeState) else list(resume)
-        if len(states) != params.n or not all(isinstance(s, ResumeState) for s in states):
-            raise InvalidRequestError(f"resume: expected {params.n} ResumeState (one per choice)")
-        for st in states:
-            self._check_token_ids("resume.output_token_ids", st.output_token_ids)
-            if st.finish_reason is None and len(st.output_token_ids) >= params.max_tokens:
-                raise InvalidRequestError(
-                    f"resume: {len(st.output_token_ids)} tokens already emitted, max_tokens is "
-                    f"{params.max_tokens}; nothing left to generate")
-        if all(st.finish_reason is not None for st in states):
-            raise InvalidRequestError("resume: every choice has already finished")
-        if all(not st.output_token_ids and st.finish_reason is None for st in states):
-            return None
-        return states
-
-    def _check_pool(self, p: int, params: SamplingParams) -> None:
-        """The request with all its choices must fit the whole pool: the prompt's full blocks
-        once, and each choice's own blocks (its copy of the partial block included)."""
-        bm = self.block_manager
-        m, width = params.max_tokens, params.num_choices
-        shortfall = bm.pool_shortfall(p + m - 1)   # the last sampled token needs no KV
-        if shortfall is not None:
-            raise PromptTooLongError(f"prompt ({p} tokens) + max_tokens ({m}) {shortfall}")
-        shared = p // bm.block_size
-        need = shared + width * (bm.blocks_for(p + m - 1) - shared)
-        if width > 1 and need > bm.num_blocks:
-            field = "beam_width" if params.use_beam_search else "n"
-            raise PromptTooLongError(
-                f"{field}: {width} choices of prompt ({p} tokens) + max_tokens ({m}) need "
-                f"{need} KV blocks of {bm.block_size} tokens, the pool has {bm.num_blocks}")
+        if params.structured_outputs is None:
+            for seq in seqs:
+                self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request in any state and free its blocks at once. Silent: no delta follows."""
         group = self.requests.pop(request_id, None)
         if group is None:
             return False
+        self._drop(group, scheduled=not self.structured.abort(request_id))
+        return True
+
+    def _drop(self, group: SequenceGroup, scheduled: bool) -> None:
+        """Finish every live sequence of a request taken out of ``self.requests``; one still
+        waiting for its grammar never reached the scheduler."""
         now = time.time()
         for seq in list(group.seqs):
-            self.scheduler.finish(seq, "abort")
+            if scheduled:
+                self.scheduler.finish(seq, "abort")
+            else:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                group.seqs.remove(seq)
             seq.finished_time = now
-        return True
+
+    def _fail_request(self, request_id: str, exc: Exception,
+                      scheduled: bool = True) -> RequestDelta:
+        """End a request the engine accepted with an error: its one, last delta."""
+        group = self.requests.pop(request_id, None)
+        seqs = list(group.seqs) + list(group.finished.values()) if group is not None else []
+        if group is not None:
+            self._drop(group, scheduled)
+        return RequestDelta(
+            request_id=request_id, new_token_ids=[], new_text="", logprobs=None,
+            token_logprobs=[], finished=True, finish_reason=None, stop_reason=None,
+            num_prompt_tokens=seqs[0].num_prompt_tokens if seqs else 0,
+            num_output_tokens=0, error=RequestError(getattr(exc, "code", "invalid_request"),
+                                                    str(exc)))
 
     def request_seed(self, request_id: str) -> int:
         """The sampling seed of a live request (drawn at add time when it gave none)."""
@@ -291,29 +199,31 @@ class LLMEngine:
         return group.seed
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.structured.waiting)
 
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
 
     def free_capacity(self) -> int:
         """How many more requests could start soon (see Scheduler.free_capacity)."""
-        return self.scheduler.free_capacity()
+        return max(0, self.scheduler.free_capacity() - len(self.structured.waiting))
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
-        """Run one scheduling step; return at most one delta per request that got a token."""
+        """Run one scheduling step; return at most one delta per request that got a token
+        (and the error delta of each request the engine ended: see RequestDelta.error)."""
+        deltas = self._admit_constrained()
         if not self.scheduler.has_unfinished():
-            return []
+            return deltas
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            return deltas
         logits, rows = self.model_runner.execute(out.seqs, out.num_new_tokens, out.block_copies)
         self.scheduler.update(out)
         self._num_steps += 1
         self._num_computed_tokens += out.num_batched_tokens
         if not rows:
-            return []
+            return deltas
         sample_seqs: list[Sequence] = []
         sample_rows: list[int] = []
         beam_rows: dict[int, tuple[SequenceGroup, dict[int, int]]] = {}
@@ -327,16 +237,29 @@ class LLMEngine:
                                                                self.tokenizer)
             sample_seqs.extend(branches)
             sample_rows.extend([row] * len(branches))
-        deltas: list[RequestDelta] = []
         if sample_seqs:
             if len(sample_rows) != logits.shape[0] or sample_rows != list(range(len(sample_rows))):
                 logits_s = logits[torch.tensor(sample_rows, device=logits.device)]
             else:
                 logits_s = logits
-            deltas.extend(self._process_samples(sample_seqs, self.sampler(logits_s, sample_seqs)))
+            masks, broken = self.structured.masks(sample_seqs, logits.device)
+            failed = {s.request_id: GrammarError(s.constraint.error() or "matcher failed")
+                      for s in broken}
+            sampled = self.sampler(logits_s, sample_seqs, masks)
+            deltas.extend(self._process_samples(sample_seqs, sampled, failed))
         for group, by_seq in beam_rows.values():
             deltas.extend(self._beam_step(group, by_seq, logits))
         return deltas
+
+    def _admit_constrained(self) -> list[RequestDelta]:
+        """Constrained requests whose matchers are ready go to the scheduler; those whose
+        grammar failed or timed out end here. Waits briefly when nothing else could run."""
+        if not self.structured.waiting:
+            return []
+        polled = self.structured.poll(block=not self.scheduler.has_unfinished())
+        for seq in polled.ready:
+            self.scheduler.add(seq)
+        return [self._fail_request(rid, exc, scheduled=False) for rid, exc in polled.failed]
 
     def _beam_step(self, group: SequenceGroup, rows: dict[int, int],
                    logits: torch.Tensor) -> list[RequestDelta]:
@@ -344,6 +267,13 @@ class LLMEngine:
         order = [rows[id(s)] for s in group.seqs]
         logprobs = torch.log_softmax(logits[torch.tensor(order, device=logits.device)].float(),
                                      dim=-1).cpu()
+        masks, broken = self.structured.masks(group.seqs, logprobs.device)
+        if broken:
+            return [self._fail_request(group.request_id,
+                                       GrammarError(broken[0].constraint.error() or ""))]
+        if masks is not None:     # as transformers' logits processors: on the log-softmax
+            logprobs[masks.rows] = logprobs[masks.rows].masked_fill(~masks.allowed,
+                                                                    float("-inf"))
         beam = group.beam
         num_prompt = group.seqs[0].num_prompt_tokens
         at_limit = (beam.gen_len + 1 >= group.params.max_tokens
@@ -351,17 +281,34 @@ class LLMEngine:
         step = beam.step(logprobs, length_limit=at_limit)
         now = time.time()
         if not step.done:
-            advance_beams(group, step, self.scheduler)
-            return []
+            refused = advance_beams(group, step, self.scheduler)
+            return [] if refused is None else [self._fail_request(group.request_id,
+                                                                  GrammarError(refused))]
         deltas = beam_deltas(group, self.scheduler, self.tokenizer)
         group.finished_time = now
         del self.requests[group.request_id]
         self._num_generated_tokens += sum(len(d.new_token_ids) for d in deltas)
         return deltas
 
-    def _process_samples(self, seqs: list[Sequence], sampled) -> list[RequestDelta]:
+    def _process_samples(self, seqs: list[Sequence], sampled,
+                         failed: dict[str, Exception]) -> list[RequestDelta]:
+        """Append each sampled token, advance its matcher, check the finish conditions and
+        detokenize. ``failed``: requests whose matcher broke; they end with an error delta.
+
+        With a constraint, EOS ends the choice even before ``min_tokens``: the sampler lets
+        EOS through only when the grammar is complete and allows nothing else."""
         now = time.time()
         eos = self.eos_token_ids
+        for seq, tok in zip(seqs, sampled.token_ids):
+            c = seq.constraint
+            if c is not None and seq.request_id not in failed and not c.consume(tok):
+                failed[seq.request_id] = GrammarError(f"output token {seq.num_output_tokens}: "
+                                                      f"{c.error()}")
+        if failed:
+            keep = [i for i, s in enumerate(seqs) if s.request_id not in failed]
+            seqs = [seqs[i] for i in keep]
+            sampled = type(sampled)(*[[getattr(sampled, f)[i] for i in keep]
+                                      for f in ("token_ids", "logprobs", "top_logprobs")])
         finish: list[Optional[str]] = []
         stop_reasons: list[Union[str, int, None]] = []
         items = []
@@ -383,6 +330,8 @@ class LLMEngine:
                     reason, stop_reason, text_tokens = "stop", tok, []
                 elif not p.ignore_eos and tok in eos:
                     reason, text_tokens = "stop", []
+            elif seq.constraint is not None and tok in eos:
+                reason, text_tokens = "stop", []
             if reason is None and (n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len):
                 reason = "length"
             finish.append(reason)
@@ -412,7 +361,7 @@ class LLMEngine:
                 cumulative_logprob=seq.cumulative_logprob,
             ))
         self._num_generated_tokens += len(deltas)
-        return deltas
+        return deltas + [self._fail_request(rid, exc) for rid, exc in failed.items()]
 
     def _finish_choice(self, seq: Sequence, reason: str, stop_reason: Union[str, int, None],
                        now: float) -> None:
@@ -448,6 +397,7 @@ class LLMEngine:
             "num_computed_tokens": self._num_computed_tokens,
             "block_size": kv.block_size,
             "max_model_len": self.max_model_len,
+            **self.structured.stats(),
         }
 
     # -- chat ------------------------------------------------------------------------------

@@ -22,6 +22,16 @@ class ResumeState:
 
 
 @dataclass
+class RequestError:
+    """Why the engine ended one request on its own, after ``add_request`` accepted it (its
+    grammar failed to compile or timed out, its matcher failed): ``code`` is a protocol error
+    code (``invalid_request``), ``message`` names the field (``params.structured_outputs``)."""
+
+    code: str
+    message: str
+
+
+@dataclass
 class RequestDelta:
     """What one step produced for one choice of one request (at most one per choice per step).
 
@@ -42,6 +52,9 @@ class RequestDelta:
     num_output_tokens: int                          # total so far, resumed ones included
     index: int = 0                                  # the choice (sample or beam rank)
     cumulative_logprob: Optional[float] = None      # of this choice's output so far
+    # Set on the one delta of a request the engine ended with an error: no tokens, finished,
+    # no finish_reason, and nothing follows for that request (its blocks are already freed).
+    error: Optional[RequestError] = None
 
 
 @dataclass

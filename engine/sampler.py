@@ -17,11 +17,14 @@ temperature and truncation: they describe the model, not the sampling knobs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence as Seq
+from typing import TYPE_CHECKING, Optional, Sequence as Seq
 
 import torch
 
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.structured import RowMasks
 
 _MASK64 = (1 << 64) - 1
 
@@ -54,7 +57,9 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 masks: Optional["RowMasks"] = None) -> SamplerOutput:
+        """One token per row. ``masks``: the tokens structured outputs allow in some rows."""
         logits = logits.float()
         n, vocab = logits.shape
         if n != len(seqs):
@@ -63,6 +68,8 @@ class Sampler:
         lse = torch.logsumexp(logits, dim=-1)
 
         processed = self._apply_penalties_and_min_tokens(logits, seqs)
+        if masks is not None:
+            processed = self._apply_masks(processed, logits, masks, seqs)
         greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
         random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0]
 
@@ -115,6 +122,33 @@ class Sampler:
                 if out is logits:
                     out = logits.clone()
                 self._penalize_row(out, i, seq)
+        return out
+
+    def _apply_masks(self, processed: torch.Tensor, logits: torch.Tensor,
+                     masks: "RowMasks", seqs: list[Sequence]) -> torch.Tensor:
+        """Forbid what each constrained row's grammar does not allow (one ``where`` pass).
+
+        Only ``min_tokens`` can leave a row with no token (its ban on EOS and stop tokens,
+        when the answer is complete before ``min_tokens``), so only rows under it are checked:
+        there the grammar wins, the row takes the grammar's tokens over the raw logits and
+        the choice ends (EOS) with a complete answer; if even the raw logits leave nothing,
+        EOS alone. So a live row is never all ``-inf`` (which would sample NaN). A matcher
+        in its error state allows nothing: its request ends this step (engine/structured.py
+        reports it before sampling) and the row's draw is discarded."""
+        neg = torch.tensor(float("-inf"), device=logits.device)
+        if masks.rows == list(range(processed.shape[0])):
+            out = torch.where(masks.allowed, processed, neg)
+        else:
+            out = processed.clone() if processed is logits else processed
+            rows = torch.tensor(masks.rows, device=logits.device)
+            out[rows] = torch.where(masks.allowed, out[rows], neg)
+        for j, i in enumerate(masks.rows):
+            if seqs[i].num_output_tokens < seqs[i].params.min_tokens \
+                    and bool(torch.isneginf(out[i]).all()):
+                fallback = torch.where(masks.allowed[j], logits[i], neg)
+                if bool(torch.isneginf(fallback).all()) and self.eos_token_ids:
+                    fallback[self.eos_token_ids[0]] = 0.0
+                out[i] = fallback
         return out
 
     def _penalize_row(self, logits: torch.Tensor, i: int, seq: Sequence) -> None:

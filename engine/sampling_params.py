@@ -6,5 +6,6 @@ keep the engine's public name working unchanged.
 """
 
 from protocol.sampling_params import SamplingParams
+from protocol.structured_outputs import StructuredOutputsParams
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "StructuredOutputsParams"]

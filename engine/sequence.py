@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
+    from engine.grammar import Constraint
 
 
 class SequenceStatus(enum.Enum):
@@ -84,6 +85,9 @@ class Sequence:
         self.output_logprobs: list[Optional[dict[int, float]]] = []
         self.cumulative_logprob = 0.0
         self.detokenizer: Optional["IncrementalDetokenizer"] = None
+        # Structured outputs: the matcher of this sequence's output (engine/grammar.py); it has
+        # consumed exactly the output tokens, and survives preemption with them.
+        self.constraint: Optional["Constraint"] = None
         # Timing (wall clock, seconds):
         self.arrival_time = time.time()
         self.first_token_time: Optional[float] = None
@@ -111,10 +115,6 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -132,6 +132,7 @@ class Sequence:
         child.status = self.status
         child.output_logprobs = list(self.output_logprobs)
         child.cumulative_logprob = self.cumulative_logprob
+        child.constraint = self.constraint.fork() if self.constraint is not None else None
         child.arrival_time = self.arrival_time
         child.first_token_time = self.first_token_time
         return child

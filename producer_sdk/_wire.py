@@ -1,13 +1,13 @@
-"""Sans-IO core shared by the sync and async clients: the enqueue script, reply parsing, reads.
+"""Sans-IO core shared by the sync and async clients: enqueue calls, reply parsing, reads.
 
 Nothing here touches a socket, so ``Client`` and ``AsyncClient`` differ only in how they wait.
-Payloads are built in ``payloads`` (``PayloadBuilder``); this module sends them: one script call
-per chunk of jobs, pipelined, with the script's replies turned into per-job outcomes.
+Payloads are built in ``payloads`` (``PayloadBuilder``); this module sends them: one call of the
+enqueue script (``protocol.scripts.ENQUEUE``, its contract there) per chunk of jobs, pipelined,
+with the script's replies turned into per-job outcomes.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
@@ -17,90 +17,11 @@ from redis.exceptions import (AskError, ClusterDownError, OutOfMemoryError, Resp
 from producer_sdk.affinity import affinity_target
 from producer_sdk.payloads import Prepared
 from protocol.errors import ProtocolError
-from protocol.keys import DEDUPE_SEPARATOR, Keys, PAYLOAD_FIELD, key_slot, parse_dedupe_record
+from protocol.keys import Keys, key_slot, parse_dedupe_record
+from protocol.scripts import ENQUEUE, pack
 from protocol.topology import Packed
 
 DEFAULT_MAX_QUEUED_JOBS = 100_000
-
-# One script call enqueues a chunk of jobs of one lane of one queue shard: per job, SET-if-absent
-# of the dedupe record and XADD happen atomically, so a retried call (redis-py retries on
-# timeouts) never enqueues twice. Every key is in the shard's slot (its hash tag): a Redis
-# Cluster runs the call on the master of that slot.
-# KEYS: target lane, the shard's three lanes (its depth), then one dedupe key per job.
-# A target that is none of the three lanes is a worker's affinity stream on that shard
-# (producer_sdk/affinity.py); KEYS[2] is then the jobs' own lane, where they go instead when
-# that stream does not exist: its worker deleted it when it drained, or a sweep did after it
-# died, so a job routed on a stale view of the workers is never left where nobody reads.
-# Depth is the shared lanes' (affinity streams are bounded per worker by the producer's
-# affinity_max_backlog): a routed job is refused like any other past the mark, but one written
-# to an affinity stream adds nothing to the depth (``step`` 0).
-# ARGV: limit (0: none), dedupe TTL, depth of the queue's other shards (read by the caller just
-# before; 0 for a one-shard queue), durable ('1': make sure the call writes, see below),
-# then the payloads.
-# Reply: {depth when the queue filled up or -1, limit, then per accepted/known job either the new
-# entry id or '=' .. the existing dedupe record}. Jobs past the reply's end were refused (full).
-# Durable: WAIT (sent by the caller right after) counts replicas that acknowledged this
-# connection's last write; a call whose jobs were all known writes nothing, so it rewrites one
-# known record unchanged (SET .. KEEPTTL): acknowledging that proves the replicas also hold the
-# earlier write that enqueued the job (replication is one ordered stream).
-ENQUEUE_LUA_TEMPLATE = """
-local limit = tonumber(ARGV[1])
-local depth = tonumber(ARGV[3]) + redis.call('XLEN', KEYS[2]) + redis.call('XLEN', KEYS[3])
-  + redis.call('XLEN', KEYS[4])
-local lane = KEYS[1]
-local step = 1
-if lane ~= KEYS[2] and lane ~= KEYS[3] and lane ~= KEYS[4] then
-  step = 0
-  if redis.call('EXISTS', lane) == 0 then
-    lane = KEYS[2]
-    step = 1
-  end
-end
-local ttl = ARGV[2]
-local out = {-1, limit}
-local wrote, known = false, nil
-local function finish()
-  if ARGV[4] == '1' and not wrote and known then
-    redis.call('SET', known, redis.call('GET', known), 'KEEPTTL')
-  end
-  return out
-end
-for i = 1, #KEYS - 4 do
-  local dk = KEYS[4 + i]
-  local cur = redis.call('GET', dk)
-  if cur then
-    known = dk
-    out[#out + 1] = '=' .. cur
-  else
-    if limit > 0 and depth >= limit then
-      out[1] = depth
-      return finish()
-    end
-    local id = redis.call('XADD', lane, '*', '@FIELD@', ARGV[4 + i])
-    redis.call('SET', dk, lane .. '@SEP@' .. id, 'EX', ttl)
-    wrote = true
-    depth = depth + step
-    out[#out + 1] = id
-  end
-end
-return finish()
-"""
-# The protocol's constants, not literals: the payload field and the dedupe record's separator
-# (``protocol.dedupe_record`` builds and parses the same record in Python).
-ENQUEUE_LUA = (ENQUEUE_LUA_TEMPLATE.replace("@FIELD@", PAYLOAD_FIELD.decode())
-               .replace("@SEP@", DEDUPE_SEPARATOR))
-ENQUEUE_SHA = hashlib.sha1(ENQUEUE_LUA.encode()).hexdigest()
-
-
-def pack_command(args: Sequence[bytes]) -> bytes:
-    """RESP-encode one command. Faster than redis-py's generic packer for 1,000-argument calls."""
-    parts = [b"*%d\r\n" % len(args)]
-    append = parts.append
-    for a in args:
-        append(b"$%d\r\n" % len(a))
-        append(a)
-        append(b"\r\n")
-    return b"".join(parts)
 
 
 @dataclass
@@ -149,7 +70,7 @@ class EnqueueScript:
     """Packs chunks of prepared jobs into EVALSHA commands for the enqueue script."""
 
     def __init__(self, ttl_s: int) -> None:
-        self.sha = ENQUEUE_SHA.encode()
+        self.sha = ENQUEUE.sha.encode()
         self._ttl = str(int(ttl_s)).encode()
 
     def command(self, keys: Keys, shard: int, jobs: Sequence[Prepared], limit: int,
@@ -166,7 +87,7 @@ class EnqueueScript:
                 *[k.encode() for k in head], *dkeys,
                 b"%d" % limit, self._ttl, b"%d" % other_depth, b"1" if durable else b"",
                 *[j.payload for j in jobs]]
-        return pack_command(args)
+        return pack(args)
 
 
 def chunk_jobs(indexes: Iterable[int], jobs: Sequence[Prepared],
@@ -259,7 +180,7 @@ def xread_command(streams: Mapping[str, bytes], keys: Sequence[str], count: int,
     head = [b"XREAD", b"COUNT", b"%d" % count]
     if block_ms is not None:
         head += [b"BLOCK", b"%d" % block_ms]
-    return pack_command([*head, b"STREAMS", *[k.encode() for k in keys],
+    return pack([*head, b"STREAMS", *[k.encode() for k in keys],
                          *[streams[k] for k in keys]])
 
 
@@ -317,7 +238,7 @@ def fields_dict(raw: Any) -> dict:
 
 def xlen_reads(keys: Keys) -> list[Packed]:
     """XLEN of every lane of every shard of a queue, each routed to its shard's node."""
-    return [(lane, pack_command([b"XLEN", lane.encode()]), 1) for lane in keys.lanes()]
+    return [(lane, pack([b"XLEN", lane.encode()]), 1) for lane in keys.lanes()]
 
 
 def shard_depths(keys: Keys, replies: Sequence[Any]) -> list[int]:

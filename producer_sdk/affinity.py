@@ -13,19 +13,19 @@ enqueue script writes it), which only that worker reads, before its shared lanes
 key over the queue's live workers: every producer picks the same one without coordination, and
 when a worker leaves or joins only the keys it wins or held move.
 
-Live workers come from their heartbeats (``Keys.workers`` registry, then each heartbeat hash),
-read at most once per ``affinity_ttl_s`` per queue: a worker qualifies when its hash exists (a
-dead worker's expires within 5 beats), it advertises ``affinity``, serves this queue with its
-engine loaded and is not draining -- what ``producer_sdk.models`` calls live, no stricter: a
-worker whose loop is slow for a beat or two (a long prefill step) keeps its conversations,
-while the few jobs routed to a worker that died before its hash expired are moved to the
-shared lanes by the sweep. A job goes to the shared lane of its priority, as one without a
-key, when no worker qualifies or the chosen one's backlog -- what it held and what sat unread in
-its affinity streams at its last beat, plus what this router sent it since -- is at or past
-``affinity_max_backlog``. Affinity never strands a job: the enqueue script itself falls back to
-the shared lane when the chosen worker's stream no longer exists (its worker deleted it while
-draining, or a sweep did after it died), and workers move what sits unread in a dead or
-draining worker's stream back to the shared lanes (worker/affinity.py).
+Live workers come from their heartbeats (``Keys.workers`` registry, then each heartbeat hash), read
+at most once per ``affinity_ttl_s`` per queue: a worker qualifies when its hash exists (a dead
+worker's expires within 5 beats), it advertises ``affinity``, serves this queue with its engine
+loaded and is not draining -- ``Heartbeat.serving``, what the model listing calls live, no
+stricter: a worker whose loop is slow for a beat or two (a long prefill step) keeps its
+conversations, while the few jobs routed to a worker that died before its hash expired are moved to
+the shared lanes by the sweep. A job goes to the shared lane of its priority, as one without a key,
+when no worker qualifies or the chosen one's backlog -- what it held and what sat unread in its
+affinity streams at its last beat, plus what this router sent it since -- is at or past
+``affinity_max_backlog``. Affinity never strands a job: the enqueue script itself falls back to the
+shared lane when the chosen worker's stream no longer exists (its worker deleted it while draining,
+or a sweep did after it died), and workers move what sits unread in a dead or draining worker's
+stream back to the shared lanes (worker/affinity.py).
 """
 
 from __future__ import annotations
@@ -40,16 +40,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer_sdk.effects import Plan, pipelined
-from producer_sdk.models import Pipeline, serving
+from producer_sdk.models import Pipeline
 from producer_sdk.payloads import Prepared
+from protocol.heartbeat import FIELDS, Heartbeat
 from protocol.keys import Keys
 
 # What a read of the heartbeats may raise while Redis or a cluster node is unreachable.
 READ_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException,
                TryAgainError)
-
-# Heartbeat fields the router reads, in this order (worker/liveness.py writes them).
-HEARTBEAT_FIELDS = ("queue", "engine_loaded", "draining", "affinity", "held", "affinity_queued")
 
 
 def score(routing_key: str, worker_id: str) -> int:
@@ -72,37 +70,27 @@ class LiveWorker:
     backlog: int        # jobs held + unread in its affinity streams, at its last beat
 
 
-def _text(value: Any) -> Optional[str]:
-    return None if value is None else (value.decode("utf-8", "replace")
-                                       if isinstance(value, bytes) else str(value))
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def _int(value: Optional[str]) -> int:
-    try:
-        return max(0, int(value or 0))
-    except ValueError:
-        return 0
-
-
-def live_worker(queue: str, worker_id: str, row: Sequence[Any]) -> Optional[LiveWorker]:
-    """The worker if its heartbeat (``HEARTBEAT_FIELDS`` values; all None when the hash is
-    gone) says it takes affinity jobs of ``queue``, else None."""
-    hb_queue, loaded, draining, affinity, held, queued = (
-        _text(v) for v in (row or (None,) * len(HEARTBEAT_FIELDS)))
-    if affinity != "1" or not serving(queue, hb_queue, loaded, draining):
+def live_worker(queue: str, worker_id: str, beat: Optional[Heartbeat]) -> Optional[LiveWorker]:
+    """The worker if its heartbeat (None: the hash is gone) says it takes affinity jobs of
+    ``queue``, else None."""
+    if beat is None or not beat.affinity or not beat.serving(queue):
         return None
-    return LiveWorker(worker_id, _int(held) + _int(queued))
+    return LiveWorker(worker_id, max(0, beat.held) + max(0, beat.affinity_queued))
 
 
 def live_workers_plan(keys: Keys) -> Generator[Pipeline, list[Any], dict[str, LiveWorker]]:
     """The queue's workers that take affinity jobs now: the registry, then every heartbeat's
     fields (two round trips)."""
     (ids,) = yield [("ZRANGE", keys.workers, 0, -1)]
-    workers = sorted({_text(w) or "" for w in ids or ()} - {""})
+    workers = sorted({_text(w) for w in ids or ()} - {""})
     if not workers:
         return {}
-    rows = yield [("HMGET", keys.heartbeat(w), *HEARTBEAT_FIELDS) for w in workers]
-    found = (live_worker(keys.queue, w, row) for w, row in zip(workers, rows))
+    rows = yield [("HMGET", keys.heartbeat(w), *FIELDS) for w in workers]
+    found = (live_worker(keys.queue, w, Heartbeat.from_row(row)) for w, row in zip(workers, rows))
     return {lw.worker_id: lw for lw in found if lw is not None}
 
 
@@ -196,4 +184,4 @@ def affinity_target(keys: Keys, job: Prepared, shard: int) -> Optional[str]:
 
 
 __all__ = ["score", "rank", "LiveWorker", "live_worker", "live_workers_plan", "AffinityRouter",
-           "affinity_target", "is_affinity_stream", "HEARTBEAT_FIELDS"]
+           "affinity_target", "is_affinity_stream"]

@@ -20,7 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.retry import Retry
 
-from producer_sdk._wire import ENQUEUE_SHA, EnqueuePlan
+from producer_sdk._wire import EnqueuePlan
 from producer_sdk.affinity import AffinityRouter
 from producer_sdk.config import ClientConfig
 from producer_sdk.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, pipelined, raise_transient,
@@ -40,7 +40,7 @@ from protocol.limits import Limits
 from protocol.topology import make_async_client, make_client, redact_url
 from protocol.wire import now_ms, validate_job_id
 
-__all__ = ["ENQUEUE_SHA", "NET_ERRORS", "SEND_ERRORS", "LIMIT_FIELD", "ClientCore",
+__all__ = ["NET_ERRORS", "SEND_ERRORS", "LIMIT_FIELD", "ClientCore",
            "make_redis", "make_async_redis"]
 
 log = logging.getLogger("producer_sdk")

@@ -1,6 +1,6 @@
 """Sending prepared jobs: the enqueue of ``submit``, ``submit_many`` and every window, as one plan.
 
-All enqueueing goes through one Lua script (``_wire.ENQUEUE_LUA``) that checks the queue's
+All enqueueing goes through one Lua script (``protocol.scripts.ENQUEUE``) that checks the queue's
 high-water mark and sets the job's dedupe record together with the XADD, so retries never create
 a second job; a queue of several shards gets one call per chunk of a shard, all sent in one round
 trip per Redis node (``Send``). ``EnqueuePlan`` (``_wire``) keeps the per-job bookkeeping; this
@@ -15,8 +15,7 @@ from typing import Any, Optional, Sequence
 
 from redis.exceptions import NoScriptError
 
-from producer_sdk._wire import (ENQUEUE_LUA, EnqueuePlan, EnqueueScript, is_oom, is_transient,
-                                pack_command)
+from producer_sdk._wire import EnqueuePlan, EnqueueScript, is_oom, is_transient
 from producer_sdk.affinity import AffinityRouter
 from producer_sdk.config import ClientConfig
 from producer_sdk.effects import SEND_ERRORS, Call, Plan, Send, Sleep, cluster
@@ -25,6 +24,7 @@ from producer_sdk.job import Deadline
 from producer_sdk.payloads import Prepared
 from producer_sdk.queues import QueueBook
 from protocol.topology import Packed
+from protocol.scripts import ENQUEUE, pack
 
 
 class Retrying:
@@ -61,7 +61,7 @@ class Enqueuer:
         self.durable = config.durable
         self.window_s = config.reconnect_timeout_s
         self.url = url
-        self.wait = pack_command([b"WAIT", b"%d" % config.durable_replicas,
+        self.wait = pack([b"WAIT", b"%d" % config.durable_replicas,
                                   b"%d" % config.durable_timeout_ms])
         self.loaded = False         # the script was loaded (on every master of a cluster)
         self.cluster: Optional[bool] = None     # the client is a cluster client (asked once)
@@ -77,7 +77,7 @@ class Enqueuer:
             return batch
         if not self.loaded:
             # Load once up front: a NOSCRIPT reply would make the first round travel twice.
-            yield Call(lambda r: r.script_load(ENQUEUE_LUA))
+            yield Call(lambda r: r.script_load(ENQUEUE.source))
             self.loaded = True
         yield from self.router.route_plan(batch.jobs)
         if self.cluster is None:
@@ -127,7 +127,7 @@ class Enqueuer:
             else:
                 batch.on_reply(idx, rep, ack)
         if load:
-            yield Call(lambda r: r.script_load(ENQUEUE_LUA))
+            yield Call(lambda r: r.script_load(ENQUEUE.source))
         return failed
 
     def _send(self, items: list[Packed], retry: Retrying, trailer: Optional[bytes] = None,

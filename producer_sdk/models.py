@@ -10,9 +10,9 @@ queues and workers (no keyspace scan), so it is cheap enough per request; ``Mode
 
 Live means: the heartbeat hash still exists (a dead or frozen worker's expires within 5 beats;
 its registry entry may linger, which is why the hash decides), its engine is loaded, it is not
-draining (it takes no new jobs), and it names this queue. The sync and async variants share all
-the logic (``_listing``, a generator of pipelines); the SDK's two drivers run it
-(``producer_sdk.effects``).
+draining (it takes no new jobs), and it names this queue (``Heartbeat.serving``; the hash's
+schema is protocol/heartbeat.py). The sync and async variants share all the logic
+(``_listing``, a generator of pipelines); the SDK's two drivers run it (``producer_sdk.effects``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, Optional
 
 from producer_sdk.effects import arun, pipelined, run
+from protocol.heartbeat import FIELDS, Heartbeat
 from protocol.keys import Keys
-
-# Heartbeat fields the listing reads, in this order.
-_FIELDS = ("served_model_name", "queue", "engine_loaded", "draining", "started_ms")
 
 
 @dataclass(frozen=True)
@@ -68,41 +66,32 @@ def _listing(namespace: str) -> Generator[Pipeline, list[Any], dict[str, ServedM
     pairs = [(q, _s(w)) for q, ids in zip(names, registries) for w in ids or ()]
     if not pairs:
         return {}
-    rows = yield [("HMGET", ns.heartbeat(w), *_FIELDS) for _, w in pairs]
-    return _models(pairs, rows)
+    rows = yield [("HMGET", ns.heartbeat(w), *FIELDS) for _, w in pairs]
+    return _models(pairs, [Heartbeat.from_row(row) for row in rows])
 
 
 def live_workers(namespace: str, queue: str) -> Generator[Pipeline, list[Any], list[str]]:
-    """The ids of ``queue``'s live workers (``serving``), as a plan of the same style: its
-    registry, then every registered worker's heartbeat."""
+    """The ids of ``queue``'s live workers (``Heartbeat.serving``), as a plan of the same
+    style: its registry, then every registered worker's heartbeat."""
     keys = Keys(namespace, queue)
     (ids,) = yield [("ZRANGE", keys.workers, 0, -1)]
     workers = sorted(_s(w) for w in ids or ())
     if not workers:
         return []
-    rows = yield [("HMGET", keys.heartbeat(w), "queue", "engine_loaded", "draining")
-                  for w in workers]
+    rows = yield [("HMGET", keys.heartbeat(w), *FIELDS) for w in workers]
     return [w for w, row in zip(workers, rows)
-            if serving(queue, *(None if v is None else _s(v) for v in row or (None,) * 3))]
+            if (beat := Heartbeat.from_row(row)) is not None and beat.serving(queue)]
 
 
-def serving(queue: str, hb_queue: Optional[str], loaded: Optional[str],
-            draining: Optional[str]) -> bool:
-    """Whether a heartbeat's fields (decoded; None where absent) say its worker takes new jobs
-    of ``queue``: it names that queue, its engine is loaded and it is not draining."""
-    return hb_queue == queue and loaded == "1" and draining in ("0", None)
-
-
-def _models(pairs: list[tuple[str, str]], rows: list[Any]) -> dict[str, ServedModel]:
-    """Group live workers' heartbeats by served model name."""
+def _models(pairs: list[tuple[str, str]],
+            beats: list[Optional[Heartbeat]]) -> dict[str, ServedModel]:
+    """Group live workers' heartbeats (None: the hash is gone) by served model name."""
     found: dict[str, list[tuple[str, str, int]]] = {}
-    for (queue, worker), row in zip(pairs, rows):
-        name, hb_queue, loaded, draining, started = (None if v is None else _s(v)
-                                                     for v in row or (None,) * len(_FIELDS))
-        if not name or not serving(queue, hb_queue, loaded, draining):
+    for (queue, worker), beat in zip(pairs, beats):
+        if beat is None or not beat.served_model_name or not beat.serving(queue):
             continue
-        started_ms = int(started) if started and started.isdigit() else 0
-        found.setdefault(name, []).append((queue, worker, started_ms))
+        found.setdefault(beat.served_model_name, []).append(
+            (queue, worker, max(0, beat.started_ms)))
     return {name: ServedModel(name=name, queues=tuple(sorted({q for q, _, _ in live})),
                               workers=tuple(sorted((q, w) for q, w, _ in live)),
                               created=min(ms for _, _, ms in live) // 1000)
@@ -186,5 +175,4 @@ class AsyncModelCache:
         self._ttl.invalidate()
 
 
-__all__ = ["ServedModel", "list_models", "alist_models", "ModelCache", "AsyncModelCache",
-           "serving"]
+__all__ = ["ServedModel", "list_models", "alist_models", "ModelCache", "AsyncModelCache"]

@@ -17,6 +17,7 @@ its stack limit, truncated, oversized) the worker still wants the job id, to sen
 
 from __future__ import annotations
 
+import json
 import struct
 from typing import Any, Iterable, Optional
 
@@ -46,6 +47,19 @@ class Limits(BaseModel):
     max_logprobs: int = Field(default=20, ge=0)
     max_n: int = Field(default=16, ge=1, description="sampled choices per job (params.n)")
     max_beam_width: int = Field(default=16, ge=1, description="beams per job (params.beam_width)")
+    # params.structured_outputs (protocol/structured_outputs.py): what a grammar may cost to
+    # compile is bounded by its size; llguidance's own limits bound the rest.
+    max_schema_bytes: int = Field(default=64 * 1024, ge=1,
+                                  description="a JSON schema's size (msgpack-packed, or UTF-8 "
+                                              "bytes when sent as a string)")
+    max_schema_depth: int = Field(default=64, ge=1,
+                                  description="nesting of a JSON schema's maps and arrays")
+    max_choices: int = Field(default=1024, ge=1, description="strings of a choice constraint")
+    max_choice_chars: int = Field(default=1024, ge=1, description="characters of one choice")
+    max_regex_chars: int = Field(default=8192, ge=1,
+                                 description="characters of a regex (or whitespace_pattern)")
+    max_grammar_bytes: int = Field(default=64 * 1024, ge=1,
+                                   description="UTF-8 bytes of a Lark / GBNF grammar")
 
 
 DEFAULT_LIMITS = Limits()
@@ -135,6 +149,71 @@ def _check_params(params: dict, limits: Limits) -> None:
         value = params.get(name)
         if type(value) is int and value > limit:
             raise _over(f"params.{name}", "value", value, limit, f"max_{name}")
+    spec = params.get("structured_outputs")
+    if isinstance(spec, dict):
+        _check_structured(spec, limits)
+
+
+_SO = "params.structured_outputs"
+
+
+def _check_structured(spec: dict, limits: Limits) -> None:
+    """Bound what compiling the constraint may cost: sizes before anything parses them."""
+    schema = spec.get("json")
+    if isinstance(schema, str):
+        size = _utf8_len(schema)
+        if size > limits.max_schema_bytes:
+            raise _over(f"{_SO}.json", "schema is UTF-8 bytes", size, limits.max_schema_bytes,
+                        "max_schema_bytes")
+        schema = _json_or_none(schema, limits)
+    if isinstance(schema, (dict, list)):
+        _check_schema(schema, limits)
+    choice = spec.get("choice")
+    if isinstance(choice, list):
+        if len(choice) > limits.max_choices:
+            raise _over(f"{_SO}.choice", "choice count", len(choice), limits.max_choices,
+                        "max_choices")
+        longest = max((len(c) for c in choice if isinstance(c, str)), default=0)
+        if longest > limits.max_choice_chars:
+            raise _over(f"{_SO}.choice", "a choice has characters", longest,
+                        limits.max_choice_chars, "max_choice_chars")
+    for name in ("regex", "whitespace_pattern"):
+        value = spec.get(name)
+        if isinstance(value, str) and len(value) > limits.max_regex_chars:
+            raise _over(f"{_SO}.{name}", f"{name} has characters", len(value),
+                        limits.max_regex_chars, "max_regex_chars")
+    grammar = spec.get("grammar")
+    if isinstance(grammar, str) and _utf8_len(grammar) > limits.max_grammar_bytes:
+        raise _over(f"{_SO}.grammar", "grammar is UTF-8 bytes", _utf8_len(grammar),
+                    limits.max_grammar_bytes, "max_grammar_bytes")
+
+
+def _json_or_none(text: str, limits: Limits) -> Any:
+    """A schema sent as a string, parsed (it is within max_schema_bytes); None when it is not
+    JSON (the schema check names that). Too deep for the parser is too deep for the limit."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise LimitExceeded(f"{_SO}.json", f"schema is nested more than "
+                                           f"{limits.max_schema_depth} levels deep "
+                                           f"(max_schema_depth)") from None
+    except ValueError:
+        return None
+
+
+def _check_schema(schema: Any, limits: Limits) -> None:
+    """Depth first (iteratively), then the packed size, as for metadata."""
+    field = f"{_SO}.json"
+    if container_depth(schema, stop_after=limits.max_schema_depth) > limits.max_schema_depth:
+        raise LimitExceeded(field, f"schema is nested more than {limits.max_schema_depth} "
+                                   f"levels deep (max_schema_depth)")
+    try:
+        size = len(msgpack.packb(schema, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LimitExceeded(field, f"schema is not JSON-like ({exc})") from None
+    if size > limits.max_schema_bytes:
+        raise _over(field, "schema packs to bytes", size, limits.max_schema_bytes,
+                    "max_schema_bytes")
 
 
 def check_metadata(metadata: Any, limits: Limits, field: str = "metadata") -> None:

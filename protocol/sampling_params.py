@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from protocol.structured_outputs import StructuredOutputsParams
+
 
 # The schema's own ceiling on ``n`` and ``beam_width``; engines and workers set lower bounds of
 # their own (EngineConfig.max_n / max_beam_width, the worker's Limits).
@@ -62,6 +64,10 @@ class SamplingParams(BaseModel):
     include_stop_str_in_output: bool = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     skip_special_tokens: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = Field(
+        default=None,
+        description="Constrain the output to a JSON schema, any JSON object, a regex, a choice "
+                    "or a grammar (vLLM's StructuredOutputsParams; protocol/structured_outputs.py).")
 
     @field_validator("temperature", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "length_penalty")
@@ -118,6 +124,11 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"beam_width: beam search does not take {bad}")
         elif self.length_penalty != 1.0:
             raise ValueError("length_penalty applies to beam search only (set beam_width)")
+        if self.structured_outputs is not None and self.ignore_eos:
+            # The grammar ends the answer with EOS once it is complete; without EOS a complete
+            # answer could only run on into tokens the grammar forbids.
+            raise ValueError("ignore_eos: cannot be combined with structured_outputs (a "
+                             "complete answer ends with EOS)")
         return self
 
     @property

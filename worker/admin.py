@@ -30,12 +30,12 @@ from protocol.settings import (ConnectionSettings, JsonOutput, add_settings_flag
                                unset)
 from protocol.errors import ErrorCode
 from protocol.keys import GROUP, Keys, PAYLOAD_FIELD
+from protocol.scripts import REPLAY, run_script
 from protocol.wire import DeadLetter, decode_job
 from protocol.shards import ShardCountMismatch, registered_shards, resolve_shards
 from worker.connection import (EXIT_CONFIG, REDIS_ERRORS, ErrorKind, classify, client_for,
                                describe_permanent)
 from worker.deadletters import payload_job_id
-from worker.scripts import REPLAY, run_script
 
 # A drain flag (Keys.drain) expires, so a flag for a worker that never came back cannot drain
 # the next process started under that id an hour later.

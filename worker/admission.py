@@ -5,7 +5,8 @@ delivered too often, decode and validate the payload (any failure ends this job 
 error event naming the field when the job id can be read), then, in one pipeline for the batch,
 bind the job id to this entry and take ownership (identity: a second entry reusing a live job's
 id is rejected as duplicate_job_id and touches nothing of that job), read the cancel flag and
-the result stream (resume), and add the request to the engine.
+the result stream (resume), and add the request to the engine. A transient Redis error on that
+pipeline puts the whole batch back untouched: ``StartDeferred`` tells the loop which entries.
 """
 
 from __future__ import annotations
@@ -18,15 +19,33 @@ from pydantic import ValidationError
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.outputs import ResumeState
 from protocol.errors import ErrorCode, FinishReason, ProtocolError, describe_validation_error
+from protocol.keys import Keys, PAYLOAD_FIELD
+from protocol.limits import Limits
+from protocol.scripts import ScriptPipeline, text
 from protocol.wire import JobRequest, decode_job, now_ms
+from worker.config import WorkerSettings
 from worker.connection import ErrorKind, classify
 from worker.deadletters import Rejection, payload_job_id
-from worker.fencing import bound, new_owner_value
-from worker.jobs import Choice, Job
-from worker.pending import Entry, entry_fields
+from worker.engine_api import EngineAPI
+from worker.entries import Entry, EntryKey, entry_fields
+from worker.fencing import Fence, bound, new_owner_value
+from worker.jobs import Choice, Job, JobTable
+from worker.metrics import WorkerMetrics
+from worker.outbox import Outbox
+from worker.pending import PendingList
 from worker.recovery import JobProgress, progress_from_entries
-from worker.scripts import ScriptPipeline, text
+from worker.token_text import TokenTexts
 
+
+class StartDeferred(Exception):
+    """A transient Redis error hit the start pipeline: none of ``entries`` was started or
+    rejected. The loop takes them again after its backoff (as they are: no re-read, so no
+    delivery is counted) and handles ``cause`` as any transient error."""
+
+    def __init__(self, entries: list[Entry], cause: Exception) -> None:
+        super().__init__(f"start of {len(entries)} entries deferred: {cause}")
+        self.entries = entries
+        self.cause = cause
 
 
 def stream_entries(reply: Any) -> list[tuple[Any, dict]]:
@@ -41,12 +60,30 @@ def _params_message(msg: str) -> str:
 class Admission:
     """Admits entries into the worker's JobTable and engine; see the module docstring."""
 
-    def __init__(self, worker: Any) -> None:
-        self.w = worker
+    def __init__(self, client: Any, keys: Keys, worker_id: str, settings: WorkerSettings,
+                 limits: Limits, engine: EngineAPI, jobs: JobTable, fence: Fence,
+                 outbox: Outbox, pending: PendingList, metrics: WorkerMetrics,
+                 log: Any) -> None:
+        self.client = client
+        self.keys = keys
+        self.worker_id = worker_id
+        self.s = settings
+        self.ttl_ms = settings.result_ttl_ms
+        self.limits = limits
+        self.engine = engine
+        self.jobs = jobs
+        self.fence = fence
+        self.outbox = outbox
+        self.pending = pending
+        self.metrics = metrics
+        self.log = log
+        self._token_texts: Optional[TokenTexts] = None
 
-    def admit(self, entries: list[Entry]) -> None:
-        w = self.w
-        held = set(w.held_entries())
+    def admit(self, entries: list[Entry], held: set[EntryKey]) -> None:
+        """Start or settle every entry of ``entries`` that is not among ``held`` (what the
+        worker holds already: jobs, owed acks and rejections, entries read but not started).
+        Raises ``StartDeferred`` on a transient Redis error."""
+        held = set(held)
         fresh: list[tuple[Entry, JobRequest]] = []
         recount: list[tuple[str, str, int]] = []
         for e in entries:
@@ -60,29 +97,28 @@ class Admission:
             req = self._screen(e)
             if req is None:
                 continue
-            if req.job_id in w.jobs or any(r.job_id == req.job_id for _, r in fresh):
+            if req.job_id in self.jobs or any(r.job_id == req.job_id for _, r in fresh):
                 self._reject(e, ErrorCode.DUPLICATE_JOB_ID, f"job_id {req.job_id!r} is already running on this "
                              "worker under another entry (submitted twice?)", req.job_id, {})
                 continue
             fresh.append((e, req))
         if recount:
-            w.pending.restore_counts(recount)
+            self.pending.restore_counts(recount)
         if fresh:
             self._start_all(fresh)
 
     def _screen(self, e: Entry) -> Optional[JobRequest]:
         """The entry's request, or None when the entry was settled here (acked or rejected)."""
-        w = self.w
         if e.fields is None:
-            w.log.warning("pending entry was deleted from the stream; acknowledging it",
-                          entry_id=e.entry_id, lane=e.lane)
-            w.outbox.owe_ack(e, None, "deleted")
+            self.log.warning("pending entry was deleted from the stream; acknowledging it",
+                             entry_id=e.entry_id, lane=e.lane)
+            self.outbox.owe_ack(e, None, "deleted")
             return None
-        if e.deliveries > w.s.max_deliveries:  # e.g. a prompt that kills every worker
+        if e.deliveries > self.s.max_deliveries:  # e.g. a prompt that kills every worker
             job_id = payload_job_id(e.payload)
             self._reject(e, ErrorCode.POISON,
                          f"job dead-lettered: delivered {e.deliveries} times, more than "
-                         f"max_deliveries={w.s.max_deliveries}; each holder died or failed "
+                         f"max_deliveries={self.s.max_deliveries}; each holder died or failed "
                          "before finishing it", job_id,
                          {"entry_id": e.entry_id, "deliveries": e.deliveries})
             return None
@@ -93,7 +129,7 @@ class Admission:
             self._reject(e, exc.code, str(exc), exc.job_id, exc.metadata)
             return None
         except Exception as exc:  # a decoder bug must end this entry alone, never the worker
-            w.log.exception("payload could not be decoded", entry_id=e.entry_id)
+            self.log.exception("payload could not be decoded", entry_id=e.entry_id)
             self._reject(e, ErrorCode.INTERNAL, f"payload could not be decoded: "
                          f"{type(exc).__name__}: {exc}", None, {})
             return None
@@ -102,41 +138,40 @@ class Admission:
 
     def _decode(self, e: Entry) -> JobRequest:
         if e.payload is None:
-            raise ProtocolError("entry has no 'data' field (expected the msgpack JobRequest)")
-        return decode_job(e.payload, self.w.limits)
+            raise ProtocolError(f"entry has no {PAYLOAD_FIELD.decode()!r} field (expected the "
+                                "msgpack JobRequest)")
+        return decode_job(e.payload, self.limits)
 
     def _log_received(self, e: Entry, job_id: Optional[str]) -> None:
-        self.w.log.debug("received", job_id=job_id, entry_id=e.entry_id, lane=e.lane,
-                         source=e.source, deliveries=e.deliveries)
+        self.log.debug("received", job_id=job_id, entry_id=e.entry_id, lane=e.lane,
+                       source=e.source, deliveries=e.deliveries)
 
     def _reject(self, e: Entry, code: ErrorCode, message: str, job_id: Optional[str],
                 metadata: dict) -> None:
-        w = self.w
-        w.outbox.reject(Rejection(e, code.value, message, job_id, metadata))
-        w.metrics.errors.labels(code.value).inc()
-        w.log.warning("failed", code=code.value, error=message, job_id=job_id,
-                      entry_id=e.entry_id, lane=e.lane, dead_letter=True)
+        self.outbox.reject(Rejection(e, code.value, message, job_id, metadata))
+        self.metrics.errors.labels(code.value).inc()
+        self.log.warning("failed", code=code.value, error=message, job_id=job_id,
+                         entry_id=e.entry_id, lane=e.lane, dead_letter=True)
 
     # ---------------------------------------------------------------- the start pipeline
     def _start_all(self, fresh: list[tuple[Entry, JobRequest]]) -> None:
         """Bind, own, read the cancel flag and the result stream of every job: one round trip.
         A transient error (e.g. Redis out of memory) puts the whole batch back, untouched, for
-        a retry after backoff; another error on one job's keys ends that job alone."""
-        w = self.w
-        pipe = ScriptPipeline(w.client)
+        a retry after backoff (``StartDeferred``); another error on one job's keys ends that job
+        alone."""
+        pipe = ScriptPipeline(self.client)
         owners, idx = [], []
         for e, req in fresh:   # the job's keys are those of the shard its entry came from
-            owners.append(new_owner_value(w.worker_id))
-            idx.append((w.fence.bind_and_own(pipe, req.job_id, e.shard, e.lane_key, e.entry_id,
-                                             owners[-1], w.ttl_ms),
-                        pipe.command("EXISTS", w.keys.cancel(req.job_id, e.shard)),
-                        pipe.command("XRANGE", w.keys.results(req.job_id, e.shard), "-", "+")))
+            owners.append(new_owner_value(self.worker_id))
+            idx.append((self.fence.bind_and_own(pipe, req.job_id, e.shard, e.lane_key,
+                                                e.entry_id, owners[-1], self.ttl_ms),
+                        pipe.command("EXISTS", self.keys.cancel(req.job_id, e.shard)),
+                        pipe.command("XRANGE", self.keys.results(req.job_id, e.shard), "-", "+")))
         res = pipe.execute()
         errors = [r for r in res if isinstance(r, Exception)]
         transient = next((x for x in errors if classify(x) is not ErrorKind.OTHER), None)
         if transient is not None:
-            w.intake.defer([e for e, _ in fresh])
-            raise transient
+            raise StartDeferred([e for e, _ in fresh], transient)
         for (e, req), owner, (i_own, i_cancel, i_range) in zip(fresh, owners, idx):
             bad = next((r for r in (res[i_own], res[i_cancel], res[i_range])
                         if isinstance(r, Exception)), None)
@@ -147,8 +182,8 @@ class Admission:
                 self._reject(e, ErrorCode.DUPLICATE_JOB_ID, f"job_id {req.job_id!r} belongs to another entry "
                              f"({text(res[i_own])}); give each job its own id", req.job_id, {})
             else:
-                job = Job(entry=e, request=req, owner=owner, worker_id=w.worker_id)
-                w.jobs[req.job_id] = job
+                job = Job(entry=e, request=req, owner=owner, worker_id=self.worker_id)
+                self.jobs[req.job_id] = job
                 self._start_guarded(job, stream_entries(res[i_range]), bool(res[i_cancel]))
 
     def _start_guarded(self, job: Job, stream: Any, cancelled: bool) -> None:
@@ -157,16 +192,16 @@ class Admission:
             job.tail_mark = progress.last_mark
             self._start(job, progress, cancelled)
         except Exception as exc:  # any failure admitting one job ends that job alone
-            self.w.log.exception("job could not be started", **job.log_fields())
-            self.w.jobs.fail(job, ErrorCode.INTERNAL, f"the worker could not start the job: "
+            self.log.exception("job could not be started", **job.log_fields())
+            self.jobs.fail(job, ErrorCode.INTERNAL, f"the worker could not start the job: "
                              f"{type(exc).__name__}: {exc}")
 
     def _start(self, job: Job, progress: JobProgress, cancelled: bool) -> None:
-        w, req = self.w, job.request
+        req = job.request
         if progress.finished:
-            w.log.info("already finished; acknowledging", **job.log_fields())
+            self.log.info("already finished; acknowledging", **job.log_fields())
             job.terminal = progress.terminal.type
-            w.outbox.owe_ack(job.entry, job.job_id, "already finished")
+            self.outbox.owe_ack(job.entry, job.job_id, "already finished")
             return
         job.attempt = progress.attempts + 1
         if req.stream and progress.choices:
@@ -176,12 +211,13 @@ class Admission:
             return
         job.shape(params.num_choices, params.num_choices > 1 or params.use_beam_search)
         if cancelled:
-            w.jobs.cancel(job, "cancel flag set before start")
+            self.jobs.cancel(job, "cancel flag set before start")
             return
         if req.deadline_ms is not None and progress.attempts == 0 and now_ms() > req.deadline_ms:
             late = now_ms() - req.deadline_ms
-            w.jobs.fail(job, ErrorCode.EXPIRED, f"deadline_ms={req.deadline_ms} passed {late} ms "
-                        "before a worker could start the job; raise the deadline or add workers")
+            self.jobs.fail(job, ErrorCode.EXPIRED, f"deadline_ms={req.deadline_ms} passed "
+                           f"{late} ms before a worker could start the job; raise the deadline "
+                           "or add workers")
             return
         seed = progress.seed if progress.seed is not None else params.seed
         if seed is None:
@@ -189,7 +225,7 @@ class Admission:
         params.seed = job.seed = seed
         job.want_logprobs = params.logprobs is not None
         if job.want_logprobs:
-            job.token_texts = w.token_texts()
+            job.token_texts = self._texts()
         job.params = params
         prompt = self._engine_prompt(job)
         if prompt is None:
@@ -199,18 +235,25 @@ class Admission:
                 c.finish_reason = FinishReason.LENGTH.value
         if job.all_finished():
             job.finish()
-            w.log.info("finished", finish_reason=job.finish_reason, tokens=job.tokens,
-                       **job.log_fields())
+            self.log.info("finished", finish_reason=job.finish_reason, tokens=job.tokens,
+                          **job.log_fields())
             return
         self._add_to_engine(job, prompt)
         if job.terminal is None:
             job.queue_started()
-            w.metrics.queue_time.observe(max(0.0, job.admitted_at - job.enqueued_ms / 1000))
+            self.metrics.queue_time.observe(max(0.0, job.admitted_at - job.enqueued_ms / 1000))
             fields = job.log_fields()
-            if w.s.log_prompts:
+            if self.s.log_prompts:
                 fields["prompt"] = req.prompt or req.messages or req.prompt_token_ids
-            w.log.info("started", attempt=job.attempt, resumed_tokens=job.resumed_tokens,
-                       priority=req.priority, **fields)
+            self.log.info("started", attempt=job.attempt, resumed_tokens=job.resumed_tokens,
+                          priority=req.priority, **fields)
+
+    def _texts(self) -> TokenTexts:
+        """The text and bytes of the engine's tokens, for jobs that ask for logprobs (made on
+        first use: a worker whose jobs never ask decodes nothing)."""
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self.engine.tokenizer)
+        return self._token_texts
 
     def _params(self, job: Job) -> Any:
         """The job's SamplingParams, or None after failing the job (the producer's fault)."""
@@ -220,7 +263,7 @@ class Admission:
             msg = _params_message(describe_validation_error(exc))
         except (ValueError, TypeError) as exc:
             msg = f"params: {type(exc).__name__}: {exc}"
-        self.w.jobs.fail(job, ErrorCode.INVALID_REQUEST, "invalid sampling params: " + msg)
+        self.jobs.fail(job, ErrorCode.INVALID_REQUEST, "invalid sampling params: " + msg)
         return None
 
     def _prompt(self, req: JobRequest) -> Any:
@@ -229,9 +272,9 @@ class Admission:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
         # As LLM.chat does: the rendered template already holds BOS and friends.
-        text_ = self.w.engine.render_chat([m.model_dump() for m in req.messages],
-                                          req.chat_template_kwargs)
-        return list(self.w.engine.tokenizer.encode(text_, add_special_tokens=False))
+        text_ = self.engine.render_chat([m.model_dump() for m in req.messages],
+                                        req.chat_template_kwargs)
+        return list(self.engine.tokenizer.encode(text_, add_special_tokens=False))
 
     def _engine_prompt(self, job: Job) -> Any:
         """The prompt for the engine (a chat job's rendered and tokenized), with ``max_tokens``
@@ -239,7 +282,7 @@ class Admission:
         try:
             prompt = self._prompt(job.request)
             resolve_max_tokens(job.params, job.request, len(prompt) if isinstance(prompt, list)
-                               else 0, self.w.engine.max_model_len)
+                               else 0, self.engine.max_model_len)
             return prompt
         except Exception as exc:
             self._refused(job, exc, "the job's prompt could not be built")
@@ -249,8 +292,8 @@ class Admission:
         """engine.add_request, mapping every refusal to the job's error event; never raises."""
         try:
             resume = resume_state(job)
-            self.w.engine.add_request(job.job_id, prompt, job.params,
-                                      priority=job.request.priority, resume=resume)
+            self.engine.add_request(job.job_id, prompt, job.params,
+                                    priority=job.request.priority, resume=resume)
             job.in_engine = True
         except Exception as exc:
             self._refused(job, exc, "engine refused the job unexpectedly")
@@ -258,17 +301,17 @@ class Admission:
     def _refused(self, job: Job, exc: Exception, unexpected: str) -> None:
         """End the job for ``exc``: the producer's fault (the engine's numbers or the field in
         the message), or ``internal`` for anything else."""
-        w = self.w
         if isinstance(exc, PromptTooLongError):
-            w.jobs.fail(job, ErrorCode.PROMPT_TOO_LONG, str(exc))
+            self.jobs.fail(job, ErrorCode.PROMPT_TOO_LONG, str(exc))
         elif isinstance(exc, ValidationError):
-            w.jobs.fail(job, ErrorCode.INVALID_REQUEST, "invalid sampling params: "
-                        + _params_message(describe_validation_error(exc)))
+            self.jobs.fail(job, ErrorCode.INVALID_REQUEST, "invalid sampling params: "
+                           + _params_message(describe_validation_error(exc)))
         elif isinstance(exc, (InvalidRequestError, ValueError, TypeError)):
-            w.jobs.fail(job, ErrorCode.INVALID_REQUEST, f"{type(exc).__name__}: {exc}")
+            self.jobs.fail(job, ErrorCode.INVALID_REQUEST, f"{type(exc).__name__}: {exc}")
         else:
-            w.log.exception(unexpected, **job.log_fields())
-            w.jobs.fail(job, ErrorCode.INTERNAL, f"{unexpected}: {type(exc).__name__}: {exc}")
+            self.log.exception(unexpected, **job.log_fields())
+            self.jobs.fail(job, ErrorCode.INTERNAL,
+                           f"{unexpected}: {type(exc).__name__}: {exc}")
 
 
 def resolve_max_tokens(params: Any, request: JobRequest, prompt_tokens: int,

@@ -113,6 +113,16 @@ class WorkerSettings(WorkerIdentity):
     max_n: int = Field(16, ge=1, description="Largest n (sampled choices per job).")
     max_beam_width: int = Field(16, ge=1, description="Largest beam_width (beam search beams "
                                 "per job).")
+    max_schema_bytes: ByteSize = Field(64 * 1024, ge=1, description="Largest JSON schema of "
+                                       "params.structured_outputs (packed or UTF-8).")
+    max_schema_depth: int = Field(64, ge=1, description="Deepest JSON schema nesting.")
+    max_choices: int = Field(1024, ge=1, description="Most strings of a choice constraint.")
+    max_choice_chars: int = Field(1024, ge=1, description="Longest string of a choice "
+                                  "constraint.")
+    max_regex_chars: int = Field(8192, ge=1, description="Longest regex constraint (or JSON "
+                                 "whitespace_pattern).")
+    max_grammar_bytes: ByteSize = Field(64 * 1024, ge=1, description="Largest Lark / GBNF "
+                                        "grammar constraint.")
     log_level: str = Field("info", description="debug, info, warning, error.")
     log_prompts: bool = Field(False, description="Log prompt text (debug only; off by default).")
 
@@ -128,6 +138,11 @@ class WorkerSettings(WorkerIdentity):
     def served_model(self) -> str:
         """The name this worker serves under: ``--served-model-name``, else the default."""
         return self.served_model_name or default_served_model_name(self.model)
+
+    @property
+    def result_ttl_ms(self) -> int:
+        """``--result-ttl`` in ms: the TTL of a job's result stream and owner record."""
+        return int(self.result_ttl * 1000)
 
     def decode_limits(self) -> Limits:
         """The producer-facing limits ``decode_job`` checks, from the --max-* flags."""

@@ -19,8 +19,8 @@ from protocol.errors import ProtocolError
 from protocol.events import ErrorEvent, encode_event
 from protocol.keys import Keys, dedupe_record
 from protocol.wire import DeadLetter, decode_job
-from worker.pending import Entry
-from worker.scripts import DEAD_LETTER, ScriptPipeline, text
+from protocol.scripts import DEAD_LETTER, ScriptPipeline, text
+from worker.entries import Entry
 
 
 @dataclass

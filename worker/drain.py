@@ -13,52 +13,71 @@ from typing import Any, Callable, Optional
 
 import redis
 
-from worker.jobs import Job
-from worker.pending import CHUNK, by_lane
-from worker.scripts import ScriptPipeline
+from protocol.scripts import ScriptPipeline
+from worker.affinity import Affinity
+from worker.engine_api import EngineAPI
+from worker.entries import CHUNK, by_lane
+from worker.fencing import Fence
+from worker.intake import Intake
+from worker.jobs import Job, JobTable
+from worker.outbox import Outbox
+from worker.pending import PendingList
 
 
 class Drain:
-    def __init__(self, worker: Any) -> None:
-        self.w = worker
+    """The drain: ``begin`` once, then ``step`` every iteration until it says exit."""
+
+    def __init__(self, engine: EngineAPI, jobs: JobTable, outbox: Outbox, intake: Intake,
+                 affinity: Affinity, pending: PendingList, fence: Fence, drain_timeout: float,
+                 log: Any) -> None:
+        self.engine = engine
+        self.jobs = jobs
+        self.outbox = outbox
+        self.intake = intake
+        self.affinity = affinity
+        self.pending = pending
+        self.fence = fence
+        self.drain_timeout = drain_timeout
+        self.log = log
         self.active = False
         self.deadline = 0.0
 
     def begin(self, force: bool) -> None:
-        w = self.w
+        """Stop taking work: hand back what was read but not started (entries read with the
+        last flush, this worker's unread routed jobs), then let running jobs run until the
+        deadline (now when ``force``)."""
         self.active = True
         try:
-            w.intake.hand_back_prefetched()
-            w.affinity.hand_back_own()
+            self.intake.hand_back_prefetched()
+            self.affinity.hand_back_own()
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             # they stay pending here; our restart or a reclaim takes them
-            w.log.warning("could not hand back unstarted entries", error=str(exc))
-        timeout = 0.0 if force else w.s.drain_timeout
+            self.log.warning("could not hand back unstarted entries", error=str(exc))
+        timeout = 0.0 if force else self.drain_timeout
         self.deadline = time.monotonic() + timeout
-        running = sum(1 for j in w.jobs.values() if j.in_engine)
-        w.log.info("draining", running=running, drain_timeout_s=timeout)
+        running = sum(1 for j in self.jobs.values() if j.in_engine)
+        self.log.info("draining", running=running, drain_timeout_s=timeout)
 
     def step(self, force: bool) -> bool:
         """While draining: True once nothing is held any more (exit)."""
-        w = self.w
         if force:
             self.deadline = min(self.deadline, time.monotonic())
         if time.monotonic() >= self.deadline:
-            for job in w.jobs.values():
+            for job in self.jobs.values():
                 if job.in_engine:
-                    w.engine.abort_request(job.job_id)
+                    self.engine.abort_request(job.job_id)
                     job.in_engine = False
                     job.parking = True
-        if not w.jobs and not w.outbox.owes():
+        if not self.jobs and not self.outbox.owes():
             return True
-        if not w.engine.has_unfinished_requests() and not w.outbox.owes():
+        if not self.engine.has_unfinished_requests() and not self.outbox.owes():
             time.sleep(0.01)
         return False
 
     def parks_rider(self, pipe: ScriptPipeline) -> Optional[Callable[[list], None]]:
         """Hand back parked jobs whose events are all written: release the owner record, move
         the entry to the parking consumer; queued on the flush."""
-        ready = [j for j in self.w.jobs.values() if j.parking and not j.pending]
+        ready = [j for j in self.jobs.values() if j.parking and not j.pending]
         if not ready:
             return None
         queued: list[tuple[list[Job], int]] = []
@@ -66,16 +85,16 @@ class Drain:
             for k in range(0, len(jobs), CHUNK):
                 chunk = jobs[k:k + CHUNK]
                 for job in chunk:
-                    self.w.fence.release(pipe, job.job_id, job.entry.shard, job.owner)
-                queued.append((chunk, self.w.pending.queue_park(
+                    self.fence.release(pipe, job.job_id, job.entry.shard, job.owner)
+                queued.append((chunk, self.pending.queue_park(
                     pipe, lane, [j.entry.entry_id for j in chunk])))
 
         def handle(res: list) -> None:
             for jobs, i in queued:
                 if isinstance(res[i], Exception):
-                    self.w.log.error("hand-back failed; entries stay pending here",
-                                     error=str(res[i]))
+                    self.log.error("hand-back failed; entries stay pending here",
+                                   error=str(res[i]))
                 for job in jobs:
-                    self.w.jobs.pop(job.job_id, None)
-                    self.w.log.info("handed back", tokens=job.tokens, **job.log_fields())
+                    self.jobs.pop(job.job_id, None)
+                    self.log.info("handed back", tokens=job.tokens, **job.log_fields())
         return handle

@@ -2,7 +2,7 @@
 ``load_engine``, which builds the engine ``--model`` names.
 
 Both ``engine.llm_engine.LLMEngine`` and ``worker.fake_engine.FakeEngine`` (``--model fake:``)
-satisfy ``EngineAPI``; tests/worker/test_engine_contract.py runs one contract test against both.
+satisfy ``EngineAPI``; tests/worker/test_engine_api.py runs one contract test against both.
 """
 
 from __future__ import annotations

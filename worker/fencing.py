@@ -1,14 +1,14 @@
 """Fencing a job's result stream: every write checks, atomically inside Redis, that this worker
 still owns the job.
 
-Why: XADD takes no owner, so a worker that was paused after its job was reclaimed would
-otherwise write into the new owner's result stream. ``Keys.owner(job_id)`` holds
-``<worker_id>:<token>``; a worker sets it (fresh token) when it starts a job, after binding the
-job id to the entry it runs (``Keys.dedupe``: identity, see docs/contracts.md). The result
-stream shares the owner record's hash slot (every per-job key carries the hash tag of the queue
-shard whose stream held the entry), so one script checks the owner and appends, and one script
-call writes every job of a step that came from the same shard (worker/scripts.py). Acks are
-fenced by the pending list instead (worker/pending.py).
+Why: XADD takes no owner, so a worker that was paused after its job was reclaimed would otherwise
+write into the new owner's result stream. ``Keys.owner(job_id)`` holds ``<worker_id>:<token>``; a
+worker sets it (fresh token) when it starts a job, after binding the job id to the entry it runs
+(``Keys.dedupe``: identity, see docs/contracts.md). The result stream shares the owner record's
+hash slot (every per-job key carries the hash tag of the queue shard whose stream held the entry),
+so one script checks the owner and appends, and one script call writes every job of a step that
+came from the same shard (protocol/scripts/results.py). Acks are fenced by the pending list instead
+(worker/pending.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import msgpack
 
 from protocol.keys import Keys, dedupe_record
-from worker.scripts import BIND_AND_OWN, RELEASE_OWNER, WRITE_STEP, ScriptPipeline, text
+from protocol.scripts import BIND_AND_OWN, RELEASE_OWNER, WRITE_STEP, ScriptPipeline, text
 
 
 class WriteStatus(str, Enum):
@@ -69,13 +69,13 @@ class Fence:
     def write_step(self, pipe: ScriptPipeline, ttl_ms: int, shard: int,
                    jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, str, bool]]
                    ) -> int:
-        """All jobs of a step that hold entries of one queue shard, in one script call (their
-        keys share the shard's slot): ``(job_id, owner, batch_id, events, create, expect,
-        refresh)`` each (``expect``: '' for a plain append; after a lost reply or any Redis
-        error, the mark of the last entry the worker knows landed, so the script can tell a
-        retried batch that landed from events a failover lost (status BEHIND; see
-        worker/scripts.py); ``refresh``: reset the TTLs); also reads each job's cancel flag.
-        Parse the reply with ``parse_step_reply``."""
+        """All jobs of a step that hold entries of one queue shard, in one script call (their keys
+        share the shard's slot): ``(job_id, owner, batch_id, events, create, expect, refresh)``
+        each (``expect``: '' for a plain append; after a lost reply or any Redis error, the mark of
+        the last entry the worker knows landed, so the script can tell a retried batch that landed
+        from events a failover lost (status BEHIND; see protocol/scripts/results.py); ``refresh``:
+        reset the TTLs); also reads each job's cancel flag. Parse the reply with
+        ``parse_step_reply``."""
         keys: list[str] = []
         spec = []
         for job_id, owner, batch_id, events, create, expect, refresh in jobs:

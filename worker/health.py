@@ -14,6 +14,7 @@ from typing import Any
 
 import redis
 
+from protocol.heartbeat import Heartbeat
 from protocol.keys import Keys
 from protocol.wire import now_ms
 from worker.config import WorkerIdentity
@@ -25,19 +26,19 @@ from worker.connection import (REDIS_ERRORS, ErrorKind, classify, client_for, de
 def check_health(client: Any, keys: Keys, worker_id: str,
                  heartbeat_ms: int = 1000) -> tuple[bool, str]:
     """(healthy, reason a person can read)."""
-    beat = client.hgetall(keys.heartbeat(worker_id))
-    if not beat:
+    raw = client.hgetall(keys.heartbeat(worker_id))
+    if not raw:
         return False, f"no heartbeat for worker {worker_id!r} at {keys.heartbeat(worker_id)}"
-    fields = {k.decode(): v.decode() for k, v in beat.items()}
-    age = now_ms() - int(fields.get("ts", 0))
-    waiting = fields.get("redis_error")
+    beat = Heartbeat.decode(raw)
+    age = now_ms() - beat.ts
+    waiting = beat.redis_error
     if age > 3 * heartbeat_ms:
         return False, (f"heartbeat of {worker_id!r} is {age} ms old (limit {3 * heartbeat_ms} ms)"
                        + (f"; it was waiting out a redis error: {waiting}" if waiting else ""))
-    if fields.get("engine_loaded") != "1":
+    if not beat.engine_loaded:
         return False, f"worker {worker_id!r} is alive but its engine is not loaded"
-    return True, (f"worker {worker_id!r} alive: beat {age} ms ago, held={fields.get('held')}, "
-                  f"draining={fields.get('draining')}"
+    return True, (f"worker {worker_id!r} alive: beat {age} ms ago, held={beat.held}, "
+                  f"draining={int(beat.draining)}"
                   + (f"; waiting out a redis error: {waiting}" if waiting else ""))
 
 

@@ -14,55 +14,73 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from worker.pending import CHUNK, Entry, PendingList, by_lane
-from worker.scripts import ScriptPipeline
+from protocol.scripts import ScriptPipeline
+from worker.affinity import Affinity
+from worker.engine_api import EngineAPI
+from worker.entries import CHUNK, Entry, EntryKey, by_lane
+from worker.liveness import Cadence
+from worker.logs import RateLimitedLog
+from worker.pending import PendingList
 
 
 class Intake:
-    def __init__(self, worker: Any) -> None:
-        self.w = worker
+    """Decides what the worker reads next; see the module docstring. ``collect`` is the loop's
+    read, the riders ride the flush."""
+
+    def __init__(self, pending: PendingList, affinity: Affinity, engine: EngineAPI,
+                 block_ms: int, lease_ms: int, log: Any, log_limited: RateLimitedLog) -> None:
+        self.pending = pending
+        self.affinity = affinity
+        self.engine = engine
+        self.block_ms = block_ms
+        self.lease_ms = lease_ms
+        self.log = log
+        self.log_limited = log_limited
+        self.cadence = Cadence()
         self.need_own_pending = True
         self.deferred: list[Entry] = []              # put back by a transient error
         self.prefetched: Optional[list[Entry]] = None
         self.surplus: list[Entry] = []               # read past capacity: to hand back
 
-    @property
-    def pending(self) -> PendingList:
-        return self.w.pending
-
     def capacity(self) -> int:
         try:
-            return max(0, int(self.w.engine.free_capacity()))
+            return max(0, int(self.engine.free_capacity()))
         except Exception:  # a broken stats path must not stop the worker
             return 0
 
-    def held(self) -> list[tuple[str, str]]:
+    def held(self) -> list[EntryKey]:
         return [e.key for e in self.deferred + (self.prefetched or []) + self.surplus
                 + self.pending.arrived]
 
     def defer(self, entries: list[Entry]) -> None:
+        """Take ``entries`` again next, as they are (no re-read: their delivery counts stay):
+        a batch a transient error put back, or a job to resume from what its stream holds."""
         self.deferred += entries
+
+    def reread_own_pending(self) -> None:
+        """Read the own pending list first next time (after a (re)connect: a broken read may
+        have delivered entries it never returned)."""
+        self.need_own_pending = True
 
     def collect(self, block: bool) -> list[Entry]:
         """The entries to admit now (own pending list first, after a reconnect)."""
-        w = self.w
         if self.need_own_pending:
             own = self.pending.read_own_pending()
             self.need_own_pending = False
             if own:
-                w.log.info("re-reading own pending entries", count=len(own))
+                self.log.info("re-reading own pending entries", count=len(own))
                 return own
         entries, self.deferred = self.deferred, []
         prefetched, self.prefetched = self.prefetched, None
         entries += prefetched or []
         entries += self.fit(self.pending.take_arrived(), self.capacity() - len(entries))
         cap = self.capacity() - len(entries)
-        if cap > 0 and w.liveness.due("reclaim", max(0.2, w.s.lease_ms / 6000.0)):
-            entries += w.affinity.reclaim(cap, w.s.lease_ms)    # a dead worker's routed jobs
-            entries += self.pending.reclaim(self.capacity() - len(entries), w.s.lease_ms)
+        if cap > 0 and self.cadence.due("reclaim", max(0.2, self.lease_ms / 6000.0)):
+            entries += self.affinity.reclaim(cap, self.lease_ms)    # a dead worker's routed jobs
+            entries += self.pending.reclaim(self.capacity() - len(entries), self.lease_ms)
         cap = self.capacity() - len(entries)
         if cap > 0 and (prefetched is None or (block and not entries)):
-            wait = w.s.block_ms if block and not entries else 0
+            wait = self.block_ms if block and not entries else 0
             entries += self.fit(self._read(lambda: self.pending.read_new(cap, wait)), cap)
         return entries
 
@@ -82,7 +100,7 @@ class Intake:
         flush, its delivery count unchanged, and the next read anywhere takes it first."""
         if len(entries) <= cap:
             return entries
-        ranked = sorted(entries, key=self.pending.urgency)
+        ranked = sorted(entries, key=self.pending.lanes.urgency)
         keep = max(0, cap)
         self.surplus += ranked[keep:]
         return ranked[:keep]
@@ -100,16 +118,16 @@ class Intake:
                     for eid in ids}
             failed = next((res[i] for _, _, i in queued if isinstance(res[i], Exception)), None)
             if failed is not None:   # kept (and renewed): retried with the next flush
-                self.w.log_limited("warning", "handing back surplus entries failed; will retry",
-                                   error=str(failed))
+                self.log_limited("warning", "handing back surplus entries failed; will retry",
+                                 error=str(failed))
             self.surplus = [e for e in self.surplus if e.key not in done]
-            self.w.log.debug("handed back surplus entries", count=len(done))
+            self.log.debug("handed back surplus entries", count=len(done))
         return handle
 
     def prefetch_rider(self, pipe: ScriptPipeline) -> Any:
-        """Ride the next iteration's read of new entries on the flush (while busy)."""
-        w = self.w
-        if w.stopping or not w.engine.has_unfinished_requests():
+        """Ride the next iteration's read of new entries on the flush (while busy; the loop
+        does not offer it once stopping)."""
+        if not self.engine.has_unfinished_requests():
             return None
         cap = self.capacity()
         if cap <= 0:
@@ -123,9 +141,9 @@ class Intake:
     def hand_back_prefetched(self) -> None:
         """Entries read but not admitted yet go back at once (drain): those read with the last
         flush, the surplus, and what blocking reads still outstanding bring."""
-        late = self.pending.end_waits(self.w.s.block_ms / 1000.0 + 1.0)
+        late = self.pending.end_waits(self.block_ms / 1000.0 + 1.0)
         entries = (self.prefetched or []) + self.deferred + self.surplus + late
         self.prefetched, self.deferred, self.surplus = None, [], []
         if entries:
             self.pending.park(e.key for e in entries)
-            self.w.log.info("handed back unstarted entries", count=len(entries))
+            self.log.info("handed back unstarted entries", count=len(entries))

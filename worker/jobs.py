@@ -18,7 +18,7 @@ from protocol.events import (DoneChoice, DoneEvent, ErrorEvent, LogprobTokens, S
                              Timings, Usage, encode_event)
 from protocol.errors import ErrorCode, FinishReason
 from protocol.wire import JobRequest
-from worker.pending import Entry
+from worker.entries import Entry
 from worker.token_text import TokenTexts
 
 
@@ -29,7 +29,7 @@ def encode_token_event(seq: int, choice: int, position: int, text: str, token_id
                        logprob_tokens: Optional[LogprobTokens] = None) -> bytes:
     """``encode_event(TokenEvent(...))`` without pydantic: token events are the hot path (one per
     running choice per step) and this is 4x cheaper. The same bytes, keys in the model's order
-    (test_job_events holds them equal). ``finish_reason`` (with ``stop_reason`` and
+    (tests/worker/test_jobs.py holds them equal). ``finish_reason`` (with ``stop_reason`` and
     ``cumulative_logprob``) is given on a choice's last event only; ``logprob_tokens`` (text and
     bytes of the ids ``logprobs`` names) only with logprobs."""
     ev: dict[str, Any] = {"type": "token", "seq": seq, "choice": choice, "position": position,
@@ -288,8 +288,8 @@ class JobTable(dict):
         self.log.warning("dropped", why=why, **job.log_fields())
 
     def mark_unsure(self) -> None:
-        """After a Redis error every job's next write checks what its stream holds: a lost
-        reply, or a failover that lost acknowledged writes (worker/scripts.py, _APPEND)."""
+        """After a Redis error every job's next write checks what its stream holds: a lost reply,
+        or a failover that lost acknowledged writes (protocol/scripts/results.py, _APPEND)."""
         for job in self.values():
             job.unsure = True
 

@@ -13,13 +13,20 @@ import secrets
 import socket
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import redis
 
+from protocol.heartbeat import Heartbeat
 from protocol.keys import Keys
+from protocol.scripts import ID_CLAIM, ID_RELEASE, run_script, text
 from protocol.wire import now_ms
-from worker.scripts import ID_CLAIM, ID_RELEASE, run_script, text
+from worker.affinity import Affinity
+from worker.config import WorkerSettings
+from worker.entries import EntryKey
+from worker.metrics import WorkerMetrics
+from worker.pending import PendingList
 
 
 class WorkerIdInUse(RuntimeError):
@@ -39,11 +46,11 @@ def _pid_alive(pid: int) -> bool:
 class WorkerIdLease:
     """The worker id as a lease held by one process at a time.
 
-    The heartbeat hash carries an ``instance`` field (``host:pid:token``); ``acquire`` takes it
-    only when it is absent, expired, or left by a dead process on this host (a supervisor
-    restarting a crashed worker must not wait for the TTL); ``still_mine`` is checked with every
-    heartbeat so a process that stalled past the TTL and was replaced learns it and exits
-    instead of fighting its successor.
+    The heartbeat hash carries an ``instance`` field (``host:pid:token``, protocol/heartbeat.py);
+    ``acquire`` takes it only when it is absent, expired, or left by a dead process on this host (a
+    supervisor restarting a crashed worker must not wait for the TTL); ``still_mine`` is checked
+    with every heartbeat so a process that stalled past the TTL and was replaced learns it and
+    exits instead of fighting its successor.
     """
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, ttl_ms: int) -> None:
@@ -61,16 +68,17 @@ class WorkerIdLease:
         self.held = got == self.instance
         return self.held
 
-    def _holder(self) -> dict[str, str]:
-        return {text(k): text(v) for k, v in self.client.hgetall(self.key).items()}
+    def _holder(self) -> Heartbeat:
+        return Heartbeat.decode(self.client.hgetall(self.key))
 
     def _holder_is_dead_here(self) -> bool:
         info = self._holder()
+        instance = info.instance.split(":")     # host:pid:token
         try:
-            pid = int(info.get("pid", "") or info.get("instance", "::").split(":")[1])
+            pid = info.pid or int(instance[1])
         except (ValueError, IndexError):
             return False
-        host = info.get("host") or info.get("instance", "").split(":")[0]
+        host = info.host or instance[0]
         return host == self.host and (pid == os.getpid() or not _pid_alive(pid))
 
     def acquire(self, wait_s: Optional[float] = None) -> None:
@@ -88,8 +96,8 @@ class WorkerIdLease:
                 return
         info = self._holder()
         raise WorkerIdInUse(
-            f"worker id {self.worker_id!r} is in use by a live worker (host={info.get('host')}, "
-            f"pid={info.get('pid')}, instance={info.get('instance')}); give each worker its own "
+            f"worker id {self.worker_id!r} is in use by a live worker (host={info.host}, "
+            f"pid={info.pid}, instance={info.instance}); give each worker its own "
             f"--worker-id, or stop the other one first")
 
     def still_mine(self) -> bool:
@@ -103,15 +111,12 @@ class WorkerIdLease:
             self.held = False
 
 
-class Liveness:
-    """Periodic housekeeping of one worker: heartbeat (with the id lease and drain flag), lease
-    renewal of everything held, lane metrics. ``tick`` runs what is due."""
+class Cadence:
+    """When periodic tasks are due: each ``due`` call that returns True books the next run
+    ``every_s`` later (monotonic clock)."""
 
-    def __init__(self, worker: Any) -> None:
-        self.w = worker
-        self.id_lease: Optional[WorkerIdLease] = None
+    def __init__(self) -> None:
         self._next: dict[str, float] = defaultdict(float)
-        self._started_ms = now_ms()
 
     def due(self, task: str, every_s: float) -> bool:
         now = time.monotonic()
@@ -120,57 +125,102 @@ class Liveness:
         self._next[task] = now + every_s
         return True
 
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """What the loop reports in a heartbeat, besides what Liveness knows itself."""
+
+    engine_loaded: bool
+    draining: bool
+    held: int                   # jobs held
+    running: int                # the engine's running and waiting sequences
+    waiting: int
+    redis_error: str            # the transient error being waited out ('' when none)
+
+
+@dataclass
+class Tick:
+    """What one ``Liveness.tick`` found that the loop acts on."""
+
+    lost_worker_id: bool = False    # another process serves under our id now: stop at once
+    drain_requested: bool = False   # an admin set our drain flag
+    lost_entries: list[EntryKey] = field(default_factory=list)   # reclaimed from us
+
+
+class Liveness:
+    """Periodic housekeeping of one worker: heartbeat (with the id lease and drain flag), the
+    affinity sweep, lease renewal of everything held, lane metrics. ``tick`` runs what is due
+    and reports what the loop must act on; the loop supplies what the beat reports
+    (``status``) and what is held (``held``), both read only when due."""
+
+    def __init__(self, client: Any, keys: Keys, worker_id: str, settings: WorkerSettings,
+                 pending: PendingList, affinity: Affinity, metrics: WorkerMetrics, log: Any,
+                 status: Callable[[], WorkerStatus], held: Callable[[], list[EntryKey]]) -> None:
+        self.client = client
+        self.keys = keys
+        self.worker_id = worker_id
+        self.s = settings
+        self.pending = pending
+        self.affinity = affinity
+        self.metrics = metrics
+        self.log = log
+        self._status = status
+        self._held = held
+        self.id_lease: Optional[WorkerIdLease] = None
+        self.cadence = Cadence()
+        self._started_ms = now_ms()
+
     def claim_worker_id(self) -> bool:
         """One live process per worker id; False (exit code 3) when a live worker holds it."""
-        w = self.w
-        self.id_lease = WorkerIdLease(w.client, w.keys, w.worker_id, 5 * w.s.heartbeat_ms)
+        self.id_lease = WorkerIdLease(self.client, self.keys, self.worker_id,
+                                      5 * self.s.heartbeat_ms)
         try:
             self.id_lease.acquire()
         except WorkerIdInUse as exc:
-            w.log.error("worker id in use; exiting", error=str(exc))
+            self.log.error("worker id in use; exiting", error=str(exc))
             return False
-        w.client.delete(w.keys.drain(w.worker_id))  # a flag meant for our predecessor
+        self.client.delete(self.keys.drain(self.worker_id))  # a flag meant for our predecessor
         self.heartbeat()  # the claim created the hash: fill it in before anyone reads it
         return True
 
-    def tick(self, on_lost_id: Callable[[], None], on_lost_entry: Callable[[str, str], None],
-             on_drain: Callable[[], None]) -> None:
-        s = self.w.s
-        hb = s.heartbeat_ms / 1000.0
-        if self.due("heartbeat", hb):
+    def tick(self, draining: bool) -> Tick:
+        """Run what is due: beat (stopping there when the id was lost), sweep, renew, lane
+        metrics (not while ``draining``)."""
+        out = Tick()
+        hb = self.s.heartbeat_ms / 1000.0
+        due = self.cadence.due
+        if due("heartbeat", hb):
             if self.id_lease is not None and not self.id_lease.still_mine():
-                on_lost_id()
-                return
-            if self.heartbeat():
-                on_drain()
-        if self.due("affinity", hb):
-            self.w.affinity.sweep()
-        if self.due("renew", s.lease_ms / 3000.0):
-            held = self.w.held_entries()
-            for lane, entry_id in self.w.pending.renew(held) if held else []:
-                on_lost_entry(lane, entry_id)
-        if not self.w.draining and self.due("lane_stats", 5 * hb):
-            for lane, (lag, pending) in self.w.pending.lane_stats().items():
-                self.w.metrics.stream_lag.labels(lane).set(lag)
-                self.w.metrics.stream_pending.labels(lane).set(pending)
+                out.lost_worker_id = True
+                return out
+            out.drain_requested = self.heartbeat()
+        if due("affinity", hb):
+            self.affinity.sweep()
+        if due("renew", self.s.lease_ms / 3000.0):
+            held = self._held()
+            out.lost_entries = self.pending.renew(held) if held else []
+        if not draining and due("lane_stats", 5 * hb):
+            for lane, (lag, pending) in self.pending.lane_stats().items():
+                self.metrics.stream_lag.labels(lane).set(lag)
+                self.metrics.stream_pending.labels(lane).set(pending)
+        return out
 
     def heartbeat(self) -> bool:
         """Beat; returns True when an admin asked this worker to drain."""
-        w = self.w
-        stats = w.engine_stats()
-        key = w.keys.heartbeat(w.worker_id)
-        pipe = w.client.pipeline(transaction=False)
-        pipe.hset(key, mapping={
-            "ts": now_ms(), "engine_loaded": int(not w.engine_broken), "pid": os.getpid(),
-            "host": socket.gethostname(), "queue": w.s.queue, "model": str(w.s.model),
-            "served_model_name": w.s.served_model(),
-            "started_ms": self._started_ms, "draining": int(w.draining), "held": len(w.jobs),
-            "running": stats.get("num_running", 0), "waiting": stats.get("num_waiting", 0),
-            "redis_error": w.redis_error or "", **w.affinity.heartbeat_fields()})
-        pipe.pexpire(key, 5 * w.s.heartbeat_ms)
-        pipe.zadd(w.keys.workers, {w.worker_id: now_ms()})
-        pipe.sadd(w.keys.queues, w.s.queue)
-        pipe.exists(w.keys.drain(w.worker_id))
+        st, s = self._status(), self.s
+        key = self.keys.heartbeat(self.worker_id)
+        beat = Heartbeat(
+            ts=now_ms(), pid=os.getpid(), host=socket.gethostname(), queue=s.queue,
+            model=str(s.model), served_model_name=s.served_model(), started_ms=self._started_ms,
+            engine_loaded=st.engine_loaded, draining=st.draining, held=st.held,
+            running=st.running, waiting=st.waiting, redis_error=st.redis_error,
+            affinity=True, affinity_queued=self.affinity.unread())
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(key, mapping=beat.encode())
+        pipe.pexpire(key, 5 * s.heartbeat_ms)
+        pipe.zadd(self.keys.workers, {self.worker_id: now_ms()})
+        pipe.sadd(self.keys.queues, s.queue)
+        pipe.exists(self.keys.drain(self.worker_id))
         return bool(pipe.execute()[-1])
 
     def shutdown(self) -> None:
@@ -178,11 +228,11 @@ class Liveness:
         streams still hold entries stays registered, so other workers find and sweep them."""
         if self.id_lease is None or self.id_lease.held:
             try:
-                emptied = self.w.affinity.close()
+                emptied = self.affinity.close()
             except redis.RedisError as exc:       # swept by the others once our beat is gone
-                self.w.log.warning("could not empty own affinity streams", error=str(exc))
+                self.log.warning("could not empty own affinity streams", error=str(exc))
                 emptied = False
             if emptied:
-                self.w.client.zrem(self.w.keys.workers, self.w.worker_id)
+                self.client.zrem(self.keys.workers, self.worker_id)
         if self.id_lease is not None:
             self.id_lease.release()

@@ -84,7 +84,10 @@ class WorkerMetrics:
                                     registry=r)
         self.engine_step = Histogram("tokenrelay_engine_step_seconds",
                                      "Duration of engine.step().", buckets=_ITL, registry=r)
-        self._seen: dict[str, int] = {}     # engine totals already added to the counters
+        self.structured_mask = Counter("tokenrelay_structured_mask_seconds",
+                                       "Time computing structured-output token masks.",
+                                       registry=r)
+        self._seen: dict[str, float] = {}   # engine totals already added to the counters
         self._server: Any = None
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
@@ -106,7 +109,12 @@ class WorkerMetrics:
         for key, counter in (("num_preemptions", self.preemptions),
                              ("prefix_cache_query_tokens", self.prefix_queries),
                              ("prefix_cache_hit_tokens", self.prefix_hits)):
-            total = int(stats.get(key, 0) or 0)
-            if total > self._seen.get(key, 0):
-                counter.inc(total - self._seen.get(key, 0))
-            self._seen[key] = total
+            self._add(key, counter, int(stats.get(key, 0) or 0))
+        self._add("structured_mask_seconds", self.structured_mask,
+                  float(stats.get("structured_mask_seconds", 0.0) or 0.0))
+
+    def _add(self, key: str, counter: Counter, total: float) -> None:
+        """Add what an engine total grew by since the last look."""
+        if total > self._seen.get(key, 0):
+            counter.inc(total - self._seen.get(key, 0))
+        self._seen[key] = total

@@ -8,24 +8,29 @@ of new entries). Acks ride one flush behind the terminal write
 they depend on, so an entry is never acknowledged unless its terminal event is known to be
 stored. Every write is idempotent (batch ids, XPENDING-checked acks), so after a lost reply the
 same batch is sent again. Transient Redis errors (out of memory, ...) keep everything owed for
-the next flush and are reported to the loop, which backs off; they never fail a job.
+the next flush and are reported to the loop, which backs off; they never fail a job. What the
+loop must act on comes back from ``flush`` as a ``FlushReport``: those errors, and the jobs to
+resume from what their streams hold (a failover lost events they had written).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import redis
 
 from protocol.errors import ErrorCode
+from protocol.scripts import ScriptPipeline
 from worker.connection import ErrorKind, classify, classify_text
 from worker.deadletters import DeadLetterWriter, Rejection, outcome
-from worker.fencing import WriteStatus, parse_step_reply
-from worker.jobs import Job
-from worker.pending import AckStatus, Entry, by_lane
-from worker.scripts import ScriptPipeline
+from worker.entries import Entry, EntryKey, by_lane
+from worker.fencing import Fence, WriteStatus, parse_step_reply
+from worker.jobs import Job, JobTable
+from worker.logs import RateLimitedLog
+from worker.metrics import WorkerMetrics
+from worker.pending import AckStatus, PendingList
 
 MAX_WRITE_FAILURES = 3   # non-transient failures of one job's write before it is dead-lettered
 STEP_WRITE_CHUNK = 128   # jobs per write_step call: bounds how long one script holds Redis
@@ -42,14 +47,33 @@ class OwedAck:
     reason: str
 
 
+@dataclass
+class FlushReport:
+    """What one flush leaves for the loop to act on."""
+
+    transient: Optional[str] = None          # a transient error: back off, everything stays owed
+    permanent: Optional[Exception] = None    # a configuration error: the worker exits 78
+    resume: list[Entry] = field(default_factory=list)   # jobs dropped to resume from their stream
+
+
 class Outbox:
-    def __init__(self, worker: Any, dead: DeadLetterWriter) -> None:
-        self.w = worker
+    """What the worker owes Redis, and the flush that ships it; see the module docstring."""
+
+    def __init__(self, client: Any, jobs: JobTable, pending: PendingList, fence: Fence,
+                 dead: DeadLetterWriter, ttl_ms: int, metrics: WorkerMetrics, log: Any,
+                 log_limited: RateLimitedLog) -> None:
+        self.client = client
+        self.jobs = jobs
+        self.pending = pending
+        self.fence = fence
         self.dead = dead
+        self.ttl_ms = ttl_ms
+        self.metrics = metrics
+        self.log = log
+        self.log_limited = log_limited
         self.owed_acks: list[OwedAck] = []
         self.rejections: list[Rejection] = []
-        self.transient: Optional[str] = None   # the last flush's transient error, if any
-        self.permanent: Optional[Exception] = None   # a configuration error: the worker exits
+        self._report = FlushReport()             # of the flush under way
 
     # ---------------------------------------------------------------- what is owed
     def owe_ack(self, entry: Entry, job_id: Optional[str], reason: str) -> None:
@@ -58,27 +82,26 @@ class Outbox:
     def reject(self, r: Rejection) -> None:
         self.rejections.append(r)
 
-    def held(self) -> list[tuple[str, str]]:
+    def held(self) -> list[EntryKey]:
         return ([r.entry.key for r in self.rejections]
                 + [(a.lane_key, a.entry_id) for a in self.owed_acks])
 
     def owes(self) -> bool:
         return bool(self.owed_acks or self.rejections or any(
-            j.pending or j.terminal or not j.in_engine for j in self.w.jobs.values()))
+            j.pending or j.terminal or not j.in_engine for j in self.jobs.values()))
 
     def clear(self) -> None:
         self.owed_acks.clear()
         self.rejections.clear()
 
     # ---------------------------------------------------------------- the flush
-    def flush(self, riders: list[Rider], read: Rider) -> None:
+    def flush(self, riders: list[Rider], read: Optional[Rider]) -> FlushReport:
         """Ship everything owed, plus the riders, in one pipeline; ``read`` (the next read of
         new entries) rides only on a round trip that happens anyway."""
-        w = self.w
-        self.transient = None
-        pipe = ScriptPipeline(w.client)
+        report = self._report = FlushReport()
+        pipe = ScriptPipeline(self.client)
         handlers = [self._queue_acks(pipe)]
-        step_jobs = [j for j in w.jobs.values() if j.pending or j.in_engine]
+        step_jobs = [j for j in self.jobs.values() if j.pending or j.in_engine]
         by_shard: dict[int, list[Job]] = {}
         for j in step_jobs:   # one script call per shard: its keys must share a slot
             by_shard.setdefault(j.entry.shard, []).append(j)
@@ -88,36 +111,39 @@ class Outbox:
         handlers += [self._queue_rejection(pipe, r) for r in self.rejections]
         handlers += [rider(pipe) for rider in riders]
         if not len(pipe):
-            return
-        handlers.append(read(pipe))
+            return report
+        if read is not None:
+            handlers.append(read(pipe))
         t0 = time.perf_counter()
         try:
             res = pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError):
-            w.jobs.mark_unsure()  # the retry must check what already landed
+            self.jobs.mark_unsure()  # the retry must check what already landed
             raise
-        w.metrics.step_redis.observe(time.perf_counter() - t0)
+        self.metrics.step_redis.observe(time.perf_counter() - t0)
         for handle in handlers:
             if handle is not None:
                 handle(res)
+        return report
 
     def _note_error(self, what: str, error: Any, **fields: Any) -> bool:
         """Log (rate-limited) a failed command; True when it was transient."""
         kind = classify(error) if isinstance(error, Exception) else classify_text(str(error))
         if kind is ErrorKind.TRANSIENT:
-            self.transient = str(error)
+            self._report.transient = str(error)
         elif kind is ErrorKind.PERMANENT:
-            self.permanent = error if isinstance(error, Exception) else redis.ResponseError(error)
-        self.w.log_limited("warning" if kind is ErrorKind.TRANSIENT else "error",
-                           f"{what} failed; will retry", error=str(error), kind=kind.value,
-                           **fields)
+            self._report.permanent = (error if isinstance(error, Exception)
+                                      else redis.ResponseError(error))
+        self.log_limited("warning" if kind is ErrorKind.TRANSIENT else "error",
+                         f"{what} failed; will retry", error=str(error), kind=kind.value,
+                         **fields)
         return kind is ErrorKind.TRANSIENT
 
     # ---------------------------------------------------------------- acks
     def _queue_acks(self, pipe: ScriptPipeline) -> Callable[[list], None]:
         owed = list(self.owed_acks)
         groups = by_lane((a.lane_key, a) for a in owed)
-        queued = [(items, self.w.pending.queue_ack(pipe, lane, [a.entry_id for a in items]))
+        queued = [(items, self.pending.queue_ack(pipe, lane, [a.entry_id for a in items]))
                   for lane, items in groups.items()]
 
         def handle(res: list) -> None:  # runs first: nothing was owed since ``owed``
@@ -127,28 +153,27 @@ class Outbox:
         return handle
 
     def _on_acks(self, items: list[OwedAck], reply: Any) -> None:
-        w = self.w
         if isinstance(reply, Exception):
             self._note_error("ack", reply)
             self.owed_acks.extend(items)
             return
         for a, code in zip(items, reply):
-            job = w.jobs.get(a.job_id) if a.job_id else None
+            job = self.jobs.get(a.job_id) if a.job_id else None
             if job is not None and job.entry.entry_id == a.entry_id:
-                w.jobs.pop(a.job_id)
+                self.jobs.pop(a.job_id)
             if AckStatus(int(code)) is AckStatus.NOT_OWNER:
-                w.log.warning("not acked: another worker holds the entry", job_id=a.job_id,
-                              entry_id=a.entry_id)
+                self.log.warning("not acked: another worker holds the entry", job_id=a.job_id,
+                                 entry_id=a.entry_id)
             else:
-                w.log.debug("acked", job_id=a.job_id, entry_id=a.entry_id, reason=a.reason,
-                            was_pending=AckStatus(int(code)) is AckStatus.ACKED)
+                self.log.debug("acked", job_id=a.job_id, entry_id=a.entry_id, reason=a.reason,
+                               was_pending=AckStatus(int(code)) is AckStatus.ACKED)
 
     # ---------------------------------------------------------------- event writes
     def _ttl_due(self, job: Job, now: float) -> bool:
         """Whether this write should reset the job's TTLs: with a terminal event (the stream
         then lives result_ttl from its end) or once a tenth of the TTL has passed since the
         last reset (creation and checked retries always set them)."""
-        return bool(job.terminal) or now - job.ttl_set_at > self.w.ttl_ms / 10_000.0
+        return bool(job.terminal) or now - job.ttl_set_at > self.ttl_ms / 10_000.0
 
     def _queue_writes(self, pipe: ScriptPipeline, shard: int,
                       chunk: list[Job]) -> Callable[[list], None]:
@@ -156,7 +181,7 @@ class Outbox:
         refresh = [self._ttl_due(j, now) for j in chunk]
         counts = [len(j.pending) for j in chunk]
         batches = [j.batch_no for j in chunk]
-        i = self.w.fence.write_step(pipe, self.w.ttl_ms, shard, [
+        i = self.fence.write_step(pipe, self.ttl_ms, shard, [
             (j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create,
              j.tail_mark if j.unsure else "", r)
             for j, r in zip(chunk, refresh)])
@@ -178,16 +203,15 @@ class Outbox:
             if n:
                 self._on_write(job, n, status, detail)
             if cancel and job.in_engine:
-                self.w.jobs.cancel(job, "cancel flag")
+                self.jobs.cancel(job, "cancel flag")
 
     def _on_write(self, job: Job, n: int, status: WriteStatus, detail: str) -> None:
-        w = self.w
         if status is WriteStatus.ERROR:
             if self._note_error("result write", detail, **job.log_fields()):
                 return  # transient: the same batch goes again after backoff, uncounted
             job.write_failures += 1
             if job.write_failures >= MAX_WRITE_FAILURES:
-                w.jobs.drop(job, f"result stream not writable: {detail}")
+                self.jobs.drop(job, f"result stream not writable: {detail}")
                 self.reject(Rejection(job.entry, ErrorCode.INTERNAL.value,
                                       f"the worker could not write the job's result stream: "
                                       f"{detail}", job.job_id, job.request.metadata))
@@ -204,13 +228,13 @@ class Outbox:
         elif status is WriteStatus.BEHIND:
             # Redis failed over to a replica that had not received our last writes: resume
             # the job from what its stream holds now (re-admitted as a takeover would be).
-            w.jobs.drop(job, "its result stream lost events in a Redis failover; resuming from "
-                             "what the stream holds")
-            w.intake.defer([job.entry])
+            self.jobs.drop(job, "its result stream lost events in a Redis failover; resuming "
+                                "from what the stream holds")
+            self._report.resume.append(job.entry)
         elif status is WriteStatus.REFUSED:
-            w.jobs.drop(job, "ownership lost: another worker took the job over")
+            self.jobs.drop(job, "ownership lost: another worker took the job over")
         else:  # missing/gone: the result stream expired, nobody can read this job any more
-            w.jobs.drop(job, f"result stream {status.value}: the reader is gone")
+            self.jobs.drop(job, f"result stream {status.value}: the reader is gone")
             self.owe_ack(job.entry, job.job_id, f"result stream {status.value}")
 
     # ---------------------------------------------------------------- dead letters
@@ -222,9 +246,9 @@ class Outbox:
                 self._note_error("dead letter write", res[i], entry_id=r.entry.entry_id)
                 return  # stays in self.rejections: retried with the next flush
             self.rejections.remove(r)
-            self.w.metrics.dead_letters.labels(r.code).inc()
+            self.metrics.dead_letters.labels(r.code).inc()
             if outcome(res[i]) == "other":
-                self.w.log.warning("error event not written: the job id belongs to another "
+                self.log.warning("error event not written: the job id belongs to another "
                                    "entry", job_id=r.job_id, entry_id=r.entry.entry_id)
             self.owe_ack(r.entry, r.job_id, "dead-lettered")
         return handle

@@ -11,55 +11,22 @@ NOGROUP recreates them with a loud log; a worker reads only as many entries as i
 after (re)connecting it first re-reads its own pending list (ID 0). Both XAUTOCLAIM reply shapes
 are handled (Redis 7: ``[cursor, entries, deleted ids]``; 6.2: ``[cursor, entries]``, a deleted
 entry coming back with a nil body). Every hold-changing command checks, inside its script, that
-the entry is still pending under this worker (worker/scripts.py).
+the entry is still pending under this worker (protocol/scripts/pending.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Callable, Iterable, Optional
 
 import redis
 
-from protocol.keys import GROUP, Keys, PARKED_IDLE_MS, PARKING_CONSUMER, PAYLOAD_FIELD
+from protocol.keys import GROUP, Keys, PARKED_IDLE_MS, PARKING_CONSUMER
+from protocol.scripts import (ACK, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM, ScriptPipeline,
+                              text)
 from protocol.topology import is_cluster
-from worker.affinity import AFFINITY_LANE, own_lanes
+from worker.entries import CHUNK, Entry, EntryKey, Lanes, by_lane, is_nogroup
 from worker.idle_read import IdleRead
-from worker.scripts import (ACK, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM, ScriptPipeline,
-                            text)
-
-# Lua's unpack() is limited by the C stack (LUAI_MAXCSTACK = 8000); stay far below it.
-CHUNK = 500
-
-
-@dataclass
-class Entry:
-    """One job stream entry this worker holds (pending under its consumer name)."""
-
-    lane: str                                  # lane name: urgent | default | bulk
-    lane_key: str                              # the stream key
-    entry_id: str
-    fields: Optional[dict[bytes, bytes]]       # None: the entry was deleted while pending
-    deliveries: int = 1
-    source: str = "new"                        # new | pending | parked | reclaimed
-    shard: int = 0                             # the queue shard of lane_key (its per-job keys)
-
-    @property
-    def payload(self) -> Optional[bytes]:
-        return None if self.fields is None else self.fields.get(PAYLOAD_FIELD)
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return self.lane_key, self.entry_id
-
-    @property
-    def enqueued_ms(self) -> int:
-        """The ms part of an auto-generated id is when the producer's XADD ran."""
-        try:
-            return int(self.entry_id.split("-", 1)[0])
-        except ValueError:
-            return 0
 
 
 class AckStatus(IntEnum):
@@ -70,26 +37,6 @@ class AckStatus(IntEnum):
     NOT_OWNER = -1       # pending at another consumer: untouched
 
 
-def entry_fields(raw: Any) -> dict[bytes, bytes]:
-    """Entry fields from a script's flat list or redis-py's dict, keys as bytes."""
-    pairs = raw.items() if isinstance(raw, dict) else zip(list(raw or [])[0::2],
-                                                           list(raw or [])[1::2])
-    return {(k if isinstance(k, bytes) else str(k).encode()): v for k, v in pairs}
-
-
-def is_nogroup(exc: Exception) -> bool:
-    """NOGROUP, or Redis 7 unblocking a blocked read because the stream key was deleted."""
-    return isinstance(exc, redis.ResponseError) and (
-        "NOGROUP" in str(exc) or "no longer exists" in str(exc))
-
-
-def by_lane(pairs: Iterable[tuple[str, Any]]) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for lane, item in pairs:
-        out.setdefault(lane, []).append(item)
-    return out
-
-
 class PendingList:
     """Reads new entries, re-reads its own, reclaims, renews, parks, releases and acks: every
     operation on the entries of one consumer (``worker_id``) across the priority lanes of every
@@ -97,64 +44,25 @@ class PendingList:
 
     A script's keys must share a slot, so reads run per shard (one READ_NEW per shard, all in
     one round trip per node) and hold-changing commands per lane; ``ScriptPipeline`` sends each
-    to the node that serves it. Lanes are visited most urgent first across shards (every
-    shard's urgent lane, then every default lane, ...)."""
+    to the node that serves it. Which streams, in which order, and how urgent an entry of each
+    is: ``lanes`` (worker/entries.py)."""
 
     def __init__(self, client: Any, keys: Keys, worker_id: str,
                  on_group_recreated: Optional[Callable[[str], None]] = None) -> None:
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
-        # Per shard, this worker's own affinity stream heads the shard's lanes (worker/
-        # affinity.py says why); visiting order: every own stream, then the lanes most urgent
-        # first across shards.
-        self._lanes = [own for s in range(keys.shards) for own in own_lanes(keys, worker_id, s)]
-        self._lanes += [(name, keys.lane(name, s)) for name in keys.LANES
-                        for s in range(keys.shards)]
-        self._lane_name = {key: name for name, key in self._lanes}
-        # own affinity entries rank first: only this worker reads them (worker/affinity.py)
-        self._rank = {name: i for i, name in enumerate((AFFINITY_LANE, *keys.LANES))}
-        self._first = 0                     # the shard read first: rotates, see shard_order
+        self.lanes = Lanes(keys, worker_id)
         self._on_group_recreated = on_group_recreated
         self.arrived: list[Entry] = []      # read (pending here) but not yet taken by intake
         self._idle: Optional[IdleRead] = None
         self._regrouped = False             # a read recreated the groups (see _read_now)
 
-    def lane_name(self, lane_key: str) -> str:
-        """urgent/default/bulk, or ``affinity`` for an affinity stream (this worker's or, when
-        reclaimed, a dead one's: every stream of the queue that is no lane)."""
-        return self._lane_name.get(lane_key, AFFINITY_LANE)
-
-    def entry(self, lane_key: str, entry_id: str, fields: Any, deliveries: int,
-              source: str) -> Entry:
-        """An entry of one of this queue's streams; its shard is that of the stream."""
-        return Entry(self.lane_name(lane_key), lane_key, entry_id,
-                     entry_fields(fields) if fields else None, int(deliveries or 0), source,
-                     self.keys.shard_of_stream(lane_key))
-
-    def urgency(self, e: Entry) -> tuple[int, int, int]:
-        """Sort key, most urgent first: lane, then age (older first), then the shard's turn in
-        the rotation (no shard always loses ties)."""
-        return (self._rank.get(e.lane, self._rank["default"]), e.enqueued_ms,
-                (e.shard - self._first) % self.keys.shards)
-
-    def streams(self, shard: int) -> list[str]:
-        """The streams one READ_NEW (or a cluster's blocking read) of ``shard`` names, all in
-        its slot: this worker's affinity stream there, then the shard's lanes, urgent first."""
-        return [key for _, key in own_lanes(self.keys, self.worker_id, shard)] + \
-            self.keys.lanes(shard)
-
-    def shard_order(self) -> list[int]:
-        """Every shard once, starting from the next one in turn."""
-        n = self.keys.shards
-        self._first = (self._first + 1) % n
-        return [(self._first + i) % n for i in range(n)]
-
     # ---------------------------------------------------------------- groups
     def ensure_groups(self) -> list[str]:
         """Create the group on every lane at 0 (MKSTREAM); returns the lanes where it was new."""
         created = []
-        for _, key in self._lanes:
+        for _, key in self.lanes.all:
             try:
                 self.client.xgroup_create(key, GROUP, id="0", mkstream=True)
                 created.append(key)
@@ -191,7 +99,7 @@ class PendingList:
 
     def _rows(self, key: str, rows: Any, source: str) -> list[Entry]:
         """``{id, fields|false, deliveries}`` rows as entries (fields None: deleted)."""
-        return [self.entry(key, text(i), f, d, source) for i, f, d in rows or []]
+        return [self.lanes.entry(key, text(i), f, d, source) for i, f, d in rows or []]
 
     # ---------------------------------------------------------------- new entries
     def queue_read_new(self, pipe: ScriptPipeline, count: int) -> Callable[[list], list[Entry]]:
@@ -201,9 +109,9 @@ class PendingList:
         the shards may return up to shards x count: the caller keeps the most urgent
         (``urgency``) and hands the rest back (``park``). A reply that failed keeps what the
         other shards read in ``arrived`` before it is raised."""
-        queued = [(s, pipe.script(READ_NEW, self.streams(s),
+        queued = [(s, pipe.script(READ_NEW, self.lanes.streams(s),
                                   [GROUP, self.worker_id, int(count), PARKING_CONSUMER]))
-                  for s in self.shard_order()]
+                  for s in self.lanes.shard_order()]
 
         def parse(res: list) -> list[Entry]:
             out: list[Entry] = []
@@ -216,8 +124,8 @@ class PendingList:
                     else:
                         failed = failed or res[i]
                     continue
-                lanes = self.streams(s)
-                out += [self.entry(lanes[int(k) - 1], text(eid), f, d,
+                lanes = self.lanes.streams(s)
+                out += [self.lanes.entry(lanes[int(k) - 1], text(eid), f, d,
                                    "parked" if int(parked) else "new")
                         for k, eid, f, d, parked in res[i] or []]
             if failed is not None:
@@ -244,9 +152,9 @@ class PendingList:
         """Read every shard now; once more when a shard's read found a group missing (e.g. our
         affinity stream, deleted by a sweep that took us for dead): the groups are back, and
         that shard's lanes were not read at all."""
-        first = self._first
+        first = self.lanes.first
         for _ in (0, 1):
-            self._regrouped, self._first = False, first    # the retry reads in the same turn
+            self._regrouped, self.lanes.first = False, first    # the retry reads in the same turn
             pipe = ScriptPipeline(self.client)
             parse = self.queue_read_new(pipe, count)
             out = parse(pipe.execute())
@@ -258,14 +166,14 @@ class PendingList:
         """One blocking read for every stream (own affinity streams and lanes) on a single
         Redis; one per shard in a cluster."""
         if self._idle is None:
-            groups = ([self.streams(s) for s in range(self.keys.shards)]
-                      if is_cluster(self.client) else [[key for _, key in self._lanes]])
+            groups = ([self.lanes.streams(s) for s in range(self.keys.shards)]
+                      if is_cluster(self.client) else [[key for _, key in self.lanes.all]])
             self._idle = IdleRead(self.client, groups, GROUP, self.worker_id,
                                   self._recreate_groups)
         return self._idle
 
     def _arrivals(self, got: list[tuple[str, str, list]]) -> list[Entry]:
-        return [self.entry(lane, eid, f, 1, "new") for lane, eid, f in got]
+        return [self.lanes.entry(lane, eid, f, 1, "new") for lane, eid, f in got]
 
     def wait_new(self, block_ms: int) -> list[Entry]:
         """Sleep until new entries land (at most ``block_ms``); see worker/idle_read.py."""
@@ -298,7 +206,7 @@ class PendingList:
         """Every entry pending under this consumer, all lanes, urgent first (XREADGROUP ... 0).
         Each such read counts a delivery; see ``restore_counts``."""
         out: list[Entry] = []
-        for _, key in self._lanes:
+        for _, key in self.lanes.all:
             start = "0"
             while True:
                 reply = self._run(lambda p: p.script(READ_OWN_PENDING, [key], [
@@ -318,7 +226,7 @@ class PendingList:
         back with ``fields`` None; the caller acks them. ``streams``: other streams than this
         worker's (a dead or draining worker's affinity streams)."""
         out: list[Entry] = []
-        for key in [k for _, k in self._lanes] if streams is None else streams:
+        for key in [k for _, k in self.lanes.all] if streams is None else streams:
             cursor = "0-0"
             while len(out) < count:
                 want = count - len(out)
@@ -327,14 +235,14 @@ class PendingList:
                     cursor, want, PARKING_CONSUMER]))
                 source = "reclaimed" if min_idle_ms is not None else "parked"
                 out += self._rows(key, rows, source)
-                out += [self.entry(key, text(i), None, 0, source) for i in deleted or []]
+                out += [self.lanes.entry(key, text(i), None, 0, source) for i in deleted or []]
                 cursor = text(nxt)
                 if cursor == "0-0":
                     break
         return out
 
     def _move(self, items: Iterable[tuple[str, str, str]], target: str,
-              idle_ms: int) -> list[tuple[str, str]]:
+              idle_ms: int) -> list[EntryKey]:
         """MOVE_MINE over ``(lane, id, count)``, every lane in one round trip per node; returns
         the (lane, id) no longer ours."""
         calls = [(lane, flat[i:i + CHUNK])
@@ -345,12 +253,12 @@ class PendingList:
             *[x for eid, n in chunk for x in (eid, n)]]) for lane, chunk in calls])
         return [(lane, text(x)) for (lane, _), gone in zip(calls, replies) for x in gone or []]
 
-    def renew(self, held: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    def renew(self, held: Iterable[EntryKey]) -> list[EntryKey]:
         """Reset the idle time of held entries (no delivery counted). Returns those no longer
         ours (reclaimed after we stalled, or acked away): drop them, write nothing more."""
         return self._move(((lane, eid, "") for lane, eid in held), self.worker_id, 0)
 
-    def release(self, held: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    def release(self, held: Iterable[EntryKey]) -> list[EntryKey]:
         """Hand entries back counting a delivery: still pending here but idle "forever", so the
         next reclaim anywhere takes them at once, raising the count; for jobs that may have
         broken the engine, so a poison prompt reaches --max-deliveries instead of crash-looping
@@ -358,7 +266,7 @@ class PendingList:
         return self._move(((lane, eid, "") for lane, eid in held), self.worker_id,
                           PARKED_IDLE_MS)
 
-    def park(self, held: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    def park(self, held: Iterable[EntryKey]) -> list[EntryKey]:
         """Hand entries back without counting a delivery (drain, surplus reads): to the parking
         consumer, where the next read of any worker takes them first."""
         return self._move(((lane, eid, "") for lane, eid in held), PARKING_CONSUMER,
@@ -370,7 +278,7 @@ class PendingList:
                                                PARKED_IDLE_MS, *[x for e in entry_ids
                                                                  for x in (e, "")]])
 
-    def restore_counts(self, entries: Iterable[tuple[str, str, int]]) -> list[tuple[str, str]]:
+    def restore_counts(self, entries: Iterable[tuple[str, str, int]]) -> list[EntryKey]:
         """Set the delivery count of entries we still hold (and renew them). A re-read of our
         own pending list after a reconnect raises the count of entries we never stopped
         working on; left alone, a few Redis blips would make healthy jobs look like poison."""
@@ -382,7 +290,7 @@ class PendingList:
         AckStatus per id."""
         return pipe.script(ACK, [lane], [GROUP, self.worker_id, *entry_ids])
 
-    def ack(self, held: Iterable[tuple[str, str]]) -> list[AckStatus]:
+    def ack(self, held: Iterable[EntryKey]) -> list[AckStatus]:
         """``queue_ack`` now, for every lane in one round trip per node; the codes in order of
         ``held`` per lane."""
         calls = [(lane, ids[i:i + CHUNK]) for lane, ids in by_lane(held).items()
@@ -395,7 +303,7 @@ class PendingList:
         """lane name -> (lag, pending) of the group summed over the shards, from XINFO GROUPS
         (lag needs Redis 7). One label per lane name, never per shard: bounded label sets."""
         out: dict[str, tuple[int, int]] = {}
-        for name, key in self._lanes:
+        for name, key in self.lanes.all:
             try:
                 groups = self.client.xinfo_groups(key)
             except redis.ResponseError:

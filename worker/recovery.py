@@ -3,9 +3,10 @@
 A worker that takes over a job (reclaimed from a dead worker, handed back by a draining one, or
 re-read from its own pending list after a restart) must continue it, not restart it: the client
 already holds some tokens and a restart would send them twice or, with sampling, different ones.
-The result stream is the only truth about what was delivered, so this reads it back into the
-engine's ``ResumeState`` inputs plus the recorded seed (sampling is a function of seed and
-output position, so the same seed continues exactly).
+The result stream is the only truth about what was delivered, so admission reads it (one
+XRANGE in its start pipeline) and this folds it into the engine's ``ResumeState`` inputs plus
+the recorded seed (sampling is a function of seed and output position, so the same seed
+continues exactly).
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-import redis
-
 from protocol.fold import ChoiceFold, ResultFold
 from protocol.errors import ProtocolError
 from protocol.events import Event
-from protocol.keys import BATCH_FIELD, EVENT_FIELD, Keys
+from protocol.keys import BATCH_FIELD, EVENT_FIELD
 
 
 @dataclass
@@ -69,19 +68,3 @@ def progress_from_entries(entries: Iterable[tuple[Any, dict[Any, Any]]]) -> JobP
     prog.token_ids, prog.text, prog.terminal = fold.token_ids, fold.text, fold.terminal
     prog.choices = fold.choices
     return prog
-
-
-def read_progress(client: redis.Redis, keys: Keys, job_id: str, page: int = 1000,
-                  shard: Optional[int] = None) -> JobProgress:
-    """Read a job's whole result stream (paged) into a JobProgress; ``shard``: that of the
-    stream the job's entry was read from (None: where a producer puts the job id)."""
-    entries: list[tuple[Any, dict[Any, Any]]] = []
-    start = "-"
-    while True:
-        batch = client.xrange(keys.results(job_id, shard), min=start, count=page)
-        entries.extend(batch)
-        if len(batch) < page:
-            break
-        last = batch[-1][0]
-        start = "(" + (last.decode() if isinstance(last, bytes) else last)
-    return progress_from_entries(entries)

@@ -1,7 +1,8 @@
 """The worker loop: Redis Streams in, engine steps, token streams out.
 
-One thread does everything, in this order, each iteration (this file holds that order and
-nothing else; each step lives in the module named beside it)::
+One thread does everything, in this order, each iteration (this file holds that order and what
+the loop does with what each step reports; each step lives in the module named beside it, its
+collaborators wired in worker/crew.py)::
 
     liveness   heartbeat + worker id lease + drain flag, lease renewal    worker/liveness.py
     intake     own pending list after (re)connect, reclaims, new entries  worker/intake.py
@@ -9,6 +10,12 @@ nothing else; each step lives in the module named beside it)::
     step       engine.step() -> one token event per job                   worker/steps.py
     flush      ONE round trip: events, cancel flags, dead letters, acks   worker/outbox.py
     account    the step's logs and metrics (off the engine-to-reader path) worker/steps.py
+
+Each reports what the loop must act on, and only the loop changes the worker's state: a
+``Tick`` (worker id lost: exit 3; admin drain; leases lost: drop those jobs), ``StartDeferred``
+(a transient error: take the batch again after the backoff), an ``EngineFailure`` (the engine
+is unloaded in the heartbeat, exit 1), a ``FlushReport`` (back off, or exit 78; resume jobs
+whose streams lost events).
 
 Redis errors are classified once (worker/connection.py): transient ones (a Redis Cluster's
 failover and slot moves included) pause intake and retry with backoff, keeping every job;
@@ -26,29 +33,25 @@ from typing import Any, Callable, Optional
 import redis
 
 from engine.errors import UnsupportedModelError
-from protocol.keys import Keys
-from worker.admission import Admission
-from worker.affinity import Affinity
-from worker.config import WorkerSettings
 from protocol import topology
+from protocol.keys import Keys
 from protocol.shards import ShardCountMismatch, register_shards
+from worker.admission import StartDeferred
+from worker.config import WorkerSettings
 from worker.connection import (EXIT_CONFIG, REDIS_ERRORS, Backoff, ErrorKind,
                                PermanentRedisError, classify, connect, describe_permanent)
-from worker.deadletters import DeadLetterWriter
-from worker.drain import Drain
+from worker.crew import Crew
 from worker.engine_api import EngineAPI, describe_engine, load_engine
-from worker.fencing import Fence
-from worker.intake import Intake
+from worker.entries import Entry, EntryKey, own_streams
 from worker.jobs import JobTable
-from worker.liveness import Liveness
+from worker.liveness import Tick, WorkerStatus
 from worker.logs import RateLimitedLog, get_logger
 from worker.metrics import WorkerMetrics
-from worker.outbox import Outbox
-from worker.pending import PendingList
-from worker.steps import Stepper
-from worker.token_text import TokenTexts
+from worker.outbox import FlushReport
+from worker.steps import EngineFailure
 
 EXIT_ID_IN_USE = 3
+EXIT_ENGINE_FAILED = 1
 
 
 def freeze_heap() -> None:
@@ -72,37 +75,30 @@ def thaw_heap() -> None:
 
 
 class Worker:
-    """Runs one worker; ``run()`` blocks until stopped, ``stop()`` may be called from any thread."""
+    """Runs one worker; ``run()`` blocks until stopped, ``stop()`` may be called from any thread.
+
+    The one owner of the worker's state (exit code, engine health, the Redis error being
+    waited out, stopping): collaborators report outcomes (a ``Tick``, an ``EngineFailure``, a
+    ``FlushReport``, ``StartDeferred``) and the loop acts on them here."""
 
     def __init__(self, settings: WorkerSettings, engine: Optional[EngineAPI] = None,
                  engine_factory: Callable[[WorkerSettings], EngineAPI] = load_engine) -> None:
         self.s = settings
-        self.keys: Keys = settings.keys
+        self.keys: Keys = settings.keys   # with the queue's shard count once connected
         self.worker_id = settings.resolved_worker_id()
         self.engine = engine
         self._engine_factory = engine_factory
         self.metrics = WorkerMetrics(model_name=settings.served_model())
         self.log = get_logger(worker_id=self.worker_id, queue=settings.queue)
         self.log_limited = RateLimitedLog(self.log)
-        self.ttl_ms = int(settings.result_ttl * 1000)
-        self.limits = settings.decode_limits()
         self.client: Any = None                  # redis.Redis, or RedisCluster
-        self.pending: Optional[PendingList] = None
         self.jobs = JobTable(engine, self.metrics, self.log)
-        self.fence = Fence(self.keys, settings.dedupe_ttl)   # both made again with the
-        self.outbox = Outbox(self, self._dead_letters(self.keys))   # queue's shard count
-        self.intake = Intake(self)
-        self.admission = Admission(self)
-        self.stepper = Stepper(self)
-        self.liveness = Liveness(self)
-        self.drain = Drain(self)
-        self.affinity = Affinity(self)
+        self.crew: Optional[Crew] = None         # made once connected (worker/crew.py)
         self.backoff = Backoff()
         self.ready = threading.Event()
         self.exit_code = 0
         self.engine_broken = False
         self.redis_error: Optional[str] = None   # the transient error we are waiting out
-        self._token_texts: Optional[TokenTexts] = None
         self._stop = threading.Event()
         self._force = threading.Event()
 
@@ -113,7 +109,7 @@ class Worker:
 
     @property
     def draining(self) -> bool:
-        return self.drain.active
+        return self.crew is not None and self.crew.drain.active
 
     def stop(self, force: bool = False) -> None:
         """Begin the drain (second call or ``force``: hand back running jobs now)."""
@@ -132,7 +128,7 @@ class Worker:
             freeze_heap()
             # The freeze's full collection can take a second in a process holding a model:
             # beat again, so a worker that says it is ready has a fresh heartbeat.
-            self.liveness.heartbeat()
+            self._crew().liveness.heartbeat()
             self.ready.set()
             self.log.info("worker ready", lanes=self.keys.lanes(), metrics_port=self.s.metrics_port)
             while not self._iteration_guarded():
@@ -163,7 +159,7 @@ class Worker:
         return True
 
     def _claim_worker_id(self) -> bool:
-        if self.liveness.claim_worker_id():
+        if self._crew().liveness.claim_worker_id():
             return True
         self.exit_code = EXIT_ID_IN_USE
         return False
@@ -171,37 +167,35 @@ class Worker:
     def _shutdown(self) -> None:
         self.metrics.close()
         if self.client is not None:
-            try:
-                self.liveness.shutdown()
-            except REDIS_ERRORS:
-                pass
-            if self.pending is not None:
-                self.pending.reset()
+            if self.crew is not None:
+                try:
+                    self.crew.liveness.shutdown()
+                except REDIS_ERRORS:
+                    pass
+                self.crew.pending.reset()
             self.client.close()
         self.log.info("worker stopped", exit_code=self.exit_code, held=len(self.jobs))
 
+    def _crew(self) -> Crew:
+        """The collaborators; they exist from the first successful connect on."""
+        assert self.crew is not None, "the worker is not connected yet"
+        return self.crew
+
     # ================================================================== connection
-    def _use_keys(self, keys: Keys) -> None:
-        """Everything that names keys, for ``keys`` (its shard count is part of every key)."""
-        self.keys = keys
-        self.fence = Fence(keys, self.s.dedupe_ttl)
-        self.outbox.dead = self._dead_letters(keys)
-
-    def _dead_letters(self, keys: Keys) -> DeadLetterWriter:
-        s = self.s
-        return DeadLetterWriter(keys, self.worker_id, self.ttl_ms, s.dedupe_ttl,
-                                s.dead_letter_maxlen, s.dead_letter_payload_bytes)
-
-    def _resolve_shards(self) -> None:
-        """The queue's shard count: registered by the first worker, refused (exit 78) when
-        --shards says otherwise; then the pending lists of every shard."""
+    def _assemble(self) -> Crew:
+        """The queue's shard count (registered by the first worker, refused with exit 78 when
+        --shards says otherwise), then the collaborators for its keys."""
         try:
             shards = register_shards(self.client, self.keys, self.s.shards)
         except ShardCountMismatch as exc:
             raise PermanentRedisError(str(exc)) from exc
-        self._use_keys(Keys(self.keys.namespace, self.keys.queue, shards))
-        self.pending = PendingList(self.client, self.keys, self.worker_id,
-                                   on_group_recreated=self._group_recreated)
+        self.keys = Keys(self.keys.namespace, self.keys.queue, shards)
+        assert self.engine is not None
+        return Crew.assemble(
+            settings=self.s, worker_id=self.worker_id, client=self.client, keys=self.keys,
+            engine=self.engine, jobs=self.jobs, metrics=self.metrics, log=self.log,
+            log_limited=self.log_limited, status=self.status, held=self.held_entries,
+            on_group_recreated=self._group_recreated)
 
     def _connect(self) -> bool:
         """(Re)connect until it works; False when told to stop past the drain deadline."""
@@ -211,20 +205,21 @@ class Worker:
                     self.client = connect(self.s.redis_url, self.s.block_ms, self.s.cluster)
                 else:
                     topology.refresh(self.client)   # a failover may have moved every slot
-                if self.pending is None:
-                    self._resolve_shards()
-                self.pending.reset()
+                if self.crew is None:
+                    self.crew = self._assemble()
+                self.crew.pending.reset()
                 self.client.ping()
-                self.pending.ensure_groups()
-                self.intake.need_own_pending = True
+                self.crew.pending.ensure_groups()
+                self.crew.intake.reread_own_pending()
                 if self.backoff.succeeded():
                     self.metrics.redis_reconnects.inc()
                     self.log.info("redis reconnected")
                 return True
             except (*REDIS_ERRORS, topology.ClusterModeError) as exc:
                 self._check_permanent(exc)
+                deadline = self.crew.drain.deadline if self.crew is not None else 0.0
                 if self._stop.is_set() and (self._force.is_set() or not self.jobs
-                                            or time.monotonic() > self.drain.deadline):
+                                            or time.monotonic() > deadline):
                     self.log.warning("giving up on redis while stopping", error=str(exc),
                                      held=len(self.jobs))
                     return False
@@ -238,7 +233,7 @@ class Worker:
             raise PermanentRedisError(describe_permanent(exc, self.s.redis_url)) from exc
 
     def _group_recreated(self, lane_key: str) -> None:
-        if lane_key in self.affinity.own:
+        if lane_key in own_streams(self.keys, self.worker_id):
             self.log.warning("own affinity stream was missing and has been recreated: another "
                              "worker took this one for dead (its heartbeat expired) and emptied "
                              "it", lane=lane_key)
@@ -248,7 +243,7 @@ class Worker:
 
     def _iteration_guarded(self) -> bool:
         try:
-            done = self._iteration()
+            return self._iteration()
         except REDIS_ERRORS as exc:
             self._check_permanent(exc)
             self.jobs.mark_unsure()   # a failover may have lost writes we saw acknowledged
@@ -257,14 +252,6 @@ class Worker:
                 return not self._connect()
             self._transient(str(exc), classify(exc))
             return False
-        if self.outbox.permanent is not None:
-            self._check_permanent(self.outbox.permanent)
-        if self.outbox.transient:
-            self._transient(self.outbox.transient, ErrorKind.TRANSIENT)
-        elif not self.backoff.paused and self.backoff.succeeded():
-            self.redis_error = None
-            self.log.info("redis recovered; intake resumed")
-        return done
 
     def _transient(self, error: str, kind: ErrorKind) -> None:
         """Wait out an error: intake pauses, every held job stays held and is retried. A
@@ -277,42 +264,86 @@ class Worker:
                          error=error, kind=kind.value, retry_in_s=round(delay, 3),
                          held=len(self.jobs))
         if kind is not ErrorKind.TRANSIENT:
-            self.intake.need_own_pending = True
+            self._crew().intake.reread_own_pending()
         self._stop.wait(delay)
 
     # ================================================================== the loop
     def _iteration(self) -> bool:
-        """One pass; returns True when the worker should exit."""
-        if self._stop.is_set() and not self.drain.active:
-            self.drain.begin(self._force.is_set())
-        if self.drain.active and self.drain.step(self._force.is_set()):
+        """One pass, in the order of the module docstring; True when the worker should exit."""
+        c = self._crew()
+        if self._stop.is_set() and not c.drain.active:
+            c.drain.begin(self._force.is_set())
+        if c.drain.active and c.drain.step(self._force.is_set()):
             return True
-        self.liveness.tick(self._lost_worker_id, self._lost_entry, self._drain_requested)
+        self._on_tick(c.liveness.tick(draining=c.drain.active))
         busy = self.engine.has_unfinished_requests()
-        if not self.drain.active and not self.backoff.paused:
-            entries = self.intake.collect(block=not busy and not self.outbox.owes())
+        if not c.drain.active and not self.backoff.paused:
+            entries = c.intake.collect(block=not busy and not c.outbox.owes())
             if entries:
-                self.admission.admit(entries)
+                self._admit(entries)
         if self.engine.has_unfinished_requests() and not self.backoff.paused:
-            self.stepper.step()
+            failure = c.stepper.step()
+            if failure is not None:
+                self._engine_failed(failure)
         try:
-            self.outbox.flush([self.drain.parks_rider, self.intake.surplus_rider],
-                              self.intake.prefetch_rider)
+            report = c.outbox.flush([c.drain.parks_rider, c.intake.surplus_rider],
+                                    None if self._stop.is_set() else c.intake.prefetch_rider)
         finally:
-            self.stepper.account()
+            c.stepper.account()
+        self._on_flush(report)
         return False
 
-    def held_entries(self) -> list[tuple[str, str]]:
-        """(lane key, entry id) of every entry this worker holds: renewed with the lease."""
-        return ([j.entry.key for j in self.jobs.values()] + self.outbox.held()
-                + self.intake.held())
+    def _admit(self, entries: list[Entry]) -> None:
+        c = self._crew()
+        try:
+            c.admission.admit(entries, set(self.held_entries()))
+        except StartDeferred as exc:   # retried as they are after the backoff
+            c.intake.defer(exc.entries)
+            raise exc.cause from None
 
-    def token_texts(self) -> TokenTexts:
-        """The text and bytes of the engine's tokens, for jobs that ask for logprobs (made on
-        first use: a worker whose jobs never ask decodes nothing)."""
-        if self._token_texts is None:
-            self._token_texts = TokenTexts(self.engine.tokenizer)
-        return self._token_texts
+    def _on_tick(self, tick: Tick) -> None:
+        if tick.lost_worker_id:
+            self._lost_worker_id()
+            return
+        if tick.drain_requested and not self._stop.is_set():
+            self.log.info("drain requested by admin")
+            self.stop()
+        for lane, entry_id in tick.lost_entries:
+            self._lost_entry(lane, entry_id)
+
+    def _on_flush(self, report: FlushReport) -> None:
+        """Jobs whose streams lost events are resumed from what survived; a configuration
+        error ends the worker; a transient one pauses intake, and its end resumes it."""
+        if report.resume:
+            self._crew().intake.defer(report.resume)
+        if report.permanent is not None:
+            self._check_permanent(report.permanent)
+        if report.transient:
+            self._transient(report.transient, ErrorKind.TRANSIENT)
+        elif not self.backoff.paused and self.backoff.succeeded():
+            self.redis_error = None
+            self.log.info("redis recovered; intake resumed")
+
+    def _engine_failed(self, failure: EngineFailure) -> None:
+        """The engine may be unusable (``failure.error``, logged by the stepper): its jobs are
+        handed back already; the heartbeat now reports it unloaded and the process exits 1 for
+        its supervisor."""
+        self.engine_broken = True
+        self.exit_code = EXIT_ENGINE_FAILED
+        self.stop(force=True)
+
+    def held_entries(self) -> list[EntryKey]:
+        """(lane key, entry id) of every entry this worker holds: renewed with the lease."""
+        c = self._crew()
+        return [j.entry.key for j in self.jobs.values()] + c.outbox.held() + c.intake.held()
+
+    def status(self) -> WorkerStatus:
+        """What the heartbeat reports of this worker (the engine's stats also feed metrics)."""
+        stats = self.engine_stats()
+        return WorkerStatus(engine_loaded=not self.engine_broken, draining=self.draining,
+                            held=len(self.jobs), running=int(stats.get("num_running", 0)),
+                            waiting=int(stats.get("num_waiting", 0)),
+                            redis_error=self.redis_error or "")
 
     def engine_stats(self) -> dict:
         try:
@@ -322,18 +353,13 @@ class Worker:
         self.metrics.observe_engine(stats)
         return stats
 
-    def _drain_requested(self) -> None:
-        if not self._stop.is_set():
-            self.log.info("drain requested by admin")
-            self.stop()
-
     def _lost_worker_id(self) -> None:
         """We stalled past the heartbeat TTL and another process now serves under our id: what
         we hold is its now. Abort everything and exit 3, writing and acknowledging nothing."""
         self.log.error("worker id taken over by another process; exiting without touching jobs")
         self.jobs.abort_all()
         self.jobs.clear()
-        self.outbox.clear()
+        self._crew().outbox.clear()
         self.exit_code = EXIT_ID_IN_USE
         self.stop(force=True)
 

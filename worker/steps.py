@@ -1,40 +1,68 @@
 """One engine step: deltas into queued events, then (after the flush) the step's logs and
-metrics; and what happens when a step raises.
+metrics; and what happens to the held jobs when a step raises.
 
 Events are queued for the flush that follows at once, while logs and metrics wait until after
-it (``account``): they are not on the path from the engine to the reader.
+it (``account``): they are not on the path from the engine to the reader. A step that raises
+hands the jobs back here and returns an ``EngineFailure``; what the worker does about it
+(report the engine unloaded, exit 1) is the loop's decision (worker/service.py).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import redis
 
 from protocol.errors import ErrorCode
 from worker.deadletters import Rejection
-from worker.jobs import Job
+from worker.engine_api import EngineAPI
+from worker.jobs import Job, JobTable
+from worker.metrics import WorkerMetrics
+from worker.outbox import Outbox
+from worker.pending import PendingList
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """An engine step raised ``error``: the engine may be unusable now (a CUDA error poisons
+    the context). The jobs it ran were already handed back or parked (``Stepper``)."""
+
+    error: Exception
 
 
 class Stepper:
-    def __init__(self, worker: Any) -> None:
-        self.w = worker
+    """Runs engine steps and turns their deltas into events on the held jobs."""
+
+    def __init__(self, engine: EngineAPI, jobs: JobTable, outbox: Outbox, pending: PendingList,
+                 max_deliveries: int, metrics: WorkerMetrics, log: Any) -> None:
+        self.engine = engine
+        self.jobs = jobs
+        self.outbox = outbox
+        self.pending = pending
+        self.max_deliveries = max_deliveries
+        self.metrics = metrics
+        self.log = log
         self._stepped: list[tuple] = []     # (job, delta, prev token time, first, ts, ended)
 
-    def step(self) -> None:
-        w = self.w
+    def step(self) -> Optional[EngineFailure]:
+        """One engine step; None when it ran, the failure (jobs already handed back) when it
+        raised."""
         t0 = time.perf_counter()
         try:
-            deltas = w.engine.step()
+            deltas = self.engine.step()
         except Exception as exc:
-            self._engine_failed(exc)
-            return
+            return self._engine_failed(exc)
         ts = time.time()
-        w.metrics.engine_step.observe(time.perf_counter() - t0)
+        self.metrics.engine_step.observe(time.perf_counter() - t0)
         for d in deltas:
-            job = w.jobs.get(d.request_id)
+            job = self.jobs.get(d.request_id)
             if job is None or not job.in_engine:
+                continue
+            if d.error is not None:     # the engine ended this request alone (its grammar)
+                job.in_engine = False
+                self.jobs.fail(job, _error_code(d.error.code), d.error.message)
                 continue
             prev, open_ = job.last_token_at, job.terminal is None
             first = job.on_delta(d, ts)
@@ -42,10 +70,11 @@ class Stepper:
             if ended:
                 job.in_engine = False
             self._stepped.append((job, d, prev, first, ts, ended))
+        return None
 
     def account(self) -> None:
         """Logs and metrics of the last step (after its flush)."""
-        m, log = self.w.metrics, self.w.log
+        m, log = self.metrics, self.log
         for job, d, prev, first, ts, ended in self._stepped:
             if first:
                 m.ttft.observe(max(0.0, ts - job.enqueued_ms / 1000))
@@ -64,18 +93,16 @@ class Stepper:
                          **job.log_fields())
         self._stepped.clear()
 
-    def _engine_failed(self, exc: Exception) -> None:
-        """A step raised. The engine may be unusable now (a CUDA error poisons the context), so
-        the worker gives up on it: jobs the exception names (``request_ids``; every running job
-        when it names none) are handed back counting a delivery, or dead-lettered (poison) when
-        that was their last allowed one; the others are parked without counting one. The
-        heartbeat reports the engine unloaded and the process exits 1 for its supervisor."""
-        w = self.w
-        w.log.exception("engine step failed; handing jobs back and exiting")
+    def _engine_failed(self, exc: Exception) -> EngineFailure:
+        """The worker gives up on the engine: jobs the exception names (``request_ids``; every
+        running job when it names none) are handed back counting a delivery, or dead-lettered
+        (poison) when that was their last allowed one; the others are parked without counting
+        one (the flush hands them back)."""
+        self.log.exception("engine step failed; handing jobs back and exiting")
         named = set(getattr(exc, "request_ids", None) or ())
-        for job in [j for j in w.jobs.values() if j.in_engine]:
+        for job in [j for j in self.jobs.values() if j.in_engine]:
             try:
-                w.engine.abort_request(job.job_id)
+                self.engine.abort_request(job.job_id)
             except Exception:  # the engine is broken already; the job is handed back anyway
                 pass
             job.in_engine = False
@@ -83,24 +110,30 @@ class Stepper:
                 job.parking = True
             else:
                 self._hand_back_suspect(job, exc)
-        w.engine_broken = True
-        w.exit_code = 1
-        w.stop(force=True)
+        return EngineFailure(exc)
 
     def _hand_back_suspect(self, job: Job, exc: Exception) -> None:
         """Release a job that may have broken the engine. Each failure raises its delivery count
         (whoever takes it next counts one), so a prompt that kills every worker is dead-lettered
         after --max-deliveries instead of crash-looping the fleet."""
-        w, e = self.w, job.entry
-        w.jobs.drop(job, "engine failure: handed back counting a delivery")
-        if e.deliveries >= w.s.max_deliveries:
-            w.outbox.reject(Rejection(
+        e = job.entry
+        self.jobs.drop(job, "engine failure: handed back counting a delivery")
+        if e.deliveries >= self.max_deliveries:
+            self.outbox.reject(Rejection(
                 e, ErrorCode.POISON.value, f"job dead-lettered: the engine failed on each of "
                 f"its {e.deliveries} deliveries ({type(exc).__name__}: {exc})", job.job_id,
                 {"entry_id": e.entry_id, "deliveries": e.deliveries}))
             return
         try:
-            w.pending.release([e.key])
+            self.pending.release([e.key])
         except (redis.ConnectionError, redis.TimeoutError) as err:
-            w.log.warning("hand-back failed; the lease will expire instead", error=str(err),
-                          **job.log_fields())
+            self.log.warning("hand-back failed; the lease will expire instead", error=str(err),
+                             **job.log_fields())
+
+
+def _error_code(code: str) -> ErrorCode:
+    """The protocol code an engine error names (``internal`` for one the protocol lacks)."""
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return ErrorCode.INTERNAL

@@ -233,16 +233,6 @@ class DecoderForCausalLM(nn.Module):
             return torch.mm(weight, hidden.t()).t().contiguous().float()
         return F.linear(hidden, weight).float()
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int,
-                          dtype: torch.dtype | None = None) -> list[KVCache]:
-        """Zeroed ``[num_blocks, block_size, Hkv, D]`` (k, v) pairs, one per layer."""
-        cfg = self.config
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        device = self.model.embed_tokens.weight.device
-        return [(torch.zeros(shape, dtype=dtype or self.dtype, device=device),
-                 torch.zeros(shape, dtype=dtype or self.dtype, device=device))
-                for _ in range(cfg.num_hidden_layers)]
-
     def hf_weight_target(self, hf_name: str) -> tuple[str, int | None] | None:
         """Map a Hugging Face tensor name to ``(our parameter name, shard index or None)``;
         ``None`` means the tensor is not used (rotary buffers, a tied lm_head copy)."""

@@ -22,12 +22,23 @@ BLOCK = 4
 ATOL = 1e-4
 
 
+def kv_pool(model, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed ``[num_blocks, BLOCK, Hkv, D]`` (k, v) pairs, one per layer, as the model runner
+    allocates them."""
+    cfg = model.config
+    shape = (num_blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    device = model.model.embed_tokens.weight.device
+    return [(torch.zeros(shape, dtype=model.dtype, device=device),
+             torch.zeros(shape, dtype=model.dtype, device=device))
+            for _ in range(cfg.num_hidden_layers)]
+
+
 class Paged:
     """A KV pool plus per-sequence block tables taken from a shuffled free list."""
 
     def __init__(self, model, num_blocks: int = 96, seed: int = 0) -> None:
         self.model = model
-        self.caches = model.allocate_kv_cache(num_blocks, BLOCK)
+        self.caches = kv_pool(model, num_blocks)
         gen = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(num_blocks, generator=gen).tolist()
         self.tables: dict[int, list[int]] = {}

@@ -251,5 +251,5 @@ def test_idle_read_wakes_on_own_affinity_stream_of_any_shard_and_reads_it_first(
     pending.reset()                             # no blocking read left to take the next ones
     env.r.xadd(keys.lane("urgent", 0), {PAYLOAD_FIELD: b"urgent"})
     env.r.xadd(keys.affinity("w1", 1), {PAYLOAD_FIELD: b"routed"})
-    got = sorted(pending.read_new(1), key=pending.urgency)
+    got = sorted(pending.read_new(1), key=pending.lanes.urgency)
     assert [(e.lane, e.payload) for e in got] == [("affinity", b"routed"), ("urgent", b"urgent")]

@@ -18,10 +18,12 @@ import msgpack
 import pytest
 
 from protocol.keys import Keys, PAYLOAD_FIELD, dedupe_record, key_slot
+from protocol.scripts import WRITE_STEP
+from protocol.scripts import pipeline as script_pipeline
 from protocol.shards import SHARDS_FIELD
 from tests.fault_harness import FaultEnv, check_stream, enqueue, ids_on_shard, wait_for
 from tests.fixtures_redis import REPO_ROOT
-from worker import admin, scripts
+from worker import admin
 from worker.fake_engine import FakeEngine, fake_completion
 from worker.redis_server import RedisCluster
 
@@ -172,7 +174,7 @@ class _Spy:
     def __init__(self, real: Any) -> None:
         self.real = real
         self.calls: list[list[tuple[str, int]]] = []
-        self._sha = scripts.WRITE_STEP.sha.encode()
+        self._sha = WRITE_STEP.sha.encode()
 
     def __call__(self, client: Any, items: Any) -> Any:
         steps = []
@@ -201,8 +203,8 @@ def test_one_step_costs_one_round_trip_per_node_not_per_job(cluster, monkeypatch
     from worker.config import WorkerSettings
     from worker.service import Worker
     keys = Keys(f"cl{next(_namespaces)}", "q", 3)
-    spy = _Spy(scripts.send_packed)
-    monkeypatch.setattr(scripts, "send_packed", spy)
+    spy = _Spy(script_pipeline.send_packed)
+    monkeypatch.setattr(script_pipeline, "send_packed", spy)
     settings = WorkerSettings(redis_url=cluster.url, worker_id="w1", model="fake:",
                               namespace=keys.namespace, queue=keys.queue, shards=3,
                               block_ms=50, heartbeat_ms=200, result_ttl=120.0)

@@ -6,7 +6,7 @@ owed and carries on by itself; every job ends exactly once (no token twice, none
 
 A replica promoted after its master died may lack the master's last writes (the master
 acknowledged them before sending them on). The worker checks every job's stream after any Redis
-error and resumes a job whose stream lost events from what survived (worker/scripts.py,
+error and resumes a job whose stream lost events from what survived (protocol/scripts/results.py,
 _APPEND). On loopback the replicas are rarely behind, so that loss is also made deterministic
 here: the last events of running jobs are deleted while the worker is stopped and its
 connections are cut, as a failover would leave them."""

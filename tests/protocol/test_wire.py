@@ -1,5 +1,6 @@
-"""Protocol v1 unit tests: keys, dedupe records, payload validation and limits, events, dead
-letters and the resume-read. Fast: no redis-server (fakeredis for the resume-read)."""
+"""Protocol v1 unit tests: keys, dedupe records, payload validation and limits, events and dead
+letters. Fast: no redis-server (fakeredis for the dead letters). The resume-read is the
+worker's: tests/worker/test_recovery.py."""
 
 from __future__ import annotations
 
@@ -12,12 +13,10 @@ from hypothesis import strategies as st
 from protocol.errors import ErrorCode, ProtocolError
 from protocol.events import (DoneEvent, ErrorEvent, StartedEvent, TokenEvent, encode_event,
                              is_terminal)
-from protocol.keys import (BATCH_FIELD, DEDUPE_SEPARATOR, EVENT_FIELD, Keys, dedupe_record,
-                           key_slot, parse_dedupe_record)
+from protocol.keys import DEDUPE_SEPARATOR, Keys, dedupe_record, key_slot, parse_dedupe_record
 from protocol.limits import DEFAULT_LIMITS, Limits
 from protocol.wire import (DeadLetter, JobRequest, PROTOCOL_VERSION, decode_event, decode_job,
                            encode_job)
-from worker.recovery import progress_from_entries, read_progress
 
 
 # ------------------------------------------------------------------------------------------
@@ -88,12 +87,6 @@ def test_dedupe_record_roundtrip_and_rejects():
     for bad in ("", "nospace", " 1-0", "lane ", b"\xff"):
         with pytest.raises(ProtocolError):
             parse_dedupe_record(bad)
-
-
-def test_enqueue_script_uses_the_protocol_constants():
-    from producer_sdk._wire import ENQUEUE_LUA, ENQUEUE_LUA_TEMPLATE
-    assert "'data'" not in ENQUEUE_LUA_TEMPLATE and "' '" not in ENQUEUE_LUA_TEMPLATE
-    assert "'data'" in ENQUEUE_LUA and f"'{DEDUPE_SEPARATOR}'" in ENQUEUE_LUA
 
 
 def test_new_error_code():
@@ -329,36 +322,3 @@ def test_dead_letter_size_and_truncated_roundtrip():
     (_, fields), = r.xrange("dead")
     back = DeadLetter.from_fields(fields)
     assert (back.size, back.truncated, back.data) == (100_000, True, b"abc")
-
-
-# ------------------------------------------------------------------------------------------
-# resume-read
-# ------------------------------------------------------------------------------------------
-
-def _stream(*events):
-    r = fakeredis.FakeRedis()
-    for e in events:
-        r.xadd(Keys().results("j"), {EVENT_FIELD: encode_event(e), BATCH_FIELD: b"x:1"})
-    return r
-
-
-def test_read_progress_of_a_partial_stream():
-    r = _stream(StartedEvent(worker_id="a", seed=11),
-                TokenEvent(seq=0, position=0, text="he", token_ids=[1, 2]),
-                TokenEvent(seq=1, position=2, text="llo", token_ids=[3]),
-                StartedEvent(worker_id="b", attempt=2, seed=11, resumed_tokens=3),
-                TokenEvent(seq=2, position=3, text="!", token_ids=[4]))
-    p = read_progress(r, Keys(), "j", page=2)  # paging across several XRANGE calls
-    assert (p.exists, p.attempts, p.seed, p.next_seq, p.last_seq) == (True, 2, 11, 3, 2)
-    assert p.token_ids == [1, 2, 3, 4] and p.text == "hello!" and not p.finished
-
-
-def test_read_progress_terminal_duplicates_and_garbage():
-    r = _stream(StartedEvent(worker_id="a", seed=1),
-                TokenEvent(seq=0, position=0, text="a", token_ids=[1]),
-                TokenEvent(seq=0, position=0, text="a", token_ids=[1]),   # duplicate: skipped
-                DoneEvent(finish_reason="length"))
-    r.xadd(Keys().results("j"), {EVENT_FIELD: b"\xc1"})
-    p = read_progress(r, Keys(), "j")
-    assert p.token_ids == [1] and p.text == "a" and p.finished and p.undecodable == 1
-    assert progress_from_entries([]).exists is False

@@ -16,13 +16,13 @@ import pytest
 import redis
 
 from producer_sdk import AsyncClient, Client
-from producer_sdk.affinity import (HEARTBEAT_FIELDS, AffinityRouter, LiveWorker, live_worker,
-                                   rank)
+from producer_sdk.affinity import AffinityRouter, LiveWorker, live_worker, rank
 from producer_sdk.effects import run
 from producer_sdk.errors import InvalidRequest, QueueFull
 from producer_sdk.openai_format import CHAT_URL, LineError, body_to_request, parse_request
 from producer_sdk.payloads import Prepared
 from protocol.errors import ProtocolError
+from protocol.heartbeat import FIELDS, Heartbeat
 from protocol.keys import GROUP, Keys, parse_dedupe_record
 from protocol.wire import JobRequest, MAX_ROUTING_KEY_LEN, decode_job, encode_job
 from tests.sdk_helpers import env_with_repo, sdk_redis, sdk_url  # noqa: F401  (fixtures)
@@ -56,16 +56,20 @@ def test_a_worker_leaving_moves_only_the_keys_it_won():
 # which heartbeats qualify
 # ------------------------------------------------------------------------------------------
 
-def beat(**fields: object) -> list:
+def beat(**fields: object) -> Heartbeat:
+    """A heartbeat as the router reads it: HMGET of every field, these as given (None:
+    absent), the others absent."""
     base = {"queue": "default", "engine_loaded": "1", "draining": "0", "affinity": "1",
             "held": "3", "affinity_queued": "2"}
     base.update({k: v for k, v in fields.items()})
-    return [None if base[f] is None else str(base[f]).encode() for f in HEARTBEAT_FIELDS]
+    return Heartbeat.from_row([None if base.get(f) is None else str(base[f]).encode()
+                               for f in FIELDS])
 
 
 def test_live_worker_reads_the_heartbeat():
     assert live_worker("default", "w", beat()) == LiveWorker("w", 5)
-    assert live_worker("default", "w", [None] * len(HEARTBEAT_FIELDS)) is None   # hash gone
+    assert live_worker("default", "w", None) is None                     # hash gone
+    assert Heartbeat.from_row([None] * len(FIELDS)) is None
     assert live_worker("default", "w", beat(draining="1")) is None
     assert live_worker("default", "w", beat(engine_loaded="0")) is None
     assert live_worker("default", "w", beat(affinity=None)) is None   # an older worker

@@ -11,8 +11,7 @@ import pytest
 import redis
 
 from producer_sdk import Client, JobFailed, JobNotFound, QueueFull, RedisUnavailable
-from producer_sdk._wire import ENQUEUE_LUA
-from producer_sdk.client_core import ENQUEUE_SHA
+from protocol.scripts import ENQUEUE
 from protocol.keys import Keys
 from protocol.wire import decode_job
 from tests.fault_harness import wait_for
@@ -162,13 +161,13 @@ def test_idempotent_submit(client: Client, sdk_url: str):
     r = redis.Redis.from_url(sdk_url)
     args = [KEYS.lane("default"), *KEYS.lanes(), KEYS.dedupe("same"), 100, 86400, 0, "",
             b"payload"]
-    reply = r.evalsha(ENQUEUE_SHA, 5, *args)
+    reply = r.evalsha(ENQUEUE.sha, 5, *args)
     assert reply[2].startswith(b"=")
     assert len(entries(sdk_url)) == 1
     r.script_flush()  # NOSCRIPT is handled by loading the script and resending
     client.submit("z", job_id="other")
-    assert len(entries(sdk_url)) == 2 and r.script_exists(ENQUEUE_SHA) == [True]
-    assert ENQUEUE_LUA.count("XADD") == 1
+    assert len(entries(sdk_url)) == 2 and r.script_exists(ENQUEUE.sha) == [True]
+    assert ENQUEUE.source.count("XADD") == 1
     r.close()
 
 

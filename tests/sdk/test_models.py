@@ -11,6 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from producer_sdk.models import AsyncModelCache, ModelCache, alist_models, list_models
+from protocol.heartbeat import Heartbeat
 from protocol.keys import Keys
 from worker.config import WorkerSettings, default_served_model_name
 
@@ -128,10 +129,12 @@ def test_only_loaded_undrained_workers_of_the_queue_count():
     from producer_sdk.models import _models
     pairs = [("q", "ok"), ("q", "broken"), ("q", "draining"), ("q", "moved"), ("q", "gone"),
              ("q", "old")]
-    rows = [[b"m", b"q", b"1", b"0", b"5000"], [b"m", b"q", b"0", b"0", b"1"],
-            [b"m", b"q", b"1", b"1", b"1"], [b"m", b"other", b"1", b"0", b"1"],
-            [None] * 5, [None, b"q", b"1", b"0", b"1"]]
-    models = _models(pairs, rows)
+    beats = [Heartbeat(served_model_name="m", queue="q", engine_loaded=True, started_ms=5000),
+             Heartbeat(served_model_name="m", queue="q", started_ms=1),
+             Heartbeat(served_model_name="m", queue="q", engine_loaded=True, draining=True),
+             Heartbeat(served_model_name="m", queue="other", engine_loaded=True),
+             None, Heartbeat(queue="q", engine_loaded=True, started_ms=1)]
+    models = _models(pairs, beats)
     assert list(models) == ["m"] and models["m"].workers == (("q", "ok"),)
     assert models["m"].created == 5
 

@@ -18,7 +18,7 @@ import msgpack
 import pytest
 
 from producer_sdk import AsyncClient, Client, NotDurable, QueueFull, ShardCountMismatch
-from producer_sdk._wire import ENQUEUE_SHA
+from protocol.scripts import ENQUEUE
 from producer_sdk.batch import BatchRunner
 from producer_sdk.models import list_models
 from protocol.keys import EVENT_FIELD, GROUP, Keys, key_slot
@@ -95,7 +95,7 @@ def test_a_resubmitted_job_id_is_deduped_on_its_shard(client):
     assert sum(lane_depths(client.redis)) == 2
     r = client.redis        # masters without the script (flushed, or a replica promoted):
     r.script_flush()        # NOSCRIPT, loaded on every master, resent
-    assert r.script_exists(ENQUEUE_SHA) == [False]
+    assert r.script_exists(ENQUEUE.sha) == [False]
     client.submit_many([{"prompt": "d", "job_id": f"h{i}"} for i in range(6)], max_tokens=1)
     assert sum(lane_depths(r)) == 8
 

@@ -17,10 +17,11 @@ from protocol.keys import (GROUP, Keys, PARKED_IDLE_MS, PARKING_CONSUMER, PAYLOA
                            dedupe_record, parse_dedupe_record)
 from protocol.wire import JobRequest, encode_job
 from tests.fault_harness import check_stream, read_events, wait_all_ended, wait_for
-from worker.config import WorkerSettings
+from protocol.limits import Limits
+from worker.affinity import Affinity
 from worker.fake_engine import FakeEngine
+from worker.logs import RateLimitedLog, get_logger
 from worker.pending import PendingList
-from worker.service import Worker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -118,14 +119,14 @@ def test_a_draining_worker_gets_no_new_turns_and_its_queued_ones_move(redis_serv
 # the sweep, step by step
 # ------------------------------------------------------------------------------------------
 
-def idle_worker(redis_server, worker_id: str = "sweeper") -> Worker:
-    """A Worker wired to Redis but not running: its sweep and reclaim are called by hand."""
-    w = Worker(WorkerSettings(redis_url=redis_server.url, worker_id=worker_id, model="fake:"),
-               engine=FakeEngine())
-    w.client = redis_server.client()
-    w.pending = PendingList(w.client, KEYS, worker_id)
-    w.pending.ensure_groups()
-    return w
+def sweeper(redis_server, worker_id: str = "sweeper") -> Affinity:
+    """A worker's Affinity, with its pending list, and no worker loop: its sweep and reclaim
+    are called by hand."""
+    client = redis_server.client()
+    pending = PendingList(client, KEYS, worker_id)
+    pending.ensure_groups()
+    log = get_logger(worker_id=worker_id)
+    return Affinity(client, KEYS, worker_id, pending, Limits(), log, RateLimitedLog(log))
 
 
 def add(r, stream: str, job_id: str, priority: int = 0, record: Any = True) -> str:
@@ -150,26 +151,26 @@ def test_sweep_moves_unread_and_parked_entries_and_leaves_held_ones(redis_server
     add(r, dead, "unread")
     add(r, dead, "urgent", priority=-3)
     add(r, dead, "taken", record="elsewhere 1-1")        # its id is bound to another entry
-    w = idle_worker(redis_server)
+    aff = sweeper(redis_server)
 
-    assert w.affinity.sweep() == 4
+    assert aff.sweep() == 4
     assert [e[0].decode() for e in r.xrange(dead)] == [running]   # only the held one stays
-    assert w.affinity.foreign == [dead]
+    assert aff.foreign == [dead]
     assert record_lane(r, "unread") == record_lane(r, "parked") == KEYS.lane("default")
     assert record_lane(r, "urgent") == KEYS.lane("urgent")
     assert r.get(KEYS.dedupe("taken")) == b"elsewhere 1-1"        # never rebound
     assert 0 < r.ttl(KEYS.dedupe("unread")) <= 500                # KEEPTTL
     assert r.xpending(dead, GROUP)["pending"] == 1                # the parked one was acked
-    read = w.pending.read_new(10)                                  # readable where they went
+    read = aff.pending.read_new(10)                                  # readable where they went
     assert sorted((e.lane, e.payload is not None) for e in read) == [
         ("default", True)] * 3 + [("urgent", True)]
 
-    got = w.affinity.reclaim(5, min_idle_ms=0)                    # the dead worker's running job
+    got = aff.reclaim(5, min_idle_ms=0)                    # the dead worker's running job
     assert [(e.lane, e.lane_key, e.entry_id, e.deliveries) for e in got] == [
         ("affinity", dead, running, 2)]
-    w.pending.ack([(dead, running)])
-    w.affinity.sweep()
-    assert not r.exists(dead) and w.affinity.foreign == []        # emptied: deleted
+    aff.pending.ack([(dead, running)])
+    aff.sweep()
+    assert not r.exists(dead) and aff.foreign == []        # emptied: deleted
 
 
 def test_a_live_workers_stream_is_left_alone(redis_server, start_worker):
@@ -178,9 +179,9 @@ def test_a_live_workers_stream_is_left_alone(redis_server, start_worker):
     with Client(redis_server.url) as c:
         jobs = c.submit_many([{"prompt": f"p{i}", "routing_key": "k"} for i in range(3)],
                              max_tokens=2)
-        w = idle_worker(redis_server)
+        aff = sweeper(redis_server)
         time.sleep(0.3)
-        assert w.affinity.sweep() == 0 and w.affinity.foreign == []
+        assert aff.sweep() == 0 and aff.foreign == []
         assert all(record_lane(r, j.id) == KEYS.affinity("busy", 0) for j in jobs)
         ended_once(r, [j.id for j in jobs])
     assert all(check_stream(r, KEYS, j.id).kind == "done:length" for j in jobs)
@@ -191,5 +192,5 @@ def test_a_key_of_the_wrong_type_is_skipped_not_fatal(redis_server):
     r.zadd(KEYS.workers, {"odd": 1, "dead": 1})
     r.set(KEYS.heartbeat("odd"), "not a hash")           # HGET fails: not taken for gone
     r.set(KEYS.affinity("dead", 0), "not a stream")      # the move script fails: skipped
-    w = idle_worker(redis_server)
-    assert w.affinity.sweep() == 0 and w.affinity.foreign == []
+    aff = sweeper(redis_server)
+    assert aff.sweep() == 0 and aff.foreign == []

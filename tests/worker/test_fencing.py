@@ -1,14 +1,14 @@
-"""Result-stream fencing (worker/fencing.py), identity binding and the pending-list scripts
-(worker/pending.py, worker/scripts.py) against a real redis-server."""
+"""Result-stream fencing (worker/fencing.py) and identity binding, through their scripts
+(protocol/scripts/results.py), against a real redis-server. The pending-list scripts are
+tested in tests/worker/test_pending.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from protocol.keys import GROUP, Keys, PARKING_CONSUMER, dedupe_record
+from protocol.keys import GROUP, Keys, dedupe_record
+from protocol.scripts import ScriptPipeline
 from worker.fencing import Fence, WriteStatus, bound, parse_step_reply
-from worker.pending import AckStatus, PendingList
-from worker.scripts import ScriptPipeline
 
 K = Keys()
 LANE = K.lane("default")
@@ -85,59 +85,6 @@ def test_identity_binds_a_job_id_to_one_entry(r):
     assert r.get(K.owner("j")) == b"w3:c"
 
 
-def test_ack_checks_the_consumer_and_deletes(r):
-    ids = [r.xadd(LANE, {"data": b"x"}).decode() for _ in range(3)]
-    r.xreadgroup(GROUP, "w1", {LANE: ">"}, count=2)
-    r.xreadgroup(GROUP, "w2", {LANE: ">"}, count=1)
-    p1 = PendingList(r, K, "w1")
-    assert p1.ack([(LANE, i) for i in ids]) == [AckStatus.ACKED, AckStatus.ACKED,
-                                                AckStatus.NOT_OWNER]
-    assert r.xlen(LANE) == 1  # acknowledged entries are deleted, w2's stays
-    assert p1.ack([(LANE, ids[0])]) == [AckStatus.NOT_PENDING]
-
-
-def test_park_and_claim_parked_keep_delivery_count(r):
-    ids = [r.xadd(LANE, {"data": f"p{i}".encode()}).decode() for i in range(3)]
-    r.xreadgroup(GROUP, "w1", {LANE: ">"}, count=2)
-    r.xreadgroup(GROUP, "other", {LANE: ">"}, count=1)
-    p1, p2 = PendingList(r, K, "w1"), PendingList(r, K, "w2")
-    assert p1.park((LANE, i) for i in ids) == [(LANE, ids[2])]  # not w1's: untouched
-    pend = {p["message_id"].decode(): p for p in r.xpending_range(LANE, GROUP, "-", "+", 10)}
-    assert pend[ids[0]]["consumer"].decode() == PARKING_CONSUMER
-    assert pend[ids[0]]["time_since_delivered"] > 10**11 and pend[ids[0]]["times_delivered"] == 1
-    assert pend[ids[2]]["consumer"] == b"other"
-    got = p2.reclaim(10, None)
-    assert [(e.entry_id, e.fields[b"data"], e.deliveries, e.source) for e in got] == [
-        (ids[0], b"p0", 1, "parked"), (ids[1], b"p1", 1, "parked")]
-    pend = {p["message_id"].decode(): p for p in r.xpending_range(LANE, GROUP, "-", "+", 10)}
-    assert pend[ids[0]]["consumer"] == b"w2" and pend[ids[0]]["times_delivered"] == 1
-    assert pend[ids[2]]["consumer"] == b"other"
-
-
-def test_read_own_pending_reports_deleted_entries_and_pages(r):
-    ids = [r.xadd(LANE, {"data": f"o{i}".encode()}).decode() for i in range(3)]
-    r.xreadgroup(GROUP, "w1", {LANE: ">"}, count=3)
-    r.xdel(LANE, ids[1])
-    got = PendingList(r, K, "w1").read_own_pending(page=2)
-    assert [e.entry_id for e in got] == ids
-    assert got[1].fields is None and got[0].payload == b"o0" and got[2].payload == b"o2"
-
-
-def test_renew_never_steals_a_reclaimed_entry(r):
-    eid = r.xadd(LANE, {"data": b"x"}).decode()
-    r.xreadgroup(GROUP, "w1", {LANE: ">"}, count=1)
-    r.xclaim(LANE, GROUP, "w2", 0, [eid], justid=True)
-    assert PendingList(r, K, "w1").renew([(LANE, eid)]) == [(LANE, eid)]
-    assert r.xpending_range(LANE, GROUP, "-", "+", 1)[0]["consumer"] == b"w2"
-
-
-def test_scripts_survive_a_script_cache_flush(r):
-    f = Fence(K)
-    own(r, f, "j", "w1:a")
-    r.script_flush()
-    assert write(r, f, "w1:a", "a.0", [b"x"]) is WriteStatus.OK
-
-
 def test_write_step_isolates_jobs_and_reads_cancel_flags(r):
     f = Fence(K)
     for j in ("a", "b", "c"):
@@ -208,13 +155,8 @@ def test_write_step_sets_ttls_on_create_and_refresh_only(r):
     assert r.xlen(K.results("a")) == 3
 
 
-def test_read_new_takes_urgent_first_up_to_count(r):
-    for name in K.LANES:
-        r.xgroup_create(K.lane(name), GROUP, id="0", mkstream=True) if name != "default" else None
-    for i in range(3):
-        r.xadd(K.lane("bulk"), {"data": f"b{i}".encode()})
-        r.xadd(LANE, {"data": f"d{i}".encode()})
-    r.xadd(K.lane("urgent"), {"data": b"u0"})
-    got = PendingList(r, K, "w1").read_new(4)
-    assert [(e.lane, e.payload) for e in got] == [
-        ("urgent", b"u0"), ("default", b"d0"), ("default", b"d1"), ("default", b"d2")]
+def test_scripts_survive_a_script_cache_flush(r):
+    f = Fence(K)
+    own(r, f, "j", "w1:a")
+    r.script_flush()
+    assert write(r, f, "w1:a", "a.0", [b"x"]) is WriteStatus.OK

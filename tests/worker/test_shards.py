@@ -110,7 +110,7 @@ def test_reads_take_every_shard_parked_entries_first_with_their_counts(any_redis
     for name, lane, shard in (("b0", "bulk", 0), ("u1", "urgent", 1), ("d1", "default", 1),
                               ("d2", "default", 2)):
         at[name] = r.xadd(KEYS.lane(lane, shard), {PAYLOAD_FIELD: name.encode()}).decode()
-    got = sorted(w1.read_new(10), key=w1.urgency)
+    got = sorted(w1.read_new(10), key=w1.lanes.urgency)
     assert [(e.payload, e.shard, e.source) for e in got] == [
         (b"u1", 1, "new"), (b"d1", 1, "new"), (b"d2", 2, "new"), (b"b0", 0, "new")]
     stats = w1.lane_stats()      # one series per lane name, summed over the shards
@@ -119,7 +119,7 @@ def test_reads_take_every_shard_parked_entries_first_with_their_counts(any_redis
     assert w1.park([e.key for e in got if e.lane == "default"]) == []
     r.xadd(KEYS.lane("default", 1), {PAYLOAD_FIELD: b"d3"})
     r.xdel(KEYS.lane("default", 2), at["d2"])            # deleted while parked
-    again = sorted(w2.read_new(1), key=w2.urgency)       # one per shard: the parked ones
+    again = sorted(w2.read_new(1), key=w2.lanes.urgency)       # one per shard: the parked ones
     assert [(e.entry_id, e.source, e.deliveries) for e in again] == [
         (at["d1"], "parked", 1), (at["d2"], "parked", 1)]
     assert again[0].payload == b"d1" and again[1].fields is None

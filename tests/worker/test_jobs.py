@@ -1,5 +1,4 @@
-"""worker/jobs.py: a job's engine deltas become protocol events (moved out of
-tests/worker/test_protocol.py, which covers the wire protocol only)."""
+"""worker/jobs.py: a job's engine deltas become protocol events."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ import pytest
 
 from protocol.events import TokenEvent, encode_event
 from protocol.wire import JobRequest, decode_event
-from worker.pending import Entry
+from worker.entries import Entry
 from worker.jobs import Job
 from engine.outputs import RequestDelta
 

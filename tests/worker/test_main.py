@@ -1,4 +1,5 @@
-"""``python -m worker`` as a real subprocess: flags, env vars, health, SIGTERM drain."""
+"""``python -m worker`` (worker/__main__.py) as a real subprocess: flags, env vars, health,
+SIGTERM drain."""
 
 from __future__ import annotations
 

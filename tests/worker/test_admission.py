@@ -1,6 +1,8 @@
-"""Issue #13 against an in-process worker on a real redis-server: any failure admitting one job
+"""worker/admission.py against a real redis-server (issue #13): any failure admitting one job
 ends that job alone; dead letters are bounded and carry the job id; a job id is bound to one
-entry (a second entry reusing it cannot hijack the job)."""
+entry (a second entry reusing it cannot hijack the job); a transient Redis error on the start
+pipeline puts the batch back untouched (``StartDeferred``) and the loop takes it again, as it
+is, after its backoff."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ from typing import Any
 
 import msgpack
 import pytest
+import redis
 
 from protocol.keys import GROUP, Keys, dedupe_record
 from protocol.wire import DeadLetter
-from tests.fault_harness import read_events, submit, wait_for, wait_for_terminal
+from tests.fault_harness import check_stream, read_events, submit, wait_for, wait_for_terminal
+from tests.worker.hand_driven import hand_worker, iterate_until  # noqa: F401
+from worker.admission import StartDeferred
 from worker.fake_engine import FakeEngine, fake_completion
 
 pytestmark = pytest.mark.timeout(60)
@@ -166,3 +171,32 @@ def test_a_second_entry_reusing_a_live_job_id_is_rejected(start_worker, r):
     assert r.get(KEYS.dedupe("victim")).decode() == dedupe_record(KEYS.lane("default"),
                                                                   victim_entry)
     wait_for(lambda: lanes_settled(r), 10, what="both entries acknowledged")
+
+
+def test_a_transient_error_defers_the_whole_batch_untouched(hand_worker, r):
+    w = hand_worker()
+    greedy = {"max_tokens": 3, "temperature": 0}
+    ids = [submit(r, KEYS, {"job_id": f"d{i}", "prompt": f"d{i}", "params": greedy})
+           for i in range(3)]
+    c = w._crew()
+    entries = c.intake.collect(block=False)
+    assert [e.entry_id for e in entries] == ids
+    r.config_set("maxmemory", 1)                   # the start pipeline's writes: OOM
+    try:
+        with pytest.raises(StartDeferred) as deferred:
+            c.admission.admit(entries, set(w.held_entries()))
+        assert deferred.value.entries == entries and "maxmemory" in str(deferred.value.cause)
+        assert not w.jobs and not r.keys(KEYS.dedupe("*")) and not r.keys(KEYS.owner("*"))
+        with pytest.raises(redis.ResponseError, match="maxmemory"):   # the loop re-raises
+            w._admit(entries)
+        assert c.intake.deferred == entries
+    finally:
+        r.config_set("maxmemory", 0)
+    again = c.intake.collect(block=False)           # taken as they are: no re-read
+    assert again == entries and c.intake.deferred == []
+    assert all(row["times_delivered"] == 1
+               for row in r.xpending_range(KEYS.lane("default"), GROUP, "-", "+", 10))
+    w._admit(again)
+    iterate_until(w, lambda: all(check_stream(r, KEYS, f"d{i}").ended for i in range(3)))
+    assert all(check_stream(r, KEYS, f"d{i}").text == fake_completion(f"d{i}", 3)
+               for i in range(3))

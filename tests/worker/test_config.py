@@ -1,28 +1,18 @@
-"""Worker settings, CLI flags and the health check (moved out of tests/worker/test_protocol.py,
-which covers the wire protocol only)."""
+"""worker/config.py: the worker's settings, from flags over env vars over defaults."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-import fakeredis
 import pytest
 
-from protocol.keys import Keys, PARKING_CONSUMER
+from protocol.keys import PARKING_CONSUMER
 from protocol.settings import settings_from_args
 from worker.config import WorkerSettings, build_parser
-from worker.health import check_health
 
 
 def test_parking_consumer_is_not_a_valid_worker_id():
     with pytest.raises(ValueError):
         WorkerSettings(worker_id=PARKING_CONSUMER)
 
-
-# ------------------------------------------------------------------------------------------
-# settings, CLI, health
-# ------------------------------------------------------------------------------------------
 
 def test_settings_from_env_and_flags(monkeypatch):
     monkeypatch.setenv("TOKENRELAY_QUEUE", "fromenv")
@@ -56,21 +46,5 @@ def test_default_worker_id_is_stable():
     assert a == WorkerSettings(device="cuda:1").resolved_worker_id() and a.endswith("-cuda1")
 
 
-def test_health_check_against_fakeredis():
-    from protocol.wire import now_ms
-    r, k = fakeredis.FakeRedis(), Keys()
-    assert not check_health(r, k, "w")[0]
-    r.hset(k.heartbeat("w"), mapping={"ts": now_ms(), "engine_loaded": 0})
-    ok, why = check_health(r, k, "w")
-    assert not ok and "not loaded" in why
-    r.hset(k.heartbeat("w"), mapping={"engine_loaded": 1})
-    assert check_health(r, k, "w")[0]
-    r.hset(k.heartbeat("w"), mapping={"ts": now_ms() - 60_000})
-    assert "old" in check_health(r, k, "w")[1]
-
-
-def test_health_cli_exit_code_without_redis():
-    out = subprocess.run([sys.executable, "-m", "worker", "health", "--worker-id", "x",
-                          "--redis-url", "redis://127.0.0.1:1/0"], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 1 and "unreachable" in out.stderr
+def test_result_ttl_in_ms_is_the_flag_in_seconds():
+    assert WorkerSettings(result_ttl=1.5).result_ttl_ms == 1500

@@ -1,4 +1,5 @@
-"""``python -m worker admin`` against a real redis-server (no worker process needed)."""
+"""``python -m worker admin`` (worker/admin.py) against a real redis-server (no worker process
+needed)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from protocol.keys import GROUP, Keys, PAYLOAD_FIELD
 from protocol.wire import JobRequest, decode_job, encode_job
 from tests.fault_harness import REDIS_7
 from tests.fixtures_redis import RedisServer
-from tests.faults.test_leases import dead_letter
+from tests.worker.redis_layer import dead_letter
 from worker import admin
 from worker.pending import PendingList
 

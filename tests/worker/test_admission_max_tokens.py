@@ -1,6 +1,6 @@
-"""A job without max_tokens: a chat job runs to the end of the context (max_model_len minus its
-prompt, as OpenAI's and vLLM's chat endpoints do); a completion stops at 16 (OpenAI's
-completions default). Neither the SDK nor the batch runner fills in 16 for chat."""
+"""worker/admission.py, a job without max_tokens: a chat job runs to the end of the context
+(max_model_len minus its prompt, as OpenAI's and vLLM's chat endpoints do); a completion stops at
+16 (OpenAI's completions default). Neither the SDK nor the batch runner fills in 16 for chat."""
 
 from __future__ import annotations
 

@@ -1,0 +1,41 @@
+"""Every Lua script of tokenrelay, each with its contract (KEYS, ARGV, reply) in the comment
+above it, and the means to send them: the one home of Redis scripting for every side.
+
+Why scripts at all: XADD, XACK and XCLAIM take no "expected owner", so every read-modify step
+that depends on *who* holds an entry or owns a job (or, for producers, on whether a job id was
+seen) runs inside one script, atomically.
+
+- ``lua``: ``LuaScript`` and the one templating style (``string.Template`` over the contract's
+  field names and separators: no field name is written by hand in Lua);
+- ``resp``: ``pack``, the one RESP packer of both sides, and ``text``;
+- ``pipeline``: ``ScriptPipeline`` (one round trip per node, NOSCRIPT-safe) and ``run_script``;
+- ``enqueue``: the producers' enqueue (``ENQUEUE``);
+- ``pending``: the worker's pending-list steps (``READ_NEW``, ``READ_OWN_PENDING``, ``RECLAIM``,
+  ``MOVE_MINE``, ``ACK``);
+- ``results``: fenced result writes and identity (``WRITE_STEP``, ``BIND_AND_OWN``,
+  ``RELEASE_OWNER``, ``DEAD_LETTER``, ``REPLAY``);
+- ``affinity``: the sweep of affinity streams (``MOVE_UNREAD``);
+- ``worker_id``: the worker id lease (``ID_CLAIM``, ``ID_RELEASE``).
+
+Every script's keys share one hash slot (one queue shard's tag, see ``Keys``), as a Redis
+Cluster requires.
+"""
+
+from protocol.scripts.affinity import MOVE_UNREAD
+from protocol.scripts.enqueue import ENQUEUE
+from protocol.scripts.lua import CONTRACT_NAMES, LuaScript, lua
+from protocol.scripts.pending import ACK, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM
+from protocol.scripts.pipeline import ScriptPipeline, run_script
+from protocol.scripts.resp import pack, text
+from protocol.scripts.results import (BIND_AND_OWN, DEAD_LETTER, RELEASE_OWNER, REPLAY,
+                                      WRITE_STEP)
+from protocol.scripts.worker_id import ID_CLAIM, ID_RELEASE
+
+ALL_SCRIPTS: tuple[LuaScript, ...] = (
+    ENQUEUE, READ_NEW, READ_OWN_PENDING, RECLAIM, MOVE_MINE, ACK, WRITE_STEP, BIND_AND_OWN,
+    RELEASE_OWNER, DEAD_LETTER, REPLAY, MOVE_UNREAD, ID_CLAIM, ID_RELEASE)
+
+__all__ = ["ACK", "ALL_SCRIPTS", "BIND_AND_OWN", "CONTRACT_NAMES", "DEAD_LETTER", "ENQUEUE",
+           "ID_CLAIM", "ID_RELEASE", "LuaScript", "MOVE_MINE", "MOVE_UNREAD", "READ_NEW",
+           "READ_OWN_PENDING", "RECLAIM", "RELEASE_OWNER", "REPLAY", "ScriptPipeline",
+           "WRITE_STEP", "lua", "pack", "run_script", "text"]

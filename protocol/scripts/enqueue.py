@@ -1,0 +1,71 @@
+"""The producers' enqueue script: the one way a job enters a queue (producer_sdk/_wire.py packs
+its calls; the sync and async clients send them).
+"""
+
+from __future__ import annotations
+
+from protocol.scripts.lua import lua
+
+# One script call enqueues a chunk of jobs of one lane of one queue shard: per job, SET-if-absent
+# of the dedupe record and XADD happen atomically, so a retried call (redis-py retries on
+# timeouts) never enqueues twice. Every key is in the shard's slot (its hash tag): a Redis
+# Cluster runs the call on the master of that slot.
+# KEYS: target lane, the shard's three lanes (its depth), then one dedupe key per job.
+# A target that is none of the three lanes is a worker's affinity stream on that shard
+# (producer_sdk/affinity.py); KEYS[2] is then the jobs' own lane, where they go instead when
+# that stream does not exist: its worker deleted it when it drained, or a sweep did after it
+# died, so a job routed on a stale view of the workers is never left where nobody reads.
+# Depth is the shared lanes' (affinity streams are bounded per worker by the producer's
+# affinity_max_backlog): a routed job is refused like any other past the mark, but one written
+# to an affinity stream adds nothing to the depth (``step`` 0).
+# ARGV: limit (0: none), dedupe TTL, depth of the queue's other shards (read by the caller just
+# before; 0 for a one-shard queue), durable ('1': make sure the call writes, see below),
+# then the payloads.
+# Reply: {depth when the queue filled up or -1, limit, then per accepted/known job either the new
+# entry id or '=' .. the existing dedupe record}. Jobs past the reply's end were refused (full).
+# Durable: WAIT (sent by the caller right after) counts replicas that acknowledged this
+# connection's last write; a call whose jobs were all known writes nothing, so it rewrites one
+# known record unchanged (SET .. KEEPTTL): acknowledging that proves the replicas also hold the
+# earlier write that enqueued the job (replication is one ordered stream).
+ENQUEUE = lua("enqueue", """
+local limit = tonumber(ARGV[1])
+local depth = tonumber(ARGV[3]) + redis.call('XLEN', KEYS[2]) + redis.call('XLEN', KEYS[3])
+  + redis.call('XLEN', KEYS[4])
+local lane = KEYS[1]
+local step = 1
+if lane ~= KEYS[2] and lane ~= KEYS[3] and lane ~= KEYS[4] then
+  step = 0
+  if redis.call('EXISTS', lane) == 0 then
+    lane = KEYS[2]
+    step = 1
+  end
+end
+local ttl = ARGV[2]
+local out = {-1, limit}
+local wrote, known = false, nil
+local function finish()
+  if ARGV[4] == '1' and not wrote and known then
+    redis.call('SET', known, redis.call('GET', known), 'KEEPTTL')
+  end
+  return out
+end
+for i = 1, #KEYS - 4 do
+  local dk = KEYS[4 + i]
+  local cur = redis.call('GET', dk)
+  if cur then
+    known = dk
+    out[#out + 1] = '=' .. cur
+  else
+    if limit > 0 and depth >= limit then
+      out[1] = depth
+      return finish()
+    end
+    local id = redis.call('XADD', lane, '*', '$payload', ARGV[4 + i])
+    redis.call('SET', dk, lane .. '$sep' .. id, 'EX', ttl)
+    wrote = true
+    depth = depth + step
+    out[#out + 1] = id
+  end
+end
+return finish()
+""")

@@ -1,0 +1,182 @@
+"""The result-stream scripts: the fenced write of a step's events, identity binding and
+ownership, the owner's release, the one dead-letter write, and the admin's replay.
+
+A worker waking from a pause (GC, SIGSTOP, a long step) must not write into a stream another
+worker took over meanwhile, and XADD takes no "expected owner": so the owner check and the
+write run in one script, atomically. Every script's keys share one queue shard's slot (its
+hash tag, see ``Keys``).
+"""
+
+from __future__ import annotations
+
+from protocol.scripts.lua import lua
+
+# The fenced append; ``cur`` is the owner record's value as read by the caller (false when
+# absent). Each event entry gets field $batch = "<batch id>:<k>" (k = 1..n). ``expect`` is ''
+# for a plain append, else the writer is unsure what the stream holds (a reply was lost, or
+# Redis failed over) and ``expect`` names the $batch mark of the last entry it knows landed
+# ('^': none, or an entry without a mark). Then the stream's last entry decides: a mark of this
+# batch says how much of it already landed (only the rest is written); ``expect`` itself means
+# nothing was lost; anything else means the stream lost events the writer saw acknowledged (a
+# failover to a replica that had not received them: Redis replicates asynchronously), and the
+# append returns 'behind' without writing, so the worker resumes the job from what survived
+# instead of leaving a gap. An unsure writer whose owner record is gone is 'behind' too (the
+# record may have been lost the same way). After the first write (create = 0) XADD runs with
+# NOMKSTREAM: an expired stream is never recreated. The TTLs of the result stream and the owner
+# record are (re)set when the stream is created, on a checked write and when ``refresh`` is 1
+# (the worker asks for that when a TTL is due or the batch is terminal), not on every step: two
+# PEXPIREs per job per step were a third of the step script's time. Returns ok | dup | refused
+# (another owner) | missing (owner record expired) | gone (result stream expired) | behind.
+_APPEND = """
+local function last_mark(kr)
+  local last = redis.call('XREVRANGE', kr, '+', '-', 'COUNT', 1)
+  if #last == 0 then return '^' end
+  local f = last[1][2]
+  for i = 1, #f, 2 do
+    if f[i] == '$batch' then return f[i + 1] end
+  end
+  return '^'
+end
+
+local function append(cur, ko, kr, owner, ttl, create, batch, events, expect, refresh)
+  if not cur then
+    if expect ~= '' then return 'behind' end
+    return 'missing'
+  end
+  if cur ~= owner then return 'refused' end
+  local n = #events
+  local done = 0
+  if expect ~= '' then
+    local mark = last_mark(kr)
+    local prefix = batch .. ':'
+    if string.sub(mark, 1, #prefix) == prefix then
+      done = tonumber(string.sub(mark, #prefix + 1)) or 0
+    elseif mark ~= expect then
+      return 'behind'
+    end
+  end
+  for k = done + 1, n do
+    local id
+    if create == 1 then
+      id = redis.call('XADD', kr, '*', '$event', events[k], '$batch', batch .. ':' .. k)
+    else
+      id = redis.call('XADD', kr, 'NOMKSTREAM', '*', '$event', events[k], '$batch', batch .. ':' .. k)
+    end
+    if not id then return 'gone' end
+  end
+  if create == 1 or expect ~= '' or refresh == 1 then
+    redis.call('PEXPIRE', kr, ttl)
+    redis.call('PEXPIRE', ko, ttl)
+  end
+  if done >= n then return 'dup' end
+  return 'ok'
+end
+"""
+
+# One call for every job of an engine step. KEYS: per job owner, results, cancel. ARGV[1]: ttl
+# ms; ARGV[2]: msgpack array, per job [owner value, create 0/1, batch id, expect ('' or a mark,
+# see _APPEND), [events], refresh 0/1]. Owners and cancel flags are read with one MGET each.
+# Returns {status letters, cancel flags ('0'/'1' per job), {job number, error, ...}}, one letter
+# per job: o ok, d dup, r refused, m missing, g gone, b behind, s skip (no events), e error. Each
+# job is isolated (pcall): one job's broken key never fails another job's write (MGET reads a key
+# of the wrong type as absent).
+WRITE_STEP = lua("write_step", _APPEND + """
+local jobs = cmsgpack.unpack(ARGV[2])
+local status, cancel, errors = {}, {}, {}
+local owner_keys, cancel_keys = {}, {}
+for j = 1, #jobs do
+  owner_keys[j] = KEYS[3 * j - 2]
+  cancel_keys[j] = KEYS[3 * j]
+end
+if #jobs == 0 then return {'', '', errors} end
+local owners = redis.call('MGET', unpack(owner_keys))
+local flags = redis.call('MGET', unpack(cancel_keys))
+for j = 1, #jobs do
+  local job = jobs[j]
+  local st = 's'
+  if #job[5] > 0 then
+    local ok, res = pcall(append, owners[j], KEYS[3 * j - 2], KEYS[3 * j - 1], job[1],
+                          ARGV[1], job[2], job[3], job[5], job[4], job[6])
+    if ok then
+      st = string.sub(res, 1, 1)
+    else
+      st = 'e'
+      errors[#errors + 1] = j
+      errors[#errors + 1] = tostring(res)
+    end
+  end
+  status[j] = st
+  if flags[j] then cancel[j] = '1' else cancel[j] = '0' end
+end
+return {table.concat(status), table.concat(cancel), errors}
+""")
+
+# Identity binding, then ownership. KEYS: dedupe record, owner. ARGV: this entry's dedupe record
+# ("<lane key> <entry id>"), owner value, owner ttl ms, dedupe ttl s. A job id is bound to the
+# entry its dedupe record names: absent (a raw producer, or expired) -> bind it to this entry
+# (SET NX) and own the job; names this entry -> own the job; names another entry -> touch
+# nothing and return that record (the worker rejects this entry as duplicate_job_id).
+BIND_AND_OWN = lua("bind_and_own", """
+local rec = redis.call('GET', KEYS[1])
+if not rec then
+  redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[4], 'NX')
+elseif rec ~= ARGV[1] then
+  return rec
+end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+return 1
+""")
+
+# KEYS: owner. ARGV: owner value. Deletes the owner record only if it is still ours.
+RELEASE_OWNER = lua("release_owner", """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+""")
+
+# The one dead-letter write. KEYS: dead stream[, dedupe, owner, results when the job id is
+# known]. ARGV: maxlen, dedupe record of the entry, owner value, ttl ms, dedupe ttl s, error
+# event ('' = none), then the dead letter's flat fields. Copies the entry to the capped
+# dead-letter stream, then ends the job's result stream with the error event unless the job id
+# is bound to another entry (never touch another live job: returns 'other') or the stream
+# already ended ('ended'). Taking the owner record fences out a paused former holder.
+DEAD_LETTER = lua("dead_letter", """
+local fields = {}
+for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(fields))
+if #KEYS < 4 or ARGV[6] == '' then return 'nojob' end
+local rec = redis.call('GET', KEYS[2])
+if rec and rec ~= ARGV[2] then return 'other' end
+if not rec then redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[5], 'NX') end
+local last = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)
+if #last == 1 then
+  local f = last[1][2]
+  for i = 1, #f, 2 do
+    if f[i] == '$event' then
+      local ok, ev = pcall(cmsgpack.unpack, f[i + 1])
+      if ok and type(ev) == 'table' and (ev['type'] == 'done' or ev['type'] == 'error') then
+        return 'ended'
+      end
+    end
+  end
+end
+redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
+redis.call('XADD', KEYS[4], '*', '$event', ARGV[6])
+redis.call('PEXPIRE', KEYS[4], ARGV[4])
+return 'written'
+""")
+
+# KEYS: lane, dedupe record, result stream, owner, cancel. ARGV: payload, ttl s (used when the
+# record is absent) -> the new entry id. Admin replay of a dead letter: the job's old stream and
+# keys go, and the new entry and the record naming it appear at once, so no worker can read the
+# entry while the record still names the old one (it would reject it as duplicate_job_id).
+REPLAY = lua("replay", """
+redis.call('DEL', KEYS[3], KEYS[4], KEYS[5])
+local id = redis.call('XADD', KEYS[1], '*', '$payload', ARGV[1])
+local rec = KEYS[1] .. '$sep' .. id
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('SET', KEYS[2], rec, 'KEEPTTL')
+else
+  redis.call('SET', KEYS[2], rec, 'EX', ARGV[2])
+end
+return id
+""")

@@ -1,0 +1,50 @@
+"""worker/connection.py: every Redis error is classified once (transient: wait it out;
+permanent: exit 78 with one line; other: the caller ends that job alone), and the backoff."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from protocol.topology import ClusterModeError
+from worker.connection import Backoff, ErrorKind, classify, classify_text, describe_permanent
+
+
+@pytest.mark.parametrize("exc,kind", [
+    (redis.ConnectionError("reset"), ErrorKind.TRANSIENT),
+    (redis.exceptions.OutOfMemoryError("command not allowed"), ErrorKind.TRANSIENT),
+    (redis.ResponseError("LOADING Redis is loading the dataset"), ErrorKind.TRANSIENT),
+    (redis.ResponseError("CLUSTERDOWN The cluster is down"), ErrorKind.TRANSIENT),
+    (redis.AuthenticationError("invalid password"), ErrorKind.PERMANENT),
+    (redis.ResponseError("WRONGPASS invalid username-password pair"), ErrorKind.PERMANENT),
+    (redis.ResponseError("NOPERM this user has no permissions"), ErrorKind.PERMANENT),
+    (ClusterModeError("cluster mode is not enabled"), ErrorKind.PERMANENT),
+    (redis.ResponseError("WRONGTYPE Operation against a key"), ErrorKind.OTHER),
+    (ValueError("not redis at all"), ErrorKind.OTHER),
+])
+def test_classify(exc, kind):
+    assert classify(exc) is kind
+
+
+def test_a_scripts_error_text_is_classified_like_the_error():
+    assert classify_text("OOM command not allowed when used memory > 'maxmemory'") \
+        is ErrorKind.TRANSIENT
+    assert classify_text("error in script: -OOM command not allowed") is ErrorKind.TRANSIENT
+    assert classify_text("-NOPERM no permissions") is ErrorKind.PERMANENT
+    assert classify_text("WRONGTYPE Operation") is ErrorKind.OTHER
+
+
+def test_a_permanent_error_is_one_line_without_the_password():
+    line = describe_permanent(redis.AuthenticationError("invalid password"),
+                              "redis://worker:s3cret@host:6379/0")
+    assert "s3cret" not in line and "worker:***@host" in line and "\n" not in line
+    assert "--cluster" in describe_permanent(ClusterModeError("no"), "redis://h:1/0")
+
+
+def test_backoff_grows_pauses_and_resets():
+    b = Backoff(first_s=0.01, max_s=0.05)
+    delays = [b.failed() for _ in range(6)]
+    assert all(0.005 <= d <= 0.075 for d in delays) and b.failures == 6
+    assert b.paused and b.remaining() > 0
+    assert b.succeeded() is True and not b.paused and b.failures == 0
+    assert b.succeeded() is False                  # nothing to recover from
