@@ -23,8 +23,8 @@ from redis.retry import Retry
 from producer_sdk._wire import EnqueuePlan
 from producer_sdk.affinity import AffinityRouter
 from producer_sdk.config import ClientConfig
-from producer_sdk.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, pipelined, raise_transient,
-                                  retrying)
+from producer_sdk.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, Sleep, pipelined,
+                                  raise_transient, retrying, run_plan_script)
 from producer_sdk.enqueue import Enqueuer
 from producer_sdk.errors import (ClientClosed, JobNotFound, NotDurable, QueueFull, RedisUnavailable,
                                  SDKError)
@@ -32,11 +32,12 @@ from producer_sdk.job import Deadline, JobHandle, JobState
 from producer_sdk.models import live_workers as queue_workers
 from producer_sdk.payloads import PayloadBuilder, Prepared
 from producer_sdk.queues import LIMIT_FIELD, QueueBook
-from producer_sdk.reads import Pumped, ResultReader, rerun_request
+from producer_sdk.reads import Lost, Pumped, ResultReader, rerun_request
 from producer_sdk.signatures import SEND_OPTIONS, bind_submit
 from producer_sdk.status import JobStatus, liveness, read_statuses
 from protocol.keys import Keys
 from protocol.limits import Limits
+from protocol.scripts import FORGET_STALE_RECORD
 from protocol.topology import make_async_client, make_client, redact_url
 from protocol.wire import now_ms, validate_job_id
 
@@ -44,6 +45,7 @@ __all__ = ["NET_ERRORS", "SEND_ERRORS", "LIMIT_FIELD", "ClientCore",
            "make_redis", "make_async_redis"]
 
 log = logging.getLogger("producer_sdk")
+MAX_RERUNS = 3      # times a reader puts one lost job back in its queue before it gives up
 
 
 def connection_kwargs(cfg: ClientConfig, asyncio: bool = False) -> dict[str, Any]:
@@ -290,24 +292,37 @@ class ClientCore(ABC, Generic[R]):
             for s in overdue:
                 s.expire()
             ended.extend(overdue)
-        for s in (yield from self._reader.check_lost(self._reader.loss_due(states))):
-            yield from self._rerun(s)
-            if s.finished:
-                ended.append(s)
+        for lost in (yield from self._reader.check_lost(self._reader.loss_due(states))):
+            yield from self._rerun(lost)
+            if lost.state.finished:
+                ended.append(lost.state)
         return ended
 
-    def _rerun(self, state: JobState) -> Plan[None]:
-        """Put a lost job back in its queue under its id, or end it ``job_lost``."""
+    def _rerun(self, lost: Lost) -> Plan[None]:
+        """Put a lost job back in its queue under its id (letting go of a stale record that
+        still names it first), or end it ``job_lost``."""
+        state = lost.state
         if state.request is None:
-            state.lose("Redis no longer holds this job (its result stream and dedupe record "
-                       "are gone: a restart without its data, or a failover that lost it) and "
-                       "this reader does not hold its request to enqueue it again; resubmit it")
+            state.lose("Redis no longer holds this job (a restart without its data, or a "
+                       "failover that lost it: no entry of it is queued or held) and this "
+                       "reader does not hold its request to enqueue it again; resubmit it")
             return
+        if state.reruns >= MAX_RERUNS:
+            state.lose(f"Redis lost this job {state.reruns + 1} times; not enqueuing it again")
+            return
+        if lost.record is not None:
+            args = ([state.dedupe_key, lost.lane], [lost.record, lost.entry])
+            if not (yield from self._retrying(lambda: run_plan_script(FORGET_STALE_RECORD,
+                                                                      *args))):
+                return                  # the record changed under us: not stale after all
+            yield Sleep(0.005)          # the record expires 1 ms after that
         try:
-            yield from self._enqueue([rerun_request(state.request, state.seed)], block=False)
+            yield from self._enqueue([rerun_request(state.request, state.token_seed
+                                                          if state.token_seed is not None
+                                                          else state.seed)], block=False)
         except (SDKError, ValueError) as exc:
             state.lose(f"Redis lost this job and enqueuing it again failed: {exc}")
             return
-        log.warning("job %s: Redis lost its records; enqueued again under the same id "
-                    "(rerun %d)", state.job_id, state.reruns + 1)
+        log.warning("job %s: Redis lost it; enqueued again under the same id (rerun %d)",
+                    state.job_id, state.reruns + 1)
         state.rerun()

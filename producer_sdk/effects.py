@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Generator, Optional, Sequence, TypeVar, Union
 
 from redis.exceptions import (AskError, AuthenticationError, AuthorizationError,
-                              BusyLoadingError, ClusterDownError, ClusterError,
+                              BusyLoadingError, ClusterDownError, ClusterError, NoScriptError,
                               RedisClusterException, SlotNotCoveredError, TryAgainError)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -185,6 +185,18 @@ def retrying(make: Callable[[], Plan[T]], window_s: float, url: str,
         pause = min(pause * 2, 1.0)
 
 
+def run_plan_script(script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Plan[Any]:
+    """One ``protocol.scripts`` script by EVALSHA, loaded first when the server answers
+    NOSCRIPT (its keys share one slot, so a cluster client routes it by the first)."""
+    def call(r: Any) -> Any:
+        return r.evalsha(script.sha, len(keys), *keys, *args)
+    try:
+        return (yield Call(call))
+    except NoScriptError:
+        yield Call(lambda r: r.script_load(script.source))
+        return (yield Call(call))
+
+
 def cluster() -> Call:
     """Whether the client is a Redis Cluster client (no I/O once it is made)."""
     return Call(is_cluster)
@@ -213,5 +225,5 @@ def pipelined(plan: Generator[Sequence[tuple[Any, ...]], list[Any], T]) -> Plan[
 
 
 __all__ = ["Call", "Send", "Sleep", "Effect", "Plan", "run", "arun", "cluster", "pipeline",
-           "pipelined", "retrying", "is_transient", "raise_transient", "refresh_slots",
+           "pipelined", "retrying", "run_plan_script", "is_transient", "raise_transient", "refresh_slots",
            "NET_ERRORS", "SEND_ERRORS", "CLUSTER_TRANSIENT"]

@@ -47,7 +47,7 @@ class JobState:
 
     __slots__ = ("job_id", "key", "last_id", "fold", "failure", "lock", "delta_count", "log",
                  "log_start", "streamers", "caught_up", "dedupe_key", "cancel_key", "request",
-                 "start_deadline_ms", "seen_at", "checked_at", "reruns")
+                 "start_deadline_ms", "seen_at", "checked_at", "reruns", "token_seed")
 
     def __init__(self, job_id: str, key: str, dedupe_key: Optional[str] = None,
                  cancel_key: Optional[str] = None, request: Any = None,
@@ -61,6 +61,9 @@ class JobState:
         self.seen_at = time.monotonic()         # when an entry last arrived (or reading began)
         self.checked_at = 0.0                   # when its records were last checked (reads.py)
         self.reruns = 0                         # times a reader put it back in its queue
+        # the seed of the run that made the first delta this reader holds (a later started
+        # event may name another: a run whose repeats the fold skipped); what a rerun needs
+        self.token_seed: Optional[int] = None
         self.last_id: bytes = b"0-0"
         self.fold = ResultFold(job_id)
         self.failure: Optional[JobFailed] = None  # ended without a terminal event (see fail())
@@ -130,6 +133,8 @@ class JobState:
                 raw = fields.get(EVENT_FIELD, fields.get(_EVENT_KEY)) if fields else None
                 if raw is not None:
                     deltas.extend(self.fold.apply_raw(raw))
+            if deltas and self.token_seed is None:
+                self.token_seed = self.fold.seed
             self.delta_count += len(deltas)
             if self.streamers:
                 self.log.extend(deltas)

@@ -10,26 +10,30 @@ A reader also keeps what it waits for honest without any worker's help:
 * **Deadlines.** A job whose start deadline passed (plus ``deadline_grace_s``) with no worker
   having started it is the reader's to end: ``overdue`` names them, the client cancels them (no
   worker runs them later) and they end ``expired``, whether or not any worker lives.
-* **Lost jobs.** A job idle for ``lost_check_s`` has its records checked (``check_lost``: two
-  EXISTS in one pipeline for all of them); with its result stream and its dedupe record both
-  gone (a Redis restarted without its data, a failover that lost the enqueue) no worker will
-  ever write to it. The client puts it back in its queue when it holds the request
-  (``rerun_request``), else ends it ``job_lost``.
+* **Lost jobs.** A job idle for ``lost_check_s`` has its records checked (``check_lost``, for
+  all of them in one or two pipelines): not finished, with its dedupe record gone or naming an
+  entry its lane no longer holds (a Redis restarted without its data, a failover that lost the
+  enqueue), no worker will ever run it. The client puts it back in its queue when it holds
+  the request (``rerun_request``; a stale record a worker wrote again after the restart is let
+  go first, ``FORGET_STALE_RECORD``), else ends it ``job_lost``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Optional, Sequence
 
 import msgpack
 
-from producer_sdk._wire import (merge_reads, merge_xreads, normalize_xread, parse_raw_xread,
-                                sliced_xread, slot_groups)
+from producer_sdk._wire import (fields_dict, merge_reads, merge_xreads, normalize_xread,
+                                parse_raw_xread, sliced_xread, slot_groups)
 from producer_sdk.effects import Call, Plan, Send, cluster, raise_transient, retrying
 from producer_sdk.job import Delta, JobState, feed_states
+from protocol.errors import ProtocolError
+from protocol.keys import EVENT_FIELD, parse_dedupe_record
 from protocol.topology import node_name
+from protocol.wire import decode_event
 
 XREAD_COUNT = 512
 
@@ -100,30 +104,80 @@ class ResultReader:
         return [s for s in states if not s.finished and s.dedupe_key is not None
                 and now - max(s.seen_at, s.checked_at) >= self.lost_check_s]
 
-    def check_lost(self, states: Sequence[JobState]) -> Plan[list[JobState]]:
-        """The jobs of ``states`` whose result stream and dedupe record are both gone: one
-        ``EXISTS stream record`` per job (the two share the job's slot), in one pipeline
-        (routed per key on a cluster), retried like a read."""
+    def check_lost(self, states: Sequence[JobState]) -> Plan[list[Lost]]:
+        """The jobs of ``states`` that no one will ever run or write to: not finished, and
+        their dedupe record is gone, or names an entry its lane no longer holds (workers delete
+        an entry only after its job's terminal event). Two pipelined round trips at most
+        (routed per key on a cluster), retried like a read: each job's record and last event,
+        then, for a record and no terminal event, whether the record's entry is still there."""
         if not states:
             return []
 
-        def exists_all(r: Any) -> Any:
+        def heads(r: Any) -> Any:
             pipe = r.pipeline(transaction=False)
             for s in states:
-                pipe.exists(s.key, s.dedupe_key)
+                pipe.get(s.dedupe_key)
+                pipe.xrevrange(s.key, count=1)
             return pipe.execute(False)
 
-        def check() -> Plan[list[Any]]:
-            return list(raise_transient((yield Call(exists_all))))
+        def check() -> Plan[list[Lost]]:
+            replies = list(raise_transient((yield Call(heads))))
+            suspects = []
+            for i, s in enumerate(states):
+                record, last = replies[2 * i], replies[2 * i + 1]
+                if _terminal(last):
+                    continue
+                if record is None:      # with a stream: a job a raw producer sent, or older
+                    if not last:        # than its record's TTL; neither: lost
+                        suspects.append(Lost(s, None, None, None))
+                    continue
+                try:
+                    lane, entry = parse_dedupe_record(record)
+                except ProtocolError:
+                    continue
+                suspects.append(Lost(s, record, lane, entry))
+            known = [x for x in suspects if x.record is not None]
+            if known:
+                def entries(r: Any) -> Any:     # the entry, then (later) the last event
+                    pipe = r.pipeline(transaction=False)
+                    for x in known:
+                        pipe.xrange(x.lane, x.entry, x.entry, count=1)
+                        pipe.xrevrange(x.state.key, count=1)
+                    return pipe.execute(False)
+                there = list(raise_transient((yield Call(entries))))
+                # an entry is deleted only after its job's terminal event is written: gone
+                # with a terminal event read after it is a job that just ended
+                held = {id(x) for i, x in enumerate(known)
+                        if there[2 * i] or _terminal(there[2 * i + 1])}
+                suspects = [x for x in suspects if id(x) not in held]
+            return suspects
 
-        replies = yield from retrying(check, self.reconnect_timeout_s, self.url)
+        lost = yield from retrying(check, self.reconnect_timeout_s, self.url)
         now = time.monotonic()
-        lost = []
-        for s, found in zip(states, replies):
+        for s in states:
             s.checked_at = now
-            if found == 0 and not s.finished:
-                lost.append(s)
-        return lost
+        return [x for x in lost if not x.state.finished]
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A job no one will run: its state, and the stale dedupe record that still names it
+    (None when the record is gone too): its value, lane and entry id."""
+
+    state: JobState
+    record: Optional[bytes]
+    lane: Optional[str]
+    entry: Optional[str]
+
+
+def _terminal(last: Any) -> bool:
+    """Whether an ``XREVRANGE .. COUNT 1`` reply is a terminal event (``done`` / ``error``)."""
+    if not isinstance(last, list) or not last:
+        return False
+    try:
+        return decode_event(fields_dict(last[0][1])[EVENT_FIELD]).type in ("done", "error")
+    except (ProtocolError, KeyError, IndexError, TypeError):
+        return False
 
 
 def rerun_request(request: Any, seed: Optional[int]) -> Any:
@@ -173,4 +227,4 @@ def _xread_pair(r: Any, streams: dict[str, bytes], block_ms: int) -> Any:
     return pipe.execute()
 
 
-__all__ = ["ResultReader", "read_once", "rerun_request", "XREAD_COUNT", "Pumped"]
+__all__ = ["ResultReader", "Lost", "read_once", "rerun_request", "XREAD_COUNT", "Pumped"]
