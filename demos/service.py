@@ -21,7 +21,7 @@ import time
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import redis
 
@@ -74,17 +74,20 @@ def find_redis(stack: ExitStack, url: Optional[str]) -> str:
 
 
 class WorkerProcess:
-    """`python -m worker` in its own process group; terminated (then killed) on exit."""
+    """`python -m worker` in its own process group; terminated (then killed) on exit. The demo
+    runs it on CPU; benchmarks.gpu_check on CUDA (``device``, ``dtype``, ``extra`` flags)."""
 
-    def __init__(self, model: Path, url: str, namespace: str, worker_id: str) -> None:
+    def __init__(self, model: Path, url: str, namespace: str, worker_id: str,
+                 device: str = "cpu", dtype: str = "float32",
+                 extra: Sequence[str] = ()) -> None:
         self.worker_id = worker_id
         self.base = ["--redis-url", url, "--namespace", namespace, "--worker-id", worker_id]
-        cmd = [sys.executable, "-m", "worker", "--model", str(model), "--device", "cpu",
-               "--dtype", "float32", "--drain-timeout", "5", *self.base]
+        cmd = [sys.executable, "-m", "worker", "--model", str(model), "--device", device,
+               "--dtype", dtype, "--drain-timeout", "5", *self.base, *extra]
         self.log = tempfile.NamedTemporaryFile(prefix="tokenrelay-worker-", suffix=".log",
                                                delete=False)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=REPO)
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

@@ -17,6 +17,7 @@ import torch
 
 from engine import cpu_gemm
 from engine.model_config import ModelConfig
+from engine.parallel.partition import Partition, check_size
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -25,18 +26,25 @@ _DTYPES = {
 }
 
 # On CPU there is no "free memory after weights" to measure, so the default pool is a fixed
-# budget, capped so we never allocate more than max_num_seqs full-length sequences could use.
-_CPU_DEFAULT_KV_BYTES = 2 * 1024**3
+# budget that fits beside a small model on a laptop (SmolLM2-135M in float32: ~23k tokens of
+# KV), capped so we never allocate more than max_num_seqs full-length sequences could use.
+# A server sets --kv-cache-memory-bytes (vLLM's name; its CPU backend's VLLM_CPU_KVCACHE_SPACE).
+CPU_DEFAULT_KV_CACHE_BYTES = 1024**3
+# Activations of the largest step, per batched token: a generous estimate for the models we
+# serve (hidden states, the MLP's intermediate, attention scratch), kept out of the KV budget.
+ACTIVATION_BYTES_PER_TOKEN = 64 * 1024
 
 
 @dataclass
 class EngineConfig:
     """Engine settings. ``None`` means "pick a sensible default at resolve time".
 
-    KV pool size, in order of precedence: ``num_kv_blocks``, then ``kv_cache_memory`` (bytes),
-    then on CUDA ``gpu_memory_utilization`` of total memory minus what is in use after the
-    weights are loaded, else a fixed CPU budget. A pool smaller than ``max_model_len`` is fine:
-    only requests that could never fit are refused.
+    KV pool size, in order of precedence: ``num_kv_blocks``, then ``kv_cache_memory_bytes``,
+    then on CUDA what ``gpu_memory_utilization`` leaves (vLLM's meaning: the fraction of the
+    card's memory this engine may use for weights, activations and KV cache together, whatever
+    other processes on the card hold; see ``gpu_kv_budget``), else ``CPU_DEFAULT_KV_CACHE_BYTES``.
+    A pool smaller than ``max_model_len`` is fine: only requests that could never fit are
+    refused.
     """
 
     model: str
@@ -44,7 +52,7 @@ class EngineConfig:
     device: Optional[str] = None
     block_size: int = 16
     num_kv_blocks: Optional[int] = None
-    kv_cache_memory: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     max_model_len: Optional[int] = None
     max_num_seqs: int = 256
@@ -70,6 +78,13 @@ class EngineConfig:
     # invalid_request (the cache remembers a spec whose compile itself ran that long).
     grammar_compile_threads: int = 2
     grammar_compile_timeout_s: float = 10.0
+    # Ranks the model is split over (vLLM's name): query/KV heads, MLP columns and the
+    # vocabulary are divided among them (engine/parallel/). Rank 0 runs in this process; the
+    # others are spawned processes, on the next CUDA devices (cuda:k+r) or on CPU with gloo.
+    tensor_parallel_size: int = 1
+    # Seconds a rank may wait in a collective (and at least 120 s for the ranks to start and
+    # join) before the engine gives up on the group: a hung rank fails it after this long.
+    tensor_parallel_timeout: float = 120.0
     # Filled by resolve(): the checkpoint's config.json, parsed.
     hf_config: Optional[ModelConfig] = field(default=None, repr=False)
 
@@ -97,10 +112,17 @@ class EngineConfig:
                      "grammar_compile_threads"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_size(self.hf_config, self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            from engine.parallel.group import rank_devices
+            rank_devices(self.device, self.tensor_parallel_size)    # enough devices?
+        if not self.tensor_parallel_timeout > 0:
+            raise ValueError(f"tensor_parallel_timeout must be > 0 seconds, "
+                             f"got {self.tensor_parallel_timeout}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory < self.kv_block_bytes():
-            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} bytes is less than one KV "
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < self.kv_block_bytes():
+            raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} bytes is less than one KV "
                              f"block ({self.kv_block_bytes()} bytes)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
@@ -138,12 +160,14 @@ class EngineConfig:
         return _DTYPES[name]
 
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block across all layers (K and V)."""
+        """Bytes of one KV block across all layers (K and V), on one rank: with tensor
+        parallelism each rank holds its own KV heads of every block, and the memory knobs
+        (``kv_cache_memory_bytes``, ``gpu_memory_utilization``, the CPU default) are per rank."""
         c = self.hf_config
         elem = torch.empty((), dtype=self.dtype if isinstance(self.dtype, torch.dtype)
                            else torch.float32).element_size()
-        return (2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim
-                * elem)
+        kv_heads = Partition.of(c, 0, self.tensor_parallel_size).num_kv_heads
+        return 2 * c.num_hidden_layers * self.block_size * kv_heads * c.head_dim * elem
 
     def max_useful_blocks(self) -> int:
         """More blocks than this could never be in use at once."""
@@ -153,11 +177,39 @@ class EngineConfig:
         """How many blocks the pool gets, given the bytes free for it (CUDA) or None (CPU)."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        if self.kv_cache_memory is not None:
-            return max(1, self.kv_cache_memory // self.kv_block_bytes())
-        budget = free_bytes if free_bytes is not None else _CPU_DEFAULT_KV_BYTES
+        if self.kv_cache_memory_bytes is not None:
+            return max(1, self.kv_cache_memory_bytes // self.kv_block_bytes())
+        budget = free_bytes if free_bytes is not None else CPU_DEFAULT_KV_CACHE_BYTES
         blocks = budget // self.kv_block_bytes()
         if blocks < 1:
             raise ValueError("not enough memory left for even one KV block; lower max_model_len, "
                              "raise gpu_memory_utilization or pass num_kv_blocks")
         return int(min(blocks, self.max_useful_blocks()))
+
+
+@dataclass(frozen=True)
+class CudaMemory:
+    """One reading of a CUDA device's memory: the card's (``torch.cuda.mem_get_info``) and what
+    this process's torch allocator holds (``torch.cuda.memory_reserved``)."""
+
+    total: int
+    free: int
+    reserved: int
+
+
+def gpu_kv_budget(utilization: float, before: CudaMemory, after: CudaMemory,
+                  activations: int) -> int:
+    """Bytes the KV pool may take on a CUDA device, given readings before and after the
+    weights were loaded.
+
+    Why per process: two workers sharing a card with ``--gpu-memory-utilization 0.45`` each must
+    each get their own share; counting the other's memory as ours (total minus free) left the
+    second one nothing. Ours is what torch reserved since ``before`` plus what free memory lost
+    beyond that (CUDA libraries' workspaces outside the allocator; another process growing at
+    the same moment is counted too, which only errs towards a smaller pool). The result never
+    exceeds what is actually free, less the activations of the largest step."""
+    torch_growth = max(0, after.reserved - before.reserved)
+    non_torch = max(0, (before.free - after.free) - torch_growth)
+    ours = after.reserved + non_torch
+    budget = int(after.total * utilization) - ours - activations
+    return min(budget, after.free - activations)

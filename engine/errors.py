@@ -1,7 +1,8 @@
-"""Errors the engine raises for bad input or impossible requests.
+"""Errors the engine raises for bad input or impossible requests, and for a broken
+tensor-parallel group.
 
-They subclass ``ValueError`` so callers that only know "bad input" can still catch them, while the
-worker can map each to a protocol error code without parsing messages.
+The input errors subclass ``ValueError`` so callers that only know "bad input" can still catch
+them, while the worker can map each to a protocol error code without parsing messages.
 """
 
 from __future__ import annotations
@@ -23,3 +24,11 @@ class UnsupportedModelError(ValueError):
     """The checkpoint's architecture, rope type or dtype is not one the engine implements."""
 
     code = "unsupported_model"
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of a tensor-parallel engine died, or a collective among its ranks failed or timed
+    out. The ranks are out of step from then on: the engine is unusable and every later step
+    raises this again (a worker exits; its jobs are reclaimed by other workers)."""
+
+    code = "internal"

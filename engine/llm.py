@@ -25,6 +25,10 @@ class LLM:
                                 tokenizer=tokenizer_object)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop a tensor-parallel engine's other ranks (see ``LLMEngine.shutdown``)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
@@ -70,9 +74,12 @@ class LLM:
 
     def chat(self, messages: Union[list[dict], list[list[dict]]], params: ParamsType = None,
              use_tqdm: bool = False, *, sampling_params: ParamsType = None,
-             chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> list[RequestOutput]:
+             chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+             tools: Optional[list[dict[str, Any]]] = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations;
-        ``chat_template_kwargs`` go to the chat template (e.g. ``{"enable_thinking": False}``)."""
+        ``chat_template_kwargs`` go to the chat template (e.g. ``{"enable_thinking": False}``),
+        and so do ``tools`` (OpenAI's function tools, as vLLM's ``LLM.chat`` takes them),
+        refused when the template does not render tools."""
         if params is None:
             params = sampling_params
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -80,7 +87,8 @@ class LLM:
         prompts: list[PromptType] = []
         texts: list[str] = []
         for conv in convs:
-            text = self.engine.render_chat(conv, chat_template_kwargs)  # type: ignore[arg-type]
+            text = self.engine.render_chat(conv, chat_template_kwargs,  # type: ignore[arg-type]
+                                           tools)
             texts.append(text)
             # The rendered template already holds BOS and friends: add no special tokens.
             prompts.append(list(tok.encode(text, add_special_tokens=False)))
@@ -167,6 +175,9 @@ class LLM:
         outputs = []
         for rid in ids:
             first, group = firsts[rid], groups[rid]
+            if group.params.use_beam_search:
+                outputs.append(self._beam_output(rid, first, group, deltas[rid]))
+                continue
             texts: dict[int, list[str]] = {}
             for d in deltas[rid]:
                 texts.setdefault(d.index, []).append(d.new_text)
@@ -190,3 +201,20 @@ class LLM:
                 metrics=RequestMetrics(first.arrival_time, min(firsts_t, default=None),
                                        max(ends, default=None))))
         return outputs
+
+    @staticmethod
+    def _beam_output(rid: str, first: Any, group: Any,
+                     deltas: list[RequestDelta]) -> RequestOutput:
+        """A beam search request's output: its beams never finish one by one as sampled
+        choices do (no ``group.finished``); the search ends with one delta per beam holding
+        the whole beam, best first, which is what the request returns."""
+        beams = [CompletionOutput(index=d.index, text=d.new_text,
+                                  token_ids=list(d.new_token_ids),
+                                  cumulative_logprob=d.cumulative_logprob, logprobs=None,
+                                  finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                 for d in sorted(deltas, key=lambda d: d.index)]
+        done = getattr(group, "finished_time", None)
+        return RequestOutput(request_id=rid, prompt=first.prompt,
+                             prompt_token_ids=first.prompt_token_ids, outputs=beams,
+                             finished=True,
+                             metrics=RequestMetrics(first.arrival_time, done, done))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from typing import Any, Mapping, Optional, Sequence as Seq, Union
+from typing import Any, Callable, Mapping, Optional, Sequence as Seq, Union
 
 import torch
 
@@ -24,7 +24,9 @@ from engine.forks import advance_beams, beam_deltas, branch_seed, fork_samples
 from engine.grammar import GrammarError
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestDelta, RequestError, ResumeState
-from engine.prompts import PromptType, check_chat_template_kwargs, prompt_of
+from engine.prompts import (PromptType, check_chat_template_kwargs, prompt_of, render_chat,
+                            tool_call_format)
+from protocol.tools import NO_TOOLS
 from engine.request_checks import check_pool, check_width, resume_states
 from engine.request_checks import prompt_ids as prompt_ids_of
 from engine.sampler import Sampler
@@ -50,17 +52,20 @@ class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
 
     ``model``/``tokenizer`` may be injected (tests use a fake model); by default they are
-    loaded from ``config.model`` with ``engine.loader``.
+    loaded from ``config.model`` with ``engine.loader``. ``on_parallel_failure(message)`` is
+    called once if a rank of a tensor-parallel engine dies or a collective fails (after which
+    every step raises ``TensorParallelError``); the worker exits there.
     """
 
     def __init__(self, config: EngineConfig, *, model: Optional[Any] = None,
-                 tokenizer: Optional[Any] = None) -> None:
+                 tokenizer: Optional[Any] = None,
+                 on_parallel_failure: Optional[Callable[[str], None]] = None) -> None:
         self.config = config.resolve()
         if tokenizer is None:
             from engine.loader import load_tokenizer
             tokenizer = load_tokenizer(config.model)
         self.tokenizer = tokenizer
-        self.model_runner = ModelRunner(config, model)
+        self.model_runner = ModelRunner(config, model, on_parallel_failure=on_parallel_failure)
         self.vocab_size = config.hf_config.vocab_size
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
@@ -80,6 +85,7 @@ class LLMEngine:
         self._num_steps = 0
         self._num_generated_tokens = 0
         self._num_computed_tokens = 0
+        self._tool_format: Optional[str] = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "LLMEngine":
@@ -374,6 +380,11 @@ class LLMEngine:
         if not group.seqs:
             del self.requests[seq.request_id]
 
+    def shutdown(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (also done when it is garbage
+        collected or the process exits); nothing to do at size 1."""
+        self.model_runner.shutdown()
+
     # -- statistics ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and benches; the queue and KV figures are the scheduler's."""
@@ -402,19 +413,19 @@ class LLMEngine:
 
     # -- chat ------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict],
-                    chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> str:
+                    chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+                    tools: Optional[list[dict]] = None) -> str:
         """The checkpoint's chat template applied, with the generation prompt.
         ``chat_template_kwargs`` are variables the template reads (Qwen3's
-        ``enable_thinking``), as vLLM and its OpenAI server take them."""
-        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
-            raise InvalidRequestError("messages: must be a list of {'role', 'content'} dicts")
-        for m in messages:
-            if "role" not in m or "content" not in m:
-                raise InvalidRequestError("messages: every message needs 'role' and 'content'")
-        kwargs = check_chat_template_kwargs(chat_template_kwargs)
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                      add_generation_prompt=True, **kwargs)
-        # No template in the checkpoint: a plain, readable fallback.
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        return text + "assistant:"
+        ``enable_thinking``), as vLLM and its OpenAI server take them; ``tools`` are OpenAI's
+        function tools, refused when the template does not render them."""
+        return render_chat(self.tokenizer, messages, chat_template_kwargs, tools,
+                           self.tool_call_format if tools else NO_TOOLS)
+
+    @property
+    def tool_call_format(self) -> str:
+        """What the chat template does with tools (``engine.prompts.tool_call_format``),
+        found once; the worker advertises it in its heartbeat."""
+        if self._tool_format is None:
+            self._tool_format = tool_call_format(self.tokenizer)
+        return self._tool_format

@@ -4,12 +4,17 @@ Reads ``model.safetensors`` or the shards named by ``model.safetensors.index.jso
 parameter names (fusing q/k/v and gate/up rows) and casts to the requested dtype. Every model
 parameter must be filled and every checkpoint tensor used, so a mismatched checkpoint fails here
 with the offending names instead of producing silent garbage.
+
+A tensor-parallel rank reads only its slice of each split tensor (safetensors' ``get_slice``,
+narrowed as it is read, see ``engine.parallel.layers.checkpoint_slice``): no rank ever holds
+the whole model.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -18,6 +23,7 @@ from engine.errors import UnsupportedModelError
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.ops import get_ops
+from engine.parallel.layers import SKIP, Slice, checkpoint_slice
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -58,14 +64,15 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu", backend: str = "torch",
-               compiled: bool = False) -> DecoderForCausalLM:
+               compiled: bool = False, group: Any = None) -> DecoderForCausalLM:
     """Build the decoder for checkpoint folder ``path`` and fill it with its weights.
-    ``compiled``: see ``engine.models.ops.get_ops``."""
+    ``compiled``: see ``engine.models.ops.get_ops``; ``group``: this rank's
+    ``ParallelGroup`` (it then loads only its share)."""
     config = ModelConfig.from_pretrained(path)
     torch_dtype = resolve_dtype(dtype, config)
     files = checkpoint_files(path)
     model = DecoderForCausalLM(config, dtype=torch_dtype, device=device,
-                               ops=get_ops(backend, compiled))
+                               ops=get_ops(backend, compiled), group=group)
     params = dict(model.named_parameters())
     # A fused parameter is complete only when all its shards arrived.
     pending: dict[str, set[int | None]] = {}
@@ -81,10 +88,14 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
                 if target is None:
                     continue
                 ours, shard = target
+                narrow = checkpoint_slice(ours, shard, model.partition)
+                if narrow == SKIP:
+                    continue
                 if ours not in params:
                     unexpected.append(hf_name)
                     continue
-                _copy(model, params[ours], ours, shard, reader.get_tensor(hf_name), hf_name)
+                _copy(model, params[ours], ours, shard, _read(reader, hf_name, narrow), hf_name,
+                      narrow)
                 pending[ours].discard(shard)
     if unexpected:
         raise UnsupportedModelError(
@@ -97,12 +108,29 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
     return model.eval()
 
 
+def _read(reader: Any, hf_name: str, narrow: Slice | None) -> torch.Tensor:
+    """The whole tensor, or just the rows / columns ``narrow`` names (read as narrowed)."""
+    if narrow is None:
+        return reader.get_tensor(hf_name)
+    view = reader.get_slice(hf_name)
+    shape = view.get_shape()
+    if len(shape) <= narrow.dim or shape[narrow.dim] < narrow.stop:
+        raise UnsupportedModelError(
+            f"{hf_name} has shape {tuple(shape)}, config.json implies at least {narrow.stop} "
+            f"along dimension {narrow.dim}")
+    if narrow.dim == 0:
+        return view[narrow.start:narrow.stop]
+    return view[:, narrow.start:narrow.stop]
+
+
 def _copy(model: DecoderForCausalLM, param: torch.Tensor, ours: str, shard: int | None,
-          tensor: torch.Tensor, hf_name: str) -> None:
+          tensor: torch.Tensor, hf_name: str, narrow: Slice | None = None) -> None:
     dest = param.data
     if shard is not None:
         fused = ours.rsplit(".", 2)[-2]
         dest = dest[model.shard_rows(fused, shard)]
+    if narrow is not None and narrow.padded:
+        dest = dest[:narrow.stop - narrow.start]     # the vocabulary's padding rows stay zero
     if dest.shape != tensor.shape:
         raise UnsupportedModelError(
             f"{hf_name} has shape {tuple(tensor.shape)}, config.json implies {tuple(dest.shape)}")

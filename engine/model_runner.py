@@ -7,36 +7,98 @@ sequence's span starts; ``slot_mapping[T]`` says where each new token's K/V goes
 each sequence that completes its tokens this step reaches the LM head; chunked-prefill pieces
 that do not finish their prompt skip it. How the batch splits for attention (decode groups,
 prefill sequences) is planned once here per step and carried to every layer in the metadata.
+
+A step is prepared on the host as :class:`StepInputs` and then run (:meth:`ModelRunner.run`).
+With ``tensor_parallel_size > 1`` this runner is rank 0: it starts the other ranks
+(engine/parallel/launch.py), sends each step's inputs to them before running it, and gets the
+whole vocabulary's logits back from the gather in the LM head; every other rank runs the same
+class, fed by engine/parallel/rank.py. At size 1 none of that exists: no process group, no
+collective, the step runs as it is prepared.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import ACTIVATION_BYTES_PER_TOKEN, CudaMemory, EngineConfig, gpu_kv_budget
 from engine.attention import AttentionMetadata
+from engine.parallel.partition import Partition
 from engine.sequence import Sequence
 
 
+@dataclass
+class StepInputs:
+    """One step's inputs on the host: what rank 0 prepares and every other rank receives."""
+
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64
+    slot_mapping: torch.Tensor     # [T] int64
+    block_tables: torch.Tensor     # [S, B] int32
+    seq_lens: torch.Tensor         # [S] int32
+    context_lens: torch.Tensor     # [S] int32
+    cu_seqlens_q: torch.Tensor     # [S + 1] int32
+    logits_indices: torch.Tensor   # [L] int64, the token rows whose logits are computed
+    block_copies: torch.Tensor     # [C, 2] int64 (src, dst), copied before the forward
+    max_seqlen_q: int
+    max_seqlen_k: int
+    is_decode: bool
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: Optional[Any] = None) -> None:
+    def __init__(self, config: EngineConfig, model: Optional[Any] = None,
+                 group: Optional[Any] = None,
+                 on_parallel_failure: Optional[Callable[[str], None]] = None) -> None:
+        """``group``: this rank's ``ParallelGroup`` when it is not rank 0 (engine/parallel/
+        rank.py passes it); rank 0 of a tensor-parallel engine starts the other ranks itself and
+        calls ``on_parallel_failure`` (see engine/parallel/launch.py) if one of them fails."""
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
+        self.ranks = None
+        if config.tensor_parallel_size > 1 and group is None:
+            if model is not None:
+                raise ValueError("an injected model cannot be tensor-parallel; "
+                                 "pass tensor_parallel_size=1")
+            from engine.parallel.launch import launch_ranks
+            self.ranks = launch_ranks(config, on_parallel_failure)
+            group = self.ranks.group
+        self.group = group
+        try:
+            self._load(config, model)
+        except BaseException as exc:
+            if self.ranks is None:
+                raise
+            error = self.ranks.abort_start(exc)
+            if error is exc:
+                raise
+            raise error from exc
+        if self.ranks is not None:
+            self.ranks.ready()
+            weakref.finalize(self, self.ranks.shutdown)     # an engine dropped unshut
+
+    def _load(self, config: EngineConfig, model: Optional[Any]) -> None:
+        group = self.group
+        before = self._cuda_memory()                 # None on CPU
         if model is None:
             from engine.loader import load_model
             model = load_model(config.model, dtype=config.dtype, device=config.device,
                                backend=config.attention_backend,
-                               compiled=self._wants_compiled())
+                               compiled=self._wants_compiled(), group=group)
         self.model = model
         if (self.device.type == "cpu" and config.cpu_prepack_weights
                 and hasattr(model, "prepack_cpu_weights")):      # injected test models may not
             model.prepack_cpu_weights(config.cpu_gemm_backend)
-        self.num_blocks = config.num_kv_blocks_for(self._free_bytes_for_kv())
+        self.num_blocks = config.num_kv_blocks_for(self._free_bytes_for_kv(before))
+        if group is not None:                   # every rank's pool holds the same blocks
+            self.num_blocks = group.min_int(self.num_blocks)
         c = config.hf_config
-        cache_shape = (self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        part = Partition.of(c, group.rank, group.size) if group is not None else None
+        kv_heads = part.num_kv_heads if part is not None else c.num_key_value_heads
+        cache_shape = (self.num_blocks, self.block_size, kv_heads, c.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(cache_shape, dtype=config.dtype, device=self.device),
              torch.zeros(cache_shape, dtype=config.dtype, device=self.device))
@@ -55,7 +117,8 @@ class ModelRunner:
     def _warm_up_compiled(self) -> None:
         """A one-token decode forward that stores nothing (slot -1), so compiling (seconds, once
         per process and model shape) happens at start-up and not in a request. A host that
-        cannot compile falls back to the eager path here, with a warning."""
+        cannot compile falls back to the eager path here, with a warning. (Every rank of a
+        tensor-parallel engine runs it at the same point of its start-up: it all-reduces.)"""
         if getattr(getattr(self.model, "ops", None), "name", None) != "torch-compiled":
             return
         meta = AttentionMetadata(
@@ -68,10 +131,11 @@ class ModelRunner:
                    self._with_plan(meta), self.kv_caches)
 
     def _maybe_capture_decode_graphs(self) -> Optional[Any]:
-        """CUDA graphs for decode steps: CUDA, the triton backend, and not ``enforce_eager``."""
+        """CUDA graphs for decode steps: CUDA, the triton backend, not ``enforce_eager``, and
+        one rank (captured collectives are not supported here)."""
         ops = getattr(self.model, "ops", None)
         if (self.device.type != "cuda" or getattr(self.config, "enforce_eager", False)
-                or getattr(ops, "name", None) != "triton"):
+                or getattr(ops, "name", None) != "triton" or self.group is not None):
             return None
         from engine.cuda_graphs import DecodeGraphRunner
         max_blocks = -(-int(self.config.max_model_len) // self.block_size)
@@ -80,15 +144,23 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
-    def _free_bytes_for_kv(self) -> Optional[int]:
-        """CUDA: what ``gpu_memory_utilization`` leaves after the weights; CPU: None."""
+    def _cuda_memory(self) -> Optional[CudaMemory]:
+        """The device's memory now (None on CPU); read before and after loading the weights."""
         if self.device.type != "cuda":
             return None
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        # Leave room for activations of the largest step (a generous per-token estimate).
-        activations = self.config.max_num_batched_tokens * 64 * 1024
-        return int(total * self.config.gpu_memory_utilization - (total - free) - activations)
+        return CudaMemory(total=total, free=free,
+                          reserved=torch.cuda.memory_reserved(self.device))
+
+    def _free_bytes_for_kv(self, before: Optional[CudaMemory]) -> Optional[int]:
+        """CUDA: this engine's share (``gpu_memory_utilization``) less what it already uses;
+        CPU: None (the config's fixed budget applies)."""
+        if before is None:
+            return None
+        activations = self.config.max_num_batched_tokens * ACTIVATION_BYTES_PER_TOKEN
+        return gpu_kv_budget(self.config.gpu_memory_utilization, before, self._cuda_memory(),
+                             activations)
 
     def _with_plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Build the step's attention plan once, here, for every layer to read from ``meta``
@@ -98,12 +170,13 @@ class ModelRunner:
             meta.plan = ops.plan_step(meta, self.block_size, self.config.dtype)
         return meta
 
-    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]):
-        """Build the flattened inputs and the step's attention plan. Returns (input_ids,
-        positions, meta, last_token_indices, sample_rows) where ``sample_rows`` indexes ``seqs``
-        that get a token this step."""
+    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int],
+                block_copies: Optional[list[tuple[int, int]]] = None,
+                all_logits: bool = False) -> tuple[StepInputs, list[int]]:
+        """The step's inputs on the host, and ``sample_rows``: the indexes into ``seqs`` that
+        get a token this step. ``all_logits``: logits at every new token (teacher forcing)
+        instead of only at the last of each sequence that completes its tokens."""
         bs = self.block_size
-        dev = self.device
         is_decode = all(n == 1 for n in num_new_tokens)
         max_blocks = max(len(s.block_table) for s in seqs)
         block_tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table))
@@ -150,45 +223,85 @@ class ModelRunner:
             cu = cu64.to(torch.int32)
             last = torch.tensor(last_idx, dtype=torch.int64)
             max_q = max(num_new_tokens)
+        if all_logits:
+            last = torch.arange(len(input_ids), dtype=torch.int64)
+        copies = torch.tensor(block_copies or [], dtype=torch.int64).reshape(-1, 2)
+        step = StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64), positions=positions,
+            slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens_t,
+            context_lens=context_lens, cu_seqlens_q=cu, logits_indices=last,
+            block_copies=copies, max_seqlen_q=max_q, max_seqlen_k=max(seq_lens),
+            is_decode=is_decode)
+        return step, sample_rows
+
+    def _device_inputs(self, step: StepInputs
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids, positions, meta with the step's plan, logits indices) on the device."""
+        dev = self.device
         meta = self._with_plan(AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            seq_lens=seq_lens_t.to(dev, non_blocking=True),
-            context_lens=context_lens.to(dev, non_blocking=True),
-            cu_seqlens_q=cu.to(dev, non_blocking=True),
-            max_seqlen_q=max_q,
-            max_seqlen_k=max(seq_lens),
-            is_decode=is_decode,
+            slot_mapping=step.slot_mapping.to(dev, non_blocking=True),
+            block_tables=step.block_tables.to(dev, non_blocking=True),
+            seq_lens=step.seq_lens.to(dev, non_blocking=True),
+            context_lens=step.context_lens.to(dev, non_blocking=True),
+            cu_seqlens_q=step.cu_seqlens_q.to(dev, non_blocking=True),
+            max_seqlen_q=step.max_seqlen_q,
+            max_seqlen_k=step.max_seqlen_k,
+            is_decode=step.is_decode,
         ))
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        return ids, positions.to(dev, non_blocking=True), meta, last.to(dev), sample_rows
+        ids = step.input_ids.to(dev, non_blocking=True)
+        return (ids, step.positions.to(dev, non_blocking=True), meta,
+                step.logits_indices.to(dev))
 
     @torch.inference_mode()
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    def copy_blocks(self, copies: torch.Tensor) -> None:
         """Copy on write: block ``dst`` gets ``src``'s K and V in every layer, before the step
-        writes into ``dst`` (a forked choice's first token in a shared, partly filled block)."""
-        if not copies:
+        writes into ``dst`` (a forked choice's first token in a shared, partly filled block).
+        ``copies``: ``[C, 2]`` (src, dst) rows."""
+        if copies.numel() == 0:
             return
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        src = copies[:, 0].to(self.device)
+        dst = copies[:, 1].to(self.device)
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], num_new_tokens: list[int],
-                block_copies: Optional[list[tuple[int, int]]] = None
-                ) -> tuple[Optional[torch.Tensor], list[int]]:
-        """Run one forward pass (after the step's copy-on-write copies). Returns
-        (logits[N, vocab] float32 or None, sample_rows)."""
-        self.copy_blocks(block_copies or [])
-        ids, positions, meta, last, sample_rows = self.prepare(seqs, num_new_tokens)
+    def run(self, step: StepInputs) -> Optional[torch.Tensor]:
+        """The step's copy-on-write copies, then its forward pass. Returns the logits of the
+        step's ``logits_indices`` (``[L, vocab]`` float32), or None when it has none or this is
+        not rank 0."""
+        self.copy_blocks(step.block_copies)
+        ids, positions, meta, last = self._device_inputs(step)
         hidden = None
         if meta.is_decode and self.decode_graphs is not None:
             hidden = self.decode_graphs.run(ids, positions, meta)
         if hidden is None:
             hidden = self.model(ids, positions, meta, self.kv_caches)
-        if not sample_rows:
-            return None, sample_rows
+        if last.numel() == 0:
+            return None
         logits = self.model.compute_logits(hidden[last])
-        return logits.float(), sample_rows
+        return None if logits is None else logits.float()
+
+    def execute(self, seqs: list[Sequence], num_new_tokens: list[int],
+                block_copies: Optional[list[tuple[int, int]]] = None, *,
+                all_logits: bool = False) -> tuple[Optional[torch.Tensor], list[int]]:
+        """Prepare and run one step (on every rank). Returns (logits[N, vocab] float32 or None,
+        sample_rows); see :meth:`prepare` for ``all_logits``. A tensor-parallel step that fails
+        anywhere raises ``TensorParallelError``: the ranks are out of step, so the engine is
+        unusable from then on."""
+        step, sample_rows = self.prepare(seqs, num_new_tokens, block_copies, all_logits)
+        if self.ranks is None:
+            return self.run(step), sample_rows
+        try:
+            self.ranks.send(step)
+            return self.run(step), sample_rows
+        except BaseException as exc:
+            error = self.ranks.failed(exc)
+            if not isinstance(exc, Exception):      # KeyboardInterrupt and the like go on
+                raise
+            raise error from exc
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do at size 1)."""
+        if self.ranks is not None:
+            self.ranks.shutdown()

@@ -62,6 +62,42 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# A ChatML template that renders tools in the Hermes format (the Qwen2.5 family's): function
+# signatures as JSON lines within <tools></tools> in the system turn, calls answered as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results as <tool_response> turns.
+# Tests of tool calls use it (``--chat-template tools``); random weights never write a call by
+# themselves, so those tests constrain the answer into the format.
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n"
+    "Function signatures, one JSON object per line, within <tools></tools> tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call a function, answer with a JSON object holding its name "
+    "and arguments within <tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- set skip_first = messages[0]['role'] == 'system' %}"
+    "{%- else %}{%- set skip_first = false %}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if loop.first and skip_first %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call.get('function') else call %}"
+    "{%- set args = fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' + args"
+    " + '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CHAT_TEMPLATES = {"chatml": CHAT_TEMPLATE, "tools": TOOLS_CHAT_TEMPLATE}
 QWEN_PRETOKENIZE_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                           r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
@@ -123,8 +159,11 @@ def build_tokenizer_json(arch: str, vocab_size: int) -> str:
 
 
 def make_config(arch: str, size: str = "tiny", rope_scaling: str = "none",
-                dtype: str = "float32", tie_word_embeddings: bool | None = None) -> dict:
-    """config.json contents, in the classic (transformers 4.x) layout real checkpoints use."""
+                dtype: str = "float32", tie_word_embeddings: bool | None = None,
+                attention_bias: bool = False, vocab_size: int | None = None) -> dict:
+    """config.json contents, in the classic (transformers 4.x) layout real checkpoints use.
+    ``attention_bias`` (Llama, Mistral, Qwen3): biases on q/k/v and o_proj; ``vocab_size``
+    overrides the size's (an odd one exercises tensor-parallel vocabulary padding)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
     if size not in SIZES:
@@ -137,6 +176,12 @@ def make_config(arch: str, size: str = "tiny", rope_scaling: str = "none",
     cfg.update(SIZES[size])
     if tie_word_embeddings is not None:
         cfg["tie_word_embeddings"] = tie_word_embeddings
+    if attention_bias:
+        if arch == "qwen2":
+            raise ValueError("qwen2 always has q/k/v biases and never an o_proj bias")
+        cfg["attention_bias"] = True
+    if vocab_size is not None:
+        cfg["vocab_size"] = vocab_size
     qwen = arch.startswith("qwen")
     cfg.update(hidden_act="silu", rms_norm_eps=1e-6, initializer_range=0.02, use_cache=True,
                attention_dropout=0.0, bos_token_id=BOS_ID,
@@ -170,6 +215,8 @@ def make_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
             if qkv_bias:
                 w[p + f"self_attn.{name}.bias"] = normal(rows, std=0.1)
         w[p + "self_attn.o_proj.weight"] = normal(h, hq * d, std=1.0 / math.sqrt(hq * d))
+        if cfg.get("attention_bias", False):        # Llama/Mistral/Qwen3: o_proj too
+            w[p + "self_attn.o_proj.bias"] = normal(h, std=0.1)
         if cfg["model_type"] == "qwen3":
             w[p + "self_attn.q_norm.weight"] = norm_weight(d)
             w[p + "self_attn.k_norm.weight"] = norm_weight(d)
@@ -208,13 +255,20 @@ def _save_weights(out: Path, weights: dict[str, torch.Tensor], shards: int) -> N
 
 def write_checkpoint(out: str | Path, arch: str = "llama", seed: int = 0, size: str = "tiny",
                      shards: int = 1, rope_scaling: str = "none", dtype: str = "float32",
-                     tie_word_embeddings: bool | None = None) -> Path:
-    """Write a complete HF checkpoint folder at ``out`` and return its path."""
+                     tie_word_embeddings: bool | None = None, attention_bias: bool = False,
+                     vocab_size: int | None = None, chat_template: str = "chatml") -> Path:
+    """Write a complete HF checkpoint folder at ``out`` and return its path (options: see
+    :func:`make_config`). ``chat_template``: ``chatml`` (plain), or ``tools`` (renders tools,
+    Hermes calls)."""
+    if chat_template not in CHAT_TEMPLATES:
+        raise ValueError(f"chat_template must be one of {sorted(CHAT_TEMPLATES)}, got "
+                         f"{chat_template!r}")
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = make_config(arch, size, rope_scaling, dtype, tie_word_embeddings)
+    cfg = make_config(arch, size, rope_scaling, dtype, tie_word_embeddings, attention_bias,
+                      vocab_size)
     weights = {n: t.to(DTYPES[dtype]).contiguous()
                for n, t in make_weights(cfg, seed).items()}
     _save_weights(out, weights, shards)
@@ -231,7 +285,7 @@ def write_checkpoint(out: str | Path, arch: str = "llama", seed: int = 0, size: 
         "additional_special_tokens": [IM_START, IM_END],
         "model_max_length": cfg["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": CHAT_TEMPLATES[chat_template],
     })
     return out
 
@@ -245,13 +299,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shards", type=int, default=1)
     parser.add_argument("--rope-scaling", choices=list(ROPE_SCALINGS), default="none")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--chat-template", choices=sorted(CHAT_TEMPLATES), default="chatml",
+                        help="tools: a template that renders tools (Hermes <tool_call> format)")
     tie = parser.add_mutually_exclusive_group()
     tie.add_argument("--tie", dest="tie", action="store_true", default=None,
                      help="force tie_word_embeddings=true (default: per arch)")
     tie.add_argument("--no-tie", dest="tie", action="store_false")
     args = parser.parse_args(argv)
     path = write_checkpoint(args.out, args.arch, args.seed, args.size, args.shards,
-                            args.rope_scaling, args.dtype, args.tie)
+                            args.rope_scaling, args.dtype, args.tie, args.chat_template)
     print(path)
 
 

@@ -7,13 +7,25 @@ Why: the interpreter runs Python, not the compiler, so it accepts things the GPU
 lowers each kernel, at the bench's Llama-3-8B configuration, through TTIR -> TTGIR -> LLVM -> PTX
 -> cubin (Triton ships ptxas), so a kernel that would not build on the GPU fails here first.
 Must run *without* TRITON_INTERPRET (it unsets it before importing the kernels).
+
+    python -m kernels.compile_check --launcher
+
+The other half of a first kernel launch: Triton builds its CUDA driver module and each kernel's
+launcher as a Python C extension with the system's C compiler (``CC``, else gcc, else clang)
+and Python's headers. An image without them (a CUDA *runtime* base) fails at the first step of
+the first request; this compiles Triton's own ``driver.c`` the same way (to an object file: no
+``libcuda`` needed), so the worker image's build fails instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 
 
@@ -88,11 +100,49 @@ def compile_all(arch: int = 90, dtype: str = "bf16") -> list[tuple[str, float, d
     return done
 
 
+def compile_launcher() -> str:
+    """Compile Triton's CUDA driver source as Triton would at the first launch (minus linking
+    ``libcuda``, which only a GPU host has). Returns the compiler used; raises RuntimeError
+    naming what is missing."""
+    import triton.backends.nvidia as nvidia
+
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc or clang, or CC=...): Triton compiles its "
+                           "launchers with one at the first kernel launch; install gcc")
+    source = os.path.join(os.path.dirname(nvidia.__file__), "driver.c")
+    scheme = sysconfig.get_default_scheme()
+    include = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)[
+        "include"]
+    if not os.path.isfile(os.path.join(include, "Python.h")):
+        raise RuntimeError(f"no Python.h in {include}: Triton's launchers are Python C "
+                           f"extensions; install the Python headers (python3-dev)")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [cc, source, "-c", "-O3", "-fPIC", "-o", os.path.join(tmp, "driver.o"),
+               f"-I{os.path.join(os.path.dirname(source), 'include')}", f"-I{include}"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as exc:
+            raise RuntimeError(f"cannot run the C compiler {cc}: {exc}") from None
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-800:]}")
+    return cc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--launcher", action="store_true",
+                    help="only check the C toolchain Triton builds its launchers with")
     args = ap.parse_args(argv)
+    if args.launcher:
+        try:
+            print(f"Triton's CUDA driver source compiles with {compile_launcher()}")
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
     for name, secs, notes in compile_all(args.arch, args.dtype):
         counts = "  ".join(f"{k} x{v}" for k, v in notes.items())
         print(f"sm_{args.arch} {args.dtype}: {name:38} {secs:5.1f} s   {counts}")

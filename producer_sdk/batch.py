@@ -35,8 +35,9 @@ from producer_sdk.window import progress_bar
 from producer_sdk.errors import InvalidRequest, JobFailed
 from producer_sdk.job import Job
 from producer_sdk.models import ModelCache
-from producer_sdk.openai_format import (DEFAULT_MODEL, LineError, LineTag, body_to_request,
-                                        error_line, job_id_for, response_line)
+from producer_sdk.batch_lines import LineTag, error_line, job_id_for, response_line
+from producer_sdk.openai_format import DEFAULT_MODEL, LineError, parse_request
+from producer_sdk.structured import fit_tools, rename_error
 from protocol.keys import Keys
 
 class BatchRequest(BaseModel):
@@ -266,11 +267,15 @@ class BatchRunner:
             return None
         tag = replace(tag, model=served)
         try:
+            if tag.tools is not None:       # tools as the served model's template takes them
+                kwargs = fit_tools(kwargs, tag.tools, *self.router.tool_format(served))
             # stream=False: the done event carries the output, logprobs and their tokens too
             prepared = self.client.prepare(kwargs, job_id=job_id, priority=self.priority,
                                            stream=False, queue=queue)
-        except InvalidRequest as exc:
-            writer.error(error_line(tag.custom_id, lineno, "invalid_request", str(exc), job_id))
+        except (InvalidRequest, LineError) as exc:
+            msg = exc.message if isinstance(exc, LineError) else str(
+                rename_error(exc, tag.constraint_param))
+            writer.error(error_line(tag.custom_id, lineno, "invalid_request", msg, job_id))
             summary.malformed += 1
             return None
         self._seen.add(_digest(tag.custom_id))
@@ -310,12 +315,13 @@ def _parse(obj: dict[str, Any], lineno: int) -> tuple[LineTag, dict[str, Any]]:
     req = _validated(obj)
     if req.method.upper() != "POST":
         raise LineError("invalid_request", f"method must be POST, got {req.method!r}")
-    kwargs = body_to_request(req.url, req.body)
+    parsed = parse_request(req.url, req.body, streaming=False)
+    kwargs = parsed.kwargs
     model = req.body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise LineError("invalid_request", "body.model must be a non-empty string")
     tag = LineTag(cid, lineno, req.url, model or "", kwargs.get("logprobs") is not None,
-                  kwargs.get("logprobs") or 0)
+                  kwargs.get("logprobs") or 0, parsed.tools, parsed.constraint_param)
     return tag, kwargs
 
 
@@ -357,6 +363,12 @@ class ModelRouter:
         served = ", ".join(sorted(models)) or "none"
         raise LineError("model_not_found", f"The model `{model}` does not exist: no live worker "
                         f"serves it (served now: {served})")
+
+    def tool_format(self, model: str) -> tuple[Optional[str], str, bool]:
+        """(what the model's chat template does with tools, the model, whether a live worker
+        said so): the arguments ``structured.fit_tools`` takes after the plan."""
+        served = self.models.get().get(model)
+        return (served.tool_format, model, True) if served else (None, model, False)
 
     def _single_queue(self) -> bool:
         now = time.monotonic()

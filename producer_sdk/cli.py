@@ -23,6 +23,7 @@ from producer_sdk.client import Client
 from producer_sdk.errors import (InvalidRequest, JobFailed, JobNotFound, NotDurable, QueueFull,
                                  RedisUnavailable)
 from producer_sdk.stats import discover_queues, queue_stats, stats_table
+from producer_sdk.structured import from_cli, rename_error
 from protocol.keys import Keys
 from protocol.shards import ShardCountMismatch, registered_shards, resolve_shards
 from protocol.topology import cluster_flag
@@ -88,6 +89,19 @@ class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption, DurableOptions):
     routing_key: Optional[str] = Field(
         None, description="Prefix-affinity key (a conversation or system-prompt id): jobs with "
         "the same key go to the same live worker.", json_schema_extra=unset("none"))
+    # Structured output: at most one (producer_sdk/structured.py, docs/protocol.md).
+    json_schema: Optional[str] = Field(None, description="Answer as JSON this schema validates "
+                                       "(a file, or the schema itself).",
+                                       json_schema_extra=unset("none"))
+    json_object: bool = Field(False, description="Answer as a JSON object.")
+    regex: Optional[str] = Field(None, description="Answer as a full match of this regex.",
+                                 json_schema_extra=unset("none"))
+    choice: Optional[list[str]] = Field(None, description="Answer with exactly one of these "
+                                        "strings (repeat the flag).",
+                                        json_schema_extra=unset("none"))
+    grammar: Optional[str] = Field(None, description="Answer as a sentence of this Lark or GBNF "
+                                   "grammar (a file, or the grammar itself).",
+                                   json_schema_extra=unset("none"))
 
 
 class BatchOptions(ConnectionSettings, BatchIdOption, DurableOptions):
@@ -200,11 +214,18 @@ def cmd_submit(client: Client, args: argparse.Namespace, opts: SubmitOptions) ->
                                   ("stop", opts.stop), ("n", opts.n),
                                   ("beam_width", opts.beam_width),
                                   ("length_penalty", opts.length_penalty)) if v is not None}
+    constraint = from_cli(opts.json_schema, opts.json_object, opts.regex, opts.choice,
+                          opts.grammar)
+    if constraint is not None:
+        sampling["structured_outputs"] = constraint.spec
     source = {"messages": [{"role": "user", "content": args.prompt}]} if opts.chat else {
         "prompt": args.prompt}
-    prepared = client.prepare({**source, **sampling, "job_id": opts.job_id,
-                               "priority": opts.priority, "stream": opts.stream,
-                               "routing_key": opts.routing_key})
+    try:
+        prepared = client.prepare({**source, **sampling, "job_id": opts.job_id,
+                                   "priority": opts.priority, "stream": opts.stream,
+                                   "routing_key": opts.routing_key})
+    except InvalidRequest as exc:       # named as the flag that asked for the constraint
+        raise rename_error(exc, constraint.param if constraint else None) from None
     if not opts.wait_for_worker and not client.live_workers():
         print(f"error: no live worker serves queue {client.queue!r} (namespace "
               f"{client.namespace!r}); start one (python -m worker --queue {client.queue} "
@@ -298,7 +319,7 @@ def cmd_batch_status(client: Client, opts: StatusOptions) -> int:
     from pathlib import Path
 
     from producer_sdk.batch import scan_input
-    from producer_sdk.openai_format import job_id_for
+    from producer_sdk.batch_lines import job_id_for
     path = Path(opts.batch)
     batch_id = opts.batch_id or f"batch_{scan_input(path)[1][:24]}"
     custom_ids = []

@@ -24,6 +24,18 @@ class InvalidRequest(ValueError):
         self.field = field
 
 
+class LineError(Exception):
+    """An OpenAI-shaped request body (a gateway request, a batch line) that cannot become a
+    job: ``code`` says why (``invalid_request``, ``unsupported_field``, ...), ``param`` names
+    the body field when one is to blame."""
+
+    def __init__(self, code: str, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+
 class RedisUnavailable(ConnectionError):
     """Redis could not be reached (refused, DNS, timeout). Subclasses the builtin ConnectionError."""
 

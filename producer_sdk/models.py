@@ -32,12 +32,16 @@ class ServedModel:
     """One model name served by live workers: on which queues, by which workers, since when.
 
     ``created`` (epoch seconds) is the start of its longest-running live worker: the
-    ``created`` of OpenAI's model object. ``workers`` are ``(queue, worker id)`` pairs."""
+    ``created`` of OpenAI's model object. ``workers`` are ``(queue, worker id)`` pairs.
+    ``tool_format``: what the model's chat template does with tools (protocol/tools.py), when
+    every live worker of it says the same; None when one says nothing (an older worker) or
+    they disagree."""
 
     name: str
     queues: tuple[str, ...]
     workers: tuple[tuple[str, str], ...]
     created: int
+    tool_format: Optional[str] = None
 
     @property
     def queue(self) -> str:
@@ -86,16 +90,21 @@ def live_workers(namespace: str, queue: str) -> Generator[Pipeline, list[Any], l
 def _models(pairs: list[tuple[str, str]],
             beats: list[Optional[Heartbeat]]) -> dict[str, ServedModel]:
     """Group live workers' heartbeats (None: the hash is gone) by served model name."""
-    found: dict[str, list[tuple[str, str, int]]] = {}
+    found: dict[str, list[tuple[str, str, int, str]]] = {}
     for (queue, worker), beat in zip(pairs, beats):
         if beat is None or not beat.served_model_name or not beat.serving(queue):
             continue
         found.setdefault(beat.served_model_name, []).append(
-            (queue, worker, max(0, beat.started_ms)))
-    return {name: ServedModel(name=name, queues=tuple(sorted({q for q, _, _ in live})),
-                              workers=tuple(sorted((q, w) for q, w, _ in live)),
-                              created=min(ms for _, _, ms in live) // 1000)
-            for name, live in sorted(found.items())}
+            (queue, worker, max(0, beat.started_ms), beat.tool_format))
+    out = {}
+    for name, live in sorted(found.items()):
+        formats = {w[3] for w in live}           # "" (an older worker) disagrees with any
+        out[name] = ServedModel(name=name, queues=tuple(sorted({w[0] for w in live})),
+                                workers=tuple(sorted((w[0], w[1]) for w in live)),
+                                created=min(w[2] for w in live) // 1000,
+                                tool_format=(formats.pop() or None) if len(formats) == 1
+                                else None)
+    return out
 
 
 def list_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:

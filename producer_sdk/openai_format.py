@@ -2,20 +2,25 @@
 
 The one home of those shapes: the batch runner (``batch.py``, OpenAI Batch files) and the HTTP
 gateway (``producer_sdk.gateway``) both map request bodies with ``parse_request`` and build every
-response body, streamed chunk, logprobs object and error object here, so a field OpenAI spells
-one way is never spelled two ways by us. ``tests/gateway`` validates what these functions build
+response body, streamed chunk, logprobs object (``openai_logprobs.py``) and error object here,
+so a field OpenAI spells one way is never spelled two ways by us. Structured-output and tool
+fields are mapped by ``structured.py``, tool calls read back by ``tool_calls.py``, batch output
+lines built by ``batch_lines.py``. ``tests/gateway`` validates what these functions build
 against the ``openai`` package's own types. Nothing here does I/O.
 """
 
 from __future__ import annotations
 
-import hashlib
-import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional
 
-from producer_sdk.job import CompletionOutput, Result
-from protocol.logprobs import TokenLogprob, TopLogprob
+from producer_sdk.errors import LineError  # noqa: F401 (home: errors.py; imported from here too)
+# The logprobs objects live beside these shapes (openai_logprobs.py) and are re-exported here.
+from producer_sdk.openai_logprobs import (TOKEN_ID_PREFIX, chat_logprobs,  # noqa: F401
+                                          completion_logprobs, logprobs_body,
+                                          token_logprobs_from_ids, token_logprobs_of)
+from producer_sdk.structured import pop_openai
+from protocol.tools import template_tool_calls
 from protocol.wire import MAX_ROUTING_KEY_LEN
 
 CHAT_URL = "/v1/chat/completions"
@@ -28,41 +33,13 @@ _SAMPLING_PASSTHROUGH = ("n", "temperature", "top_p", "seed", "stop", "presence_
                          "include_stop_str_in_output")
 # Accepted only with the value that means "the default behaviour".
 _ONLY_DEFAULT = {"echo": (False, None), "best_of": (1, None), "suffix": (None, ""),
-                 "logit_bias": (None, {}), "parallel_tool_calls": (None,),
-                 "tools": (None, []), "tool_choice": (None, "none"),
-                 "response_format": (None, {"type": "text"})}
+                 "logit_bias": (None, {})}
 # Streaming fields: a batch line cannot stream, so there they too only take their defaults.
 _STREAM_DEFAULTS = {"stream": (False, None), "stream_options": (None,)}
 _IGNORED = ("model", "user", "service_tier", "store")
 # The chat roles OpenAI's API knows; any other is refused (400) rather than handed to a chat
 # template that would render it as text.
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-# The token text of a logprob entry when the worker sent only token ids: vLLM's spelling for
-# ``--return-tokens-as-token-ids``, so a client can still tell tokens apart.
-TOKEN_ID_PREFIX = "token_id:"
-
-
-class LineError(Exception):
-    """A request body that cannot become a job: ``code`` says why (``invalid_request``,
-    ``unsupported_field``, ...), ``param`` names the body field when one is to blame."""
-
-    def __init__(self, code: str, message: str, param: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-
-
-@dataclass(frozen=True, slots=True)
-class LineTag:
-    """What the writer needs to know about a job once it finishes."""
-
-    custom_id: str
-    line: int
-    url: str
-    model: str
-    logprobs: bool
-    top_logprobs: int = 0        # alternatives per token asked for (chat top_logprobs, or logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +52,8 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool             # stream_options.include_usage
     user: Optional[str]
+    tools: Any = None               # producer_sdk.structured.ToolPlan when tools are given
+    constraint_param: Optional[str] = None   # the field that asked for a constraint
 
     @property
     def chat(self) -> bool:
@@ -122,6 +101,11 @@ def parse_request(url: str, body: Any, *, streaming: bool) -> OpenAIRequest:
     _metadata(body, req)
     _template_kwargs(url, body, req)
     _routing_key(body, req)
+    constraint, plan, tools = pop_openai(url == CHAT_URL, body)  # response_format, tools, ...
+    if constraint is not None:
+        req["structured_outputs"] = constraint.spec
+    if tools:
+        req["tools"] = tools
     stream, include_usage = _stream(body) if streaming else (False, False)
     model, user = body.get("model"), body.get("user")
     if model is not None and not isinstance(model, str):
@@ -134,7 +118,8 @@ def parse_request(url: str, body: Any, *, streaming: bool) -> OpenAIRequest:
     if body:
         raise LineError("unsupported_field", f"unsupported body field(s): {', '.join(sorted(body))}",
                         sorted(body)[0])
-    return OpenAIRequest(url, req, model, stream, include_usage, user)
+    return OpenAIRequest(url, req, model, stream, include_usage, user, plan,
+                         constraint.param if constraint is not None else None)
 
 
 def _only_defaults(body: dict[str, Any], allowed: dict[str, tuple]) -> None:
@@ -204,6 +189,8 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
             raise LineError("invalid_request", f"messages[{i}].role {m['role']!r:.40} is not "
                             f"one of {', '.join(sorted(CHAT_ROLES))}", f"messages[{i}].role")
         content = m.get("content")
+        if content is None and m.get("tool_calls"):
+            content = ""                 # an assistant turn that only called tools
         if isinstance(content, list):
             texts = []
             for part in content:
@@ -216,8 +203,15 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
             raise LineError("invalid_request", f"messages[{i}].content must be a string",
                             f"messages[{i}].content")
         msg = {"role": m["role"], "content": content}
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
+        for key in ("name", "tool_call_id"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        if m.get("tool_calls"):
+            try:
+                msg["tool_calls"] = template_tool_calls(m["tool_calls"])
+            except ValueError as exc:
+                raise LineError("invalid_request", f"messages[{i}].{exc}",
+                                f"messages[{i}].tool_calls") from None
         out.append(msg)
     return out
 
@@ -262,75 +256,6 @@ def _logprobs(url: str, body: dict[str, Any], req: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Logprobs: TokenLogprob records (or, from older workers, token ids) -> OpenAI's objects
-# --------------------------------------------------------------------------------------------
-
-def token_logprobs_from_ids(token_ids: Sequence[int],
-                            tops: Sequence[dict[int, float]]) -> list[TokenLogprob]:
-    """TokenLogprob records for a worker that sent only ids (``{id: logprob}`` per position,
-    the chosen token among them): each token named ``token_id:<id>`` with no bytes, because
-    without the tokenizer its text is unknown."""
-    out = []
-    for tid, top in zip(token_ids, tops):
-        alts = [TopLogprob(token_id=k, token=f"{TOKEN_ID_PREFIX}{k}", logprob=v)
-                for k, v in sorted(top.items(), key=lambda kv: -kv[1])]
-        out.append(TokenLogprob(token_id=tid, token=f"{TOKEN_ID_PREFIX}{tid}",
-                                logprob=top.get(tid, float("-inf")), top_logprobs=alts))
-    return out
-
-
-def token_logprobs_of(item: Any) -> list[TokenLogprob]:
-    """The TokenLogprob records of a Delta or CompletionOutput: its ``token_logprobs`` when the
-    worker sent token text, else built from its ids and ``logprobs`` maps; [] when none."""
-    records = getattr(item, "token_logprobs", None)
-    if records:
-        return list(records)
-    tops = getattr(item, "logprobs", None)
-    return token_logprobs_from_ids(item.token_ids, tops) if tops else []
-
-
-def _finite(value: float) -> float:
-    """JSON has no -inf; OpenAI reports an impossible token as -9999.0."""
-    return value if value > -9999.0 else -9999.0
-
-
-def _top_limit(records: Iterable[TokenLogprob], top: int) -> Iterable[tuple[TokenLogprob, list]]:
-    """Each record with its alternatives cut to the ``top`` asked for (the engine returns the
-    chosen token beside them, which OpenAI does not count)."""
-    for r in records:
-        yield r, list(r.top_logprobs)[:top]
-
-
-def chat_logprobs(records: Sequence[TokenLogprob], top: int) -> dict[str, Any]:
-    """``ChoiceLogprobs`` of a chat choice (or chunk): one entry per token, ``top`` alternatives."""
-    return {"content": [{"token": r.token, "bytes": list(r.bytes) or None,
-                         "logprob": _finite(r.logprob),
-                         "top_logprobs": [{"token": t.token, "bytes": list(t.bytes) or None,
-                                           "logprob": _finite(t.logprob)} for t in alts]}
-                        for r, alts in _top_limit(records, top)],
-            "refusal": None}
-
-
-def completion_logprobs(records: Sequence[TokenLogprob], top: int,
-                        text_offset: int = 0) -> dict[str, Any]:
-    """``Logprobs`` of a completion choice (or chunk); ``text_offset`` of the first token."""
-    offsets, at = [], text_offset
-    for r in records:
-        offsets.append(at)
-        at += len(r.token)
-    pairs = list(_top_limit(records, top))
-    return {"tokens": [r.token for r, _ in pairs],
-            "token_logprobs": [_finite(r.logprob) for r, _ in pairs],
-            "top_logprobs": [{t.token: _finite(t.logprob) for t in alts} for _, alts in pairs],
-            "text_offset": offsets}
-
-
-def logprobs_body(chat: bool, records: Sequence[TokenLogprob], top: int,
-                  text_offset: int = 0) -> dict[str, Any]:
-    return chat_logprobs(records, top) if chat else completion_logprobs(records, top, text_offset)
-
-
-# --------------------------------------------------------------------------------------------
 # Response bodies, chunks and errors
 # --------------------------------------------------------------------------------------------
 
@@ -343,12 +268,17 @@ def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def choice_body(chat: bool, index: int, text: str, logprobs: Optional[dict[str, Any]],
-                finish_reason: Optional[str]) -> dict[str, Any]:
-    """One choice of a whole (non-streamed) response."""
+def choice_body(chat: bool, index: int, text: Optional[str], logprobs: Optional[dict[str, Any]],
+                finish_reason: Optional[str],
+                tool_calls: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+    """One choice of a whole (non-streamed) response; chat's message may carry ``tool_calls``
+    (producer_sdk/tool_calls.py builds them)."""
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs, "finish_reason": finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": finish_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
@@ -362,13 +292,16 @@ def completion_body(chat: bool, job_id: str, created: int, model: str,
 
 def chunk_choice(chat: bool, index: int, text: Optional[str],
                  logprobs: Optional[dict[str, Any]], finish_reason: Optional[str],
-                 role: bool = False) -> dict[str, Any]:
-    """One choice of a streamed chunk: chat's ``delta`` (the role on a choice's first chunk) or
-    a completion's ``text``."""
+                 role: bool = False,
+                 tool_calls: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+    """One choice of a streamed chunk: chat's ``delta`` (the role on a choice's first chunk,
+    tool-call deltas when given) or a completion's ``text``."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         return {"index": index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason}
     return {"index": index, "text": text or "", "logprobs": logprobs,
@@ -396,37 +329,3 @@ def error_body(message: str, type_: str, param: Optional[str] = None,
 def model_body(name: str, created: int, owned_by: str = "tokenrelay") -> dict[str, Any]:
     """One ``Model`` of ``GET /v1/models``."""
     return {"id": name, "object": "model", "created": created, "owned_by": owned_by}
-
-
-# --------------------------------------------------------------------------------------------
-# Batch output lines
-# --------------------------------------------------------------------------------------------
-
-def job_id_for(batch_id: str, custom_id: str) -> str:
-    """Deterministic, protocol-safe job id: the same line of the same batch is the same job."""
-    return "b-" + hashlib.sha256(f"{batch_id}\0{custom_id}".encode()).hexdigest()[:40]
-
-
-def response_line(tag: LineTag, result: Result) -> dict[str, Any]:
-    """The OpenAI-shaped output line: one choice per output (``n`` of them), each with its
-    index, message (chat) or text, logprobs (``tag.top_logprobs`` alternatives) and
-    finish_reason; usage sums every choice."""
-    chat = tag.url == CHAT_URL
-    choices = [_choice(chat, tag, out, tag.top_logprobs) for out in result.outputs]
-    body = completion_body(chat, result.job_id, int(time.time()), tag.model, choices,
-                           usage_body(result.usage.prompt_tokens, result.usage.completion_tokens))
-    return {"id": f"batch_req_{result.job_id}", "custom_id": tag.custom_id,
-            "response": {"status_code": 200, "request_id": result.job_id, "body": body},
-            "error": None}
-
-
-def _choice(chat: bool, tag: LineTag, out: CompletionOutput, top: int) -> dict[str, Any]:
-    records = token_logprobs_of(out) if tag.logprobs else []
-    lp = logprobs_body(chat, records, top) if records else None
-    return choice_body(chat, out.index, out.text, lp, out.finish_reason)
-
-
-def error_line(custom_id: Optional[str], line: int, code: str, message: str,
-               job_id: Optional[str] = None) -> dict[str, Any]:
-    return {"id": f"batch_req_{job_id}" if job_id else None, "custom_id": custom_id,
-            "line": line, "response": None, "error": {"code": code, "message": message}}

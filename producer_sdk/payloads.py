@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from producer_sdk.errors import InvalidRequest
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
-from protocol.limits import DEFAULT_LIMITS, Limits
+from protocol.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check_job_limits
 from protocol.sampling_params import SAMPLING_FIELDS, SamplingParams
 from protocol.wire import INPUT_FIELDS, PROTOCOL_VERSION, JobRequest, now_ms, validate_job
 
@@ -41,49 +41,70 @@ _PLAIN = frozenset({str, int, float, bool, list, dict})
 PER_JOB_FIELDS = frozenset({*INPUT_FIELDS, "job_id", "queue", "routing_key"})
 
 
+_SCALARS = (bool, int, float)
+_FLAT = frozenset({str, bool, int, float, type(None)})
+
+
 def _freeze(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    """A hashable key equal only for equal values in the same order and of the same types.
+
+    Order matters: a JSON schema's ``properties`` order is the order the answer's fields are
+    generated in, so two schemas that differ only in it are two constraints. Types matter:
+    ``True``, ``1`` and ``1.0`` compare equal in Python, but strict validation accepts one and
+    refuses another. Containers are copied into the key, so a list or schema the caller
+    mutates after a submit never reads as the one validated before."""
+    kind = type(value)
+    if kind is dict:
+        return (dict, tuple((k, _freeze(v)) for k, v in value.items()))
+    if kind is list or kind is tuple:
+        return (list, tuple(_freeze(v) for v in value))
+    if kind in _SCALARS:
+        return (kind, value)
     return value
 
 
 class ParamsCache:
-    """Validates sampling dicts with SamplingParams, once per distinct dict (bounded cache)."""
+    """Validates sampling dicts with SamplingParams, once per distinct dict (bounded cache),
+    keyed by ``_freeze`` (order and types count)."""
 
-    def __init__(self, max_entries: int = 1024) -> None:
+    def __init__(self, max_entries: int = 1024, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.limits = limits
         self._cache: dict[Any, dict[str, Any]] = {}
         self._max = max_entries
-        self._last: tuple[Any, dict[str, Any]] = (None, {})
+        self._last: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
 
     def validate(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
         """Return the normalized params to send (only the fields given) or raise InvalidRequest."""
         if not sampling:
             return {}
         last_in, last_out = self._last
-        if sampling == last_in:  # bulk submits repeat one dict: skip even the cache key
+        # Bulk submits repeat one dict of plain values: skip even the cache key. Only scalars
+        # of the very same types qualify (no container a caller could have mutated since).
+        if sampling == last_in and all(type(v) is type(last_in[k]) and type(v) in _FLAT
+                                       for k, v in sampling.items()):
             return last_out
-        out = self._lookup(sampling)
-        self._last = (dict(sampling), out)
-        return out
-
-    def _lookup(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
         try:
             key = _freeze(dict(sampling))
             hash(key)
-        except TypeError:
+        except TypeError:       # an unhashable value (a model instance, a set): no caching
             return self._validate(sampling)
-        cached = self._cache.get(key)
-        if cached is None:
-            cached = self._validate(sampling)
+        out = self._cache.get(key)
+        if out is None:
+            out = self._validate(sampling)
             if len(self._cache) >= self._max:
                 self._cache.clear()
-            self._cache[key] = cached
-        return cached
+            self._cache[key] = out
+        self._last = (dict(sampling), out)
+        return out
 
-    @staticmethod
-    def _validate(sampling: Mapping[str, Any]) -> dict[str, Any]:
+    def _validate(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
+        if "structured_outputs" in sampling:
+            # Its limits before SamplingParams compiles it (the worker's validation checks
+            # limits before the schema too): an oversized schema is refused by its size alone.
+            try:
+                check_job_limits({"params": dict(sampling)}, self.limits)
+            except LimitExceeded as exc:
+                raise InvalidRequest(str(exc), field=exc.field) from None
         unknown = sorted(set(sampling) - SAMPLING_FIELDS)
         if unknown:
             raise InvalidRequest(
@@ -158,7 +179,7 @@ class PayloadBuilder:
                  limits: Limits = DEFAULT_LIMITS) -> None:
         self.keys = keys
         self.limits = limits
-        self.params = ParamsCache()
+        self.params = ParamsCache(limits=limits)
         self.new_id = job_ids or JobIds()
 
     def build(self, prompt: Optional[str] = None, *, submitted_ms: Optional[int] = None,

@@ -31,6 +31,7 @@ def submit(self, prompt: Optional[str] = None, *,
            priority: int = 0, deadline_s: Optional[float] = None, stream: bool = True,
            metadata: Optional[dict[str, Any]] = None,
            chat_template_kwargs: Optional[dict[str, Any]] = None,
+           tools: Optional[list[dict[str, Any]]] = None,
            traceparent: Optional[str] = None, routing_key: Optional[str] = None,
            queue: Optional[str] = None, block: bool = False,
            block_timeout: Optional[float] = None, durable: Optional[bool] = None,
@@ -41,7 +42,12 @@ def submit(self, prompt: Optional[str] = None, *,
     ``block_timeout`` seconds), RedisUnavailable when Redis cannot be reached. Submitting a
     ``job_id`` that is already known returns a handle on the existing job.
     ``chat_template_kwargs`` (with ``messages``) are variables for the model's chat
-    template, e.g. ``{"enable_thinking": False}`` for Qwen3. ``traceparent`` (W3C Trace
+    template, e.g. ``{"enable_thinking": False}`` for Qwen3; ``tools`` (with ``messages``)
+    are OpenAI's function tools, rendered by the template (a worker whose template ignores
+    tools refuses them). ``structured_outputs`` (a sampling field: ``{"json": schema}``,
+    ``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar": ...}``, ``{"json_object": True}``
+    or a ``StructuredOutputsParams``) constrains the answer so it parses; a bad schema raises
+    InvalidRequest before anything is sent. ``traceparent`` (W3C Trace
     Context) is carried with the job and logged by the worker with every line of it.
     ``routing_key`` (a conversation or system-prompt id, OpenAI's ``prompt_cache_key``)
     sends jobs with the same key to the same live worker, whose prefix cache holds what

@@ -45,6 +45,8 @@ class Heartbeat:
     redis_error: str = ""        # the transient Redis error being waited out, if any
     affinity: bool = False       # reads its affinity streams (producers may route to it)
     affinity_queued: int = 0     # entries unread in its affinity streams
+    tool_format: str = ""        # what its chat template does with tools (protocol/tools.py):
+                                 # hermes, unparsed, none; "" when unknown (an older worker)
 
     def encode(self) -> dict[str, Union[int, str]]:
         """The fields for ``HSET`` (every one but ``instance``, which the id lease writes)."""

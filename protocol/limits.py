@@ -60,6 +60,11 @@ class Limits(BaseModel):
                                  description="characters of a regex (or whitespace_pattern)")
     max_grammar_bytes: int = Field(default=64 * 1024, ge=1,
                                    description="UTF-8 bytes of a Lark / GBNF grammar")
+    # tools (protocol/tools.py): rendered into the prompt by the chat template, and their
+    # parameter schemas may become a constraint (the schema bounds apply to that too).
+    max_tools: int = Field(default=128, ge=1, description="tools of one job")
+    max_tools_bytes: int = Field(default=256 * 1024, ge=1,
+                                 description="msgpack-packed size of all the tools of a job")
 
 
 DEFAULT_LIMITS = Limits()
@@ -92,6 +97,9 @@ def check_job_limits(obj: dict, limits: Limits) -> None:
         value = obj.get(name)
         if isinstance(value, (dict, list)):
             check_metadata(value, limits, name)
+    tools = obj.get("tools")
+    if isinstance(tools, list):
+        _check_tools(tools, limits)
 
 
 def _over(field: str, what: str, got: int, limit: int, name: str) -> LimitExceeded:
@@ -214,6 +222,23 @@ def _check_schema(schema: Any, limits: Limits) -> None:
     if size > limits.max_schema_bytes:
         raise _over(field, "schema packs to bytes", size, limits.max_schema_bytes,
                     "max_schema_bytes")
+
+
+def _check_tools(tools: list, limits: Limits) -> None:
+    """Count, nesting (a tool's parameters are a JSON schema: ``max_schema_depth``, counted
+    from the list), then the packed size."""
+    if len(tools) > limits.max_tools:
+        raise _over("tools", "tool count", len(tools), limits.max_tools, "max_tools")
+    if container_depth(tools, stop_after=limits.max_schema_depth) > limits.max_schema_depth:
+        raise LimitExceeded("tools", f"tools are nested more than {limits.max_schema_depth} "
+                                     f"levels deep (max_schema_depth)")
+    try:
+        size = len(msgpack.packb(tools, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LimitExceeded("tools", f"tools are not JSON-like ({exc})") from None
+    if size > limits.max_tools_bytes:
+        raise _over("tools", "tools pack to bytes", size, limits.max_tools_bytes,
+                    "max_tools_bytes")
 
 
 def check_metadata(metadata: Any, limits: Limits, field: str = "metadata") -> None:

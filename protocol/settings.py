@@ -75,8 +75,10 @@ def run_cli(main: Callable[[], int]) -> int:
 class CliSettings(BaseSettings):
     """Base of every command's settings: read from ``TOKENRELAY_<NAME>`` below the flags."""
 
+    # An empty variable is an unset one, as ``${VAR:-default}`` reads it in compose: a .env line
+    # ``TOKENRELAY_MAX_MODEL_LEN=`` keeps the default instead of failing to parse "".
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore",
-                                      validate_default=True)
+                                      validate_default=True, env_ignore_empty=True)
 
 
 def unset(meaning: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from protocol.events import EVENT_TYPES, Event
 from protocol.limits import (DEFAULT_LIMITS, LimitExceeded, Limits, check_job_limits,
                              check_payload_size, readable_metadata, scan_job_id)
 from protocol.sampling_params import SamplingParams
+from protocol.tools import Tool, check_unique_names
 
 PROTOCOL_VERSION = 1
 MAX_JOB_ID_LEN = 128
@@ -56,7 +57,8 @@ def now_ms() -> int:
 TRACEPARENT_PATTERN = r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
 
 # What an engine itself passes to the chat template renderer: a job's template variables may
-# not replace them (the engine checks the same set for LLM.chat).
+# not replace them (the engine checks the same set for LLM.chat). ``tools`` come from the job's
+# own ``tools`` field (protocol/tools.py), which the worker checks its template reads.
 RESERVED_CHAT_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize",
                                            "add_generation_prompt", "return_dict",
                                            "chat_template", "tools", "documents"})
@@ -98,6 +100,9 @@ class JobRequest(BaseModel):
     # live worker, whose prefix cache holds what they share. Only producers read it.
     routing_key: Optional[str] = Field(default=None, min_length=1,
                                        max_length=MAX_ROUTING_KEY_LEN)
+    # With messages: OpenAI's function tools, given to the chat template as ``tools=``
+    # (protocol/tools.py). Added to v1 additively: older workers reject the unknown field.
+    tools: Optional[list[Tool]] = Field(default=None, min_length=1)
 
     @field_validator("job_id")
     @classmethod
@@ -127,7 +132,18 @@ class JobRequest(BaseModel):
                              f"got {given or 'none'}")
         if self.chat_template_kwargs is not None and self.messages is None:
             raise ValueError("chat_template_kwargs: only a job with messages has a chat template")
+        if self.tools is not None:
+            if self.messages is None:
+                raise ValueError("tools: only a job with messages has a chat template to "
+                                 "describe them")
+            check_unique_names(self.tools)
         return self
+
+    def tool_dicts(self) -> Optional[list[dict[str, Any]]]:
+        """``tools`` as the plain maps a chat template reads (None when the job has none)."""
+        if self.tools is None:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def sampling_params(self) -> SamplingParams:
         """The params as SamplingParams, a fresh copy per call (the worker fills in the seed).

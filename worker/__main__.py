@@ -37,8 +37,12 @@ def main(argv: Optional[list[str]] = None,
     # 2 cores). Must be set before torch loads its OpenMP runtime; explicit settings win.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("GOMP_SPINCOUNT", "20000")
-    from worker.logs import configure_logging
+    from worker.logs import configure_logging, get_logger
     configure_logging(settings.log_level)
+    from worker.preflight import check_redis
+    refused = check_redis(settings, get_logger(queue=settings.queue))
+    if refused is not None:
+        return refused
     from worker.service import Worker
     worker = (Worker(settings) if engine_factory is None
               else Worker(settings, engine_factory=engine_factory))

@@ -273,7 +273,7 @@ class Admission:
             return list(req.prompt_token_ids)
         # As LLM.chat does: the rendered template already holds BOS and friends.
         text_ = self.engine.render_chat([m.model_dump() for m in req.messages],
-                                        req.chat_template_kwargs)
+                                        req.chat_template_kwargs, req.tool_dicts())
         return list(self.engine.tokenizer.encode(text_, add_special_tokens=False))
 
     def _engine_prompt(self, job: Job) -> Any:

@@ -67,10 +67,17 @@ class WorkerSettings(WorkerIdentity):
                                                   json_schema_extra=ENGINE_DEFAULT)
     block_size: Optional[int] = Field(None, ge=1, description="KV cache block size in tokens.",
                                       json_schema_extra=ENGINE_DEFAULT)
-    kv_cache_memory: Optional[ByteSize] = Field(None, ge=1, description="KV pool size, e.g. 2GiB.",
-                                                json_schema_extra=ENGINE_DEFAULT)
+    kv_cache_memory_bytes: Optional[ByteSize] = Field(
+        None, ge=1, description="KV pool size, e.g. 2GiB (overrides --gpu-memory-utilization).",
+        json_schema_extra=unset("the engine's: on CPU 1GiB, on CUDA what "
+                                "--gpu-memory-utilization leaves"))
+    gpu_memory_utilization: Optional[float] = Field(
+        None, gt=0, le=1, description="Fraction of the GPU's memory this worker may use for "
+        "weights, activations and KV cache (vLLM's meaning; the KV pool gets what is left). "
+        "Two workers on one card: 0.45 each. Ignored on CPU.",
+        json_schema_extra=unset("the engine's (0.9)"))
     num_kv_blocks: Optional[int] = Field(None, ge=1, description="KV pool size in blocks "
-                                         "(overrides --kv-cache-memory).",
+                                         "(overrides --kv-cache-memory-bytes).",
                                          json_schema_extra=ENGINE_DEFAULT)
     max_model_len: Optional[int] = Field(None, ge=1, description="Max prompt+output tokens.",
                                          json_schema_extra=ENGINE_DEFAULT)
@@ -81,6 +88,10 @@ class WorkerSettings(WorkerIdentity):
     enforce_eager: Optional[bool] = Field(
         None, description="No CUDA graphs (GPU) and no compiled kernels (CPU float32): "
                           "seconds less start-up, slower steps.", json_schema_extra=ENGINE_DEFAULT)
+    tensor_parallel_size: Optional[int] = Field(
+        None, ge=1, description="Split the model over this many ranks: GPUs from --device on "
+        "(cuda:0..N-1), or processes on CPU. Its query/KV heads and MLP size must divide by it "
+        "(checked at start).", json_schema_extra=ENGINE_DEFAULT)
     result_ttl: float = Field(3600.0, gt=0, description="Seconds a result stream lives after its "
                               "last write.")
     drain_timeout: float = Field(30.0, ge=0, description="Seconds running jobs get to finish on "
@@ -123,6 +134,9 @@ class WorkerSettings(WorkerIdentity):
                                  "whitespace_pattern).")
     max_grammar_bytes: ByteSize = Field(64 * 1024, ge=1, description="Largest Lark / GBNF "
                                         "grammar constraint.")
+    max_tools: int = Field(128, ge=1, description="Most tools per chat job.")
+    max_tools_bytes: ByteSize = Field(256 * 1024, ge=1, description="Largest tools list of a "
+                                      "job (packed).")
     log_level: str = Field("info", description="debug, info, warning, error.")
     log_prompts: bool = Field(False, description="Log prompt text (debug only; off by default).")
 
@@ -151,8 +165,9 @@ class WorkerSettings(WorkerIdentity):
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for EngineConfig; unset options keep the engine's defaults."""
         names = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                 "kv_cache_memory", "num_kv_blocks", "max_model_len", "enable_prefix_caching", "attention_backend",
-                 "enforce_eager")
+                 "kv_cache_memory_bytes", "gpu_memory_utilization", "num_kv_blocks",
+                 "max_model_len", "enable_prefix_caching", "attention_backend", "enforce_eager",
+                 "tensor_parallel_size")
         out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         out["model"] = self.model
         # The job limits bound choices before admission; the engine holds the same bounds.

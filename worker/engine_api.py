@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional, Protocol, Sequence, Union, runtime_ch
 
 from engine.outputs import RequestDelta, ResumeState
 from engine.sampling_params import SamplingParams
+from protocol.tools import HERMES, TOOL_FORMATS
 from worker.config import WorkerSettings
 
 __all__ = ["EngineAPI", "Tokenizer", "RequestDelta", "ResumeState", "load_engine"]
@@ -35,6 +36,7 @@ class EngineAPI(Protocol):
 
     tokenizer: Tokenizer
     max_model_len: int          # prompt + output tokens: a chat job without max_tokens fills it
+    tool_call_format: str       # what the chat template does with tools (protocol/tools.py)
 
     def add_request(self, request_id: str, prompt: Union[str, list[int]],
                     params: SamplingParams, priority: int = 0,
@@ -49,14 +51,15 @@ class EngineAPI(Protocol):
     def free_capacity(self) -> int: ...
 
     def render_chat(self, messages: list[dict],
-                    chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> str: ...
+                    chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+                    tools: Optional[list[dict]] = None) -> str: ...
 
     def stats(self) -> Mapping[str, Any]: ...
 
 
 _SUMMARY_FIELDS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "block_size",
                    "max_model_len", "enable_prefix_caching", "attention_backend",
-                   "enforce_eager")
+                   "enforce_eager", "tensor_parallel_size")
 
 
 def describe_engine(engine: EngineAPI) -> dict[str, Any]:
@@ -73,7 +76,8 @@ def describe_engine(engine: EngineAPI) -> dict[str, Any]:
 
 def load_engine(settings: WorkerSettings) -> EngineAPI:
     """Build the engine named by ``--model``; ``fake:k=v,...`` builds the FakeEngine (producers
-    test their code with it, no model needed): max_num_seqs, step_delay, max_model_len."""
+    test their code with it, no model needed): max_num_seqs, step_delay, max_model_len, and
+    tools (the tool_format its "template" advertises: hermes, unparsed or none)."""
     if not settings.model:
         raise ValueError("--model (or TOKENRELAY_MODEL) is required")
     if settings.model.startswith("fake:"):
@@ -82,7 +86,37 @@ def load_engine(settings: WorkerSettings) -> EngineAPI:
         return FakeEngine(max_num_seqs=int(kw.get("max_num_seqs", settings.max_num_seqs or 8)),
                           step_delay=float(kw.get("step_delay", 0.0)),
                           max_model_len=int(kw.get("max_model_len", settings.max_model_len or 4096)),
-                          max_n=settings.max_n, max_beam_width=settings.max_beam_width)
+                          max_n=settings.max_n, max_beam_width=settings.max_beam_width,
+                          tool_format=_tool_format(kw.get("tools", HERMES)))
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    return LLMEngine(EngineConfig(**settings.engine_kwargs()))
+    worker_id = settings.resolved_worker_id()
+    return LLMEngine(EngineConfig(**settings.engine_kwargs()),
+                     on_parallel_failure=lambda message: exit_on_parallel_failure(
+                         message, worker_id))
+
+
+def exit_on_parallel_failure(message: str, worker_id: str) -> None:
+    """A tensor-parallel rank died or a collective failed: the engine cannot step again. The
+    worker exits at once, as if it had been killed, with one log line saying why; its jobs'
+    leases lapse and other workers reclaim and resume them exactly once (the same path as
+    after a SIGKILL). Its other ranks end with it (their lifeline closes)."""
+    import os
+    import sys
+
+    from worker.logs import get_logger
+    get_logger(worker_id=worker_id).error("tensor-parallel engine failed; worker exiting so other workers "
+                       "reclaim its jobs", cause=message, exit_code=EXIT_PARALLEL_FAILURE)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(EXIT_PARALLEL_FAILURE)
+
+
+# The exit status after a tensor-parallel failure: the engine's, like an engine step failure.
+EXIT_PARALLEL_FAILURE = 1
+
+
+def _tool_format(value: str) -> str:
+    if value not in TOOL_FORMATS:
+        raise ValueError(f"--model fake:tools={value}: expected one of {', '.join(TOOL_FORMATS)}")
+    return value

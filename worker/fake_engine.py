@@ -15,6 +15,13 @@ resumed request continues each choice from its own ResumeState (a finished one i
 Beam search (``beam_width = k``) takes ``max_tokens`` steps with no output, then returns k
 fake beams of ``max_tokens`` tokens in one step, best first (``fake_beams``); it is a function
 of the prompt only, so a rerun returns the same beams.
+
+Structured outputs (``params.structured_outputs``) are honoured: each choice (and beam) walks
+the constraint's grammar deterministically (``worker/fake_structured.py`` says how), ending
+``stop`` with EOS (id 0, no text) as soon as the answer is complete; ``fake_constrained``
+predicts it. Tools: the chat template is visible text (``render_chat``) that lists the tools'
+names; ``tool_format`` (``fake:tools=none``) says whether the "template" renders tools, as a
+real worker advertises it.
 """
 
 from __future__ import annotations
@@ -28,8 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
 from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.outputs import RequestDelta, ResumeState
+from engine.outputs import RequestDelta, RequestError, ResumeState
+from engine.prompts import check_tools
 from engine.sampling_params import SamplingParams
+from protocol.tools import HERMES
+from worker.fake_structured import EOS, FakeConstraint
 
 
 class FakeTokenizer:
@@ -48,6 +58,7 @@ class FakeTokenizer:
 class _Choice:
     out_ids: list[int] = field(default_factory=list)
     finished: bool = False
+    constraint: Optional[FakeConstraint] = None     # with params.structured_outputs
 
 
 @dataclass
@@ -62,15 +73,22 @@ class _Request:
     beam_steps: int = 0                 # beam search: steps searched so far
 
 
-def fake_token(prompt_ids: list[int], seed: int, position: int, greedy: bool,
-               choice: int = 0) -> int:
-    """The token at ``position`` of ``choice``: a function of the prompt, the seed and choice
-    (when sampling) and the position. Choice 0 hashes as before choices existed."""
+def fake_hash(prompt_ids: list[int], seed: int, position: int, greedy: bool,
+              choice: int = 0) -> int:
+    """The hash every fake pick at ``position`` draws from: of the prompt, the seed and
+    choice (when sampling) and the position. Choice 0 hashes as before choices existed."""
     key = (sum(prompt_ids), len(prompt_ids), position, None if greedy else seed)
     if choice and not greedy:
         key += (choice,)
     h = hashlib.blake2b(repr(key).encode(), digest_size=4)
-    return 97 + int.from_bytes(h.digest(), "little") % 26
+    return int.from_bytes(h.digest(), "little")
+
+
+def fake_token(prompt_ids: list[int], seed: int, position: int, greedy: bool,
+               choice: int = 0) -> int:
+    """The token at ``position`` of ``choice`` of an unconstrained request: a lowercase
+    letter drawn by ``fake_hash``."""
+    return 97 + fake_hash(prompt_ids, seed, position, greedy, choice) % 26
 
 
 def fake_logprobs(token: int, top: int) -> dict[int, float]:
@@ -88,6 +106,29 @@ def fake_completion(prompt: str, max_tokens: int, seed: int = 0, greedy: bool = 
     """What FakeEngine generates for ``prompt`` (length-limited, no stops): for assertions."""
     ids = [ord(c) for c in prompt]
     return "".join(chr(fake_token(ids, seed, i, greedy, choice)) for i in range(max_tokens))
+
+
+def fake_constrained(prompt: str, structured_outputs: Any, max_tokens: int, seed: int = 0,
+                     greedy: bool = True, choice: int = 0) -> tuple[str, str]:
+    """What FakeEngine answers for ``prompt`` under a constraint (a ``structured_outputs``
+    map or StructuredOutputsParams): (text, finish_reason), for assertions."""
+    from protocol.structured_outputs import StructuredOutputsParams
+    spec = StructuredOutputsParams.model_validate(structured_outputs)
+    ids = [ord(c) for c in prompt]
+    out = _walk(FakeConstraint.compile(spec), lambda i: fake_hash(ids, seed, i, greedy, choice),
+                max_tokens)
+    return "".join(chr(t) for t in out if t != EOS), "stop" if out[-1:] == [EOS] else "length"
+
+
+def _walk(constraint: FakeConstraint, hash_at: Callable[[int], int], max_tokens: int,
+          start: int = 0) -> list[int]:
+    """The constrained tokens from position ``start`` until EOS (included) or ``max_tokens``."""
+    out: list[int] = []
+    for position in range(start, max_tokens):
+        out.append(constraint.next_token(hash_at(position)))
+        if out[-1] == EOS:
+            break
+    return out
 
 
 def fake_beam(prompt_ids: list[int], max_tokens: int, rank: int) -> list[int]:
@@ -114,13 +155,14 @@ class FakeEngine:
 
     def __init__(self, max_num_seqs: int = 8, max_model_len: int = 4096, step_delay: float = 0.0,
                  fail_on: Optional[Callable[[list[str]], bool]] = None, max_n: int = 16,
-                 max_beam_width: int = 16) -> None:
+                 max_beam_width: int = 16, tool_format: str = HERMES) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_n, self.max_beam_width = max_n, max_beam_width
         self.max_model_len = max_model_len
         self.step_delay = step_delay
         self.fail_on = fail_on            # fail_on(scheduled ids) -> True makes step() raise
         self.tokenizer = FakeTokenizer()
+        self.tool_call_format = tool_format     # what the visible "template" does with tools
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
         self._lock = threading.Lock()
@@ -155,19 +197,27 @@ class FakeEngine:
     @staticmethod
     def _choices(params: SamplingParams,
                  resume: Union[None, ResumeState, list[ResumeState]]) -> list[_Choice]:
-        """Each choice's state, resumed as docs/contracts.md says (or InvalidRequestError)."""
+        """Each choice's state, resumed as docs/contracts.md says (or InvalidRequestError);
+        with a constraint, each running choice gets its matcher, resumed tokens replayed."""
         if params.use_beam_search:
             if resume is not None:
                 raise InvalidRequestError("resume: beam search is rerun, never resumed")
             return [_Choice() for _ in range(params.beam_width or 1)]
         if resume is None:
-            return [_Choice() for _ in range(params.n)]
-        states = [resume] if isinstance(resume, ResumeState) else list(resume)
-        if len(states) != params.n:
-            raise InvalidRequestError(f"resume: {len(states)} ResumeStates for n={params.n}")
-        choices = [_Choice(list(s.output_token_ids), s.finish_reason is not None) for s in states]
-        if all(c.finished for c in choices):
-            raise InvalidRequestError("resume: every choice has already finished")
+            choices = [_Choice() for _ in range(params.n)]
+        else:
+            states = [resume] if isinstance(resume, ResumeState) else list(resume)
+            if len(states) != params.n:
+                raise InvalidRequestError(f"resume: {len(states)} ResumeStates for n={params.n}")
+            choices = [_Choice(list(s.output_token_ids), s.finish_reason is not None)
+                       for s in states]
+            if all(c.finished for c in choices):
+                raise InvalidRequestError("resume: every choice has already finished")
+        spec = params.structured_outputs
+        if spec is not None:
+            for c in choices:
+                if not c.finished:
+                    c.constraint = FakeConstraint.compile(spec, c.out_ids)
         return choices
 
     def request_seed(self, request_id: str) -> int:
@@ -187,22 +237,39 @@ class FakeEngine:
     def _advance(self, r: _Request) -> list[RequestDelta]:
         deltas = (self._beam_step(r) if r.params.use_beam_search else
                   [self._sample(r, i, c) for i, c in enumerate(r.choices) if not c.finished])
+        failed = [d for d in deltas if d.error is not None]
+        if failed:                    # the request ends alone, with its one error delta
+            deltas = failed[:1]
+            for c in r.choices:
+                c.finished = True
         if all(c.finished for c in r.choices):
             with self._lock:
                 self._requests.pop(r.request_id, None)
         return deltas
 
     def _sample(self, r: _Request, index: int, c: _Choice) -> RequestDelta:
-        tok = fake_token(r.prompt_ids, r.seed, len(c.out_ids), r.params.greedy, index)
+        args = (r.prompt_ids, r.seed, len(c.out_ids), r.params.greedy, index)
+        if c.constraint is None:
+            tok = fake_token(*args)
+            stopped = tok in r.params.stop_token_ids
+        else:
+            try:
+                tok = c.constraint.next_token(fake_hash(*args))
+            except InvalidRequestError as exc:
+                return RequestDelta(r.request_id, [], "", None, [], True, None, None,
+                                    len(r.prompt_ids), len(c.out_ids), index=index,
+                                    error=RequestError("invalid_request", str(exc)))
+            stopped = tok == EOS
         c.out_ids.append(tok)
-        c.finished = len(c.out_ids) >= r.params.max_tokens or tok in r.params.stop_token_ids
+        c.finished = len(c.out_ids) >= r.params.max_tokens or stopped
         reason = None
         if c.finished:
-            reason = "stop" if tok in r.params.stop_token_ids else "length"
+            reason = "stop" if stopped else "length"
         lp = None if r.params.logprobs is None else [fake_logprobs(tok, r.params.logprobs)]
-        return RequestDelta(r.request_id, [tok], chr(tok), lp, [-0.5], c.finished, reason,
-                            tok if reason == "stop" else None, len(r.prompt_ids), len(c.out_ids),
-                            index=index, cumulative_logprob=-0.5 * len(c.out_ids))
+        stop_reason = tok if stopped and c.constraint is None else None
+        return RequestDelta(r.request_id, [tok], self.tokenizer.decode([tok]), lp, [-0.5],
+                            c.finished, reason, stop_reason, len(r.prompt_ids),
+                            len(c.out_ids), index=index, cumulative_logprob=-0.5 * len(c.out_ids))
 
     def _beam_step(self, r: _Request) -> list[RequestDelta]:
         """Search silently for ``max_tokens`` steps, then every beam at once, best first."""
@@ -211,12 +278,24 @@ class FakeEngine:
             return []
         out = []
         for rank, c in enumerate(r.choices):
-            c.out_ids, c.finished = fake_beam(r.prompt_ids, r.params.max_tokens, rank), True
-            out.append(RequestDelta(r.request_id, list(c.out_ids), "".join(map(chr, c.out_ids)),
-                                    None, [-0.5] * len(c.out_ids), True, "length", None,
+            c.out_ids, c.finished = self._beam(r, rank), True
+            reason = "stop" if c.out_ids[-1:] == [EOS] else "length"
+            out.append(RequestDelta(r.request_id, list(c.out_ids),
+                                    self.tokenizer.decode(c.out_ids), None,
+                                    [-0.5] * len(c.out_ids), True, reason, None,
                                     len(r.prompt_ids), len(c.out_ids), index=rank,
                                     cumulative_logprob=fake_beam_logprob(len(c.out_ids), rank)))
         return out
+
+    @staticmethod
+    def _beam(r: _Request, rank: int) -> list[int]:
+        """The beam of ``rank``: ``fake_beam``, or under a constraint its walk for the rank."""
+        spec = r.params.structured_outputs
+        if spec is None:
+            return fake_beam(r.prompt_ids, r.params.max_tokens, rank)
+        ids = r.prompt_ids
+        return _walk(FakeConstraint.compile(spec),
+                     lambda i: fake_hash(ids + [rank], 0, i, False, rank), r.params.max_tokens)
 
     def abort_request(self, request_id: str) -> bool:
         with self._lock:
@@ -235,9 +314,14 @@ class FakeEngine:
         return max(0, self.max_num_seqs - len(self._requests))
 
     def render_chat(self, messages: list[dict],
-                    chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> str:
-        """A visible template: each message, then ``<assistant>``, then the variables given."""
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+                    chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+                    tools: Optional[list[dict]] = None) -> str:
+        """A visible template: the tools' names (refused as a real template that ignores
+        tools would be, under ``tool_format`` none), each message, then ``<assistant>``, then
+        the variables given."""
+        names = [t["function"]["name"] for t in check_tools(tools, self.tool_call_format)]
+        text = f"<tools>{','.join(names)}</tools>\n" if names else ""
+        text += "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
         if chat_template_kwargs:
             text += "".join(f"<{k}={v!r}>" for k, v in sorted(chat_template_kwargs.items()))
         return text

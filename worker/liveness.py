@@ -136,6 +136,7 @@ class WorkerStatus:
     running: int                # the engine's running and waiting sequences
     waiting: int
     redis_error: str            # the transient error being waited out ('' when none)
+    tool_format: str = ""       # what the chat template does with tools (protocol/tools.py)
 
 
 @dataclass
@@ -214,7 +215,8 @@ class Liveness:
             model=str(s.model), served_model_name=s.served_model(), started_ms=self._started_ms,
             engine_loaded=st.engine_loaded, draining=st.draining, held=st.held,
             running=st.running, waiting=st.waiting, redis_error=st.redis_error,
-            affinity=True, affinity_queued=self.affinity.unread())
+            affinity=True, affinity_queued=self.affinity.unread(),
+            tool_format=st.tool_format)
         pipe = self.client.pipeline(transaction=False)
         pipe.hset(key, mapping=beat.encode())
         pipe.pexpire(key, 5 * s.heartbeat_ms)
@@ -236,3 +238,4 @@ class Liveness:
                 self.client.zrem(self.keys.workers, self.worker_id)
         if self.id_lease is not None:
             self.id_lease.release()
+

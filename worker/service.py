@@ -343,7 +343,8 @@ class Worker:
         return WorkerStatus(engine_loaded=not self.engine_broken, draining=self.draining,
                             held=len(self.jobs), running=int(stats.get("num_running", 0)),
                             waiting=int(stats.get("num_waiting", 0)),
-                            redis_error=self.redis_error or "")
+                            redis_error=self.redis_error or "",
+                            tool_format=tool_format(self.engine))
 
     def engine_stats(self) -> dict:
         try:
@@ -368,3 +369,12 @@ class Worker:
         for job in list(self.jobs.values()):
             if job.entry.key == (lane, entry_id):
                 self.jobs.drop(job, "lease lost: the entry was reclaimed by another worker")
+
+
+def tool_format(engine: Any) -> str:
+    """What the engine's chat template does with tools (protocol/tools.py), for the
+    heartbeat; "" when the engine cannot say (producers then treat it as an older worker)."""
+    try:
+        return str(engine.tool_call_format)
+    except Exception:  # an engine without the attribute, or a template that broke: unknown
+        return ""

@@ -31,6 +31,7 @@ from producer_sdk.gateway.models import HeartbeatDirectory, ModelDirectory, pars
 from producer_sdk.gateway.settings import GatewaySettings
 from producer_sdk.hub import ReadHub
 from producer_sdk.openai_format import OpenAIRequest
+from producer_sdk.structured import fit_tools, rename_error
 from protocol.topology import cluster_flag, detect_cluster, redact_url
 
 TIMEOUT_HEADER = "x-request-timeout"
@@ -185,6 +186,11 @@ class Gateway:
             raise no_live_worker(model, known, self.s.retry_after_s)
         raise model_not_found(model, sorted({m.name for m in await self.directory.models()}))
 
+    async def tool_format(self, model: str) -> Optional[str]:
+        """What the model's chat template does with tools, as its live workers advertise it."""
+        served = {m.name: m for m in await self.directory.models()}.get(model)
+        return getattr(served, "tool_format", None)
+
     async def submit(self, request: Request, req: OpenAIRequest) -> Submitted:
         """Enqueue the request's job (an unguessable job id) on its model's queue."""
         priority = self.priority(request)
@@ -195,6 +201,12 @@ class Gateway:
         except RedisError as exc:
             raise api_error(exc, self.s.retry_after_s) from None
         kwargs = dict(req.kwargs)
+        if req.tools is not None:           # tools as the served model's template takes them
+            try:
+                fmt = await self.tool_format(req.model or "")
+            except RedisError as exc:
+                raise api_error(exc, self.s.retry_after_s) from None
+            kwargs = fit_tools(kwargs, req.tools, fmt, req.model or "")
         meta = {**kwargs.pop("metadata", {}), "request_id": request.state.request_id}
         if req.user is not None:
             meta["user"] = req.user
@@ -203,7 +215,8 @@ class Gateway:
                 **kwargs, job_id=f"gw-{secrets.token_hex(16)}", priority=priority,
                 deadline_s=start_s, stream=True, metadata=meta)
         except Exception as exc:
-            raise api_error(exc, self.s.retry_after_s) from None
+            raise api_error(rename_error(exc, req.constraint_param),
+                            self.s.retry_after_s) from None
         ends = None if total_s is None else time.monotonic() + total_s
         return Submitted(job, queue, ends)
 

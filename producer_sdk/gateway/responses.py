@@ -28,6 +28,7 @@ from producer_sdk.openai_format import (OpenAIRequest, choice_body, chunk_body, 
                                         usage_body)
 from producer_sdk.gateway.errors import APIError, api_error, cancelled, timed_out
 from producer_sdk.gateway.metrics import GatewayMetrics
+from producer_sdk.tool_calls import CallReader, finish_reason, relay, whole_choice
 
 KEEPALIVE = ": keep-alive\n\n"
 DONE = "data: [DONE]\n\n"
@@ -96,6 +97,7 @@ class Choice:
     records: list[TokenLogprob] = field(default_factory=list)
     finish_reason: Optional[str] = None
     opened: bool = False            # chat: the role chunk was sent
+    calls: Optional[CallReader] = None  # with tools: the calls read from the text so far
 
 
 @dataclass
@@ -111,7 +113,10 @@ class Answer:
     started: float = field(default_factory=time.monotonic)
 
     def choice(self, index: int) -> Choice:
-        return self.choices.setdefault(index, Choice())
+        if index not in self.choices:
+            tools = self.req.tools
+            self.choices[index] = Choice(calls=CallReader(tools) if tools else None)
+        return self.choices[index]
 
     def add(self, delta: Delta) -> list[dict[str, Any]]:
         """Fold one delta in; the chunk choices that relay it."""
@@ -125,7 +130,11 @@ class Answer:
         if self.req.chat and not c.opened:
             c.opened = True
             out.append(chunk_choice(True, delta.index, "", None, None, role=True))
-        if delta.text or lp or delta.finish_reason:
+        if c.calls is not None:           # content and tool-call deltas
+            out.extend(relay(c.calls, self.job.id, delta.index, delta.text, lp,
+                             delta.finish_reason))
+            c.finish_reason = finish_reason(c.calls, delta.finish_reason)
+        elif delta.text or lp or delta.finish_reason:
             c.finish_reason = delta.finish_reason
             out.append(chunk_choice(self.req.chat, delta.index, delta.text, lp,
                                     delta.finish_reason))
@@ -140,7 +149,10 @@ class Answer:
             if self.req.chat and not c.opened:
                 c.opened = True
                 out.append(chunk_choice(True, o.index, "", None, None, role=True))
-            if c.finish_reason is None:
+            if c.finish_reason is None and c.calls is not None:
+                out.extend(relay(c.calls, self.job.id, o.index, "", None, o.finish_reason))
+                c.finish_reason = finish_reason(c.calls, o.finish_reason)
+            elif c.finish_reason is None:
                 c.finish_reason = o.finish_reason
                 out.append(chunk_choice(self.req.chat, o.index, None if self.req.chat else "",
                                         None, o.finish_reason))
@@ -159,6 +171,10 @@ class Answer:
             c = self.choices.get(o.index) or Choice()
             records = c.records or (token_logprobs_of(o) if self.req.logprobs else [])
             lp = logprobs_body(self.req.chat, records, self.top) if self.req.logprobs else None
+            if self.req.tools is not None:
+                choices.append(whole_choice(self.req.tools, self.job.id, o.index, o.text, lp,
+                                            o.finish_reason))
+                continue
             choices.append(choice_body(self.req.chat, o.index, o.text, lp, o.finish_reason))
         return completion_body(self.req.chat, self.job.id, self.created, self.model, choices,
                                usage_of(result))

@@ -111,3 +111,31 @@ def test_worker_help_lists_admin_and_says_what_each_default_is():
     out = run("worker", "--help")
     assert out.returncode == 0 and "python -m worker admin" in out.stdout
     assert "default None" not in out.stdout and "default: none, required" in out.stdout
+
+
+@pytest.mark.parametrize("url, words", [
+    ("localhost:6379", ("bad --redis-url localhost:6379", "redis://")),
+    ("redis://127.0.0.1:notaport/0", ("bad --redis-url", "notaport")),
+    ("redis://:wrong@REDIS/0", ("redis configuration error", "password")),
+    ("redis://other:pw@REDIS/0", ("redis configuration error", "NoPermissionError")),
+], ids=["no-scheme", "bad-port", "wrong-password", "acl-other-namespace"])
+def test_redis_is_checked_before_the_model_loads(redis_server, url, words):
+    """A Redis URL that can never work ends the worker before its model loads (a model path
+    that does not exist would be the next error: it is never reached), one line, exit 78."""
+    with redis_server.client() as r:
+        r.acl_setuser("other", enabled=True, passwords=["+pw"], keys=["other:*"],
+                      commands=["+@all"])
+        r.config_set("requirepass", "right")
+    out = run("worker", "--model", "/nonexistent/checkpoint", "--device", "cpu",
+              "--redis-url", url.replace("REDIS", f"127.0.0.1:{redis_server.port}"))
+    assert_clean(out, 78, *words)
+    assert "no config.json" not in out.stdout + out.stderr
+    assert "wrong" not in out.stderr and ":pw@" not in out.stderr
+
+
+def test_an_unreachable_redis_is_waited_for_after_loading_the_model():
+    """Not a configuration error: Redis may be starting. The worker warns at once, loads its
+    model (here: fails to, which ends it with the model's error), then would retry."""
+    out = run("worker", "--model", "/nonexistent/checkpoint", "--device", "cpu",
+              "--redis-url", DOWN)
+    assert_clean(out, 78, "redis not reachable yet", "no config.json")

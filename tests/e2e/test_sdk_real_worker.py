@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(
     reason="the real engine/worker are not available")
 
 KEYS = Keys()
-ENGINE_KW = dict(kv_cache_memory=64 * 2**20, max_num_seqs=32, max_model_len=256)
+ENGINE_KW = dict(kv_cache_memory_bytes=64 * 2**20, max_num_seqs=32, max_model_len=256)
 
 
 @pytest.fixture(scope="module")

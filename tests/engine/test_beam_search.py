@@ -197,3 +197,21 @@ def test_beam_search_refuses_what_it_cannot_honour(checkpoints):
         engine.add_request("c", [5, 6], SamplingParams(beam_width=2, max_tokens=4),
                            resume=ResumeState([7], "x"))
     assert not engine.requests
+
+
+@pytest.mark.timeout(120)
+def test_generate_with_beam_width_returns_every_beam_as_beam_search_does(checkpoints):
+    """``LLM.generate(SamplingParams(beam_width=k))`` (vLLM's spelling through the sampling
+    params) returns the k beams, best first, the same as ``LLM.beam_search``."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(checkpoints["llama-eos"]), num_kv_blocks=256, block_size=4)
+    prompt = {"prompt_token_ids": list(range(40, 60))}
+    want = llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=8))[0].sequences
+    got = llm.generate(prompt, SamplingParams(beam_width=3, max_tokens=8, temperature=0.0))[0]
+    assert [o.index for o in got.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in got.outputs] == [s.token_ids for s in want]
+    assert [o.text for o in got.outputs] == [s.text for s in want]
+    assert [o.cumulative_logprob for o in got.outputs] == [s.cum_logprob for s in want]
+    assert [o.finish_reason for o in got.outputs] == [s.finish_reason for s in want]
+    assert got.finished and got.metrics.finished_time is not None

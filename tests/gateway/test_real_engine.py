@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(
     or importlib.util.find_spec("worker.service") is None,
     reason="the real engine/worker are not available")]
 
-ENGINE_KW = dict(kv_cache_memory=64 * 2**20, max_num_seqs=32, max_model_len=256)
+ENGINE_KW = dict(kv_cache_memory_bytes=64 * 2**20, max_num_seqs=32, max_model_len=256)
 CHAT = [{"role": "user", "content": "Tell me about queues."}]
 
 

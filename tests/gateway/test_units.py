@@ -37,7 +37,7 @@ def test_chat_without_max_tokens_sends_none_and_streaming_fields_map():
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),      # a tool needs its function
     ({"user": 5}, "user"),
 ])
 def test_request_errors_name_the_field(body, param):

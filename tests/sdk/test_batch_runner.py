@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from producer_sdk import Client
-from producer_sdk.batch import (BatchRunner, DoneIndex, LineError, body_to_request, job_id_for)
+from producer_sdk.batch import BatchRunner, DoneIndex, LineError, job_id_for
+from producer_sdk.openai_format import body_to_request
 from tests.sdk_helpers import FakeWorker, env_with_repo, sdk_redis, sdk_url  # noqa: F401
 
 

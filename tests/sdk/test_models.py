@@ -34,10 +34,12 @@ def test_heartbeat_carries_served_model_name_and_queue(redis_server, start_worke
     beat = {k.decode(): v.decode() for k, v in r.hgetall(Keys().heartbeat("hb1")).items()}
     assert beat["served_model_name"] == "alpha" and beat["queue"] == "q1"
     assert beat["model"] == "fake:"
+    assert beat["tool_format"] == "hermes"          # what its "template" does with tools
     assert r.smembers(Keys().queues) == {b"q1"}
     models = list_models(r)
     assert list(models) == ["alpha"]
     assert models["alpha"].queues == ("q1",) and models["alpha"].workers == (("q1", "hb1"),)
+    assert models["alpha"].tool_format == "hermes"
     assert abs(models["alpha"].created - time.time()) < 60
     assert run.stop() == 0
     assert list_models(r) == {}            # a clean exit deletes the heartbeat at once
@@ -129,14 +131,27 @@ def test_only_loaded_undrained_workers_of_the_queue_count():
     from producer_sdk.models import _models
     pairs = [("q", "ok"), ("q", "broken"), ("q", "draining"), ("q", "moved"), ("q", "gone"),
              ("q", "old")]
-    beats = [Heartbeat(served_model_name="m", queue="q", engine_loaded=True, started_ms=5000),
+    beats = [Heartbeat(served_model_name="m", queue="q", engine_loaded=True, started_ms=5000,
+                       tool_format="hermes"),
              Heartbeat(served_model_name="m", queue="q", started_ms=1),
              Heartbeat(served_model_name="m", queue="q", engine_loaded=True, draining=True),
              Heartbeat(served_model_name="m", queue="other", engine_loaded=True),
              None, Heartbeat(queue="q", engine_loaded=True, started_ms=1)]
     models = _models(pairs, beats)
     assert list(models) == ["m"] and models["m"].workers == (("q", "ok"),)
-    assert models["m"].created == 5
+    assert models["m"].created == 5 and models["m"].tool_format == "hermes"
+
+
+def test_a_model_has_a_tool_format_only_when_every_live_worker_says_the_same():
+    from producer_sdk.models import _models
+    pairs = [("q", "a"), ("q", "b")]
+
+    def beat(fmt: str) -> Heartbeat:
+        return Heartbeat(served_model_name="m", queue="q", engine_loaded=True, tool_format=fmt)
+    assert _models(pairs, [beat("none"), beat("none")])["m"].tool_format == "none"
+    assert _models(pairs, [beat("hermes"), beat("none")])["m"].tool_format is None
+    assert _models(pairs, [beat("hermes"), beat("")])["m"].tool_format is None
+    assert _models(pairs, [beat(""), beat("")])["m"].tool_format is None
 
 
 def test_submit_to_another_queue_of_the_namespace(redis_server):

@@ -99,7 +99,7 @@ def test_batch_status_lists_every_line(tmp_path, redis_server):
     import subprocess
     import sys
 
-    from producer_sdk.openai_format import job_id_for
+    from producer_sdk.batch_lines import job_id_for
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST",
                                        "url": "/v1/completions",

@@ -58,10 +58,10 @@ class FragileEngine(FakeEngine):
             raise RuntimeError("kaboom in add_request")
         super().add_request(request_id, prompt, *args, **kwargs)
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], *args: Any) -> str:
         if any("bad template" in m.get("content", "") for m in messages):
             raise KeyError("the chat template has no 'tool' role")
-        return super().render_chat(messages)
+        return super().render_chat(messages, *args)
 
 
 def test_any_admission_failure_ends_that_job_alone(start_worker, r):

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_thread")
               pytest.mark.skipif(importlib.util.find_spec("engine.llm_engine") is None,
                                  reason="engine.llm_engine not available")]
 
-ENGINE_KW = dict(kv_cache_memory=32 * 2**20, max_num_seqs=8, max_model_len=512)
+ENGINE_KW = dict(kv_cache_memory_bytes=32 * 2**20, max_num_seqs=8, max_model_len=512)
 
 
 @pytest.fixture(scope="module")

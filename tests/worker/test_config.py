@@ -18,11 +18,11 @@ def test_settings_from_env_and_flags(monkeypatch):
     monkeypatch.setenv("TOKENRELAY_QUEUE", "fromenv")
     monkeypatch.setenv("TOKENRELAY_MAX_NUM_SEQS", "12")
     monkeypatch.setenv("TOKENRELAY_ENABLE_PREFIX_CACHING", "false")
-    monkeypatch.setenv("TOKENRELAY_KV_CACHE_MEMORY", "1GiB")
+    monkeypatch.setenv("TOKENRELAY_KV_CACHE_MEMORY_BYTES", "1GiB")
     s = settings_from_args(build_parser().parse_args(["--model", "m", "--max-num-seqs", "3",
                                                       "--redis-url", "rediss://u:p@h:1/2"]))
     assert s.queue == "fromenv" and s.max_num_seqs == 3 and s.enable_prefix_caching is False
-    assert s.kv_cache_memory == 2**30 and s.redis_url == "rediss://u:p@h:1/2"
+    assert s.kv_cache_memory_bytes == 2**30 and s.redis_url == "rediss://u:p@h:1/2"
     kw = s.engine_kwargs()
     assert kw["model"] == "m" and kw["max_num_seqs"] == 3 and "block_size" not in kw
     s2 = settings_from_args(build_parser().parse_args(["--enable-prefix-caching"]))
@@ -30,15 +30,15 @@ def test_settings_from_env_and_flags(monkeypatch):
 
 
 def test_sizes_are_parsed_by_pydantic_bytesize():
-    s = WorkerSettings(kv_cache_memory="2GiB", max_payload_bytes="4MiB",
+    s = WorkerSettings(kv_cache_memory_bytes="2GiB", max_payload_bytes="4MiB",
                        dead_letter_payload_bytes="64KB")
-    assert s.kv_cache_memory == 2 * 2**30 and s.max_payload_bytes == 4 * 2**20
+    assert s.kv_cache_memory_bytes == 2 * 2**30 and s.max_payload_bytes == 4 * 2**20
     assert s.dead_letter_payload_bytes == 64_000
-    assert WorkerSettings(kv_cache_memory="512MB").kv_cache_memory == 512 * 10**6
-    assert WorkerSettings(kv_cache_memory=123).kv_cache_memory == 123
+    assert WorkerSettings(kv_cache_memory_bytes="512MB").kv_cache_memory_bytes == 512 * 10**6
+    assert WorkerSettings(kv_cache_memory_bytes=123).kv_cache_memory_bytes == 123
     assert s.decode_limits().max_payload_bytes == 4 * 2**20
     with pytest.raises(ValueError):
-        WorkerSettings(kv_cache_memory="lots")
+        WorkerSettings(kv_cache_memory_bytes="lots")
 
 
 def test_default_worker_id_is_stable():

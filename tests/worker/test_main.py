@@ -30,7 +30,7 @@ def test_help_lists_every_flag():
     assert out.returncode == 0
     for flag in ("--model", "--redis-url", "--namespace", "--queue", "--worker-id", "--device",
                  "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
-                 "--kv-cache-memory", "--max-model-len", "--enable-prefix-caching",
+                 "--kv-cache-memory-bytes", "--max-model-len", "--enable-prefix-caching",
                  "--no-enable-prefix-caching", "--result-ttl", "--drain-timeout",
                  "--metrics-port", "--lease-ms", "--max-deliveries", "--enforce-eager",
                  "TOKENRELAY_REDIS_URL"):
@@ -105,7 +105,7 @@ def test_real_model_subprocess(redis_server, worker_process, tiny_checkpoint):
     pytest.importorskip("engine.llm_engine")
     r = redis_server.client()
     wp = worker_process("--model", str(tiny_checkpoint("llama")), "--redis-url",
-                        redis_server.url, "--worker-id", "real1", "--kv-cache-memory", "32MiB",
+                        redis_server.url, "--worker-id", "real1", "--kv-cache-memory-bytes", "32MiB",
                         "--max-num-seqs", "8", "--max-model-len", "256", "--block-ms", "50")
     for i in range(4):
         submit(r, KEYS, {"job_id": f"real{i}", "prompt": f"hello {i}",

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("engine.llm_engine") is
                                 reason="engine.llm_engine not available yet")
 
 KEYS = Keys()
-ENGINE_KW = dict(kv_cache_memory=64 * 2**20, max_num_seqs=16, max_model_len=256)
+ENGINE_KW = dict(kv_cache_memory_bytes=64 * 2**20, max_num_seqs=16, max_model_len=256)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,104 @@
+"""Ranks 1..N-1 of a tensor-parallel engine: ``python -m engine.parallel.rank``, one small loop.
+
+Started by engine/parallel/launch.py: read the pickled :class:`RankSpec` from stdin and keep
+watching stdin (the lifeline: end of file means rank 0's process is gone), check in to the
+rendezvous store, join the process groups, load this rank's share of the model and its KV
+cache (engine/model_runner.py, the same class rank 0 runs), then serve: receive the prepared
+step, run the forward (joining its all-reduces and the logits gather), repeat until told to
+stop (the lifeline). There is no scheduler, sampler or tokenizer here; those live on rank 0.
+
+A rank ignores SIGINT and SIGTERM: a Ctrl-C or a ``kill`` of the process group is for rank 0
+to handle (the worker drains on SIGTERM), and the rank ends with it through the lifeline.
+Any error ends the rank with one line on stderr and exit code 1; rank 0 notices its exit.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+
+from engine.config import EngineConfig
+from engine.parallel.group import ParallelGroup, Rendezvous, open_store
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a spawned rank needs: the resolved config (``device`` already this rank's), its
+    rank, where to meet rank 0, and its share of the threads."""
+
+    config: EngineConfig
+    rank: int
+    rendezvous: Rendezvous
+    threads: int
+
+
+def hello_key(rank: int) -> str:
+    """The store key a rank sets once it is running (rank 0 waits for each)."""
+    return f"hello/{rank}"
+
+
+def _watch_lifeline(lifeline: Any) -> None:
+    """Exit as soon as rank 0's process is gone: the pipe's only writer is there, so its end
+    of file means that process ended (or shut this rank down), however it ended."""
+    def wait() -> None:
+        try:
+            while lifeline.read(4096):
+                pass
+        except OSError:
+            pass
+        os._exit(0)
+    threading.Thread(target=wait, name="tp-lifeline", daemon=True).start()
+
+
+def serve(runner: Any, group: ParallelGroup) -> NoReturn:
+    """Run rank 0's steps, for as long as rank 0 lives (the lifeline ends the process)."""
+    from engine.parallel.step import receive_step
+    while True:
+        runner.run(receive_step(group))
+
+
+def rank_main(spec: RankSpec, lifeline: Any) -> NoReturn:
+    """A rank's life, from its spec to the end of rank 0's process."""
+    parent = os.getppid()
+    _watch_lifeline(lifeline)
+    config = spec.config
+    size = config.tensor_parallel_size
+    try:
+        torch.set_num_threads(spec.threads)
+        device = torch.device(config.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        store, _ = open_store(spec.rendezvous, size, spec.rendezvous.timeout_s)
+        store.set(hello_key(spec.rank), str(os.getpid()))
+        group = ParallelGroup(store, spec.rank, size, device, config.tensor_parallel_timeout)
+        from engine.model_runner import ModelRunner
+        runner = ModelRunner(config, group=group)
+        serve(runner, group)
+    except BaseException as exc:     # one line, then the details, then exit 1
+        if os.getppid() != parent:   # rank 0's process died first: its connections dropped
+            os._exit(0)
+        print(f"tokenrelay tensor-parallel rank {spec.rank} (pid {os.getpid()}) failed: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    stdin = sys.stdin.buffer
+    spec = pickle.load(stdin)
+    rank_main(spec, stdin)
+
+
+if __name__ == "__main__":
+    main()

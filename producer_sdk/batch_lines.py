@@ -1,0 +1,64 @@
+"""The OpenAI Batch file's output lines: what the batch runner writes for a finished job (the
+response body built from the OpenAI shapes of ``openai_format.py``, tool calls read back by
+``tool_calls.py``) or for a line that failed, and the job id each line gets."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from producer_sdk.job import CompletionOutput, Result
+from producer_sdk.openai_format import (CHAT_URL, choice_body, completion_body, logprobs_body,
+                                        token_logprobs_of, usage_body)
+from producer_sdk.tool_calls import whole_choice
+
+
+@dataclass(frozen=True, slots=True)
+class LineTag:
+    """What the writer needs to know about a job once it finishes."""
+
+    custom_id: str
+    line: int
+    url: str
+    model: str
+    logprobs: bool
+    top_logprobs: int = 0        # alternatives per token asked for (chat top_logprobs, or logprobs)
+    tools: Any = None            # producer_sdk.structured.ToolPlan: the answer may hold calls
+    constraint_param: Optional[str] = None   # the body field that asked for a constraint
+
+
+
+def job_id_for(batch_id: str, custom_id: str) -> str:
+    """Deterministic, protocol-safe job id: the same line of the same batch is the same job."""
+    return "b-" + hashlib.sha256(f"{batch_id}\0{custom_id}".encode()).hexdigest()[:40]
+
+
+def response_line(tag: LineTag, result: Result) -> dict[str, Any]:
+    """The OpenAI-shaped output line: one choice per output (``n`` of them), each with its
+    index, message (chat) or text, logprobs (``tag.top_logprobs`` alternatives) and
+    finish_reason; usage sums every choice."""
+    chat = tag.url == CHAT_URL
+    choices = [_choice(chat, tag, out, tag.top_logprobs, result.job_id)
+               for out in result.outputs]
+    body = completion_body(chat, result.job_id, int(time.time()), tag.model, choices,
+                           usage_body(result.usage.prompt_tokens, result.usage.completion_tokens))
+    return {"id": f"batch_req_{result.job_id}", "custom_id": tag.custom_id,
+            "response": {"status_code": 200, "request_id": result.job_id, "body": body},
+            "error": None}
+
+
+def _choice(chat: bool, tag: LineTag, out: CompletionOutput, top: int,
+            job_id: str) -> dict[str, Any]:
+    records = token_logprobs_of(out) if tag.logprobs else []
+    lp = logprobs_body(chat, records, top) if records else None
+    if tag.tools is not None:
+        return whole_choice(tag.tools, job_id, out.index, out.text, lp, out.finish_reason)
+    return choice_body(chat, out.index, out.text, lp, out.finish_reason)
+
+
+def error_line(custom_id: Optional[str], line: int, code: str, message: str,
+               job_id: Optional[str] = None) -> dict[str, Any]:
+    return {"id": f"batch_req_{job_id}" if job_id else None, "custom_id": custom_id,
+            "line": line, "response": None, "error": {"code": code, "message": message}}

@@ -1,0 +1,116 @@
+"""Tensor-parallel workers (``--tensor-parallel-size 2``, CPU, gloo) through Redis, and the crash
+story when a rank dies.
+
+Two size-2 workers start at once (two rendezvous on one host) and stream greedy jobs equal to
+the offline size-1 engine. Rank 1 of the worker holding the most jobs is SIGKILLed mid-stream:
+that worker exits at once with one log line naming the rank, the other worker reclaims and
+resumes its jobs, every stream holds each token exactly once, and no rank process outlives its
+worker (also when the worker is stopped with SIGTERM to its process group and drains).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fault_harness import FaultEnv, wait_for
+
+
+@pytest.fixture
+def env(request, tmp_path):
+    e = FaultEnv(tmp_path)
+    request.addfinalizer(e.close)
+    return e
+
+
+def rank_pids(parent: int) -> list[int]:
+    """Pids of the tensor-parallel ranks (``python -m engine.parallel.rank``) of ``parent``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and b"engine.parallel.rank" in cmdline:
+            out.append(int(entry.name))
+    return out
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (ProcessLookupError, OSError):
+        return True
+    return state == "Z"
+
+
+def failure_lines(log: str) -> list[dict]:
+    out = []
+    for line in log.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("event", "").startswith("tensor-parallel engine"):
+            out.append(rec)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_killed_rank_ends_its_worker_and_another_resumes_its_jobs_exactly_once(
+        env, tiny_checkpoint):
+    model = str(tiny_checkpoint("llama"))
+    flags = {"max-num-seqs": 32, "dtype": "float32", "tensor-parallel-size": 2}
+    workers = {wid: env.worker(wid, model=model, wait=False, **flags) for wid in ("w1", "w2")}
+    for w in workers.values():                      # both size-2 engines start at once
+        w.wait_for_log("worker ready", timeout=180)
+    ranks = {wid: rank_pids(w.pid) for wid, w in workers.items()}
+    assert all(len(pids) == 1 for pids in ranks.values()), ranks
+    texts = [f"tensor parallel job {i} says hello" for i in range(16)]
+    params = dict(max_tokens=48, temperature=0.0, ignore_eos=True)
+    jobs = env.submit(texts, **params)
+    wait_for(lambda: env.tokens_streamed(jobs) >= 16 * 6, 90, what="tokens flowing")
+    victim = max(workers, key=lambda wid: len(env.held_by(wid)))
+    survivor = "w2" if victim == "w1" else "w1"
+    held = env.held_by(victim)
+    os.kill(ranks[victim][0], signal.SIGKILL)       # rank 1, mid-stream
+    killed_at = time.monotonic()
+    assert workers[victim].wait(timeout=30) == 1
+    exit_s = time.monotonic() - killed_at
+    lines = failure_lines(workers[victim].log())
+    assert len(lines) == 1, workers[victim].log()[-3000:]
+    assert "rank 1" in lines[0]["cause"] and "SIGKILL" in lines[0]["cause"], lines[0]
+
+    reports = env.wait_ended(jobs, timeout=150)
+    env.assert_exactly_once(reports)
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    offline = LLM(model, device="cpu", dtype="float32").generate(texts, SamplingParams(**params))
+    for job_id, out in zip(jobs, offline):
+        rep = reports[job_id]
+        assert rep.kind == "done:length"
+        assert rep.token_ids == list(out.outputs[0].token_ids), job_id
+        assert rep.text == out.outputs[0].text, job_id
+    resumed = [r for r in reports.values() if len(r.started) > 1]
+    assert held and resumed, "the victim held nothing when its rank died: the test proved nothing"
+    assert all(r.started[-1].worker_id == survivor for r in resumed)
+    assert any(r.started[-1].resumed_tokens > 0 for r in resumed)
+    print(f"\nworker exited {exit_s:.2f} s after its rank 1 was killed; "
+          f"{len(resumed)} jobs resumed by {survivor}")
+
+    # The survivor stopped as a supervisor stops it (SIGTERM to its process group, ranks
+    # included): the ranks leave it the drain, and end when it exits.
+    survivor_rank = ranks[survivor][0]
+    os.killpg(workers[survivor].pid, signal.SIGTERM)
+    assert workers[survivor].wait(timeout=60) == 0
+    wait_for(lambda: gone(survivor_rank), 10, what="the stopped worker's rank to exit")
