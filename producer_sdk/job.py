@@ -132,9 +132,10 @@ class JobState:
                 self.last_id, last = eid, key
                 raw = fields.get(EVENT_FIELD, fields.get(_EVENT_KEY)) if fields else None
                 if raw is not None:
-                    deltas.extend(self.fold.apply_raw(raw))
-            if deltas and self.token_seed is None:
-                self.token_seed = self.fold.seed
+                    new = self.fold.apply_raw(raw)
+                    if new and self.token_seed is None and self.delta_count + len(deltas) == 0:
+                        self.token_seed = self.fold.seed
+                    deltas.extend(new)
             self.delta_count += len(deltas)
             if self.streamers:
                 self.log.extend(deltas)

@@ -131,3 +131,27 @@ def test_a_job_no_worker_starts_ends_expired_on_its_deadline(redis_server):
     took, code = asyncio.run(main())
     assert code == "expired" and took < 2.5, took
     r.close()
+
+
+def test_a_rerun_carries_the_seed_of_the_tokens_the_reader_holds():
+    """A lost job put back in its queue must make the tokens its reader already has: its
+    request gets the seed of the run that made the reader's first token (not a later run's,
+    whose repeats the fold skipped), unless it named one itself; beam search takes none."""
+    from producer_sdk.job import JobState
+    from producer_sdk.payloads import PayloadBuilder
+    from producer_sdk.reads import rerun_request
+    from protocol.wire import decode_job
+    builder = PayloadBuilder(Keys())
+    state = JobState("j", "k")
+    state.feed([(b"1-0", {EVENT_FIELD: msgpack.packb({"type": "started", "ts": 1.0,
+                                                       "attempt": 1, "seed": 11})}),
+                (b"2-0", {EVENT_FIELD: token(0, "a")}),
+                (b"3-0", {EVENT_FIELD: msgpack.packb({"type": "started", "ts": 2.0,
+                                                       "attempt": 2, "seed": 99})})])
+    assert (state.token_seed, state.seed) == (11, 99)
+    sampled = builder.build("p", job_id="j", temperature=1.0)
+    assert decode_job(rerun_request(sampled, state.token_seed).payload).params["seed"] == 11
+    own = builder.build("p", job_id="j", temperature=1.0, seed=5)
+    assert rerun_request(own, 11) is own
+    beams = builder.build("p", job_id="j", beam_width=2)
+    assert rerun_request(beams, 11) is beams
