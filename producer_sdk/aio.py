@@ -18,6 +18,7 @@ from producer_sdk.client import Client
 from producer_sdk.client_core import NET_ERRORS, ClientCore, make_async_redis
 from producer_sdk.effects import Plan, arun
 from producer_sdk.errors import RedisUnavailable
+from producer_sdk.hub import ReadHub
 from producer_sdk.job import AsyncJob
 from producer_sdk.payloads import Prepared
 from producer_sdk.status import JobStatus
@@ -34,14 +35,31 @@ class AsyncClient(ClientCore[aioredis.Redis]):
     """Asyncio producer client for one queue; see ``Client`` for the semantics of each method
     (``limits``, cluster and shards, durable submits, ClientClosed after ``close()``). The
     Redis client is made on first use; asking a server whether it is a cluster node runs in a
-    thread, so it never blocks the event loop."""
+    thread, so it never blocks the event loop. Its pool is bounded (``max_connections``) and
+    waits for a free connection; jobs being waited for are read by shared readers
+    (``producer_sdk/hub.py``), not one connection each: pass one ``hub`` to several clients on
+    one Redis client to share them too."""
 
     job_class = AsyncJob
 
     def __init__(self, redis_url: Optional[str] = None, queue: str = "default",
                  namespace: str = "tokenrelay", *, redis_client: Optional[Any] = None,
-                 limits: Limits = DEFAULT_LIMITS, **settings: Any) -> None:
+                 limits: Limits = DEFAULT_LIMITS, hub: Optional[ReadHub] = None,
+                 **settings: Any) -> None:
         super().__init__(redis_url, queue, namespace, redis_client, limits, settings)
+        self._hub = hub
+        self._own_hub = hub is None
+
+    @property
+    def hub(self) -> ReadHub:
+        """The shared readers of this client's waits (made on first use)."""
+        if self._hub is None:
+            cfg = self.config
+            self._hub = ReadHub(self._run, self._reader, self.namespace,
+                                per_reader=cfg.reader_streams,
+                                max_readers=max(1, cfg.max_connections // 2),
+                                block_ms=cfg.poll_ms, wake=cfg.reader_wake)
+        return self._hub
 
     def _make_redis(self) -> Any:
         return make_async_redis(self.config)
@@ -61,7 +79,13 @@ class AsyncClient(ClientCore[aioredis.Redis]):
                 self._redis = make_async_redis(self.config, cluster)
         r = self.redis
         if is_cluster(r):
-            await r.initialize()
+            try:
+                await r.initialize()
+            except NET_ERRORS:
+                # its default node died (a failover): ask another one next time (what
+                # redis-py's own command retries do), and let the plan retry
+                r.replace_default_node()
+                raise
         return r
 
     async def _run(self, plan: Plan[T]) -> T:
@@ -74,6 +98,8 @@ class AsyncClient(ClientCore[aioredis.Redis]):
     # -- lifecycle
     async def close(self) -> None:
         if not self._closed:
+            if self._hub is not None and self._own_hub:
+                await self._hub.close()
             self._closed = True
             if self._redis is not None:
                 await self._redis.aclose()
@@ -86,6 +112,9 @@ class AsyncClient(ClientCore[aioredis.Redis]):
 
     async def ping(self) -> None:
         await self._run(self._ping())
+
+    async def live_workers(self, queue: Optional[str] = None) -> list[str]:
+        return await self._run(self._live_workers(queue))
 
     # -- queues
     async def keys_of(self, queue: Optional[str] = None) -> Keys:

@@ -4,7 +4,8 @@ Every command takes ``--redis-url`` (one Redis, or any node of a Redis Cluster),
 ``--namespace``, ``--queue`` and ``--shards`` (before or after it); each option is also a
 ``TOKENRELAY_<NAME>`` variable (protocol/settings.py). Exit codes: 0 ok, 1 job failed,
 2 bad request, 3 Redis unreachable, 4 queue full, 5 timeout, 6 unknown job id, 7 a --durable
-submit's jobs are enqueued but fewer replicas than asked acknowledged them.
+submit's jobs are enqueued but fewer replicas than asked acknowledged them, 8 ``submit`` to a
+queue no live worker serves (``--wait-for-worker`` submits anyway and waits).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from protocol.topology import cluster_flag
 EXIT_FAILED, EXIT_INVALID, EXIT_UNAVAILABLE, EXIT_FULL, EXIT_TIMEOUT = 1, 2, 3, 4, 5
 EXIT_UNKNOWN = 6                # status/result of a job id Redis does not know
 EXIT_NOT_DURABLE = 7            # a --durable submit's jobs are enqueued but not on enough replicas
+EXIT_NO_WORKER = 8              # submit: no live worker serves the queue
 SERVER_DEFAULT = unset("the worker's")
 
 
@@ -82,6 +84,8 @@ class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption, DurableOptions):
     job_id: Optional[str] = Field(None, description="The job's id (a resubmission is deduped).",
                                   json_schema_extra=unset("a fresh random id"))
     block: bool = Field(False, description="Wait for room when the queue is full.")
+    wait_for_worker: bool = Field(False, description="Submit even when no live worker serves "
+                                  "the queue, and wait for one (else: exit 8 at once).")
     routing_key: Optional[str] = Field(
         None, description="Prefix-affinity key (a conversation or system-prompt id): jobs with "
         "the same key go to the same live worker.", json_schema_extra=unset("none"))
@@ -217,11 +221,17 @@ def cmd_submit(client: Client, args: argparse.Namespace, opts: SubmitOptions) ->
     source = {"messages": [{"role": "user", "content": args.prompt}]} if opts.chat else {
         "prompt": args.prompt}
     try:
-        job = client.submit(**source, job_id=opts.job_id, priority=opts.priority,
-                            stream=opts.stream, block=opts.block, routing_key=opts.routing_key,
-                            **sampling)
+        prepared = client.prepare({**source, **sampling, "job_id": opts.job_id,
+                                   "priority": opts.priority, "stream": opts.stream,
+                                   "routing_key": opts.routing_key})
     except InvalidRequest as exc:       # named as the flag that asked for the constraint
         raise rename_error(exc, constraint.param if constraint else None) from None
+    if not opts.wait_for_worker and not client.live_workers():
+        print(f"error: no live worker serves queue {client.queue!r} (namespace "
+              f"{client.namespace!r}); start one (python -m worker --queue {client.queue} "
+              f"--model ...) or pass --wait-for-worker", file=sys.stderr)
+        return EXIT_NO_WORKER
+    (job,) = client.enqueue([prepared], block=opts.block)
     print(f"job {job.id}", file=sys.stderr)
     several = (opts.n or 1) > 1 or opts.beam_width is not None
     try:

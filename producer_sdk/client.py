@@ -71,6 +71,11 @@ class Client(ClientCore[redis.Redis]):
         """Raise RedisUnavailable unless Redis answers."""
         self._run(self._ping())
 
+    def live_workers(self, queue: Optional[str] = None) -> list[str]:
+        """Ids of the live workers that take new jobs of the client's queue (or ``queue``):
+        empty means a job submitted now waits until one starts."""
+        return self._run(self._live_workers(queue))
+
     # -- queues
     def keys_of(self, queue: Optional[str] = None) -> Keys:
         """The keys of ``queue`` (None: the client's), with its shard count: the client's

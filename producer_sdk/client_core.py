@@ -9,6 +9,7 @@ other logic, so a fix made here is made for both.
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from typing import Any, Generic, Iterable, Optional, Sequence, TypeVar
@@ -16,33 +17,44 @@ from typing import Any, Generic, Iterable, Optional, Sequence, TypeVar
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.retry import Retry
 
 from producer_sdk._wire import EnqueuePlan
 from producer_sdk.affinity import AffinityRouter
 from producer_sdk.config import ClientConfig
-from producer_sdk.effects import NET_ERRORS, SEND_ERRORS, Call, Plan
+from producer_sdk.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, Sleep, pipelined,
+                                  raise_transient, retrying, run_plan_script)
 from producer_sdk.enqueue import Enqueuer
-from producer_sdk.errors import ClientClosed, JobNotFound, NotDurable, QueueFull, RedisUnavailable
-from producer_sdk.job import Deadline, Delta, JobHandle, JobState
+from producer_sdk.errors import (ClientClosed, JobNotFound, NotDurable, QueueFull, RedisUnavailable,
+                                 SDKError)
+from producer_sdk.job import Deadline, JobHandle, JobState
+from producer_sdk.models import live_workers as queue_workers
 from producer_sdk.payloads import PayloadBuilder, Prepared
 from producer_sdk.queues import LIMIT_FIELD, QueueBook
-from producer_sdk.reads import ResultReader
+from producer_sdk.reads import Lost, Pumped, ResultReader, rerun_request
 from producer_sdk.signatures import SEND_OPTIONS, bind_submit
 from producer_sdk.status import JobStatus, liveness, read_statuses
 from protocol.keys import Keys
 from protocol.limits import Limits
+from protocol.scripts import FORGET_STALE_RECORD
 from protocol.topology import make_async_client, make_client, redact_url
 from protocol.wire import now_ms, validate_job_id
 
 __all__ = ["NET_ERRORS", "SEND_ERRORS", "LIMIT_FIELD", "ClientCore",
            "make_redis", "make_async_redis"]
 
+log = logging.getLogger("producer_sdk")
+MAX_RERUNS = 3      # times a reader puts one lost job back in its queue before it gives up
 
-def connection_kwargs(cfg: ClientConfig) -> dict[str, Any]:
-    """A short connect timeout and few retries: fail fast, not hang."""
+
+def connection_kwargs(cfg: ClientConfig, asyncio: bool = False) -> dict[str, Any]:
+    """A short connect timeout and one retry on a fresh connection: fail fast, not hang, and
+    a pooled connection a restarted server closed is replaced, not answered as an error.
+    (An asyncio client needs the asyncio Retry: the sync one does not retry awaited calls.)"""
+    retry = (AsyncRetry if asyncio else Retry)(ExponentialBackoff(cap=0.5, base=0.05), 1)
     return dict(socket_connect_timeout=cfg.connect_timeout_s, socket_timeout=cfg.socket_timeout_s,
-                socket_keepalive=True, retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 1),
+                socket_keepalive=True, retry=retry,
                 retry_on_error=[RedisConnectionError, RedisTimeoutError])
 
 
@@ -54,9 +66,13 @@ def make_redis(cfg: ClientConfig, cluster: Optional[bool] = None) -> Any:
 
 
 def make_async_redis(cfg: ClientConfig, cluster: Optional[bool] = None) -> Any:
-    """``make_redis`` for asyncio (detection, when needed, is one short blocking call)."""
+    """``make_redis`` for asyncio (detection, when needed, is one short blocking call), with a
+    bounded pool of ``max_connections`` that waits up to ``pool_timeout_s`` for a free one
+    (redis-py's default pool raises at once when it is empty)."""
     known = cfg.cluster if cluster is None else cluster
-    return make_async_client(cfg.redis_url, known, **connection_kwargs(cfg))
+    return make_async_client(cfg.redis_url, known, max_connections=cfg.max_connections,
+                             pool_timeout_s=cfg.pool_timeout_s,
+                             **connection_kwargs(cfg, asyncio=True))
 
 
 R = TypeVar("R")
@@ -88,7 +104,8 @@ class ClientCore(ABC, Generic[R]):
         self._affinity = AffinityRouter(Keys(namespace, queue), cfg.affinity_ttl_s,
                                         cfg.affinity_max_backlog)
         self._enqueuer = Enqueuer(self._queues, self._affinity, cfg, self.url)
-        self._reader = ResultReader(cfg.poll_ms, cfg.reconnect_timeout_s, self.url)
+        self._reader = ResultReader(cfg.poll_ms, cfg.reconnect_timeout_s, self.url,
+                                    cfg.lost_check_s, cfg.deadline_grace_s)
 
     # -- the Redis client
     @abstractmethod
@@ -136,7 +153,13 @@ class ClientCore(ABC, Generic[R]):
                  durable: Optional[bool] = None) -> Plan[list[Any]]:
         """Send prepared jobs; their handles in input order. QueueFull carries the jobs that
         went in; NotDurable (a durable enqueue short of replicas) all of them."""
-        batch = yield from self._enqueuer.plan(prepared, block, block_timeout, durable)
+        # A cluster failing over answers the config, routing and script reads around the
+        # rounds (which retry by themselves) with CLUSTERDOWN / TRYAGAIN / MOVED too: the whole
+        # plan is run again then, safely (the script dedupes by job id); connection errors keep
+        # the enqueuer's own policy (fail fast on one Redis).
+        batch = yield from retrying(
+            lambda: self._enqueuer.plan(prepared, block, block_timeout, durable),
+            self.config.reconnect_timeout_s, self.url, connection=False)
         if batch.refused:
             raise QueueFull(batch.refused_queue(self.queue), batch.depth, batch.limit,
                             reason="oom" if batch.oom else "high-water mark",
@@ -157,7 +180,7 @@ class ClientCore(ABC, Generic[R]):
             p, known = batch.jobs[i], batch.entries[i][0]
             keys = self._queues.cached(p.queue).keys
             out.append(self.job_class(self, p.job_id, keys=keys, shard=p.shard,
-                                      reattached=known))
+                                      reattached=known, request=p))
         return out
 
     # -- plans: jobs by id
@@ -187,28 +210,48 @@ class ClientCore(ABC, Generic[R]):
         for job_id in job_ids:
             validate_job_id(job_id)
         keys = yield from self._queues.keys(queue)
-        return (yield from read_statuses([(keys, j, None) for j in job_ids]))
+        return (yield from self._retrying(
+            lambda: read_statuses([(keys, j, None) for j in job_ids])))
 
     def _cancel(self, job_id: str, queue: Optional[str]) -> Plan[None]:
         yield from self._cancel_keys([(yield from self._queues.keys(queue)).cancel(job_id)])
 
     def _cancel_keys(self, keys: list[str]) -> Plan[None]:
-        """Set each cancel flag (with a TTL); one command, or one pipeline for several."""
+        """Set each cancel flag (with a TTL); one command, or one pipeline for several; sent
+        again through a lost connection or a failover (``_retrying``): a cancel is never
+        dropped while Redis can still be reached."""
         ttl = self.config.cancel_ttl_s
-        if len(keys) == 1:
-            yield Call(lambda r: r.set(keys[0], b"1", ex=ttl))
-            return
 
         def flag_all(r: Any) -> Any:
+            if len(keys) == 1:
+                return r.set(keys[0], b"1", ex=ttl)
             pipe = r.pipeline(transaction=False)
             for key in keys:
                 pipe.set(key, b"1", ex=ttl)
-            return pipe.execute()
-        yield Call(flag_all)
+            return pipe.execute(False)
+
+        def send() -> Plan[None]:
+            reply = yield Call(flag_all)
+            if isinstance(reply, list):
+                raise_transient(reply)
+
+        if keys:
+            yield from self._retrying(send)
+
+    def _retrying(self, make: Any) -> Plan[Any]:
+        """``effects.retrying`` with this client's window: for plans safe to run again."""
+        return (yield from retrying(make, self.config.reconnect_timeout_s, self.url))
 
     # -- plans: queues
     def _ping(self) -> Plan[None]:
         yield Call(lambda r: r.ping())
+
+    def _live_workers(self, queue: Optional[str]) -> Plan[list[str]]:
+        """Ids of the workers that take new jobs of ``queue`` now (``producer_sdk.models``:
+        heartbeat fresh, engine loaded, not draining)."""
+        name = queue or self.queue
+        return (yield from self._retrying(
+            lambda: pipelined(queue_workers(self.namespace, name))))
 
     def _queue_depth(self, queue: Optional[str]) -> Plan[int]:
         lanes = (yield from self._queues.keys(queue)).lanes()
@@ -224,9 +267,62 @@ class ClientCore(ABC, Generic[R]):
         yield from self._queues.set_limit(limit, queue)
 
     # -- plans: results
-    def _pump(self, states: Iterable[JobState],
-              block_ms: int) -> Plan[list[tuple[JobState, list[Delta]]]]:
-        return (yield from self._reader.pump(states, block_ms))
+    def _pump(self, states: Iterable[JobState], block_ms: int) -> Plan[Pumped]:
+        """One read over ``states``, then what the reader decides by itself (``_settle``);
+        every job that got entries or ended, with its new deltas."""
+        states = [s for s in states if not s.finished]
+        got = yield from self._reader.pump(states, block_ms)
+        ended = yield from self._settle(states)
+        return got + [(s, []) for s in ended if all(s is not g for g, _ in got)]
 
-    def _pump_one(self, state: JobState, deadline: Deadline) -> Plan[list[Delta]]:
-        return (yield from self._reader.pump_one(state, deadline))
+    def _pump_one(self, state: JobState, deadline: Deadline) -> Plan[list]:
+        got = yield from self._pump([state], deadline.block_ms(self.config.poll_ms))
+        return got[0][1] if got else []
+
+    def _settle(self, states: Sequence[JobState]) -> Plan[list[JobState]]:
+        """What waiting readers decide without a worker (``producer_sdk/reads.py``): jobs no
+        worker started by their deadline are cancelled and end ``expired``; jobs whose
+        records Redis lost go back in their queue from the request (``rerun_request``), or
+        end ``job_lost`` when the reader has none (a job reattached by id). Returns the jobs
+        that ended here."""
+        ended = []
+        overdue = self._reader.overdue(states)
+        if overdue:
+            yield from self._cancel_keys([s.cancel_key for s in overdue if s.cancel_key])
+            for s in overdue:
+                s.expire()
+            ended.extend(overdue)
+        for lost in (yield from self._reader.check_lost(self._reader.loss_due(states))):
+            yield from self._rerun(lost)
+            if lost.state.finished:
+                ended.append(lost.state)
+        return ended
+
+    def _rerun(self, lost: Lost) -> Plan[None]:
+        """Put a lost job back in its queue under its id (letting go of a stale record that
+        still names it first), or end it ``job_lost``."""
+        state = lost.state
+        if state.request is None:
+            state.lose("Redis no longer holds this job (a restart without its data, or a "
+                       "failover that lost it: no entry of it is queued or held) and this "
+                       "reader does not hold its request to enqueue it again; resubmit it")
+            return
+        if state.reruns >= MAX_RERUNS:
+            state.lose(f"Redis lost this job {state.reruns + 1} times; not enqueuing it again")
+            return
+        if lost.record is not None:
+            args = ([state.dedupe_key, lost.lane], [lost.record, lost.entry])
+            if not (yield from self._retrying(lambda: run_plan_script(FORGET_STALE_RECORD,
+                                                                      *args))):
+                return                  # the record changed under us: not stale after all
+            yield Sleep(0.005)          # the record expires 1 ms after that
+        try:
+            yield from self._enqueue([rerun_request(state.request, state.token_seed
+                                                          if state.token_seed is not None
+                                                          else state.seed)], block=False)
+        except (SDKError, ValueError) as exc:
+            state.lose(f"Redis lost this job and enqueuing it again failed: {exc}")
+            return
+        log.warning("job %s: Redis lost it; enqueued again under the same id (rerun %d)",
+                    state.job_id, state.reruns + 1)
+        state.rerun()

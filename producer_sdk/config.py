@@ -37,6 +37,22 @@ class ClientConfig(BaseModel):
     socket_timeout_s: float = Field(default=10.0, gt=0)
     reconnect_timeout_s: float = Field(default=30.0, ge=0)
     poll_ms: int = Field(default=2_000, ge=10, description="longest XREAD BLOCK")
+    max_connections: int = Field(default=64, ge=2, description="asyncio clients: connections "
+                                 "of the pool (per node of a cluster); a command waits for a "
+                                 "free one up to pool_timeout_s")
+    pool_timeout_s: float = Field(default=5.0, gt=0, description="asyncio clients: longest "
+                                  "wait for a free pooled connection")
+    reader_streams: int = Field(default=256, ge=1, le=10_000, description="asyncio clients: "
+                                "result streams one shared reader's XREAD reads at most")
+    reader_wake: bool = Field(default=True, description="asyncio clients: a job joining a "
+                              "shared reader wakes its blocked XREAD through a private wake "
+                              "stream (else the reader blocks in slices of 50 ms)")
+    lost_check_s: float = Field(default=2.0, gt=0, description="seconds a waited-for job may "
+                                "be idle before its records are checked (a Redis that lost "
+                                "them: the job is enqueued again, or ends job_lost)")
+    deadline_grace_s: float = Field(default=0.5, ge=0, description="seconds past a job's start "
+                                    "deadline before a reader cancels it and ends it expired "
+                                    "itself (a worker that reads it first writes expired)")
     chunk_size: int = Field(default=500, ge=1, le=10_000, description="jobs per enqueue script call")
     cluster: Optional[bool] = Field(default_factory=default_cluster, validate_default=True,
                                     description="Redis Cluster: None detects, True/False force")

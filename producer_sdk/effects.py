@@ -21,11 +21,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Generator, Optional, Sequence, TypeVar, Union
 
-from redis.exceptions import ClusterError, RedisClusterException
+from redis.exceptions import (AskError, AuthenticationError, AuthorizationError,
+                              BusyLoadingError, ClusterDownError, ClusterError, NoScriptError,
+                              RedisClusterException, SlotNotCoveredError, TryAgainError)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from protocol.topology import (Packed, async_send_packed_trailed, is_cluster,
+from protocol.topology import (Packed, async_send_packed_trailed, is_cluster, refresh_any,
                                send_packed_trailed)
 
 T = TypeVar("T")
@@ -36,6 +38,14 @@ NET_ERRORS = (RedisConnectionError, RedisTimeoutError)
 # What a packed send may raise while a cluster fails a master over (a lost connection, a slot
 # map without a master for a slot for a moment).
 SEND_ERRORS = (*NET_ERRORS, ClusterError, RedisClusterException)
+# What a Redis Cluster answers while it fails a master over or moves a slot (CLUSTERDOWN,
+# MASTERDOWN, TRYAGAIN, a MOVED/ASK redirect that outlived redis-py's own resend, a slot map
+# without a master for a slot), and a server still loading its data: nothing is wrong with the
+# request, it is to be sent again shortly.
+CLUSTER_TRANSIENT = (ClusterDownError, TryAgainError, AskError, SlotNotCoveredError,
+                     BusyLoadingError)
+# Errors that retrying cannot fix although they subclass ConnectionError.
+PERMANENT = (AuthenticationError, AuthorizationError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +135,68 @@ async def _aperform(effect: Effect, conn: Callable[[], Awaitable[Any]]) -> Any:
     return None
 
 
+def is_transient(exc: BaseException, connection: bool = True) -> bool:
+    """Whether ``exc`` is worth sending again: a cluster failing over (``CLUSTER_TRANSIENT``)
+    and, with ``connection``, a lost or refused connection (never a refused password)."""
+    if isinstance(exc, PERMANENT):
+        return False
+    if isinstance(exc, CLUSTER_TRANSIENT):
+        return True
+    return connection and isinstance(exc, NET_ERRORS)
+
+
+def raise_transient(replies: Sequence[Any]) -> Sequence[Any]:
+    """Replies of a pipeline run with errors as values; the first transient error among them
+    is raised (so ``retrying`` sends the whole step again), the others stay values."""
+    for reply in replies:
+        if isinstance(reply, BaseException) and is_transient(reply):
+            raise reply
+    return replies
+
+
+def refresh_slots() -> Call:
+    """Re-read a cluster client's slot map (nothing for one Redis); never raises."""
+    return Call(refresh_any)
+
+
+def retrying(make: Callable[[], Plan[T]], window_s: float, url: str,
+             connection: bool = True) -> Plan[T]:
+    """Run the plan ``make()`` gives; when it raises a transient error (``is_transient``: a
+    cluster failing over and, with ``connection``, a lost connection) re-read the slot map and
+    run a fresh one, pausing 0.05 s doubling to 1 s, for up to ``window_s``; past it raise
+    RedisUnavailable. Only for plans that are safe to run again (reads, flags, the enqueue
+    script, which dedupes by job id)."""
+    from producer_sdk.errors import RedisUnavailable
+    give_up = time.monotonic() + window_s
+    pause = 0.05
+    while True:
+        try:
+            return (yield from make())
+        except Exception as exc:
+            if not is_transient(exc, connection):
+                raise
+            if time.monotonic() >= give_up:
+                raise RedisUnavailable(url, exc) from exc
+        try:
+            yield refresh_slots()
+        except Exception:       # the slot map is read again at the next try, whatever failed
+            pass
+        yield Sleep(pause)
+        pause = min(pause * 2, 1.0)
+
+
+def run_plan_script(script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Plan[Any]:
+    """One ``protocol.scripts`` script by EVALSHA, loaded first when the server answers
+    NOSCRIPT (its keys share one slot, so a cluster client routes it by the first)."""
+    def call(r: Any) -> Any:
+        return r.evalsha(script.sha, len(keys), *keys, *args)
+    try:
+        return (yield Call(call))
+    except NoScriptError:
+        yield Call(lambda r: r.script_load(script.source))
+        return (yield Call(call))
+
+
 def cluster() -> Call:
     """Whether the client is a Redis Cluster client (no I/O once it is made)."""
     return Call(is_cluster)
@@ -153,4 +225,5 @@ def pipelined(plan: Generator[Sequence[tuple[Any, ...]], list[Any], T]) -> Plan[
 
 
 __all__ = ["Call", "Send", "Sleep", "Effect", "Plan", "run", "arun", "cluster", "pipeline",
-           "pipelined", "NET_ERRORS", "SEND_ERRORS"]
+           "pipelined", "retrying", "run_plan_script", "is_transient", "raise_transient", "refresh_slots",
+           "NET_ERRORS", "SEND_ERRORS", "CLUSTER_TRANSIENT"]

@@ -125,3 +125,7 @@ class JobNotFound(SDKError, LookupError):
 # stream expired before it was read), and a job id given twice within one bulk window.
 LOST = "lost"
 DUPLICATE = "duplicate"
+# A job whose records (result stream and dedupe record) vanished while a reader waited: a Redis
+# restarted without its data, a failover that lost the enqueue. A reader holding the request
+# puts it back in its queue instead (docs/protocol.md, "A job Redis lost").
+JOB_LOST = "job_lost"

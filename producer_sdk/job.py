@@ -13,56 +13,18 @@ import threading
 import time
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from producer_sdk.effects import Plan
-from producer_sdk.errors import LOST, JobFailed
+from producer_sdk.errors import JOB_LOST, LOST, JobFailed
 from producer_sdk.signatures import docs_from
 from protocol.fold import Delta, ResultFold
-from protocol.logprobs import TokenLogprob
-from protocol.events import DoneEvent, ErrorEvent, Timings, Usage
+from producer_sdk.results import CompletionOutput, Result, job_outputs
+from protocol.events import DoneEvent, ErrorEvent
 from protocol.keys import EVENT_FIELD, Keys
 
+__all__ = ["CompletionOutput", "Result", "job_outputs", "JobState", "JobHandle", "Job",
+           "AsyncJob", "Deadline", "StreamCursor", "feed_states", "timeout_error", "Delta"]
+
 _EVENT_KEY = EVENT_FIELD.decode()
-
-
-class CompletionOutput(BaseModel):
-    """One choice of a finished job (sample i of ``n``, or the beam of rank i), named as
-    vLLM's ``CompletionOutput``."""
-
-    model_config = ConfigDict(frozen=True)
-
-    index: int
-    text: str
-    token_ids: list[int] = Field(default_factory=list)
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[str, int]] = None
-    cumulative_logprob: Optional[float] = None
-    logprobs: Optional[list[dict[int, float]]] = None
-    # the same logprobs with each token's text and bytes (OpenAI's shape); None when the job
-    # did not ask for logprobs, or its worker predates logprob_tokens
-    token_logprobs: Optional[list[TokenLogprob]] = None
-
-
-class Result(BaseModel):
-    """A finished job. ``finish_reason`` is stop, length or cancelled. ``outputs`` lists every
-    choice (one unless ``n > 1`` or beam search), best beam first; ``text``, ``token_ids``,
-    ``logprobs`` and ``token_logprobs`` are those of the first, ``usage.completion_tokens`` counts them all."""
-
-    model_config = ConfigDict(frozen=True)
-
-    job_id: str
-    text: str
-    token_ids: list[int] = Field(default_factory=list)
-    finish_reason: str
-    usage: Usage = Field(default_factory=Usage)
-    timings: Timings = Field(default_factory=Timings)
-    metadata: dict[str, Any] = Field(default_factory=dict)
-    logprobs: Optional[list[dict[int, float]]] = None
-    token_logprobs: Optional[list[TokenLogprob]] = None
-    stop_reason: Optional[Union[str, int]] = None
-    attempts: int = 0
-    outputs: list[CompletionOutput] = Field(default_factory=list)
 
 
 def _entry_key(entry_id: bytes) -> tuple[int, int]:
@@ -76,14 +38,32 @@ class JobState:
     ``feed`` is serialized by a lock and ignores entries at or before ``last_id``, so two readers
     whose XREADs overlap fold each entry once, in order. While a ``stream()`` reads, the deltas
     are also kept in a log that each reader walks with its own cursor.
+
+    What a waiting reader decides by itself (``producer_sdk/reads.py``) needs a little more: the
+    job's dedupe and cancel keys, the request it was submitted with (None for a job reattached
+    by id), which lets a reader put a job Redis lost back in its queue, and the job's start
+    deadline (epoch ms), past which a job no worker started is the reader's to end.
     """
 
     __slots__ = ("job_id", "key", "last_id", "fold", "failure", "lock", "delta_count", "log",
-                 "log_start", "streamers", "caught_up")
+                 "log_start", "streamers", "caught_up", "dedupe_key", "cancel_key", "request",
+                 "start_deadline_ms", "seen_at", "checked_at", "reruns", "token_seed")
 
-    def __init__(self, job_id: str, key: str) -> None:
+    def __init__(self, job_id: str, key: str, dedupe_key: Optional[str] = None,
+                 cancel_key: Optional[str] = None, request: Any = None,
+                 start_deadline_ms: Optional[int] = None) -> None:
         self.job_id = job_id
         self.key = key
+        self.dedupe_key = dedupe_key
+        self.cancel_key = cancel_key
+        self.request = request                  # producer_sdk.payloads.Prepared, or None
+        self.start_deadline_ms = start_deadline_ms
+        self.seen_at = time.monotonic()         # when an entry last arrived (or reading began)
+        self.checked_at = 0.0                   # when its records were last checked (reads.py)
+        self.reruns = 0                         # times a reader put it back in its queue
+        # the seed of the run that made the first delta this reader holds (a later started
+        # event may name another: a run whose repeats the fold skipped); what a rerun needs
+        self.token_seed: Optional[int] = None
         self.last_id: bytes = b"0-0"
         self.fold = ResultFold(job_id)
         self.failure: Optional[JobFailed] = None  # ended without a terminal event (see fail())
@@ -110,11 +90,40 @@ class JobState:
     def finished(self) -> bool:
         return self.fold.terminal is not None or self.failure is not None
 
+    @property
+    def started(self) -> bool:
+        """A worker took the job: its stream has a ``started`` event (or anything at all)."""
+        return self.fold.attempts > 0 or self.delta_count > 0 or self.fold.terminal is not None
+
+    def overdue(self, now_ms: float, grace_ms: float) -> bool:
+        """Its start deadline passed ``grace_ms`` ago and no worker has started it."""
+        return (self.start_deadline_ms is not None and not self.finished and not self.started
+                and now_ms > self.start_deadline_ms + grace_ms)
+
+    def expire(self) -> None:
+        """End it the way a worker ends a job read past its deadline (the reader cancels it)."""
+        self.fail("expired", "the job did not start before its deadline (deadline_s / "
+                  "X-Request-Timeout); it was cancelled, so no worker will run it")
+
+    def lose(self, why: str) -> None:
+        """End it with ``job_lost``: Redis no longer holds its records."""
+        self.fail(JOB_LOST, why)
+
+    def rerun(self) -> None:
+        """Its request went back in the queue under the same id: read the new stream from its
+        start (the fold skips the tokens already folded, by ``seq``)."""
+        with self.lock:
+            self.last_id = b"0-0"
+            self.reruns += 1
+            self.seen_at = time.monotonic()
+
     def feed(self, entries: list[tuple[Any, dict]]) -> list[Delta]:
         """Apply result-stream entries in order; return the new deltas (duplicates skipped)."""
         deltas: list[Delta] = []
         with self.lock:
             last = _entry_key(self.last_id)
+            if entries:
+                self.seen_at = time.monotonic()
             for entry_id, fields in entries:
                 eid = entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
                 key = _entry_key(eid)
@@ -123,7 +132,10 @@ class JobState:
                 self.last_id, last = eid, key
                 raw = fields.get(EVENT_FIELD, fields.get(_EVENT_KEY)) if fields else None
                 if raw is not None:
-                    deltas.extend(self.fold.apply_raw(raw))
+                    new = self.fold.apply_raw(raw)
+                    if new and self.token_seed is None and self.delta_count + len(deltas) == 0:
+                        self.token_seed = self.fold.seed
+                    deltas.extend(new)
             self.delta_count += len(deltas)
             if self.streamers:
                 self.log.extend(deltas)
@@ -176,34 +188,6 @@ class JobState:
                       attempts=self.fold.attempts, outputs=outputs)
 
 
-def job_outputs(fold: ResultFold, done: DoneEvent) -> list[CompletionOutput]:
-    """Every choice of a finished job: the streamed output of each (the fold), or the ``done``
-    event's own (``stream=False``); why each finished from ``done.choices`` when it has them,
-    else from the choice's last token event (choice 0: the ``done`` event itself)."""
-    by_index = {c.index: c for c in (done.choices or ())}
-    outputs = []
-    for i in sorted(set(by_index) | set(fold.choices) | {0}):
-        c, d = fold.choice(i), by_index.get(i)
-        text, ids = c.text, c.token_ids
-        if d is not None and d.text is not None:
-            text, ids = d.text, list(d.token_ids or [])
-        elif i == 0 and done.text is not None:
-            text, ids = done.text, list(done.token_ids or [])
-        if d is not None:
-            reason, stop = d.finish_reason, d.stop_reason
-        elif i == 0:
-            reason, stop = done.finish_reason, done.stop_reason
-        else:
-            reason, stop = c.finish_reason, c.stop_reason
-        cum = d.cumulative_logprob if d is not None and d.cumulative_logprob is not None \
-            else c.cumulative_logprob
-        outputs.append(CompletionOutput(index=i, text=text, token_ids=list(ids),
-                                        finish_reason=reason, stop_reason=stop,
-                                        cumulative_logprob=cum, logprobs=c.logprobs,
-                                        token_logprobs=c.token_logprobs))
-    return outputs
-
-
 def feed_states(by_key: dict[str, JobState], read: list[tuple[str, list]],
                 count: int) -> list[tuple[JobState, list[Delta]]]:
     """Feed each job the entries one XREAD (``COUNT count``) brought for it. A job whose read
@@ -245,16 +229,17 @@ class JobHandle:
     the shard of that queue it was put on), the state read so far, and what reading it means
     (plans, ``producer_sdk.effects``); ``Job`` and ``AsyncJob`` only run them on their client."""
 
-    __slots__ = ("client", "id", "keys", "shard", "_state", "reattached")
+    __slots__ = ("client", "id", "keys", "shard", "_state", "reattached", "request")
 
     def __init__(self, client: Any, job_id: str, *, keys: Keys, shard: Optional[int] = None,
-                 reattached: bool = False) -> None:
+                 reattached: bool = False, request: Any = None) -> None:
         self.client = client
         self.id = job_id
         self.keys = keys                # the keys of the job's queue (its shard count included)
         self.shard = keys.shard_of(job_id) if shard is None else shard
         self._state: Optional[JobState] = None  # created on first read: submit_many stays cheap
         self.reattached = reattached
+        self.request = request          # the Prepared it was submitted with; None: by id
 
     @property
     def queue(self) -> str:
@@ -269,7 +254,11 @@ class JobHandle:
         if self._state is None:
             with _STATE_LOCK:
                 if self._state is None:
-                    self._state = JobState(self.id, self.keys.results(self.id, self.shard))
+                    req = self.request
+                    self._state = JobState(
+                        self.id, self.keys.results(self.id, self.shard),
+                        self.keys.dedupe(self.id, self.shard), self.cancel_key, req,
+                        None if req is None else getattr(req, "deadline_ms", None))
         return self._state
 
     def __repr__(self) -> str:
@@ -385,20 +374,30 @@ class Job(JobHandle):
 @docs_from(Job)
 class AsyncJob(JobHandle):
     """A handle on one submitted job (asyncio); see ``Job``. Several tasks may stream one job:
-    each sees every delta from its start once."""
+    each sees every delta from its start once. Waiting holds no connection of its own: the
+    client's shared readers (``producer_sdk/hub.py``) read the job with the others."""
 
     __slots__ = ()
 
     async def stream(self, timeout: Optional[float] = None) -> AsyncIterator[Delta]:
-        with StreamCursor(self, timeout) as cursor:
+        hub = self.client.hub
+        with hub.watching(self) as watch, StreamCursor(self, timeout) as cursor:
             while (deltas := cursor.take()) is not None:
                 for delta in deltas:
                     yield delta
                 if not deltas:
-                    await self.client._run(cursor.pump())
+                    await hub.wait(watch, cursor.deadline.block_ms(self.client.config.poll_ms)
+                                   / 1000)
 
     async def result(self, timeout: Optional[float] = None) -> Result:
-        return await self.client._run(self._result(timeout))
+        deadline = Deadline(timeout)
+        hub = self.client.hub
+        with hub.watching(self) as watch:
+            while not self.state.finished:
+                await hub.wait(watch, deadline.block_ms(self.client.config.poll_ms) / 1000)
+                if not self.state.finished and self._timed_out(deadline):
+                    raise timeout_error(self.id, timeout, streaming=False)
+        return self.state.result()
 
     async def cancel(self) -> None:
         await self.client._run(self._cancel())

@@ -74,6 +74,19 @@ def _listing(namespace: str) -> Generator[Pipeline, list[Any], dict[str, ServedM
     return _models(pairs, [Heartbeat.from_row(row) for row in rows])
 
 
+def live_workers(namespace: str, queue: str) -> Generator[Pipeline, list[Any], list[str]]:
+    """The ids of ``queue``'s live workers (``Heartbeat.serving``), as a plan of the same
+    style: its registry, then every registered worker's heartbeat."""
+    keys = Keys(namespace, queue)
+    (ids,) = yield [("ZRANGE", keys.workers, 0, -1)]
+    workers = sorted(_s(w) for w in ids or ())
+    if not workers:
+        return []
+    rows = yield [("HMGET", keys.heartbeat(w), *FIELDS) for w in workers]
+    return [w for w, row in zip(workers, rows)
+            if (beat := Heartbeat.from_row(row)) is not None and beat.serving(queue)]
+
+
 def _models(pairs: list[tuple[str, str]],
             beats: list[Optional[Heartbeat]]) -> dict[str, ServedModel]:
     """Group live workers' heartbeats (None: the hash is gone) by served model name."""

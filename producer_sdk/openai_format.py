@@ -37,6 +37,9 @@ _ONLY_DEFAULT = {"echo": (False, None), "best_of": (1, None), "suffix": (None, "
 # Streaming fields: a batch line cannot stream, so there they too only take their defaults.
 _STREAM_DEFAULTS = {"stream": (False, None), "stream_options": (None,)}
 _IGNORED = ("model", "user", "service_tier", "store")
+# The chat roles OpenAI's API knows; any other is refused (400) rather than handed to a chat
+# template that would render it as text.
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +185,9 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise LineError("invalid_request", f"messages[{i}] needs a string role",
                             f"messages[{i}].role")
+        if m["role"] not in CHAT_ROLES:
+            raise LineError("invalid_request", f"messages[{i}].role {m['role']!r:.40} is not "
+                            f"one of {', '.join(sorted(CHAT_ROLES))}", f"messages[{i}].role")
         content = m.get("content")
         if content is None and m.get("tool_calls"):
             content = ""                 # an assistant turn that only called tools

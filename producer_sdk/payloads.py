@@ -162,6 +162,7 @@ class Prepared:
     shard: Optional[int] = None     # ``Keys.shard_of(job_id)`` of its queue, once enqueued
     routing_key: Optional[str] = None   # prefix-affinity key (producer_sdk/affinity.py)
     affinity: Optional[str] = None      # the worker it was routed to; None: the shared lanes
+    deadline_ms: Optional[int] = None   # its start deadline (epoch ms), which readers keep too
 
 
 class PayloadBuilder:
@@ -217,7 +218,8 @@ class PayloadBuilder:
             raise InvalidRequest(f"payload is {len(raw)} bytes, over the limit of "
                                  f"{self.limits.max_payload_bytes} (max_payload_bytes)")
         return Prepared(payload["job_id"], Keys.lane_for_priority(payload["priority"]), raw,
-                        payload["stream"], queue, routing_key=payload.get("routing_key"))
+                        payload["stream"], queue, routing_key=payload.get("routing_key"),
+                        deadline_ms=payload.get("deadline_ms"))
 
     def _payload(self, fields: Mapping[str, Any], params: dict[str, Any], submitted: int,
                  deadline: Optional[int]) -> dict[str, Any]:
@@ -256,7 +258,7 @@ class PayloadBuilder:
         template = self._template(defaults, submitted_ms)
         if template is None:
             return [self.build_request(r, defaults, submitted_ms) for r in requests]
-        head, key_prompt, tail, lane, stream = template
+        head, key_prompt, tail, lane, stream, deadline = template
         pack = msgpack.Packer(use_bin_type=True).pack  # one per call: Packer is not thread-safe
         new_id = self.new_id
         # A prompt of at most this many characters is within max_prompt_bytes whatever it holds
@@ -269,13 +271,13 @@ class PayloadBuilder:
             if type(r) is str and len(r) <= short:
                 jid = new_id()
                 out.append(Prepared(jid, lane, b"".join((head, pack(jid), key_prompt, pack(r),
-                                                         tail)), stream))
+                                                         tail)), stream, deadline_ms=deadline))
             else:
                 out.append(self.build_request(r, defaults, submitted_ms))
         return out
 
-    def _template(self, defaults: Mapping[str, Any],
-                  submitted_ms: int) -> Optional[tuple[bytes, bytes, bytes, str, bool]]:
+    def _template(self, defaults: Mapping[str, Any], submitted_ms: int,
+                  ) -> Optional[tuple[bytes, bytes, bytes, str, bool, Optional[int]]]:
         """Constant payload parts for prompt-only requests, or None when defaults need the
         general path (job ids, inputs, another queue or a routing key in the defaults)."""
         if not PER_JOB_FIELDS.isdisjoint(defaults):
@@ -287,7 +289,7 @@ class PayloadBuilder:
         rest = [(k, v) for k, v in fields.items() if k not in ("v", "job_id", "prompt")]
         head = bytes([0x80 | (3 + len(rest))]) + pack("v") + pack(PROTOCOL_VERSION) + pack("job_id")
         tail = b"".join(pack(k) + pack(v) for k, v in rest)
-        return head, pack("prompt"), tail, probe.lane, probe.stream
+        return head, pack("prompt"), tail, probe.lane, probe.stream, probe.deadline_ms
 
     def build_request(self, request: Any, defaults: Mapping[str, Any],
                       submitted_ms: Optional[int] = None) -> Prepared:

@@ -2,58 +2,200 @@
 
 Many jobs share one XREAD (one per cluster slot in a Redis Cluster), so a window of a thousand
 jobs costs one connection, not a thousand; each job's ``JobState`` folds what was read for it.
-A dropped connection is read again for up to ``reconnect_timeout_s``, from the same ids.
+A read cut by a lost connection or a cluster failing a master over (CLUSTERDOWN, TRYAGAIN,
+MOVED) is sent again for up to ``reconnect_timeout_s``, from the same ids.
+
+A reader also keeps what it waits for honest without any worker's help:
+
+* **Deadlines.** A job whose start deadline passed (plus ``deadline_grace_s``) with no worker
+  having started it is the reader's to end: ``overdue`` names them, the client cancels them (no
+  worker runs them later) and they end ``expired``, whether or not any worker lives.
+* **Lost jobs.** A job idle for ``lost_check_s`` has its records checked (``check_lost``, for
+  all of them in one or two pipelines): not finished, with its dedupe record gone or naming an
+  entry its lane no longer holds (a Redis restarted without its data, a failover that lost the
+  enqueue), no worker will ever run it. The client puts it back in its queue when it holds
+  the request (``rerun_request``; a stale record a worker wrote again after the restart is let
+  go first, ``FORGET_STALE_RECORD``), else ends it ``job_lost``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Optional, Sequence
 
-from producer_sdk._wire import (merge_reads, merge_xreads, normalize_xread, parse_raw_xread,
-                                sliced_xread, slot_groups)
-from producer_sdk.effects import NET_ERRORS, Call, Plan, Send, Sleep, cluster
-from producer_sdk.errors import RedisUnavailable
-from producer_sdk.job import Deadline, Delta, JobState, feed_states
+import msgpack
+
+from producer_sdk._wire import (fields_dict, merge_reads, merge_xreads, normalize_xread,
+                                parse_raw_xread, sliced_xread, slot_groups)
+from producer_sdk.effects import Call, Plan, Send, cluster, raise_transient, retrying
+from producer_sdk.job import Delta, JobState, feed_states
+from protocol.errors import ProtocolError
+from protocol.keys import EVENT_FIELD, parse_dedupe_record
 from protocol.topology import node_name
+from protocol.wire import decode_event
 
 XREAD_COUNT = 512
+
+Pumped = list[tuple[JobState, list[Delta]]]
 
 
 class ResultReader:
     """Reads the result streams of jobs for one client: ``poll_ms`` is the longest block,
-    ``reconnect_timeout_s`` how long a lost connection is tried again."""
+    ``reconnect_timeout_s`` how long a failed read is tried again, ``lost_check_s`` how long a
+    job may be idle before its records are checked, ``deadline_grace_s`` how long after a start
+    deadline a worker's own ``expired`` event is waited for."""
 
-    def __init__(self, poll_ms: int, reconnect_timeout_s: float, url: str) -> None:
+    def __init__(self, poll_ms: int, reconnect_timeout_s: float, url: str,
+                 lost_check_s: float = 2.0, deadline_grace_s: float = 0.5) -> None:
         self.poll_ms = poll_ms
         self.reconnect_timeout_s = reconnect_timeout_s
         self.url = url
+        self.lost_check_s = lost_check_s
+        self.grace_ms = deadline_grace_s * 1000
 
-    def pump(self, states: Iterable[JobState],
-             block_ms: int) -> Plan[list[tuple[JobState, list[Delta]]]]:
-        """One XREAD over several jobs; feeds each job the entries read for it."""
+    def pump(self, states: Iterable[JobState], block_ms: int,
+             extra: Optional[dict[str, bytes]] = None) -> Plan[Pumped]:
+        """One XREAD over several jobs (and the ``extra`` streams, whose last ids it advances in
+        place); feeds each job the entries read for it. The block is cut short to wake when a
+        job falls due (``wait_ms``)."""
         by_key = {s.key: s for s in states if not s.finished}
         if not by_key:
             return []
-        read = yield from self.read({k: s.last_id for k, s in by_key.items()}, block_ms)
-        return feed_states(by_key, read, XREAD_COUNT)
-
-    def pump_one(self, state: JobState, deadline: Deadline) -> Plan[list[Delta]]:
-        got = yield from self.pump([state], deadline.block_ms(self.poll_ms))
-        return got[0][1] if got else []
+        streams = {k: s.last_id for k, s in by_key.items()}
+        if extra:
+            streams.update(extra)
+        read = yield from self.read(streams, self.wait_ms(by_key.values(), block_ms))
+        mine = []
+        for key, entries in read:
+            if key in by_key:
+                mine.append((key, entries))
+            elif extra is not None and key in extra and entries:
+                extra[key] = _entry_id(entries[-1][0])
+        return feed_states(by_key, mine, XREAD_COUNT)
 
     def read(self, streams: dict[str, bytes], block_ms: int) -> Plan[list]:
-        """XREAD BLOCK that survives dropped connections for up to ``reconnect_timeout_s``."""
-        give_up = time.monotonic() + self.reconnect_timeout_s
-        pause = 0.05
-        while True:
-            try:
-                return (yield from read_once(streams, block_ms))
-            except NET_ERRORS as exc:
-                if time.monotonic() >= give_up:
-                    raise RedisUnavailable(self.url, exc) from exc
-                yield Sleep(pause)
-                pause = min(pause * 2, 1.0)
+        """XREAD BLOCK that survives lost connections and failovers (``effects.retrying``)."""
+        return (yield from retrying(lambda: read_once(streams, block_ms),
+                                    self.reconnect_timeout_s, self.url))
+
+    # -- what a reader decides by itself
+    def wait_ms(self, states: Iterable[JobState], block_ms: int) -> int:
+        """``block_ms``, cut to wake when the first job falls due: its start deadline (plus the
+        grace) or its next records check."""
+        now_ms, mono = time.time() * 1000, time.monotonic()
+        wait = float(block_ms)
+        for s in states:
+            if s.start_deadline_ms is not None and not s.started:
+                wait = min(wait, s.start_deadline_ms + self.grace_ms - now_ms + 5)
+            due = max(s.seen_at, s.checked_at) + self.lost_check_s
+            wait = min(wait, (due - mono) * 1000 + 5)
+        return max(1, int(wait))
+
+    def overdue(self, states: Iterable[JobState]) -> list[JobState]:
+        """Jobs no worker started by their deadline (plus the grace)."""
+        now_ms = time.time() * 1000
+        return [s for s in states if s.overdue(now_ms, self.grace_ms)]
+
+    def loss_due(self, states: Iterable[JobState]) -> list[JobState]:
+        """Jobs idle (no entry read, no check) for ``lost_check_s``: their records are due for
+        a check."""
+        now = time.monotonic()
+        return [s for s in states if not s.finished and s.dedupe_key is not None
+                and now - max(s.seen_at, s.checked_at) >= self.lost_check_s]
+
+    def check_lost(self, states: Sequence[JobState]) -> Plan[list[Lost]]:
+        """The jobs of ``states`` that no one will ever run or write to: not finished, and
+        their dedupe record is gone, or names an entry its lane no longer holds (workers delete
+        an entry only after its job's terminal event). Two pipelined round trips at most
+        (routed per key on a cluster), retried like a read: each job's record and last event,
+        then, for a record and no terminal event, whether the record's entry is still there."""
+        if not states:
+            return []
+
+        def heads(r: Any) -> Any:
+            pipe = r.pipeline(transaction=False)
+            for s in states:
+                pipe.get(s.dedupe_key)
+                pipe.xrevrange(s.key, count=1)
+            return pipe.execute(False)
+
+        def check() -> Plan[list[Lost]]:
+            replies = list(raise_transient((yield Call(heads))))
+            suspects = []
+            for i, s in enumerate(states):
+                record, last = replies[2 * i], replies[2 * i + 1]
+                if _terminal(last):
+                    continue
+                if record is None:      # with a stream: a job a raw producer sent, or older
+                    if not last:        # than its record's TTL; neither: lost
+                        suspects.append(Lost(s, None, None, None))
+                    continue
+                try:
+                    lane, entry = parse_dedupe_record(record)
+                except ProtocolError:
+                    continue
+                suspects.append(Lost(s, record, lane, entry))
+            known = [x for x in suspects if x.record is not None]
+            if known:
+                def entries(r: Any) -> Any:     # the entry, then (later) the last event
+                    pipe = r.pipeline(transaction=False)
+                    for x in known:
+                        pipe.xrange(x.lane, x.entry, x.entry, count=1)
+                        pipe.xrevrange(x.state.key, count=1)
+                    return pipe.execute(False)
+                there = list(raise_transient((yield Call(entries))))
+                # an entry is deleted only after its job's terminal event is written: gone
+                # with a terminal event read after it is a job that just ended
+                held = {id(x) for i, x in enumerate(known)
+                        if there[2 * i] or _terminal(there[2 * i + 1])}
+                suspects = [x for x in suspects if id(x) not in held]
+            return suspects
+
+        lost = yield from retrying(check, self.reconnect_timeout_s, self.url)
+        now = time.monotonic()
+        for s in states:
+            s.checked_at = now
+        return [x for x in lost if not x.state.finished]
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A job no one will run: its state, and the stale dedupe record that still names it
+    (None when the record is gone too): its value, lane and entry id."""
+
+    state: JobState
+    record: Optional[bytes]
+    lane: Optional[str]
+    entry: Optional[str]
+
+
+def _terminal(last: Any) -> bool:
+    """Whether an ``XREVRANGE .. COUNT 1`` reply is a terminal event (``done`` / ``error``)."""
+    if not isinstance(last, list) or not last:
+        return False
+    try:
+        return decode_event(fields_dict(last[0][1])[EVENT_FIELD]).type in ("done", "error")
+    except (ProtocolError, KeyError, IndexError, TypeError):
+        return False
+
+
+def rerun_request(request: Any, seed: Optional[int]) -> Any:
+    """The request to enqueue again for a job Redis lost: the same payload, with the seed its
+    first worker drew (``started``) when it had none, so the rerun makes the tokens the reader
+    already has and the fold, which skips them by ``seq``, continues exactly where it was."""
+    if seed is None:
+        return request
+    payload = msgpack.unpackb(request.payload, raw=False)
+    params = payload.setdefault("params", {})
+    if "seed" in params or params.get("beam_width") is not None:
+        return request
+    params["seed"] = seed
+    return replace(request, payload=msgpack.packb(payload, use_bin_type=True))
+
+
+def _entry_id(entry_id: Any) -> bytes:
+    return entry_id if isinstance(entry_id, bytes) else str(entry_id).encode()
 
 
 def read_once(streams: dict[str, bytes], block_ms: int) -> Plan[list]:
@@ -85,4 +227,4 @@ def _xread_pair(r: Any, streams: dict[str, bytes], block_ms: int) -> Any:
     return pipe.execute()
 
 
-__all__ = ["ResultReader", "read_once", "XREAD_COUNT"]
+__all__ = ["ResultReader", "Lost", "read_once", "rerun_request", "XREAD_COUNT", "Pumped"]

@@ -204,6 +204,28 @@ class Keys:
         return f"{self.namespace}:owner:{self.tag(self._job_shard(job_id, shard))}:{job_id}"
 
 
+def hash_tag(key: str) -> str:
+    """What Redis Cluster hashes of ``key``: the text inside its first ``{...}`` when that is
+    not empty, else the whole key."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1:end]
+    return key
+
+
+def wake_key(namespace: str, slot_key: str, reader_id: str) -> str:
+    """A shared result reader's private wake stream, in the slot of ``slot_key`` (one of the
+    result streams it reads), so one XREAD can name it with them: a producer XADDs to it to
+    interrupt the reader's blocked XREAD when a job joins (``producer_sdk/hub.py``). Capped at
+    one entry and expiring (``WAKE_TTL_MS`` after its last wake)."""
+    return f"{namespace}:wake:{{{hash_tag(slot_key)}}}:{reader_id}"
+
+
+WAKE_TTL_MS = 600_000
+
+
 def dedupe_record(lane_key: str, entry_id: str) -> str:
     """The value of ``Keys.dedupe(job_id)``: which entry of which lane is this job."""
     return f"{lane_key}{DEDUPE_SEPARATOR}{entry_id}"

@@ -102,13 +102,26 @@ def make_client(url: str, cluster: Optional[bool] = None, **kwargs: Any) -> Any:
     return RedisCluster.from_url(url, **_cluster_kwargs(kwargs))
 
 
-def make_async_client(url: str, cluster: Optional[bool] = None, **kwargs: Any) -> Any:
+def make_async_client(url: str, cluster: Optional[bool] = None,
+                      max_connections: Optional[int] = None,
+                      pool_timeout_s: Optional[float] = None, **kwargs: Any) -> Any:
     """``make_client`` for asyncio. Detection (``cluster=None``) is one short blocking call when
-    the client is made, not on every command."""
+    the client is made, not on every command. ``max_connections`` bounds the pool (per node of
+    a cluster); on one Redis the pool then waits up to ``pool_timeout_s`` for a free connection
+    (``BlockingConnectionPool``) instead of raising at once. A cluster client's nodes raise
+    ``MaxConnectionsError`` (a ConnectionError) when full, which the SDK's plans retry."""
     if cluster is None:
         cluster = detect_cluster(url, float(kwargs.get("socket_connect_timeout") or 2.0))
     if not cluster:
-        return redis.asyncio.Redis.from_url(url, **kwargs)
+        if max_connections is None:
+            return redis.asyncio.Redis.from_url(url, **kwargs)
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=pool_timeout_s, **kwargs)
+        client = redis.asyncio.Redis(connection_pool=pool)
+        client.auto_close_connection_pool = True
+        return client
+    if max_connections is not None:
+        kwargs["max_connections"] = max_connections
     return AsyncRedisCluster.from_url(url, **_cluster_kwargs(kwargs))
 
 
@@ -267,9 +280,22 @@ async def async_send_packed_trailed(client: Any, items: Sequence[Packed],
     return [r for rs in replies for r in rs], trailed
 
 
-async def _async_refresh(client: Any) -> None:
+async def async_refresh(client: Any) -> None:
+    """``refresh`` for an asyncio cluster client; never raises."""
     with contextlib.suppress(Exception):
         await client.nodes_manager.initialize()
+
+
+_async_refresh = async_refresh
+
+
+def refresh_any(client: Any) -> Any:
+    """Re-read the slot map of any client: None once done (sync, or not a cluster), or the
+    coroutine that does it for an asyncio cluster client."""
+    if isinstance(client, AsyncRedisCluster):
+        return async_refresh(client)
+    refresh(client)
+    return None
 
 
 async def _async_send_once(client: Any, items: Sequence[Packed], trailer: Optional[bytes] = None,

@@ -102,12 +102,23 @@ class FakeWorker(threading.Thread):
                 self.errors.append(exc)
 
     def _setup(self) -> None:
+        self._beat()
         for lane in self.keys.lanes():
             with contextlib.suppress(redis.ResponseError):  # BUSYGROUP
                 self.r.xgroup_create(lane, GROUP, id="0", mkstream=True)
 
-    def _step(self) -> None:
+    def _beat(self) -> None:
+        """Registry entry and the heartbeat fields that make a worker live for its queue (what
+        ``Client.live_workers`` and the CLI's submit read); no served model name, so model
+        routing (the batch runner) sees no model."""
         self.r.zadd(self.keys.workers, {self.worker_id: int(time.time() * 1000)})
+        beat = self.keys.heartbeat(self.worker_id)
+        self.r.hset(beat, mapping={"queue": self.keys.queue, "engine_loaded": "1",
+                                   "draining": "0"})
+        self.r.pexpire(beat, 2000)
+
+    def _step(self) -> None:
+        self._beat()
         depth = sum(self.r.xlen(k) for k in self.keys.lanes())
         self.max_depth_seen = max(self.max_depth_seen, depth)
         block = 50 if self.keys.shards == 1 else None

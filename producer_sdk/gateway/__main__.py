@@ -28,6 +28,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from producer_sdk.gateway.app import create_app
     from producer_sdk.gateway.auth import KeyFileError
+    from producer_sdk.gateway.http import server_config
     from producer_sdk.gateway.settings import GatewaySettings
     _, settings = parse_settings(parser(), argv)
     assert isinstance(settings, GatewaySettings)
@@ -36,8 +37,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (KeyFileError, ValueError) as exc:
         print(f"python -m producer_sdk.gateway: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                lifespan="on", timeout_graceful_shutdown=5)
+    uvicorn.Server(server_config(app, settings)).run()
     return 0
 
 

@@ -1,90 +1,91 @@
 """One job as an HTTP answer: a whole OpenAI response, or server-sent chunks.
 
-``JobFeed`` reads the job's deltas in a task of its own into a queue, so the HTTP side can wait
-for the next one with a timeout -- to send ``: keep-alive`` comments while the job waits in its
-queue (proxies cut idle streams), and to notice a client that left -- without ever cancelling
-the SDK's own stream mid-read. The SDK's stream already dedupes and resumes across worker
-takeovers, so what is relayed here is each token once, in order, whatever happens to workers.
+``JobFeed`` reads the job's deltas through the client's shared result readers
+(``producer_sdk/hub.py``): the request holds no Redis connection while it waits, ``next(t)``
+returns within ``t`` (so a stream sends ``: keep-alive`` comments while the job waits in its
+queue, and a whole answer notices a client that left), and ``close`` is synchronous: a request
+torn down by its client's disconnect drops its reader registration at once and hands the
+job's cancel to ``Cancels``, which retries it until it lands. The SDK's state already dedupes
+and resumes across worker takeovers, so what is relayed here is each token once, in order,
+whatever happens to workers; its deadline and lost-job rules end the job on time.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 
-import anyio
-
 from producer_sdk.aio import AsyncJob
+from producer_sdk.gateway.backend import Submitted
+from producer_sdk.gateway.cancels import Cancels
 from protocol.fold import Delta
-from producer_sdk.job import Result
+from producer_sdk.job import Result, StreamCursor
 from protocol.logprobs import TokenLogprob
 from producer_sdk.openai_format import (OpenAIRequest, choice_body, chunk_body, chunk_choice,
                                         completion_body, logprobs_body, token_logprobs_of,
                                         usage_body)
-from producer_sdk.gateway.errors import APIError, api_error, cancelled
+from producer_sdk.gateway.errors import APIError, api_error, cancelled, timed_out
 from producer_sdk.gateway.metrics import GatewayMetrics
 from producer_sdk.tool_calls import CallReader, finish_reason, relay, whole_choice
 
 KEEPALIVE = ": keep-alive\n\n"
 DONE = "data: [DONE]\n\n"
 _END = object()
-_DRAINING: set[asyncio.Task] = set()    # feeds whose client left, reading to the job's end
 
 
 class JobFeed:
-    """A job's deltas, fetched ahead by a task; ``next(timeout)`` returns a Delta, ``None`` when
-    nothing came within ``timeout``, or ``_END``; it raises what the stream raised."""
+    """A job's deltas for one answer: ``next(timeout)`` returns a list of deltas, ``None``
+    when nothing came within ``timeout``, or ``_END``; it raises what ended the job (APIError
+    504 once the request's total time is up). ``close()`` must follow, once."""
 
-    def __init__(self, job: AsyncJob, segment_s: float = 5.0) -> None:
-        self.job = job
-        self.segment_s = segment_s
-        self.abandoned = False
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.task = asyncio.create_task(self._pump(), name=f"feed-{job.id}")
-
-    async def _pump(self) -> None:
-        """Relay every delta, then ``_END`` (or the exception that ended the stream). Reads in
-        segments of ``segment_s`` (a new ``stream()`` continues exactly where the last one
-        stopped), so an abandoned feed of a job no worker ever ends stops within one."""
-        try:
-            while not self.abandoned:
-                try:
-                    async for delta in self.job.stream(timeout=self.segment_s):
-                        self.queue.put_nowait(delta)
-                except TimeoutError:
-                    continue
-                self.queue.put_nowait(_END)
-                return
-        except Exception as exc:  # relayed to the reader, which answers with it
-            self.queue.put_nowait(exc)
+    def __init__(self, sub: Submitted, cancels: Cancels, retry_after_s: int = 1) -> None:
+        self.job: AsyncJob = sub.job
+        self.ends_at = sub.ends_at
+        self.total_s = None if sub.ends_at is None else round(sub.ends_at - time.monotonic(), 3)
+        self.cancels = cancels
+        self.retry_after_s = retry_after_s
+        self.hub = self.job.client.hub
+        self._watching = self.hub.watching(self.job)
+        self.watch = self._watching.__enter__()
+        self.cursor = StreamCursor(self.job, None)
+        self.ended = False
+        self.closed = False
 
     async def next(self, timeout: float) -> Any:
-        try:
-            item = await asyncio.wait_for(self.queue.get(), timeout)
-        except asyncio.TimeoutError:
-            return None
-        if isinstance(item, Exception):
-            raise item
-        return item
+        for attempt in (0, 1):
+            try:
+                deltas = self.cursor.take()
+            except Exception as exc:    # the job failed (JobFailed), or ended by a reader
+                self.ended = True
+                raise api_error(exc, self.retry_after_s) from None
+            if deltas is None:
+                self.ended = True
+                return _END
+            if deltas or attempt:
+                return deltas or None
+            wait = timeout
+            if self.ends_at is not None:
+                left = self.ends_at - time.monotonic()
+                if left <= 0:
+                    raise timed_out(self.job.id, self.total_s, self.job.state.started)
+                wait = min(wait, left)
+            try:
+                await self.hub.wait(self.watch, wait)
+            except Exception as exc:    # its reader gave up (Redis gone past redis_retry_s)
+                raise api_error(exc, self.retry_after_s) from None
+        return None
 
-    async def close(self, cancel_job: bool) -> None:
-        """Cancel the job when its client went away before it ended. Shielded: this runs while
-        the request's task is being cancelled by the disconnect. The reading task is not
-        cancelled mid-read (a cancelled read in the shared Redis pool can hang that task);
-        it ends by itself at the job's terminal event, which a cancel brings within a step."""
-        with anyio.CancelScope(shield=True):
-            if cancel_job:
-                try:
-                    await self.job.cancel()
-                except Exception:  # Redis gone: the job runs on; nothing more to do here
-                    pass
-        self.abandoned = True
-        if not self.task.done():
-            _DRAINING.add(self.task)
-            self.task.add_done_callback(_DRAINING.discard)
+    def close(self) -> None:
+        """Drop the reader registration now; cancel the job unless it ended."""
+        if self.closed:
+            return
+        self.closed = True
+        self.cursor.__exit__(None, None, None)
+        self._watching.__exit__(None, None, None)
+        if not self.ended:
+            self.cancels.add(self.job.cancel_key)
 
 
 @dataclass
@@ -203,72 +204,65 @@ def _count(metrics: GatewayMetrics, result: Result) -> None:
     metrics.tokens.labels("completion").inc(result.usage.completion_tokens)
 
 
-async def whole_response(answer: Answer, disconnected: Callable[[], Awaitable[bool]],
+async def whole_response(answer: Answer, feed: JobFeed,
+                         disconnected: Callable[[], Awaitable[bool]],
                          metrics: GatewayMetrics, poll_s: float = 0.5) -> Optional[dict]:
-    """Wait for the job and build its body; None (and the job cancelled) when the client left."""
-    feed = JobFeed(answer.job)
-    ended = False
+    """Wait for the job and build its body; None (and the job cancelled) when the client left.
+    The feed is closed here, whatever happens."""
     checked = time.monotonic()
     try:
         while True:
-            try:
-                item = await feed.next(poll_s)
-            except Exception as exc:
-                ended = True
-                raise api_error(exc) from None
+            item = await feed.next(poll_s)
             if item is _END:
-                ended = True
                 break
             if time.monotonic() - checked >= poll_s:    # every poll_s, however busy the job
                 checked = time.monotonic()
                 if await disconnected():
                     metrics.cancelled.inc()
                     return None
-            if item is None:
-                continue
-            if not answer.choices:
-                metrics.ttft.observe(time.monotonic() - answer.started)
-            answer.add(item)
+            for delta in item or ():
+                if not answer.choices:
+                    metrics.ttft.observe(time.monotonic() - answer.started)
+                answer.add(delta)
         result = finished_result(answer)
         _count(metrics, result)
         return answer.whole(result)
     finally:
-        await feed.close(cancel_job=not ended)
+        feed.close()
 
 
 async def first_item(feed: JobFeed, wait_s: float) -> Any:
-    """The first delta, or None after ``wait_s``: an error that comes this early is still
+    """The first deltas, or None after ``wait_s``: an error that comes this early is still
     answered with its HTTP status (APIError), before any byte of the stream is sent."""
+    ends = time.monotonic() + wait_s
     try:
-        return await feed.next(wait_s)
-    except Exception as exc:
-        await feed.close(cancel_job=False)
-        raise api_error(exc) from None
+        while True:
+            item = await feed.next(max(0.0, ends - time.monotonic()))
+            if item is not None or time.monotonic() >= ends:
+                return item
+    except BaseException:
+        feed.close()
+        raise
 
 
 async def event_stream(answer: Answer, feed: JobFeed, first: Any, keepalive_s: float,
                        metrics: GatewayMetrics) -> AsyncIterator[str]:
     """The SSE body: chunks as deltas come, keep-alive comments while none does, the closing
     chunks, the usage chunk when asked for, ``[DONE]``. A failure after the first byte is sent
-    as an ``error`` event (what the openai client raises from). A client that leaves cancels
-    the job (``feed.close``)."""
-    ended = False
+    as an ``error`` event (what the openai client raises from), and the job is cancelled
+    unless it ended. A client that leaves cancels the job (``feed.close``)."""
     try:
-        item: Union[Delta, None, object] = first
+        item: Union[list[Delta], None, object] = first
         while item is not _END:
             if item is None:
                 yield KEEPALIVE
             else:
-                if not answer.choices:
-                    metrics.ttft.observe(time.monotonic() - answer.started)
-                for choice in answer.add(item):  # type: ignore[arg-type]
-                    yield answer.chunk([choice])
-            try:
-                item = await feed.next(keepalive_s)
-            except Exception as exc:
-                ended = True
-                raise api_error(exc) from None
-        ended = True
+                for delta in item:  # type: ignore[union-attr]
+                    if not answer.choices:
+                        metrics.ttft.observe(time.monotonic() - answer.started)
+                    for choice in answer.add(delta):
+                        yield answer.chunk([choice])
+            item = await feed.next(keepalive_s)
         result = finished_result(answer)
         _count(metrics, result)
         for choice in answer.closing(result):
@@ -280,6 +274,6 @@ async def event_stream(answer: Answer, feed: JobFeed, first: Any, keepalive_s: f
         yield sse(err.body())
         yield DONE
     finally:
-        if not ended:
+        if not feed.ended:
             metrics.cancelled.inc()
-        await feed.close(cancel_job=not ended)
+        feed.close()

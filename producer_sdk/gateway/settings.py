@@ -43,13 +43,43 @@ class GatewaySettings(CliSettings):
                     "not 404); live workers' heartbeats add the rest.")
     deadline_s: float = Field(600.0, gt=0, description="Seconds a request may wait in its "
                               "queue before it starts (504 after); X-Request-Timeout lowers it.")
+    request_timeout_s: Optional[float] = Field(
+        None, gt=0, description="Seconds a request may take in total (504 after, its job "
+        "cancelled); X-Request-Timeout sets it per request.",
+        json_schema_extra=unset("no limit but the start deadline"))
+    wait_for_worker: bool = Field(False, description="Enqueue requests for a known model with "
+                                  "no live worker and wait (within the deadline) instead of "
+                                  "answering 503 no_live_worker; X-Wait-For-Worker sets it per "
+                                  "request.")
+    max_in_flight: int = Field(4096, ge=1, description="Generation requests answered at once; "
+                               "past it 429 with Retry-After.")
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body; "
+                                "a bigger one is refused (413) before it is read whole.")
+    header_timeout_s: float = Field(10.0, gt=0, description="Seconds a client may take to send "
+                                    "a request's headers (a connection idle that long is "
+                                    "closed).")
+    body_timeout_s: float = Field(30.0, gt=0, description="Seconds a client may take to send a "
+                                  "request's body (408 after).")
+    redis_max_connections: int = Field(64, ge=4, description="Redis connections of the pool "
+                                       "(per node of a cluster); a command waits for a free one.")
+    redis_pool_timeout_s: float = Field(5.0, gt=0, description="Longest wait for a free Redis "
+                                        "connection (503 after).")
+    redis_retry_s: float = Field(30.0, ge=0, description="Seconds result reads, cancels and "
+                                 "status reads keep retrying a lost connection or a cluster "
+                                 "failover before a request gives up (its job cancelled).")
+    reader_streams: int = Field(256, ge=1, le=10_000, description="Result streams one shared "
+                                "reader reads (one blocking XREAD each).")
+    reader_wake: bool = Field(True, description="Wake a shared reader's blocked XREAD when a "
+                              "request joins it (a private wake stream); off: readers block in "
+                              "50 ms slices.")
     keepalive_s: float = Field(10.0, gt=0, description="Seconds between ': keep-alive' SSE "
                                "comments while a stream has nothing to send.")
     status_wait_s: float = Field(2.0, ge=0, description="Seconds a stream waits for its first "
                                  "token before it sends its headers: an error by then (an "
                                  "expired deadline) gets its HTTP status, a later one an SSE "
                                  "error event.")
-    retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429 (queue full).")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429 (queue full, too many "
+                               "requests) and a 503 (Redis unreachable).")
     models_refresh_s: float = Field(1.0, ge=0, description="Seconds the model list read from "
                                     "worker heartbeats is reused.")
     log_level: str = Field("info", description="uvicorn log level: debug, info, warning, error.")

@@ -15,7 +15,8 @@ seen) runs inside one script, atomically.
 - ``results``: fenced result writes and identity (``WRITE_STEP``, ``BIND_AND_OWN``,
   ``RELEASE_OWNER``, ``DEAD_LETTER``, ``REPLAY``);
 - ``affinity``: the sweep of affinity streams (``MOVE_UNREAD``);
-- ``worker_id``: the worker id lease (``ID_CLAIM``, ``ID_RELEASE``).
+- ``worker_id``: the worker id lease (``ID_CLAIM``, ``ID_RELEASE``);
+- ``readers``: a reader letting go of a lost job's stale dedupe record (``FORGET_STALE_RECORD``).
 
 Every script's keys share one hash slot (one queue shard's tag, see ``Keys``), as a Redis
 Cluster requires.
@@ -26,6 +27,7 @@ from protocol.scripts.enqueue import ENQUEUE
 from protocol.scripts.lua import CONTRACT_NAMES, LuaScript, lua
 from protocol.scripts.pending import ACK, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM
 from protocol.scripts.pipeline import ScriptPipeline, run_script
+from protocol.scripts.readers import FORGET_STALE_RECORD
 from protocol.scripts.resp import pack, text
 from protocol.scripts.results import (BIND_AND_OWN, DEAD_LETTER, RELEASE_OWNER, REPLAY,
                                       WRITE_STEP)
@@ -33,9 +35,10 @@ from protocol.scripts.worker_id import ID_CLAIM, ID_RELEASE
 
 ALL_SCRIPTS: tuple[LuaScript, ...] = (
     ENQUEUE, READ_NEW, READ_OWN_PENDING, RECLAIM, MOVE_MINE, ACK, WRITE_STEP, BIND_AND_OWN,
-    RELEASE_OWNER, DEAD_LETTER, REPLAY, MOVE_UNREAD, ID_CLAIM, ID_RELEASE)
+    RELEASE_OWNER, DEAD_LETTER, REPLAY, MOVE_UNREAD, ID_CLAIM, ID_RELEASE, FORGET_STALE_RECORD)
 
 __all__ = ["ACK", "ALL_SCRIPTS", "BIND_AND_OWN", "CONTRACT_NAMES", "DEAD_LETTER", "ENQUEUE",
+           "FORGET_STALE_RECORD",
            "ID_CLAIM", "ID_RELEASE", "LuaScript", "MOVE_MINE", "MOVE_UNREAD", "READ_NEW",
            "READ_OWN_PENDING", "RECLAIM", "RELEASE_OWNER", "REPLAY", "ScriptPipeline",
            "WRITE_STEP", "lua", "pack", "run_script", "text"]

@@ -52,7 +52,9 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
     # producer_sdk.models and the batch runner's routing read the queues, registries and beats)
     "producer": ("ping", "evalsha", "script|load", "xadd", "xlen", "xread", "xrange",
                  "xrevrange", "xpending", "xinfo|groups", "get", "set", "exists", "hget",
-                 "multi", "exec", "smembers", "zrange", "hmget", "cluster|info", "wait"),
+                 "multi", "exec", "smembers", "zrange", "hmget", "cluster|info", "wait",
+                 # asyncio clients and the gateway: their shared readers' wake streams
+                 "pexpire"),
     # python -m worker admin ... and python -m producer_sdk stats --queue Q
     "admin": ("evalsha", "eval", "xpending", "xrange", "xadd", "xdel", "xlen", "xinfo|groups",
               "get", "set", "exists", "del", "hget", "hset", "zrange", "zcount", "zcard",

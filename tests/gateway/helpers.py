@@ -12,6 +12,7 @@ import httpx
 import uvicorn
 
 from producer_sdk.gateway import GatewaySettings, create_app
+from producer_sdk.gateway.http import server_config
 from tests.fault_harness import wait_for
 from tests.fixtures_redis import free_port
 
@@ -36,10 +37,9 @@ class Gateway:
 
 
 def start_gateway(redis_url: str, **settings: Any) -> Gateway:
-    s = GatewaySettings(redis_url=redis_url, **{**FAST, **settings})
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(s), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
+    s = GatewaySettings(redis_url=redis_url, port=port, **{**FAST, **settings})
+    server = uvicorn.Server(server_config(create_app(s), s, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True, name=f"gateway-{port}")
     thread.start()
     wait_for(lambda: server.started or not thread.is_alive(), timeout=20, what="gateway up")
@@ -115,3 +115,61 @@ def finish_reasons(chunks: list[Any]) -> dict[int, str]:
                 assert ch.index not in out, f"choice {ch.index} finished twice"
                 out[ch.index] = ch.finish_reason
     return out
+
+
+class GatewayProcess:
+    """``python -m producer_sdk.gateway`` as a child process (its own process group), its
+    output in ``log_path``; ``stop()`` (SIGTERM, then SIGKILL) always ends it."""
+
+    def __init__(self, log_path: Any, *args: str, env: Optional[dict] = None) -> None:
+        import os
+        import subprocess
+        import sys
+
+        from tests.fixtures_redis import REPO_ROOT
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "producer_sdk.gateway", "--port", str(self.port),
+             "--log-level", "warning", *args], cwd=str(REPO_ROOT), stdout=self._log,
+            stderr=subprocess.STDOUT, env={**clean, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True)
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    def wait_up(self, timeout: float = 30) -> "GatewayProcess":
+        """Until it answers HTTP (any status: Redis may be down on purpose)."""
+        def answers() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                httpx.get(self.url + "/metrics", timeout=1)
+                return True
+            except httpx.HTTPError:
+                return False
+        wait_for(answers, timeout=timeout, interval=0.1, what="gateway answering")
+        return self
+
+    def log(self) -> str:
+        try:
+            return open(self.log_path, errors="replace").read()[-5000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        import os
+        import signal
+        import subprocess
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()

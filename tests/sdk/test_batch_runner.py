@@ -63,14 +63,14 @@ def test_body_mapping():
         "chat_template_kwargs": {"enable_thinking": False}})
     assert qwen3["chat_template_kwargs"] == {"enable_thinking": False}
     for url, body, code in [
-        ("/v1/chat/completions", {"messages": [{"role": "u", "content": "x"}], "foo": 1},
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "foo": 1},
          "unsupported_field"),
-        ("/v1/chat/completions", {"messages": [{"role": "u", "content": "x"}], "best_of": 2},
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "best_of": 2},
          "unsupported_field"),
         ("/v1/completions", {"prompt": ["a", "b"]}, "invalid_request"),
         ("/v1/embeddings", {"input": "x"}, "invalid_url"),
         ("/v1/completions", {"prompt": "x", "chat_template_kwargs": {"a": 1}}, "invalid_request"),
-        ("/v1/chat/completions", {"messages": [{"role": "u", "content": "x"}],
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "chat_template_kwargs": "yes"}, "invalid_request"),
     ]:
         with pytest.raises(LineError) as err:

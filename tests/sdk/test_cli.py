@@ -78,3 +78,15 @@ def test_status_and_result_commands(sdk_url: str):
         assert res.returncode == 0 and res.stdout == " t0 t1 t2\n", res
         done = cli("status", "st1", "--redis-url", sdk_url, "--json")
         assert json.loads(done.stdout)["state"] == "done"
+
+
+def test_submit_with_no_live_worker_says_so_in_one_line(sdk_url: str):
+    t0 = time.monotonic()
+    res = cli("submit", "anyone?", "--redis-url", sdk_url, "--queue", "empty")
+    assert res.returncode == 8 and time.monotonic() - t0 < 15
+    (line,) = res.stderr.strip().splitlines()
+    assert "no live worker serves queue 'empty'" in line and "--wait-for-worker" in line
+    assert not redis.Redis.from_url(sdk_url).exists(Keys(queue="empty").lane("default"))
+    waited = cli("submit", "anyone?", "--redis-url", sdk_url, "--queue", "empty",
+                 "--wait-for-worker", "--timeout", "0.3")
+    assert waited.returncode == 5 and "job " in waited.stderr

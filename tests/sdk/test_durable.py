@@ -142,9 +142,9 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_the_cli_and_the_batch_runner_submit_durably(master, tmp_path: Path):
     url = ["--redis-url", master.url]
-    ok = cli("submit", "x", "--durable", "--timeout", "0.2", *url)
+    ok = cli("submit", "x", "--durable", "--timeout", "0.2", "--wait-for-worker", *url)
     assert ok.returncode == 5, ok.stderr                  # durable, then no worker answered
-    short = cli("submit", "x", "--durable", "--durable-replicas", "2",
+    short = cli("submit", "x", "--wait-for-worker", "--durable", "--durable-replicas", "2",
                 "--durable-timeout-ms", "100", *url)
     assert short.returncode == 7 and "1 of 2" in short.stderr, short.stderr
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

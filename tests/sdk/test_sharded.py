@@ -276,7 +276,8 @@ def test_cli_and_model_listing_on_a_cluster(cluster):
         assert done.returncode == 0 and done.stdout == " t0 t1\n", done.stderr
     status = cli("status", "cli-1", "--json", *conn)
     assert json.loads(status.stdout)["state"] == "done", status.stderr
-    queued = cli("submit", "later", "--job-id", "cli-2", "--timeout", "0.2", *conn)
+    queued = cli("submit", "later", "--job-id", "cli-2", "--timeout", "0.2", "--wait-for-worker",
+                 *conn)
     assert queued.returncode == 5
     r = make_client(cluster.url)
     r.hset(KEYS.config, "shards", SHARDS)       # what the queue's workers register

@@ -1,0 +1,224 @@
+"""What the gateway's routes share: Redis (connected lazily), one AsyncClient per queue over
+one bounded pool and one set of shared result readers, the model directory, the cancels owed,
+auth, and the per-request rules (lane, deadlines, waiting for a worker).
+
+Redis may be down when the gateway starts, or go away and come back: the gateway starts
+anyway, answers 503 ``redis_unavailable`` (with Retry-After) on every endpoint while it cannot
+reach it, and connects on the first request after it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from fastapi import Request
+from redis.exceptions import RedisError
+
+from producer_sdk.aio import AsyncClient
+from producer_sdk.client_core import make_async_redis
+from producer_sdk.config import ClientConfig
+from producer_sdk.errors import RedisUnavailable
+from producer_sdk.gateway.auth import KeyRing, bearer_token, load_keys
+from producer_sdk.gateway.cancels import Cancels
+from producer_sdk.gateway.errors import (APIError, api_error, model_not_found, no_live_worker,
+                                         unauthorized)
+from producer_sdk.gateway.metrics import GatewayMetrics
+from producer_sdk.gateway.models import HeartbeatDirectory, ModelDirectory, parse_routes
+from producer_sdk.gateway.settings import GatewaySettings
+from producer_sdk.hub import ReadHub
+from producer_sdk.openai_format import OpenAIRequest
+from producer_sdk.structured import fit_tools, rename_error
+from protocol.topology import cluster_flag, detect_cluster, redact_url
+
+TIMEOUT_HEADER = "x-request-timeout"
+WAIT_HEADER = "x-wait-for-worker"
+
+
+@dataclass
+class Submitted:
+    """One request's job, and when the request as a whole must be answered by (monotonic)."""
+
+    job: Any
+    queue: str
+    ends_at: Optional[float]
+
+
+class Gateway:
+    """Settings, keys, Redis and everything on it; see the module docstring."""
+
+    def __init__(self, settings: GatewaySettings, directory: Optional[ModelDirectory],
+                 metrics: GatewayMetrics) -> None:
+        self.s = settings
+        self.keys = KeyRing(load_keys(settings.api_keys, settings.api_keys_file))
+        self.routes = parse_routes(settings.routes)
+        self.metrics = metrics
+        self._given_directory = directory
+        self._directory: Optional[ModelDirectory] = None
+        self.config = ClientConfig(
+            redis_url=settings.redis_url, namespace=settings.namespace,
+            cluster=cluster_flag(settings.cluster), max_connections=settings.redis_max_connections,
+            pool_timeout_s=settings.redis_pool_timeout_s,
+            reconnect_timeout_s=settings.redis_retry_s, reader_streams=settings.reader_streams,
+            reader_wake=settings.reader_wake)
+        self.url = redact_url(settings.redis_url)
+        self.redis: Any = None
+        self.hub: Optional[ReadHub] = None
+        self.cancels: Optional[Cancels] = None
+        self.clients: dict[str, AsyncClient] = {}
+        self._connecting = asyncio.Lock()
+        self._last_try = 0.0
+
+    # -- Redis, lazily
+    async def open(self) -> None:
+        """Try to connect; a Redis that is down is not an error yet (requests answer 503)."""
+        try:
+            await self.ready()
+        except RedisUnavailable:
+            pass
+
+    async def ready(self) -> None:
+        """Connect when not yet connected; RedisUnavailable while Redis cannot be reached (the
+        cluster question is asked at most once per ``retry_after_s``)."""
+        if self.redis is not None:
+            return
+        async with self._connecting:
+            if self.redis is not None:
+                return
+            wait = self._last_try + max(0.2, float(self.s.retry_after_s)) - time.monotonic()
+            if wait > 0 and self._last_try:
+                raise RedisUnavailable(self.url, ConnectionError("not answering"))
+            self._last_try = time.monotonic()
+            cluster = self.config.cluster
+            if cluster is None:
+                try:
+                    cluster = await asyncio.to_thread(detect_cluster, self.config.redis_url,
+                                                      self.config.connect_timeout_s)
+                except (RedisError, OSError) as exc:
+                    raise RedisUnavailable(self.url, exc) from None
+            self.redis = make_async_redis(self.config, cluster)
+            base = self.clients["default"] = self._new_client("default")
+            self.hub = base.hub
+            self.cancels = Cancels(base, self.metrics)
+            self._directory = self._given_directory or HeartbeatDirectory(
+                self.redis, self.s.namespace, self.routes, self.s.models_refresh_s)
+
+    async def close(self) -> None:
+        if self.cancels is not None:
+            await self.cancels.close()
+        if self.hub is not None:
+            await self.hub.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    async def ping(self) -> None:
+        await self.ready()
+        try:
+            await self.redis.ping()
+        except RedisError as exc:
+            raise RedisUnavailable(self.url, exc) from None
+
+    @property
+    def directory(self) -> ModelDirectory:
+        assert self._directory is not None, "Gateway.ready() not awaited"
+        return self._directory
+
+    def _new_client(self, queue: str) -> AsyncClient:
+        settings = self.config.model_dump(exclude={"queue", "namespace", "redis_url", "shards"})
+        return AsyncClient(self.s.redis_url, queue=queue, namespace=self.s.namespace,
+                           redis_client=self.redis, hub=self.hub, shards=self.s.shards,
+                           **settings)
+
+    def client(self, queue: str) -> AsyncClient:
+        """The queue's client: all on one pool and one set of shared readers."""
+        if queue not in self.clients:
+            self.clients[queue] = self._new_client(queue)
+        return self.clients[queue]
+
+    # -- per request
+    def priority(self, request: Request) -> int:
+        """The caller's lane; APIError 401 when keys are configured and its key is not one."""
+        if not self.keys.enabled:
+            return self.s.default_priority
+        key = self.keys.find(bearer_token(request.headers.get("authorization")))
+        if key is None:
+            raise unauthorized()
+        return self.s.default_priority if key.priority is None else key.priority
+
+    def timeouts(self, request: Request) -> tuple[float, Optional[float]]:
+        """(start deadline, total) in seconds: ``--deadline-s`` and ``--request-timeout-s``,
+        both lowered by an ``X-Request-Timeout`` header."""
+        raw = request.headers.get(TIMEOUT_HEADER)
+        if raw is None:
+            return self.s.deadline_s, self.s.request_timeout_s
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not 0 < value < float("inf"):
+            raise APIError(400, f"X-Request-Timeout must be a positive number of seconds, got "
+                           f"{raw!r:.40}", "invalid_request_error", "X-Request-Timeout",
+                           "invalid_request")
+        total = min(value, self.s.request_timeout_s or value)
+        return min(value, self.s.deadline_s), total
+
+    def waits_for_worker(self, request: Request) -> bool:
+        raw = request.headers.get(WAIT_HEADER)
+        if raw is None:
+            return self.s.wait_for_worker
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+
+    async def queue_of(self, model: Optional[str], wait: bool) -> str:
+        """The queue of a live model (with ``wait``: of any known one); 400 / 404 / 503."""
+        if not model:
+            raise APIError(400, "model is required (GET /v1/models lists them)",
+                           "invalid_request_error", "model", "invalid_request")
+        queue = await self.directory.queue_for(model)
+        if queue is not None:
+            return queue
+        known = await self.directory.known_queue(model)
+        if known is not None:
+            if wait:
+                return known
+            raise no_live_worker(model, known, self.s.retry_after_s)
+        raise model_not_found(model, sorted({m.name for m in await self.directory.models()}))
+
+    async def tool_format(self, model: str) -> Optional[str]:
+        """What the model's chat template does with tools, as its live workers advertise it."""
+        served = {m.name: m for m in await self.directory.models()}.get(model)
+        return getattr(served, "tool_format", None)
+
+    async def submit(self, request: Request, req: OpenAIRequest) -> Submitted:
+        """Enqueue the request's job (an unguessable job id) on its model's queue."""
+        priority = self.priority(request)
+        start_s, total_s = self.timeouts(request)
+        await self.ready()
+        try:
+            queue = await self.queue_of(req.model, self.waits_for_worker(request))
+        except RedisError as exc:
+            raise api_error(exc, self.s.retry_after_s) from None
+        kwargs = dict(req.kwargs)
+        if req.tools is not None:           # tools as the served model's template takes them
+            try:
+                fmt = await self.tool_format(req.model or "")
+            except RedisError as exc:
+                raise api_error(exc, self.s.retry_after_s) from None
+            kwargs = fit_tools(kwargs, req.tools, fmt, req.model or "")
+        meta = {**kwargs.pop("metadata", {}), "request_id": request.state.request_id}
+        if req.user is not None:
+            meta["user"] = req.user
+        try:
+            job = await self.client(queue).submit(
+                **kwargs, job_id=f"gw-{secrets.token_hex(16)}", priority=priority,
+                deadline_s=start_s, stream=True, metadata=meta)
+        except Exception as exc:
+            raise api_error(rename_error(exc, req.constraint_param),
+                            self.s.retry_after_s) from None
+        ends = None if total_s is None else time.monotonic() + total_s
+        return Submitted(job, queue, ends)
+
+
+__all__ = ["Gateway", "Submitted", "TIMEOUT_HEADER", "WAIT_HEADER"]
