@@ -18,7 +18,8 @@ GPU_CHECK_OUT ?= gpu-check-report
 env: $(STAMP)
 
 # CPU: torch==X+cpu exists only on PyTorch's CPU index (or a local wheel pip's config finds), so
-# the CUDA build can never be picked by mistake.
+# the CUDA build can never be picked by mistake. The configured indexes and local wheels are tried
+# first: a machine that cannot reach PyTorch's index would otherwise retry it for every dependency.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
@@ -28,7 +29,8 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install -q -e '.[$(EXTRAS),gpu]'; \
 	else \
 		echo "no NVIDIA GPU: the CPU build of torch $(TORCH_VERSION)"; \
-		$(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" --extra-index-url $(TORCH_CPU_INDEX) && \
+		{ $(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
+		  $(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" --extra-index-url $(TORCH_CPU_INDEX); } && \
 		$(PY) -m pip install -q -e '.[$(EXTRAS)]'; \
 	fi
 	touch $(STAMP)
