@@ -29,6 +29,11 @@ from protocol.wire import decode_event
 
 State = Literal["queued", "running", "done", "cancelled", "failed", "expired", "unknown"]
 POSITION_CAP = 1000     # entries counted ahead of a queued job in its own lane, at most
+# Jobs whose reads share one round of pipelines: a round's snapshot is one MULTI (per slot), which
+# Redis runs without serving anyone else, so it is bounded: 50,000 ids in one MULTI stalled
+# Redis for every other client for ~100-230 ms; 128 jobs (640 cheap commands) take a few ms
+# (benchmarks/statuses.py).
+STATUS_CHUNK = 128
 
 
 class JobStatus(BaseModel):
@@ -144,16 +149,21 @@ class Lockstep:
 
 def read_statuses(targets: Sequence[tuple[Keys, str, Optional[int]]],
                   position: bool = True) -> Plan[list[JobStatus]]:
-    """``status_plan`` of each (keys, job id, shard) target, in the round trips of one: each
-    Lockstep round's pipelines, one after another. On a Redis Cluster a MULTI per slot."""
-    lock = Lockstep([status_plan(k, j, s, position) for k, j, s in targets],
-                    by_slot=(yield cluster()))
-    while (steps := lock.round()) is not None:
-        replies = []
-        for step in steps:
-            replies.append((yield Call(step.execute)))
-        lock.feed(replies)
-    return lock.results
+    """``status_plan`` of each (keys, job id, shard) target, STATUS_CHUNK targets at a time in
+    the round trips of one: each Lockstep round's pipelines, one after another. On a Redis
+    Cluster a MULTI per slot."""
+    by_slot = yield cluster()
+    out: list[JobStatus] = []
+    for at in range(0, len(targets), STATUS_CHUNK):
+        lock = Lockstep([status_plan(k, j, s, position)
+                         for k, j, s in targets[at:at + STATUS_CHUNK]], by_slot=by_slot)
+        while (steps := lock.round()) is not None:
+            replies = []
+            for step in steps:
+                replies.append((yield Call(step.execute)))
+            lock.feed(replies)
+        out.extend(lock.results)
+    return out
 
 
 def _queue_all(pipe: Any, steps: list[tuple[int, Step]], shares: list) -> None:
