@@ -3,7 +3,8 @@
 Every command takes ``--redis-url`` (one Redis, or any node of a Redis Cluster), ``--cluster``,
 ``--namespace``, ``--queue`` and ``--shards`` (before or after it); each option is also a
 ``TOKENRELAY_<NAME>`` variable (protocol/settings.py). Exit codes: 0 ok, 1 job failed,
-2 bad request, 3 Redis unreachable, 4 queue full, 5 timeout, 6 unknown job id, 7 a --durable
+2 bad request, 3 Redis unreachable, 4 queue full, 5 timeout, 6 unknown job id (``status``,
+``result``, ``cancel``: nothing is written), 7 a --durable
 submit's jobs are enqueued but fewer replicas than asked acknowledged them, 8 ``submit`` to a
 queue no live worker serves (``--wait-for-worker`` submits anyway and waits).
 """
@@ -29,7 +30,7 @@ from protocol.shards import ShardCountMismatch, registered_shards, resolve_shard
 from protocol.topology import cluster_flag
 
 EXIT_FAILED, EXIT_INVALID, EXIT_UNAVAILABLE, EXIT_FULL, EXIT_TIMEOUT = 1, 2, 3, 4, 5
-EXIT_UNKNOWN = 6                # status/result of a job id Redis does not know
+EXIT_UNKNOWN = 6                # status/result/cancel of a job id Redis does not know
 EXIT_NOT_DURABLE = 7            # a --durable submit's jobs are enqueued but not on enough replicas
 EXIT_NO_WORKER = 8              # submit: no live worker serves the queue
 SERVER_DEFAULT = unset("the worker's")
@@ -143,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(batch, BatchOptions)
     add_settings_flags(sub.add_parser("stats", help="queue depth, lag, pending, workers, dead "
                                                     "letters"), StatsOptions)
-    cancel = sub.add_parser("cancel", help="cancel a job by id")
+    cancel = sub.add_parser("cancel", help="cancel a job by id (exit 6, nothing written, when "
+                                           "Redis holds no record of that id)")
     cancel.add_argument("job_id")
     add_settings_flags(cancel, ConnectionSettings)
     status = sub.add_parser("status", help="where a job stands (queued, running, done, ...), "

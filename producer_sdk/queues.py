@@ -15,7 +15,9 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS, QueueState
+from redis.exceptions import ResponseError
+
+from producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS, QueueState, is_oom
 from producer_sdk.effects import Call, Plan
 from protocol.keys import Keys
 from protocol.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards, resolve_shards
@@ -60,16 +62,22 @@ class QueueBook:
               register: bool = False) -> Plan[QueueState]:
         """The queue's state, reading its config hash when unknown (or due, with ``fresh``).
         ``register`` (every enqueue): a state whose count is not registered yet is read
-        again, registering this client's count first (HSETNX, then HMGET, in one MULTI)."""
+        again, and when the hash holds no count this client's is registered (HSETNX, then
+        HMGET, in one MULTI: no write once a count is registered)."""
         st = self.cached(queue, fresh)
         if st is not None and (st.registered or not register):
             return st
         key = self.config_key(queue)
-        if register:
+        limit, shards = yield Call(lambda r: r.hmget(key, [LIMIT_FIELD, SHARDS_FIELD]))
+        if register and shards is None:
             count = self.registering(queue)
-            limit, shards = (yield Call(lambda r: _register_and_read(r, key, count)))[1]
-        else:
-            limit, shards = yield Call(lambda r: r.hmget(key, [LIMIT_FIELD, SHARDS_FIELD]))
+            try:
+                limit, shards = (yield Call(lambda r: _register_and_read(r, key, count)))[1]
+            except ResponseError as exc:
+                if not is_oom(exc) and "OOM" not in str(exc):
+                    raise
+                # Redis refuses writes (maxmemory): so will the enqueue that follows, which
+                # turns it into back-pressure; the count is registered at its next round.
         return self.store(queue, limit, shards)
 
     def registering(self, queue: Optional[str]) -> int:
