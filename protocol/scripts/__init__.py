@@ -11,7 +11,7 @@ seen) runs inside one script, atomically.
 - ``pipeline``: ``ScriptPipeline`` (one round trip per node, NOSCRIPT-safe) and ``run_script``;
 - ``enqueue``: the producers' enqueue (``ENQUEUE``);
 - ``pending``: the worker's pending-list steps (``READ_NEW``, ``READ_OWN_PENDING``, ``RECLAIM``,
-  ``MOVE_MINE``, ``ACK``);
+  ``MOVE_MINE``, ``ACK``, ``DROP_CONSUMER``);
 - ``results``: fenced result writes and identity (``WRITE_STEP``, ``BIND_AND_OWN``,
   ``RELEASE_OWNER``, ``DEAD_LETTER``, ``REPLAY``);
 - ``affinity``: the sweep of affinity streams (``MOVE_UNREAD``);
@@ -27,7 +27,8 @@ from protocol.scripts.affinity import MOVE_UNREAD
 from protocol.scripts.cancel import CANCEL_KNOWN, CancelTarget, cancel_target
 from protocol.scripts.enqueue import ENQUEUE
 from protocol.scripts.lua import CONTRACT_NAMES, LuaScript, lua
-from protocol.scripts.pending import ACK, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM
+from protocol.scripts.pending import (ACK, DROP_CONSUMER, MOVE_MINE, READ_NEW, READ_OWN_PENDING,
+                                      RECLAIM)
 from protocol.scripts.pipeline import ScriptPipeline, run_script
 from protocol.scripts.readers import FORGET_STALE_RECORD
 from protocol.scripts.resp import pack, text
@@ -38,10 +39,10 @@ from protocol.scripts.worker_id import ID_CLAIM, ID_RELEASE
 ALL_SCRIPTS: tuple[LuaScript, ...] = (
     ENQUEUE, READ_NEW, READ_OWN_PENDING, RECLAIM, MOVE_MINE, ACK, WRITE_STEP, BIND_AND_OWN,
     RELEASE_OWNER, DEAD_LETTER, REPLAY, MOVE_UNREAD, ID_CLAIM, ID_RELEASE, FORGET_STALE_RECORD,
-    CANCEL_KNOWN)
+    CANCEL_KNOWN, DROP_CONSUMER)
 
 __all__ = ["ACK", "ALL_SCRIPTS", "BIND_AND_OWN", "CANCEL_KNOWN", "CancelTarget", "cancel_target",
-           "CONTRACT_NAMES", "DEAD_LETTER", "ENQUEUE",
+           "CONTRACT_NAMES", "DROP_CONSUMER", "DEAD_LETTER", "ENQUEUE",
            "FORGET_STALE_RECORD",
            "ID_CLAIM", "ID_RELEASE", "LuaScript", "MOVE_MINE", "MOVE_UNREAD", "READ_NEW",
            "READ_OWN_PENDING", "RECLAIM", "RELEASE_OWNER", "REPLAY", "ScriptPipeline",
