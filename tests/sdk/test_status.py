@@ -122,7 +122,8 @@ def test_batch_status_lists_every_line(tmp_path, redis_server):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST",
                                        "url": "/v1/completions",
-                                       "body": {"prompt": f"p{i}", "max_tokens": 2}}) + "\n"
+                                       "body": {"model": "m", "prompt": f"p{i}",
+                                                "max_tokens": 2}}) + "\n"
                            for i in range(3)))
     with Client(redis_server.url) as c:
         c.submit("p0", max_tokens=2, job_id=job_id_for("my-batch", "c0"))
@@ -134,4 +135,5 @@ def test_batch_status_lists_every_line(tmp_path, redis_server):
     assert [(r["custom_id"], r["state"]) for r in rows] == [
         ("c0", "queued"), ("c1", "unknown"), ("c2", "unknown")]
     assert json.loads(out.stderr.splitlines()[-1]) == {"batch_id": "my-batch", "jobs": 3,
-                                                       "queued": 1, "unknown": 2}
+                                                       "queued": 1, "unknown": 2,
+                                                       "malformed_lines": 0}
