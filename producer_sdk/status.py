@@ -1,7 +1,9 @@
 """A job's status as queue users expect it (BullMQ's ``getState``, Celery's ``AsyncResult.state``),
 read from what Redis already holds; workers write nothing for it.
 
-States: ``queued`` (in its lane, not yet taken, or handed back by a draining worker), ``running``
+States: ``queued`` (in its lane, not yet taken, or handed back by a draining worker),
+``stranded`` (in a job stream no worker of the queue reads: one of another shard layout than
+the queue registered, see ``protocol.lanes``; ``message`` says which), ``running``
 (held by a worker), ``done``, ``cancelled``, ``failed`` (an error event; ``expired`` when its
 deadline passed before it started), ``expired`` also when the job is known but its results have
 expired, and ``unknown``. The reads are I/O-free here, shared by ``Client.status`` and
@@ -25,9 +27,11 @@ from producer_sdk.effects import Call, Plan, cluster
 from protocol.errors import ProtocolError
 from protocol.events import ErrorEvent
 from protocol.keys import EVENT_FIELD, GROUP, Keys, PARKING_CONSUMER, key_slot
+from protocol.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards
 from protocol.wire import decode_event
 
-State = Literal["queued", "running", "done", "cancelled", "failed", "expired", "unknown"]
+State = Literal["queued", "stranded", "running", "done", "cancelled", "failed", "expired",
+                "unknown"]
 POSITION_CAP = 1000     # entries counted ahead of a queued job in its own lane, at most
 # Jobs whose reads share one round of pipelines: a round's snapshot is one MULTI (per slot), which
 # Redis runs without serving anyone else, so it is bounded: 50,000 ids in one MULTI stalled
@@ -177,20 +181,47 @@ def status_plan(keys: Keys, job_id: str, shard: Optional[int] = None,
                 position: bool = True) -> StepPlan:
     """The reads of ``Client.status`` for a job of ``keys``' queue (on ``shard``, None: the
     one its id goes to): the dedupe record, one MULTI snapshot (all in the shard's slot), and
-    (``position``) for a queued job the lanes' groups and the entries ahead of it in its lane."""
+    (``position``) for a queued job the queue's registered shard count, the lanes' groups and
+    the entries ahead of it in its lane. A job of a sharded queue not found there is looked
+    for in the one-shard layout too (where producers that guessed the count put it): a job
+    queued in a layout the queue did not register is ``stranded``."""
     shard = keys.shard_of(job_id) if shard is None else shard
-    (record,) = yield Step(False, lambda p: p.get(keys.dedupe(job_id, shard)))
+    one = Keys(keys.namespace, keys.queue) if keys.shards > 1 else None
+    found = yield Step(False, lambda p: [p.get(k.dedupe(job_id, s)) for k, s in
+                                         ((keys, shard), (one, 0)) if k is not None])
+    record = found[0]
+    if record is None and one is not None and found[1] is not None:
+        keys, shard, record = one, 0, found[1]
     replies = yield Step(True, lambda p: queue_snapshot(p, keys, job_id, record, shard),
                          keys.results(job_id, shard))
     status = fold_status(keys, job_id, record, replies, shard)
     if not position or status.state != "queued" or status.position is not None:
         return status
-    ahead, span = position_range(keys, record, shard, (yield Step(
-        False, lambda p: queue_position_reads(p, keys))))
+    registered, *reads = yield Step(False, lambda p: (p.hget(keys.config, SHARDS_FIELD),
+                                                      queue_position_reads(p, keys)))
+    stranded = stranded_status(status, keys, registered)
+    if stranded is not None:
+        return stranded
+    ahead, span = position_range(keys, record, shard, reads)
     if span is not None:
         (entries,) = yield Step(False, lambda p: p.xrange(*span, count=POSITION_CAP))
         ahead += len(entries) if isinstance(entries, list) else 0
     return status.model_copy(update={"position": ahead})
+
+
+def stranded_status(status: JobStatus, keys: Keys, registered: Any) -> Optional[JobStatus]:
+    """``status`` as ``stranded`` when the queue registered another shard count than the
+    layout the job's lane belongs to (no worker reads it), else None."""
+    try:
+        count = parse_shards(registered, keys.config)
+    except ShardCountMismatch:
+        return None
+    if count is None or count == keys.shards:
+        return None
+    return status.model_copy(update={"state": "stranded", "message": (
+        f"queued in a lane of the {keys.shards}-shard layout, but queue {keys.queue!r} is "
+        f"registered with {count} shards: no worker reads it. Drain it by hand (python -m "
+        f"worker admin unread lists such lanes) or resubmit the job")})
 
 
 def liveness(status: JobStatus) -> str:
