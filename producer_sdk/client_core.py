@@ -229,16 +229,18 @@ class ClientCore(ABC, Generic[R]):
         while Redis can still be reached."""
         ttl = b"%d" % self.config.cancel_ttl_s
 
-        def packed(t: CancelTarget, how: tuple[bytes, bytes]) -> Packed:
-            return (t.flag, pack((*how, b"%d" % len(t), *t, ttl)), 1)
+        sha = CANCEL_KNOWN.sha.encode()
+
+        def packed(t: CancelTarget) -> Packed:
+            return (t.flag, pack((b"EVALSHA", sha, b"%d" % len(t), *t, ttl)), 1)
 
         def send() -> Plan[list[bool]]:
-            replies, _ = yield Send([packed(t, (b"EVALSHA", CANCEL_KNOWN.sha.encode()))
-                                     for t in targets])
+            replies, _ = yield Send([packed(t) for t in targets])
             missing = [i for i, x in enumerate(replies) if isinstance(x, NoScriptError)]
-            if missing:     # a restarted or flushed script cache: EVAL those, once
-                again, _ = yield Send([packed(targets[i], (b"EVAL", CANCEL_KNOWN.source.encode()))
-                                       for i in missing])
+            if missing:     # a restarted or flushed script cache (SCRIPT LOAD: the producer
+                # ACL rule grants no EVAL): load it, send those once more
+                yield Call(lambda r: r.script_load(CANCEL_KNOWN.source))
+                again, _ = yield Send([packed(targets[i]) for i in missing])
                 for i, reply in zip(missing, again):
                     replies[i] = reply
             for reply in raise_transient(replies):

@@ -6,19 +6,21 @@ jobs sent with a guessed shard count sat in a lane no worker reads, with a depth
 Producers now register the count before they enqueue, but a queue resharded while jobs waited,
 or a raw producer that writes another layout's keys, still leaves such streams. Two kinds:
 
-- outside the layout: a job stream of the queue (``<ns>:jobs:{<tag>}...``) whose tag belongs
-  to another shard count than the registered one: no worker of this count ever reads it;
+- outside the layout: a lane of the queue's one-shard layout (``<ns>:jobs:{<queue>}``...) while
+  the queue is registered with several shards: where producers that guessed the count (before
+  they registered it) put their jobs; no worker of the registered count ever reads it;
 - no group yet: a lane of the layout holding jobs that has no consumer group, i.e. no worker
   has read it yet (the first worker creates the group at ``0`` and reads them).
 
-Worker affinity streams of the layout are left out: the affinity sweep empties those of workers
-that left (``worker/affinity.py``).
+Worker affinity streams are left out: the affinity sweep empties those of workers that left
+(``worker/affinity.py``). Layouts of other counts (a queue resharded from 3 to 2 shards) are not
+looked for: naming them needs SCAN (see ``candidate_streams``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from protocol.keys import GROUP, Keys
 
@@ -44,35 +46,28 @@ def queue_of_key(rest: str) -> str:
     return rest.split(":", 1)[0]
 
 
-def job_streams(r: Any, keys: Keys) -> Iterator[str]:
-    """Every job stream key of ``keys``' queue, whatever its shard layout (a SCAN, on a
-    cluster over every master)."""
-    prefix = f"{keys.namespace}:jobs:"
-    for raw in r.scan_iter(match=f"{prefix}{{{keys.queue}*", count=1000, _type="stream"):
-        key = raw.decode() if isinstance(raw, bytes) else str(raw)
-        if queue_of_key(key[len(prefix):]) == keys.queue:
-            yield key
+def candidate_streams(keys: Keys) -> list[str]:
+    """The job streams looked at: the lanes of the registered layout and, for a sharded queue,
+    those of the one-shard layout (where producers that guessed the count put their jobs).
+    Named, not scanned: the admin and producer ACL rules grant no SCAN (docs/operations.md),
+    and SCAN would list other tenants' key names."""
+    one = Keys(keys.namespace, keys.queue).lanes() if keys.shards > 1 else []
+    return keys.lanes() + one
 
 
 def unread_lanes(r: Any, keys: Keys) -> list[UnreadLane]:
-    """The queue's job streams that hold jobs no worker reads, sorted by key."""
+    """The queue's job streams (``candidate_streams``) that hold jobs no worker reads, sorted
+    by key."""
     layout = set(keys.lanes())
     out = []
-    for key in sorted(set(job_streams(r, keys))):
-        try:
-            keys.shard_of_stream(key)
-            in_layout = True
-        except KeyError:
-            in_layout = False
-        if in_layout and key not in layout:
-            continue                        # an affinity stream of the layout: swept
+    for key in sorted(candidate_streams(keys)):
         depth = int(r.xlen(key))
         if depth == 0:
             continue
-        if not in_layout:
+        if key not in layout:
             out.append(UnreadLane(key, depth, OUTSIDE_LAYOUT,
                                   f"not a stream of the registered layout ({keys.shards} "
-                                  f"shard{'s' if keys.shards > 1 else ''}): no worker reads it"))
+                                  f"shards): no worker reads it"))
         elif not _has_group(r, key):
             out.append(UnreadLane(key, depth, NO_GROUP,
                                   "no consumer group: no worker has read this lane yet"))
@@ -87,5 +82,5 @@ def _has_group(r: Any, key: str) -> bool:
     return False
 
 
-__all__ = ["NO_GROUP", "OUTSIDE_LAYOUT", "UnreadLane", "job_streams", "queue_of_key",
+__all__ = ["NO_GROUP", "OUTSIDE_LAYOUT", "UnreadLane", "candidate_streams", "queue_of_key",
            "unread_lanes"]

@@ -41,6 +41,7 @@ def test_a_flag_expires_with_the_jobs_records(redis_server):
     r = redis_server.client()
     with Client(redis_server.url, dedupe_ttl_s=50) as client:
         job = client.submit("queued", max_tokens=2)
+        r.script_flush()                    # NOSCRIPT: loaded and sent again
         client.cancel(job.id)
         flag = Keys().cancel(job.id)
         assert r.get(flag) == b"1"
