@@ -168,7 +168,6 @@ class AsyncClient(ClientCore[aioredis.Redis]):
         return await self._run(self._statuses(job_ids, queue))
 
     async def cancel(self, job_id: str, queue: Optional[str] = None) -> None:
-        """``Client.cancel``: JobNotFound (nothing written) for an id Redis does not hold."""
         await self._run(self._cancel(job_id, queue))
 
     # -- many jobs at once
