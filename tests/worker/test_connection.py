@@ -18,6 +18,11 @@ from worker.connection import Backoff, ErrorKind, classify, classify_text, descr
     (redis.AuthenticationError("invalid password"), ErrorKind.PERMANENT),
     (redis.ResponseError("WRONGPASS invalid username-password pair"), ErrorKind.PERMANENT),
     (redis.ResponseError("NOPERM this user has no permissions"), ErrorKind.PERMANENT),
+    # protected mode: redis-py raises the reply as an error, or as a lost connection when the
+    # server closes it right after
+    (redis.ResponseError("DENIED Redis is running in protected mode because protected mode is "
+                         "enabled"), ErrorKind.PERMANENT),
+    (redis.ConnectionError("DENIED Redis is running in protected mode"), ErrorKind.PERMANENT),
     (ClusterModeError("cluster mode is not enabled"), ErrorKind.PERMANENT),
     (redis.ResponseError("WRONGTYPE Operation against a key"), ErrorKind.OTHER),
     (ValueError("not redis at all"), ErrorKind.OTHER),
@@ -48,3 +53,9 @@ def test_backoff_grows_pauses_and_resets():
     assert b.paused and b.remaining() > 0
     assert b.succeeded() is True and not b.paused and b.failures == 0
     assert b.succeeded() is False                  # nothing to recover from
+
+
+def test_protected_mode_says_what_to_change():
+    line = describe_permanent(redis.ConnectionError("DENIED Redis is running in protected mode"),
+                              "redis://:secret@10.0.0.5:6379/0")
+    assert "protected mode" in line and "requirepass" in line and "secret" not in line
