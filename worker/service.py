@@ -246,7 +246,6 @@ class Worker:
             return self._iteration()
         except REDIS_ERRORS as exc:
             self._check_permanent(exc)
-            self.jobs.mark_unsure()   # a failover may have lost writes we saw acknowledged
             if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
                 self.log_limited("warning", "redis connection lost", error=str(exc))
                 return not self._connect()
@@ -257,7 +256,6 @@ class Worker:
         """Wait out an error: intake pauses, every held job stays held and is retried. A
         cluster error (CLUSTERDOWN, MOVED, an uncovered slot) means the slot map is stale."""
         self.redis_error = error
-        self.jobs.mark_unsure()
         topology.refresh(self.client)
         delay = self.backoff.failed()
         self.log_limited("warning", "redis command failed; pausing intake and retrying",
