@@ -195,7 +195,7 @@ class Admission:
     def _start_guarded(self, job: Job, stream: Any, cancelled: bool) -> None:
         try:
             progress = progress_from_entries(stream or [])
-            job.tail_mark = progress.last_mark
+            job.stream_len = progress.entries
             self._start(job, progress, cancelled)
         except Exception as exc:  # any failure admitting one job ends that job alone
             self.log.exception("job could not be started", **job.log_fields())

@@ -68,21 +68,21 @@ class Fence:
                             self.dedupe_ttl_s, entry_id])
 
     def write_step(self, pipe: ScriptPipeline, ttl_ms: int, shard: int,
-                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, str, bool]]
+                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, int, bool]]
                    ) -> int:
         """All jobs of a step that hold entries of one queue shard, in one script call (their keys
-        share the shard's slot): ``(job_id, owner, batch_id, events, create, expect, refresh)``
-        each (``expect``: the mark of the last entry the worker knows landed, '^' for none; every
-        write is checked against the stream's last entry, so a retried batch that landed is not
-        written twice and events a failover or a restart lost make the status BEHIND, with or
-        without an error the worker saw; see protocol/scripts/results.py; ``refresh``: reset the
-        TTLs); also reads each job's cancel flag. Parse the reply with ``parse_step_reply``."""
+        share the shard's slot): ``(job_id, owner, batch_id, events, create, known, refresh)``
+        each (``known``: how many entries the worker knows the job's stream holds; every write is
+        checked against the stream's length, so a retried batch that landed is not written twice
+        and events a failover or a restart lost make the status BEHIND, with or without an error
+        the worker saw; see protocol/scripts/results.py; ``refresh``: reset the TTLs); also
+        reads each job's cancel flag. Parse the reply with ``parse_step_reply``."""
         keys: list[str] = []
         spec = []
-        for job_id, owner, batch_id, events, create, expect, refresh in jobs:
+        for job_id, owner, batch_id, events, create, known, refresh in jobs:
             keys += [self.keys.owner(job_id, shard), self.keys.results(job_id, shard),
                      self.keys.cancel(job_id, shard)]
-            spec.append([owner, int(create), batch_id, expect, list(events), int(refresh)])
+            spec.append([owner, int(create), batch_id, int(known), list(events), int(refresh)])
         # Old-spec raw strings: Redis's cmsgpack does not read the bin types.
         return pipe.script(WRITE_STEP, keys, [int(ttl_ms), msgpack.packb(spec, use_bin_type=False)])
 

@@ -115,7 +115,7 @@ class Job:
     pending: list[bytes] = field(default_factory=list)  # encoded events not yet written
     batch_no: int = 0
     may_create: bool = True              # the stream may be created until the first write lands
-    tail_mark: str = "^"                 # $batch mark of the stream's last entry we know landed
+    stream_len: int = 0                  # entries we know the result stream holds (checked)
     terminal: Optional[str] = None       # "done"/"error" once the terminal event is queued
     ttl_set_at: float = 0.0              # monotonic time the stream/owner TTLs were last set
     finish_reason: Optional[str] = None

@@ -179,7 +179,7 @@ class Outbox:
         batches = [j.batch_no for j in chunk]
         i = self.fence.write_step(pipe, self.ttl_ms, shard, [
             (j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create,
-             j.tail_mark, r)
+             j.stream_len, r)
             for j, r in zip(chunk, refresh)])
 
         def handle(res: list) -> None:
@@ -213,7 +213,7 @@ class Outbox:
                                       f"{detail}", job.job_id, job.request.metadata))
             return
         if status.written:
-            job.tail_mark = f"{job.batch_id}:{n}"
+            job.stream_len += n
             del job.pending[:n]
             job.batch_no += 1
             job.may_create = False

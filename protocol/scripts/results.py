@@ -12,54 +12,54 @@ from __future__ import annotations
 from protocol.scripts.lua import lua
 
 # The fenced append; ``cur`` is the owner record's value as read by the caller (false when
-# absent). Each event entry gets field $batch = "<batch id>:<k>" (k = 1..n). ``expect`` names
-# the $batch mark of the stream's last entry as the writer knows it ('^': no entry yet, or one
-# without a mark). EVERY write is checked against it, not only after an error the writer saw: a
-# Redis restarted from an AOF that lost its last second (appendfsync everysec), or a replica
-# promoted before it had the last writes, loses events the writer saw acknowledged, and the
-# writer's client may reconnect without raising anything. The check costs one XREVRANGE COUNT 1
-# per job (benchmarks/step_script.py measures it). The stream's last entry decides: a mark of
-# this batch says how much of it already landed (a retry after a lost reply: only the rest is
-# written); ``expect`` itself means nothing was lost; anything else is 'behind' (nothing
-# written): the worker resumes the job from what survived, never leaving a gap.
+# absent). Each event entry gets field $batch = "<batch id>:<k>" (k = 1..n). ``known`` is how
+# many entries the writer knows the stream holds (read at admission, plus every batch it saw
+# land). EVERY write is checked against it, not only after an error the writer saw: a Redis
+# restarted from an AOF that lost its last second (appendfsync everysec), or a replica promoted
+# before it had the last writes, loses events the writer saw acknowledged, and the writer's
+# client may reconnect without raising anything. Result streams are never trimmed, so XLEN
+# (O(1), a fraction of a microsecond; the last entry's mark, XREVRANGE COUNT 1, cost ~4 us a
+# job: benchmarks/step_script.py) decides: ``known`` means nothing was lost; more is a retry
+# after a lost reply, and the last entry's mark says how much of this batch landed (only the
+# rest is written; a length that does not match it is 'behind'); less is 'behind'. 'behind'
+# writes nothing: the worker resumes the job from what survived, never leaving a gap.
 # Records gone are never recreated: no owner record and no stream is 'missing' (expired, or a
 # Redis that came back without its data: the job ends on the worker and its readers, who hold
 # the request, enqueue it again or end it job_lost); a stream gone while the writer knows it
-# held entries is 'gone' (only a first write, create = 1 and expect '^', creates the stream,
-# so an expired stream is never recreated either). No owner record but a stream is 'behind' (the
+# held entries is 'gone' (only a first write, create = 1 and known = 0, creates the stream, so
+# an expired stream is never recreated either). No owner record but a stream is 'behind' (the
 # record was lost with the last second: resume, which takes ownership again). The TTLs of the
 # result stream and the owner record are (re)set when the stream is created and when
 # ``refresh`` is 1 (the worker asks for that when a TTL is due or the batch is terminal), not on
 # every step: two PEXPIREs per job per step were a third of the step script's time. Returns ok |
 # dup | refused (another owner) | missing | gone | behind.
 _APPEND = """
-local function last_mark(kr)
+local function landed(kr, prefix)
   local last = redis.call('XREVRANGE', kr, '+', '-', 'COUNT', 1)
-  if #last == 0 then return nil end
   local f = last[1][2]
   for i = 1, #f, 2 do
-    if f[i] == '$batch' then return f[i + 1] end
+    if f[i] == '$batch' and string.sub(f[i + 1], 1, #prefix) == prefix then
+      return tonumber(string.sub(f[i + 1], #prefix + 1))
+    end
   end
-  return '^'
+  return nil
 end
 
-local function append(cur, ko, kr, owner, ttl, create, batch, events, expect, refresh)
-  local mark = last_mark(kr)
+local function append(cur, ko, kr, owner, ttl, create, batch, events, known, refresh)
+  local len = redis.call('XLEN', kr)
   if not cur then
-    if mark then return 'behind' end
+    if len > 0 then return 'behind' end
     return 'missing'
   end
   if cur ~= owner then return 'refused' end
-  if not mark then
-    if expect ~= '^' or create ~= 1 then return 'gone' end
-    mark = '^'
-  end
+  if len == 0 and (known > 0 or create ~= 1) then return 'gone' end
   local n = #events
-  local done = 0
   local prefix = batch .. ':'
-  if string.sub(mark, 1, #prefix) == prefix then
-    done = tonumber(string.sub(mark, #prefix + 1)) or 0
-  elseif mark ~= expect then
+  local done = 0
+  if len > known then
+    done = landed(kr, prefix)
+    if done == nil or len - known ~= done then return 'behind' end
+  elseif len < known then
     return 'behind'
   end
   for k = done + 1, n do
@@ -75,8 +75,8 @@ end
 """
 
 # One call for every job of an engine step. KEYS: per job owner, results, cancel. ARGV[1]: ttl
-# ms; ARGV[2]: msgpack array, per job [owner value, create 0/1, batch id, expect (the mark of the
-# last entry the writer knows landed, '^' for none; see _APPEND), [events], refresh 0/1]. Owners and cancel flags are read with one MGET each.
+# ms; ARGV[2]: msgpack array, per job [owner value, create 0/1, batch id, known (entries the
+# writer knows the stream holds; see _APPEND), [events], refresh 0/1]. Owners and cancel flags are read with one MGET each.
 # Returns {status letters, cancel flags ('0'/'1' per job), {job number, error, ...}}, one letter
 # per job: o ok, d dup, r refused, m missing, g gone, b behind, s skip (no events), e error. Each
 # job is isolated (pcall): one job's broken key never fails another job's write (MGET reads a key
