@@ -1,0 +1,124 @@
+"""A single Redis restarted under a streaming worker (issue #25, the worker half).
+
+1. From an AOF that lost the last acknowledged step (``appendfsync everysec`` and a power cut,
+   simulated: the AOF directory is copied right after one step landed, the worker writes the
+   next one, Redis is SIGKILLed and restarted on the same port from the older copy). The kill
+   and restart fit inside one engine step (the fake engine sleeps ``STEP_S``), so the worker's
+   pooled connection reconnects silently and it sees no error: only the check of every write
+   (the stream's length, protocol/scripts/results.py) finds the loss. Repeated until the loss
+   happened several times: every stream exact, every later ``Client.get(id).result()`` equal to
+   the live text, ``usage.completion_tokens`` equal to the token ids.
+2. Without its data, while sampled jobs (temperature > 0, no seed) stream: the worker ends
+   them without recreating anything (a fresh seed beside what readers hold would mix two
+   samples); the readers, who hold the request, enqueue them again with the seed they saw.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fault_harness import FaultEnv, check_stream, wait_for
+from worker.fake_engine import fake_completion
+
+STEP_S = 0.3          # fake engine step: the quiet window the restart must fit in
+TOKENS = 14
+
+
+class Reader(threading.Thread):
+    """Streams one job to its end; keeps the text seen, and what ``result()`` said or raised."""
+
+    def __init__(self, job: Any) -> None:
+        super().__init__(daemon=True)
+        self.job, self.parts, self.result, self.error = job, [], None, None
+
+    def run(self) -> None:
+        try:
+            for d in self.job.stream(timeout=90):
+                self.parts.append(d.text)
+            self.result = self.job.result(timeout=10)
+        except BaseException as exc:     # checked by the test
+            self.error = exc
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def lengths(env: FaultEnv, job_ids: list[str]) -> dict[str, int]:
+    pipe = env.r.pipeline(transaction=False)
+    for j in job_ids:
+        pipe.xlen(env.keys.results(j))
+    return dict(zip(job_ids, pipe.execute()))
+
+
+def next_step_landed(env: FaultEnv, job_ids: list[str], timeout: float = 10.0) -> dict[str, int]:
+    """Poll until some stream grew (a step's flush landed); the lengths right after it."""
+    before = lengths(env, job_ids)
+    return wait_for(lambda: (now := lengths(env, job_ids)) != before and now, timeout,
+                    interval=0.005, what="the next step's writes")
+
+
+def restore_after_kill(env: FaultEnv, snapshot: Path) -> None:
+    """SIGKILL Redis and start it on the same port from the AOF copied before (the power cut
+    lost everything written since)."""
+    aof = env.redis.dir / "appendonlydir"
+    env.redis.kill()
+    shutil.rmtree(aof)
+    shutil.copytree(snapshot, aof)
+    env.redis.start()
+
+
+REDIS_ERROR_LOGS = ("redis connection lost", "lost its connection", "redis command failed",
+                    "will retry")
+
+
+@pytest.mark.timeout(420)
+def test_a_restart_that_lost_the_last_step_is_found_and_resumed(tmp_path):
+    env = FaultEnv(tmp_path, namespace="aofl",
+                   redis_args=("--appendonly", "yes", "--appendfsync", "everysec"))
+    try:
+        w = env.worker("w1", delay=STEP_S, max_num_seqs=16, lease_ms=5000)
+        client = env.client()
+        hits, silent, rounds = 0, 0, 0
+        readers: dict[str, Reader] = {}
+        prompts: dict[str, str] = {}
+        while (hits < 3 or silent < 2) and rounds < 12:
+            rounds += 1
+            jobs = {f"round {rounds} job {i}": None for i in range(6)}
+            for prompt in jobs:
+                job = client.submit(prompt, max_tokens=TOKENS, temperature=0)
+                prompts[job.id], readers[job.id] = prompt, Reader(job)
+                readers[job.id].start()
+            ids = list(prompts)[-len(jobs):]
+            wait_for(lambda: min(lengths(env, ids).values()) >= 4, 30, what="tokens flowing")
+            next_step_landed(env, ids)
+            snapshot = tmp_path / f"aof-{rounds}"
+            shutil.copytree(env.redis.dir / "appendonlydir", snapshot)
+            acked = next_step_landed(env, ids)      # a step the copy does not hold
+            log_at = len(w.log())
+            restore_after_kill(env, snapshot)
+            survived = lengths(env, ids)
+            if any(survived[j] < acked[j] for j in ids):
+                hits += 1
+                for j in ids:
+                    readers[j].join(120)
+                silent += not any(s in w.log()[log_at:] for s in REDIS_ERROR_LOGS)
+        assert hits >= 3 and silent >= 2, (hits, silent, rounds, env.logs())
+        for job_id, rd in readers.items():
+            rd.join(120)
+            assert rd.error is None, (job_id, rd.error)
+            rep = check_stream(env.r, env.keys, job_id)
+            assert rep.problems == [] and rep.kind == "done:length", (job_id, rep.problems)
+            want = fake_completion(prompts[job_id], TOKENS)
+            later = env.client().get(job_id).result(timeout=10)
+            assert later.text == rd.text == rd.result.text == rep.text == want, job_id
+            assert later.usage.completion_tokens == len(later.token_ids) == TOKENS, job_id
+        assert "resuming from what the stream holds" in w.log()
+    finally:
+        env.close()
