@@ -122,3 +122,48 @@ def test_a_restart_that_lost_the_last_step_is_found_and_resumed(tmp_path):
         assert "resuming from what the stream holds" in w.log()
     finally:
         env.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("down_s", [0.0, 1.5], ids=["quiet", "seen"])
+def test_a_restart_without_data_never_mixes_two_samples(tmp_path, down_s):
+    """Sampled jobs (temperature > 0, no seed) stream when Redis comes back empty, at once (the
+    worker may see no error) or after ``down_s`` (its writes fail first). The worker must not
+    write anything more for them (a resume from an empty stream would draw a new seed and its
+    tokens would follow the first run's in the readers' folds); the readers that hold the
+    request enqueue it again with the seed they saw, so each ends with exactly the first run's
+    sample; a reader that only has the id ends job_lost. Within seconds, each once."""
+    from producer_sdk.errors import JobFailed
+    from tests.fault_harness import read_events
+    env = FaultEnv(tmp_path, namespace="nodata")
+    try:
+        w = env.worker("w1", delay=0.1, max_num_seqs=16)
+        client = env.client()
+        prompts = [f"sampled {i}" for i in range(6)]
+        jobs = [client.submit(p, max_tokens=40, temperature=0.8) for p in prompts]
+        readers = [Reader(j) for j in jobs]
+        unread = env.client().submit("read by id only", max_tokens=40, temperature=0.8)
+        by_id = Reader(env.client().get(unread.id))     # no reader holds its request
+        for rd in readers + [by_id]:
+            rd.start()
+        wait_for(lambda: all(len(rd.parts) >= 5 for rd in readers), 60, what="every reader reading")
+        seeds = {j.id: read_events(env.r, env.keys, j.id)[0].seed for j in jobs}
+        env.redis.restart(down_for=down_s)         # no persistence: everything is gone
+        restarted = time.monotonic()
+        for rd in readers + [by_id]:
+            rd.join(120)
+        assert time.monotonic() - restarted < 60
+        assert isinstance(by_id.error, JobFailed) and by_id.error.code == "job_lost", by_id.error
+        for prompt, job, rd in zip(prompts, jobs, readers):
+            want = fake_completion(prompt, 40, seed=seeds[job.id], greedy=False)
+            assert rd.error is None, (job.id, rd.error)
+            assert rd.text == rd.result.text == want, job.id      # one sample, each token once
+            assert job.state.reruns >= 1, job.id
+            rep = check_stream(env.r, env.keys, job.id)          # the rerun's stream
+            assert rep.problems == [] and {s.seed for s in rep.started} == {seeds[job.id]}
+        log = w.log()
+        for job in jobs:                                          # ended on the worker, once
+            lines = [x for x in log.splitlines() if job.id in x and "dropped" in x]
+            assert len(lines) <= 1, lines
+    finally:
+        env.close()
