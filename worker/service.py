@@ -303,6 +303,11 @@ class Worker:
         if tick.lost_worker_id:
             self._lost_worker_id()
             return
+        if tick.redis_restarted:
+            self.log.warning("redis restarted (its run id changed); re-reading own pending "
+                             "entries, each held job's next write checks what its stream kept",
+                             held=len(self.jobs))
+            self._crew().intake.reread_own_pending()
         if tick.drain_requested and not self._stop.is_set():
             self.log.info("drain requested by admin")
             self.stop()
