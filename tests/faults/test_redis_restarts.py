@@ -167,3 +167,47 @@ def test_a_restart_without_data_never_mixes_two_samples(tmp_path, down_s):
             assert len(lines) <= 1, lines
     finally:
         env.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_restart_that_lost_finished_jobs_ends_them_again_within_seconds(tmp_path):
+    """The AOF lost the end of jobs that had finished and been acknowledged: their entries are
+    pending under the worker again, which no longer holds them, and their streams lack the
+    last tokens and the done event. A long job keeps the worker busy and the restart fits in
+    one of its steps, so the worker may see no error: it notices the restart by the server's
+    run id and re-reads its own pending entries at once, not after the lease (30 s here).
+    Every later ``result()`` is the full text the live readers had."""
+    env = FaultEnv(tmp_path, namespace="aofd",
+                   redis_args=("--appendonly", "yes", "--appendfsync", "everysec"))
+    try:
+        w = env.worker("w1", delay=STEP_S, max_num_seqs=16, lease_ms=30_000)
+        client = env.client()
+        long_job = client.submit("keeps the worker busy", max_tokens=400, temperature=0)
+        readers = {}
+        for p in (f"finished {i}" for i in range(4)):
+            readers[p] = Reader(client.submit(p, max_tokens=TOKENS, temperature=0))
+            readers[p].start()
+        ids = [rd.job.id for rd in readers.values()]
+        wait_for(lambda: min(lengths(env, ids).values()) >= 4, 30, what="tokens flowing")
+        snapshot = tmp_path / "aof-mid"
+        shutil.copytree(env.redis.dir / "appendonlydir", snapshot)
+        for rd in readers.values():
+            rd.join(60)
+        wait_for(lambda: env.r.xlen(env.keys.lane("default")) == 1, 10, what="the short acked")
+        next_step_landed(env, [long_job.id])
+        log_at = len(w.log())
+        restore_after_kill(env, snapshot)
+        restored = time.monotonic()
+        assert not check_stream(env.r, env.keys, ids[0]).ended        # the done was lost
+        for p, rd in readers.items():
+            assert rd.error is None and rd.text == fake_completion(p, TOKENS), p
+            later = env.client().get(rd.job.id).result(timeout=20)
+            assert later.text == rd.text and later.usage.completion_tokens == TOKENS, p
+            rep = check_stream(env.r, env.keys, rd.job.id)
+            assert rep.problems == [] and rep.kind == "done:length", (p, rep.problems)
+        assert time.monotonic() - restored < 15
+        quiet = w.log()[log_at:]
+        if not any(s in quiet for s in REDIS_ERROR_LOGS):
+            assert "redis restarted" in quiet
+    finally:
+        env.close()
