@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.engine [--model PATH] [--quick] [--skip-hf]``
 ``python -m benchmarks.engine --cuda-graphs [--model PATH]``: decode tokens/s on the triton backend,
-CUDA graphs off and on (CUDA only; engine/bench_graphs.py).
+CUDA graphs off and on (CUDA only; benchmarks/cuda_graphs.py).
 
 Workload: 48 requests, prompt lengths uniform in [16, 384], output lengths uniform in [16, 192]
 (ignore_eos, greedy), random token ids; float32 on CPU by default. Reported:

@@ -43,7 +43,7 @@ class Request:
 
 def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
                   vocab: int, seed: int = 0) -> list[Request]:
-    """The engine benchmark's workload (engine/bench.py's generator), as requests."""
+    """The engine benchmark's workload (benchmarks/engine.py's generator), as requests."""
     from benchmarks.engine import make_workload as engine_workload
     return [Request(list(p), int(m))
             for p, m in engine_workload(n, prompt_range, output_range, vocab, seed)]

@@ -7,7 +7,8 @@ Every Redis error the worker sees is classified here, once (docs/contracts.md, "
   moves slots): the server will be fine again. The worker pauses intake, keeps everything it
   holds and retries with backoff (a cluster client re-reads the slot map first); it never fails
   or dead-letters a job for it.
-* permanent configuration (wrong password, NOAUTH, ACL NOPERM, TLS verification failure,
+* permanent configuration (wrong password, NOAUTH, ACL NOPERM, a server in protected mode
+  (DENIED), TLS verification failure,
   ``--cluster on`` against a server that is not a cluster node): no retry can fix it, so the
   worker says so in one line and exits 78 (EX_CONFIG).
 * anything else (e.g. WRONGTYPE on one job's key) concerns what the command touched: the caller
@@ -20,7 +21,7 @@ import random
 import ssl
 import time
 from enum import Enum
-from typing import Any
+from typing import Any, Optional
 
 import redis
 from redis.backoff import NoBackoff
@@ -32,7 +33,9 @@ from protocol.topology import redact_url
 EXIT_CONFIG = 78
 _TRANSIENT_PREFIXES = ("OOM", "LOADING", "BUSY", "READONLY", "TRYAGAIN", "MASTERDOWN",
                        "CLUSTERDOWN", "MOVED", "ASK")
-_PERMANENT_PREFIXES = ("WRONGPASS", "NOAUTH", "NOPERM")
+# DENIED: a server in protected mode (no password, not bound to loopback) refuses every client
+# that is not on loopback; only its operator can change that.
+_PERMANENT_PREFIXES = ("WRONGPASS", "NOAUTH", "NOPERM", "DENIED")
 _TRANSIENT_TYPES = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.BusyLoadingError,
                     redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
                     redis.exceptions.TryAgainError, redis.exceptions.MasterDownError,
@@ -79,8 +82,9 @@ def classify_text(message: str) -> ErrorKind:
 def classify(exc: BaseException) -> ErrorKind:
     """What a Redis exception (or error reply in a pipeline's results) means for the worker."""
     for e in _chain(exc):
-        if (isinstance(e, _PERMANENT_TYPES) or "certificate verify failed" in str(e)
-                or _NOT_A_CLUSTER in str(e).lower()):
+        text = str(e)
+        if (isinstance(e, _PERMANENT_TYPES) or "certificate verify failed" in text
+                or _NOT_A_CLUSTER in text.lower() or text.lstrip("-").startswith("DENIED")):
             return ErrorKind.PERMANENT
         if isinstance(e, redis.ResponseError) and classify_text(str(e)) is ErrorKind.PERMANENT:
             return ErrorKind.PERMANENT
@@ -98,6 +102,10 @@ def describe_permanent(exc: BaseException, url: str) -> str:
         return (f"redis configuration error at {redact_url(url)}: --cluster on, but the server "
                 f"is not a Redis Cluster node (cluster_enabled:0); use --cluster auto or off "
                 f"(TOKENRELAY_CLUSTER), or point --redis-url at a node of the cluster")
+    if any(str(e).lstrip("-").startswith("DENIED") for e in chain):
+        return (f"redis at {redact_url(url)} runs in protected mode and refuses clients not on "
+                f"its loopback: give it a password (requirepass, or an ACL user) and put it in "
+                f"--redis-url, or set protected-mode no on a trusted network")
     # the refusal itself, not what a client library wrapped it in
     exc = next((e for e in chain if isinstance(e, _PERMANENT_TYPES)), exc)
     return (f"redis configuration error at {redact_url(url)}: {type(exc).__name__}: {exc}; "
@@ -127,6 +135,41 @@ def connect(url: str, block_ms: int = 0, cluster: Any = "auto") -> Any:
     return client_for(url, cluster, protocol=2, socket_connect_timeout=2.0,
                       socket_timeout=max(5.0, block_ms / 1000.0 + 5.0),
                       retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+
+class ServerRestarts:
+    """Notices that the Redis server restarted, error or not: its run id (``INFO server``)
+    changes at every start.
+
+    Why: a restart that fits between two of the worker's commands is invisible to it (redis-py's
+    pool replaces closed connections silently). Every held job's next write finds what its
+    stream lost by itself (protocol/scripts/results.py), but an entry whose terminal event and
+    ack the restart lost is pending under this worker again while it no longer holds it: told of
+    the restart, the worker re-reads its own pending entries at once instead of leaving them
+    until their lease expires. A Redis Cluster's nodes each have their own run id and fail over
+    with errors the worker sees, so only a single server is watched. A user whose ACL rules lack
+    ``+info`` (the rule set before this check) turns the check off, said once in the log: the
+    check of every write still holds."""
+
+    def __init__(self, client: Any, log: Any) -> None:
+        self.client = client
+        self.log = log
+        self.run_id: Optional[str] = None
+        self.enabled = not topology.is_cluster(client)
+
+    def restarted(self) -> bool:
+        """Read the run id; True when it differs from the one read last time."""
+        if not self.enabled:
+            return False
+        try:
+            run_id = str(self.client.info("server").get("run_id", "")) or None
+        except redis.exceptions.NoPermissionError as exc:
+            self.enabled = False
+            self.log.warning("cannot read the redis server's run id (the ACL user lacks +info); "
+                             "restarts are found by each job's next write only", error=str(exc))
+            return False
+        before, self.run_id = self.run_id, run_id
+        return before is not None and run_id is not None and run_id != before
 
 
 class Backoff:
