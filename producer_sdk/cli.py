@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("output", help="results JSONL (appended to; rerun to resume)")
     add_settings_flags(batch, BatchOptions)
     add_settings_flags(sub.add_parser("stats", help="queue depth, lag, pending, workers, dead "
-                                                    "letters"), StatsOptions)
+                                                    "letters, lanes no worker reads"),
+                       StatsOptions)
     cancel = sub.add_parser("cancel", help="cancel a job by id (exit 6, nothing written, when "
                                            "Redis holds no record of that id)")
     cancel.add_argument("job_id")
