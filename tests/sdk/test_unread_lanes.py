@@ -58,3 +58,17 @@ def test_lanes_outside_the_layout_and_without_group_are_listed_and_jobs_there_st
     assert rows[OUTSIDE_LAYOUT]["depth"] == 5 and "3 shards" in rows[OUTSIDE_LAYOUT]["detail"]
     assert rows[NO_GROUP]["depth"] == 1
     r.close()
+
+
+def test_a_worker_starting_on_a_queue_with_unread_lanes_warns(redis_server, worker_process):
+    with Client(redis_server.url, namespace=NS, queue="q") as old:
+        old.submit_many(["a", "b"], max_tokens=2)
+    r = redis_server.client()
+    r.hset(Keys(NS, "q").config, SHARDS_FIELD, 3)
+    r.close()
+    wp = worker_process("--model", "fake:", "--device", "cpu", "--redis-url", redis_server.url,
+                        "--worker-id", "w1", "--namespace", NS, "--queue", "q")
+    wp.wait_for_log('"worker ready"', 60)
+    (line,) = [json.loads(x) for x in wp.log().splitlines()
+               if "jobs in a lane no worker reads" in x]
+    assert (line["lane"], line["depth"]) == (Keys(NS, "q").lane("default"), 2)
