@@ -228,7 +228,6 @@ class ClientCore(ABC, Generic[R]):
         through a lost connection or a failover (``_retrying``): a cancel is never dropped
         while Redis can still be reached."""
         ttl = b"%d" % self.config.cancel_ttl_s
-
         sha = CANCEL_KNOWN.sha.encode()
 
         def packed(t: CancelTarget) -> Packed:
