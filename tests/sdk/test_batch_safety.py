@@ -17,6 +17,7 @@ import pytest
 from producer_sdk import Client
 from producer_sdk.batch import BatchRunner
 from producer_sdk.batch_lock import BatchLocked, OutputLock
+from tests.fault_harness import wait_for
 from tests.sdk.test_batch_runner import chat_line, completion_line, read_jsonl, write_input
 from tests.sdk_helpers import FakeWorker, env_with_repo, sdk_redis, sdk_url  # noqa: F401
 
@@ -31,20 +32,27 @@ def batch_cli(sdk_url: str, inp: Path, out: Path, err: Path) -> subprocess.Popen
 
 
 def test_two_runs_at_once_one_refuses_and_each_request_has_one_line(sdk_url, tmp_path):
+    """The second run starts once the first is writing (its first output line is there) and
+    has seconds of work left (a slow worker), so the two surely overlap."""
     inp, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     write_input(inp, 40, {}, max_tokens=4)
-    with FakeWorker(sdk_url, token_delay=0.03):
-        procs = [batch_cli(sdk_url, inp, out, err) for _ in range(2)]
+    procs: list[subprocess.Popen] = []
+    with FakeWorker(sdk_url, token_delay=0.05):     # ~0.2 s a job, one at a time: ~8 s
         try:
-            done = [p.communicate(timeout=100) for p in procs]
+            procs.append(batch_cli(sdk_url, inp, out, err))
+            wait_for(lambda: read_jsonl(out) or procs[0].poll() is not None, 60,
+                     what="the first run's first output line")
+            assert procs[0].poll() is None, procs[0].communicate()
+            procs.append(batch_cli(sdk_url, inp, out, err))
+            _, refused = procs[1].communicate(timeout=60)
+            assert procs[1].returncode == 9, refused     # refused while the first held it
+            _, first_err = procs[0].communicate(timeout=100)
+            assert procs[0].returncode == 0, first_err
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait(10)
-    codes = sorted(p.returncode for p in procs)
-    assert codes == [0, 9], done
-    refused = next(stderr for p, (_, stderr) in zip(procs, done) if p.returncode == 9)
     assert "another batch run (pid" in refused and str(out) in refused
     ids = [o["custom_id"] for o in read_jsonl(out)]
     assert sorted(ids) == sorted(f"req-{i}" for i in range(40)) and not read_jsonl(err)
