@@ -69,4 +69,4 @@ def test_a_killed_workers_consumer_disappears_once_its_jobs_are_reclaimed(tmp_pa
     wait_for(lambda: victim not in consumers(env.r, env.keys), 60,
              what=f"{victim} removed from the consumer groups")
     assert survivor in consumers(env.r, env.keys)
-    assert "departed workers removed" in env.logs()
+    wait_for(lambda: "departed workers removed" in env.logs(), 10, what="the removal logged")
