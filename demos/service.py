@@ -127,7 +127,7 @@ def stream_prompts(client) -> None:
               f"time to first token {result.timings.ttft_ms or 0:.0f} ms]", flush=True)
 
 
-def write_batch(path: Path, lines: int) -> None:
+def write_batch(path: Path, lines: int, model: str) -> None:
     topics = ["queues", "GPUs", "tokenizers", "Redis", "caching", "schedulers", "北京", "streams"]
     with open(path, "w", encoding="utf-8") as f:
         for i in range(lines):
@@ -140,13 +140,16 @@ def write_batch(path: Path, lines: int) -> None:
                 body = {"prompt": f"A short note on {topic} number {i}:", "max_tokens": 16 + i % 13}
                 url = "/v1/completions"
             f.write(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": url,
-                                "body": body}) + "\n")
+                                "body": {"model": model, **body}}) + "\n")
 
 
 def run_batch(client, workdir: Path, lines: int) -> None:
     from producer_sdk.batch import BatchRunner
     src, out, err = workdir / "input.jsonl", workdir / "output.jsonl", workdir / "errors.jsonl"
-    write_batch(src, lines)
+    from producer_sdk.models import list_models
+    served = [name for name, m in list_models(client.redis, client.namespace).items()
+              if client.queue in m.queues]
+    write_batch(src, lines, served[0] if served else "default")   # OpenAI requires a model
     say(f"batch: {lines} lines through the queue (OpenAI batch format)")
     summary = BatchRunner(client, src, out, err, concurrency=64, progress=True).run()
     completions = sum(json.loads(line)["response"]["body"]["usage"]["completion_tokens"]

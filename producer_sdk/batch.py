@@ -1,9 +1,12 @@
 """Bulk batches in the OpenAI Batch file format, resumable and memory-bounded.
 
 Input: JSONL lines ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
-"/v1/completions", "body": {...}}``. Output: one line per finished request, in completion order,
+"/v1/completions", "body": {"model", ...}}`` (UTF-8, a leading BOM accepted; ``body.model``
+required, as OpenAI requires it). Output: one line per finished request, in completion order,
 ``{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error": null}``;
-failures (malformed lines with their line number, rejected or failed jobs) go to the errors file.
+failures (malformed lines, rejected or failed jobs) go to the errors file as OpenAI writes them:
+``"response": null`` and ``"error"`` a ``BatchError`` (code, line, message, param). One run per
+output file at a time (``batch_lock``).
 
 Why it is safe to kill and rerun: job ids are derived from the batch id and the custom_id, so a
 rerun skips every custom_id already in the output or errors file and resubmits the rest with the
@@ -35,8 +38,10 @@ from producer_sdk.window import progress_bar
 from producer_sdk.errors import InvalidRequest, JobFailed
 from producer_sdk.job import Job
 from producer_sdk.models import ModelCache
-from producer_sdk.batch_lines import LineTag, error_line, job_id_for, response_line
-from producer_sdk.openai_format import DEFAULT_MODEL, LineError, parse_request
+from producer_sdk.batch_lines import (LineTag, error_line, error_line_number, job_id_for,
+                                      response_line)
+from producer_sdk.batch_lock import OutputLock
+from producer_sdk.openai_format import LineError, parse_request
 from producer_sdk.structured import fit_tools, rename_error
 from protocol.keys import Keys
 
@@ -105,8 +110,8 @@ class DoneIndex:
                     if len(chunk) >= _SORT_RUN:
                         runs.append(array("Q", sorted(chunk)))
                         chunk = []
-                elif isinstance(obj.get("line"), int):
-                    idx.lines.add(obj["line"])
+                elif (line := error_line_number(obj)) is not None:
+                    idx.lines.add(line)
         runs.append(array("Q", sorted(chunk)))
         # Sorted runs merged lazily: the peak stays near 16 bytes per id, not a list of ints.
         idx._ids = array("Q", heapq.merge(*runs))
@@ -197,6 +202,11 @@ class BatchRunner:
                 raise FileNotFoundError(f"the folder of {path} does not exist; create it first")
 
     def run(self) -> BatchSummary:
+        """Run (or resume) the batch; BatchLocked when another run writes the output now."""
+        with OutputLock(self.output):
+            return self._run()
+
+    def _run(self) -> BatchSummary:
         t0 = time.monotonic()
         total, digest = scan_input(self.input)
         batch_id = self.batch_id or f"batch_{digest[:24]}"
@@ -239,7 +249,7 @@ class BatchRunner:
         Lines already answered are recognized before any validation: a rerun skips fast."""
         cid: Optional[str] = None
         try:
-            obj = _load_line(raw, lineno)
+            obj = load_line(raw, lineno)
             cid = obj.get("custom_id")
             cid = cid if isinstance(cid, str) and cid else None
             if cid is not None and cid in done:
@@ -248,14 +258,14 @@ class BatchRunner:
             if cid is not None and _digest(cid) in self._seen:
                 raise LineError("duplicate_custom_id",
                                 f"line {lineno} repeats custom_id {cid!r}; custom_ids must be unique")
-            tag, kwargs = _parse(obj, lineno)
+            tag, kwargs = parse_line(obj, lineno)
         except LineError as exc:
             # A duplicate's error is keyed by line, not id: the id is answered by its first line.
             key = None if exc.code == "duplicate_custom_id" else cid
             if key is None and lineno in done.lines:
                 summary.skipped += 1
             else:
-                writer.error(error_line(key, lineno, exc.code, exc.message))
+                writer.error(error_line(key, lineno, exc.code, exc.message, param=exc.param))
                 summary.malformed += 1
             return None
         job_id = job_id_for(batch_id, tag.custom_id)
@@ -298,9 +308,9 @@ class BatchRunner:
         summary.succeeded += 1
 
 
-def _load_line(raw: bytes, lineno: int) -> dict[str, Any]:
+def load_line(raw: bytes, lineno: int) -> dict[str, Any]:
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        obj = json.loads(raw.decode("utf-8-sig"))     # a BOM (line 1) is not JSON
     except (UnicodeDecodeError, ValueError) as exc:
         raise LineError("invalid_json", f"line {lineno} is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(obj, dict):
@@ -308,7 +318,7 @@ def _load_line(raw: bytes, lineno: int) -> dict[str, Any]:
     return obj
 
 
-def _parse(obj: dict[str, Any], lineno: int) -> tuple[LineTag, dict[str, Any]]:
+def parse_line(obj: dict[str, Any], lineno: int) -> tuple[LineTag, dict[str, Any]]:
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
         raise LineError("invalid_request", "custom_id must be a non-empty string")
@@ -318,9 +328,11 @@ def _parse(obj: dict[str, Any], lineno: int) -> tuple[LineTag, dict[str, Any]]:
     parsed = parse_request(req.url, req.body, streaming=False)
     kwargs = parsed.kwargs
     model = req.body.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
-        raise LineError("invalid_request", "body.model must be a non-empty string")
-    tag = LineTag(cid, lineno, req.url, model or "", kwargs.get("logprobs") is not None,
+    if not isinstance(model, str) or not model:
+        raise LineError("invalid_request", "body.model is required (a non-empty string, as "
+                        "OpenAI requires): it names the model whose workers run the line",
+                        "model")
+    tag = LineTag(cid, lineno, req.url, model, kwargs.get("logprobs") is not None,
                   kwargs.get("logprobs") or 0, parsed.tools, parsed.constraint_param)
     return tag, kwargs
 
@@ -330,8 +342,6 @@ class ModelRouter:
 
     * a model that live workers serve (``producer_sdk.models``): the queue they serve it on,
       and the output's ``model`` is that served name;
-    * no ``model``: the runner's queue; the output names the model its live workers serve
-      (when they serve exactly one), else ``tokenrelay``;
     * a model no live worker serves: ``model_not_found`` (the line goes to the errors file) --
       unless no live worker of the namespace advertises any model and the namespace has no
       queue but the runner's: then the line waits on that queue for workers to come (a batch
@@ -352,9 +362,6 @@ class ModelRouter:
         """(queue for ``prepare``, None for the runner's; the output's model); LineError
         ``model_not_found`` when no live worker serves ``model``."""
         models = self.models.get()
-        if not model:
-            here = [m.name for m in models.values() if self.queue in m.queues]
-            return None, here[0] if len(here) == 1 else DEFAULT_MODEL
         found = models.get(model)
         if found is not None:
             return (None if found.queue == self.queue else found.queue), model

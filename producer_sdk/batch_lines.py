@@ -59,6 +59,19 @@ def _choice(chat: bool, tag: LineTag, out: CompletionOutput, top: int,
 
 
 def error_line(custom_id: Optional[str], line: int, code: str, message: str,
-               job_id: Optional[str] = None) -> dict[str, Any]:
+               job_id: Optional[str] = None, param: Optional[str] = None) -> dict[str, Any]:
+    """An errors-file line in OpenAI's Batch shape: the request output object (``id``,
+    ``custom_id``, ``response`` None, ``error``) whose ``error`` is OpenAI's ``BatchError``
+    (``code``, ``line``: the input line, ``message``, ``param``: the body field to blame)."""
     return {"id": f"batch_req_{job_id}" if job_id else None, "custom_id": custom_id,
-            "line": line, "response": None, "error": {"code": code, "message": message}}
+            "response": None,
+            "error": {"code": code, "line": line, "message": message, "param": param}}
+
+
+def error_line_number(obj: dict[str, Any]) -> Optional[int]:
+    """The input line an errors-file line names (``error.line``; top-level ``line`` in files
+    written before the errors were OpenAI-shaped)."""
+    err = obj.get("error")
+    line = err.get("line") if isinstance(err, dict) else None
+    line = obj.get("line") if line is None else line
+    return line if isinstance(line, int) else None

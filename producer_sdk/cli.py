@@ -3,9 +3,11 @@
 Every command takes ``--redis-url`` (one Redis, or any node of a Redis Cluster), ``--cluster``,
 ``--namespace``, ``--queue`` and ``--shards`` (before or after it); each option is also a
 ``TOKENRELAY_<NAME>`` variable (protocol/settings.py). Exit codes: 0 ok, 1 job failed,
-2 bad request, 3 Redis unreachable, 4 queue full, 5 timeout, 6 unknown job id, 7 a --durable
+2 bad request, 3 Redis unreachable, 4 queue full, 5 timeout, 6 unknown job id (``status``,
+``result``, ``cancel``: nothing is written), 7 a --durable
 submit's jobs are enqueued but fewer replicas than asked acknowledged them, 8 ``submit`` to a
-queue no live worker serves (``--wait-for-worker`` submits anyway and waits).
+queue no live worker serves (``--wait-for-worker`` submits anyway and waits), 9 ``batch`` whose
+output file another run is writing now.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pydantic import Field
 
 from protocol.settings import (CliSettings, ConnectionSettings, JsonOutput, add_settings_flags,
                                parse_settings, unset)
+from producer_sdk.batch_lock import BatchLocked
 from producer_sdk.client import Client
 from producer_sdk.errors import (InvalidRequest, JobFailed, JobNotFound, NotDurable, QueueFull,
                                  RedisUnavailable)
@@ -29,9 +32,10 @@ from protocol.shards import ShardCountMismatch, registered_shards, resolve_shard
 from protocol.topology import cluster_flag
 
 EXIT_FAILED, EXIT_INVALID, EXIT_UNAVAILABLE, EXIT_FULL, EXIT_TIMEOUT = 1, 2, 3, 4, 5
-EXIT_UNKNOWN = 6                # status/result of a job id Redis does not know
+EXIT_UNKNOWN = 6                # status/result/cancel of a job id Redis does not know
 EXIT_NOT_DURABLE = 7            # a --durable submit's jobs are enqueued but not on enough replicas
 EXIT_NO_WORKER = 8              # submit: no live worker serves the queue
+EXIT_LOCKED = 9                 # batch: another run is writing the same output file
 SERVER_DEFAULT = unset("the worker's")
 
 
@@ -137,17 +141,22 @@ def build_parser() -> argparse.ArgumentParser:
     submit = sub.add_parser("submit", help="submit one prompt and print its output")
     submit.add_argument("prompt")
     add_settings_flags(submit, SubmitOptions)
-    batch = sub.add_parser("batch", help="run an OpenAI Batch JSONL file (resumable)")
+    batch = sub.add_parser("batch", help="run an OpenAI Batch JSONL file (resumable; every "
+                           "line needs body.model; a UTF-8 BOM is fine; one run per output "
+                           "file at a time: a second one exits 9)")
     batch.add_argument("input", help="OpenAI Batch input JSONL")
     batch.add_argument("output", help="results JSONL (appended to; rerun to resume)")
     add_settings_flags(batch, BatchOptions)
     add_settings_flags(sub.add_parser("stats", help="queue depth, lag, pending, workers, dead "
-                                                    "letters"), StatsOptions)
-    cancel = sub.add_parser("cancel", help="cancel a job by id")
+                                                    "letters, lanes no worker reads"),
+                       StatsOptions)
+    cancel = sub.add_parser("cancel", help="cancel a job by id (exit 6, nothing written, when "
+                                           "Redis holds no record of that id)")
     cancel.add_argument("job_id")
     add_settings_flags(cancel, ConnectionSettings)
     status = sub.add_parser("status", help="where a job stands (queued, running, done, ...), "
-                                           "or every job of a batch (--batch INPUT)")
+                                           "or every job of a batch (--batch INPUT: each "
+                                           "custom_id once, malformed lines named)")
     status.add_argument("job_id", nargs="?")
     add_settings_flags(status, StatusOptions)
     result = sub.add_parser("result", help="wait for a job and print its output")
@@ -162,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
 EXITS: tuple[tuple[type[BaseException], int], ...] = (
     (RedisUnavailable, EXIT_UNAVAILABLE), (InvalidRequest, EXIT_INVALID), (QueueFull, EXIT_FULL),
     (JobFailed, EXIT_FAILED), (TimeoutError, EXIT_TIMEOUT), (JobNotFound, EXIT_UNKNOWN),
-    (NotDurable, EXIT_NOT_DURABLE), (ShardCountMismatch, EXIT_INVALID), (OSError, EXIT_INVALID),
+    (NotDurable, EXIT_NOT_DURABLE), (ShardCountMismatch, EXIT_INVALID),
+    (BatchLocked, EXIT_LOCKED), (OSError, EXIT_INVALID),
     (ValueError, EXIT_INVALID))
 
 
@@ -314,47 +324,28 @@ def _status_line(name: str, st: Any) -> str:
 
 
 def cmd_batch_status(client: Client, opts: StatusOptions) -> int:
-    """Every job of a batch, found from its input file (job ids are derived from the batch id
-    and each line's custom_id, as the batch runner names them); then the counts by state."""
+    """Every job of a batch, found from its input file (``producer_sdk.batch_status``), each
+    custom_id once; the lines that are no request, named; then the counts by state."""
     from pathlib import Path
 
     from producer_sdk.batch import scan_input
     from producer_sdk.batch_lines import job_id_for
+    from producer_sdk.batch_status import read_batch_lines, statuses_anywhere
     path = Path(opts.batch)
     batch_id = opts.batch_id or f"batch_{scan_input(path)[1][:24]}"
-    custom_ids = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                cid = json.loads(line).get("custom_id")
-            except (ValueError, AttributeError):
-                continue
-            if isinstance(cid, str) and cid:
-                custom_ids.append(cid)
-    statuses = statuses_anywhere(client, [job_id_for(batch_id, c) for c in custom_ids])
+    lines = read_batch_lines(path)
+    statuses = statuses_anywhere(client, [job_id_for(batch_id, c) for c in lines.custom_ids])
     counts: dict[str, int] = {}
-    for cid, st in zip(custom_ids, statuses):
+    for cid, st in zip(lines.custom_ids, statuses):
         counts[st.state] = counts.get(st.state, 0) + 1
         print(json.dumps({"custom_id": cid, **st.model_dump()}) if opts.json
               else _status_line(cid, st))
-    print(json.dumps({"batch_id": batch_id, "jobs": len(statuses), **counts}), file=sys.stderr)
+    for lineno, why in lines.malformed:
+        print(json.dumps({"line": lineno, "malformed": why}) if opts.json
+              else f"line {lineno} malformed: {why}")
+    print(json.dumps({"batch_id": batch_id, "jobs": len(statuses), **counts,
+                      "malformed_lines": len(lines.malformed)}), file=sys.stderr)
     return 0
-
-
-def statuses_anywhere(client: Client, job_ids: list[str]) -> list[Any]:
-    """Statuses of jobs that may be on any queue of the namespace (a batch routes each line
-    to the queue of its model, and per-job keys are per queue): the client's queue first,
-    then every queue workers serve, for the ids still unknown."""
-    found = client.statuses(job_ids)
-    others = sorted(q.decode() if isinstance(q, bytes) else str(q)
-                    for q in client.redis.smembers(Keys(client.namespace).queues))
-    for queue in (q for q in others if q != client.queue):
-        missing = [i for i, st in enumerate(found) if st.state == "unknown"]
-        if not missing:
-            break
-        for i, st in zip(missing, client.statuses([job_ids[i] for i in missing], queue)):
-            found[i] = st
-    return found
 
 
 def cmd_result(client: Client, args: argparse.Namespace, opts: ResultOptions) -> int:

@@ -142,7 +142,10 @@ class Client(ClientCore[redis.Redis]):
         return self._run(self._statuses(job_ids, queue))
 
     def cancel(self, job_id: str, queue: Optional[str] = None) -> None:
-        """Set the job's cancel flag (with a TTL); idempotent, works for unknown ids too."""
+        """Set the job's cancel flag (idempotent; it expires with the job's records).
+        JobNotFound, with nothing written, when Redis holds no record of ``job_id`` (never
+        submitted to ``queue``, or expired): no flag is left to cancel a later job of that
+        id."""
         self._run(self._cancel(job_id, queue))
 
     # -- many jobs at once

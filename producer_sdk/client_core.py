@@ -16,6 +16,7 @@ from typing import Any, Generic, Iterable, Optional, Sequence, TypeVar
 
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.retry import Retry
@@ -23,7 +24,7 @@ from redis.retry import Retry
 from producer_sdk._wire import EnqueuePlan
 from producer_sdk.affinity import AffinityRouter
 from producer_sdk.config import ClientConfig
-from producer_sdk.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, Sleep, pipelined,
+from producer_sdk.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, Send, Sleep, pipelined,
                                   raise_transient, retrying, run_plan_script)
 from producer_sdk.enqueue import Enqueuer
 from producer_sdk.errors import (ClientClosed, JobNotFound, NotDurable, QueueFull, RedisUnavailable,
@@ -37,8 +38,8 @@ from producer_sdk.signatures import SEND_OPTIONS, bind_submit
 from producer_sdk.status import JobStatus, liveness, read_statuses
 from protocol.keys import Keys
 from protocol.limits import Limits
-from protocol.scripts import FORGET_STALE_RECORD
-from protocol.topology import make_async_client, make_client, redact_url
+from protocol.scripts import CANCEL_KNOWN, FORGET_STALE_RECORD, CancelTarget, cancel_target, pack
+from protocol.topology import Packed, make_async_client, make_client, redact_url
 from protocol.wire import now_ms, validate_job_id
 
 __all__ = ["NET_ERRORS", "SEND_ERRORS", "LIMIT_FIELD", "ClientCore",
@@ -214,29 +215,41 @@ class ClientCore(ABC, Generic[R]):
             lambda: read_statuses([(keys, j, None) for j in job_ids])))
 
     def _cancel(self, job_id: str, queue: Optional[str]) -> Plan[None]:
-        yield from self._cancel_keys([(yield from self._queues.keys(queue)).cancel(job_id)])
+        """Cancel one job by id; JobNotFound (nothing written) when Redis holds none of its
+        records."""
+        validate_job_id(job_id)
+        target = cancel_target((yield from self._queues.keys(queue)), job_id)
+        if not (yield from self._cancel_jobs([target]))[0]:
+            raise JobNotFound(job_id)
 
-    def _cancel_keys(self, keys: list[str]) -> Plan[None]:
-        """Set each cancel flag (with a TTL); one command, or one pipeline for several; sent
-        again through a lost connection or a failover (``_retrying``): a cancel is never
-        dropped while Redis can still be reached."""
-        ttl = self.config.cancel_ttl_s
+    def _cancel_jobs(self, targets: Sequence[CancelTarget]) -> Plan[list[bool]]:
+        """Set each job's cancel flag with ``CANCEL_KNOWN`` (only for a job whose records
+        exist, expiring with them); per target, whether it was set. One pipeline, sent again
+        through a lost connection or a failover (``_retrying``): a cancel is never dropped
+        while Redis can still be reached."""
+        ttl = b"%d" % self.config.cancel_ttl_s
+        sha = CANCEL_KNOWN.sha.encode()
 
-        def flag_all(r: Any) -> Any:
-            if len(keys) == 1:
-                return r.set(keys[0], b"1", ex=ttl)
-            pipe = r.pipeline(transaction=False)
-            for key in keys:
-                pipe.set(key, b"1", ex=ttl)
-            return pipe.execute(False)
+        def packed(t: CancelTarget) -> Packed:
+            return (t.flag, pack((b"EVALSHA", sha, b"%d" % len(t), *t, ttl)), 1)
 
-        def send() -> Plan[None]:
-            reply = yield Call(flag_all)
-            if isinstance(reply, list):
-                raise_transient(reply)
+        def send() -> Plan[list[bool]]:
+            replies, _ = yield Send([packed(t) for t in targets])
+            missing = [i for i, x in enumerate(replies) if isinstance(x, NoScriptError)]
+            if missing:     # a restarted or flushed script cache (SCRIPT LOAD: the producer
+                # ACL rule grants no EVAL): load it, send those once more
+                yield Call(lambda r: r.script_load(CANCEL_KNOWN.source))
+                again, _ = yield Send([packed(targets[i]) for i in missing])
+                for i, reply in zip(missing, again):
+                    replies[i] = reply
+            for reply in raise_transient(replies):
+                if isinstance(reply, Exception):
+                    raise reply
+            return [int(x) == 1 for x in replies]
 
-        if keys:
-            yield from self._retrying(send)
+        if not targets:
+            return []
+        return (yield from self._retrying(send))
 
     def _retrying(self, make: Any) -> Plan[Any]:
         """``effects.retrying`` with this client's window: for plans safe to run again."""
@@ -288,7 +301,7 @@ class ClientCore(ABC, Generic[R]):
         ended = []
         overdue = self._reader.overdue(states)
         if overdue:
-            yield from self._cancel_keys([s.cancel_key for s in overdue if s.cancel_key])
+            yield from self._cancel_jobs([s.cancel_target for s in overdue if s.cancel_target])
             for s in overdue:
                 s.expire()
             ended.extend(overdue)

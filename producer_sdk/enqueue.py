@@ -105,7 +105,7 @@ class Enqueuer:
         resent)."""
         states = {}
         for q in batch.queues():
-            states[q] = yield from self.queues.state(q, fresh=True)
+            states[q] = yield from self.queues.state(q, fresh=True, register=True)
         batch.place(states)
         reads = batch.depth_reads(states)
         depths = (yield from self._send(reads, retry))[0] if reads else []

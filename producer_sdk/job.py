@@ -20,6 +20,7 @@ from protocol.fold import Delta, ResultFold
 from producer_sdk.results import CompletionOutput, Result, job_outputs
 from protocol.events import DoneEvent, ErrorEvent
 from protocol.keys import EVENT_FIELD, Keys
+from protocol.scripts.cancel import CancelTarget, cancel_target
 
 __all__ = ["CompletionOutput", "Result", "job_outputs", "JobState", "JobHandle", "Job",
            "AsyncJob", "Deadline", "StreamCursor", "feed_states", "timeout_error", "Delta"]
@@ -46,16 +47,16 @@ class JobState:
     """
 
     __slots__ = ("job_id", "key", "last_id", "fold", "failure", "lock", "delta_count", "log",
-                 "log_start", "streamers", "caught_up", "dedupe_key", "cancel_key", "request",
+                 "log_start", "streamers", "caught_up", "dedupe_key", "cancel_target", "request",
                  "start_deadline_ms", "seen_at", "checked_at", "reruns", "token_seed")
 
     def __init__(self, job_id: str, key: str, dedupe_key: Optional[str] = None,
-                 cancel_key: Optional[str] = None, request: Any = None,
+                 cancel_target: Optional[CancelTarget] = None, request: Any = None,
                  start_deadline_ms: Optional[int] = None) -> None:
         self.job_id = job_id
         self.key = key
         self.dedupe_key = dedupe_key
-        self.cancel_key = cancel_key
+        self.cancel_target = cancel_target
         self.request = request                  # producer_sdk.payloads.Prepared, or None
         self.start_deadline_ms = start_deadline_ms
         self.seen_at = time.monotonic()         # when an entry last arrived (or reading began)
@@ -246,8 +247,9 @@ class JobHandle:
         return self.keys.queue
 
     @property
-    def cancel_key(self) -> str:
-        return self.keys.cancel(self.id, self.shard)
+    def cancel_target(self) -> CancelTarget:
+        """What cancelling it names (``protocol.scripts.cancel``): its flag and records."""
+        return cancel_target(self.keys, self.id, self.shard)
 
     @property
     def state(self) -> JobState:
@@ -257,7 +259,7 @@ class JobHandle:
                     req = self.request
                     self._state = JobState(
                         self.id, self.keys.results(self.id, self.shard),
-                        self.keys.dedupe(self.id, self.shard), self.cancel_key, req,
+                        self.keys.dedupe(self.id, self.shard), self.cancel_target, req,
                         None if req is None else getattr(req, "deadline_ms", None))
         return self._state
 
@@ -290,7 +292,7 @@ class JobHandle:
         return self.state.result()
 
     def _cancel(self) -> Plan[None]:
-        return self.client._cancel_keys([self.cancel_key])
+        yield from self.client._cancel_jobs([self.cancel_target])
 
 
 class StreamCursor:

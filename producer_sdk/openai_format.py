@@ -25,7 +25,6 @@ from protocol.wire import MAX_ROUTING_KEY_LEN
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-DEFAULT_MODEL = "tokenrelay"
 # OpenAI body fields that map onto SamplingParams one to one (vLLM extensions included).
 _SAMPLING_PASSTHROUGH = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty",
                          "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",

@@ -1,6 +1,11 @@
 """What a producer knows of each queue it sends to: its keys with the shard count resolved, and
 its high-water mark, read from the queue's config hash at most once per ``CONFIG_TTL_S``.
 
+The shard count is never guessed for an enqueue: before a job goes in, the queue's count is
+registered (HSETNX of the same field workers register, so the first producer or worker decides)
+and read back in one MULTI. Why: a producer that guessed 1 while the first worker later
+registered 3 left every job it had sent in a lane no worker reads (issue #25).
+
 One ``QueueBook`` per client, shared by every call of it; its reads are plans
 (``producer_sdk.effects``), run by whichever client owns it.
 """
@@ -10,7 +15,9 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS, QueueState
+from redis.exceptions import ResponseError
+
+from producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS, QueueState, is_oom
 from producer_sdk.effects import Call, Plan
 from protocol.keys import Keys
 from protocol.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards, resolve_shards
@@ -24,10 +31,13 @@ CONFIG_TTL_S = 1.0
 class QueueBook:
     """Per queue of the namespace (None: the client's own): a ``QueueState``.
 
-    The shard count is ``shards`` (the client's setting, its own queue only) or the one the
-    queue's workers registered, else 1; a registered count is kept for the client's life (a
-    queue resharded under it raises ShardCountMismatch rather than sending jobs where no worker
-    reads), while a count not registered yet follows a later registration. The high-water mark
+    The shard count is the one registered in the queue's config hash; an enqueue registers
+    ``shards`` (the client's setting, its own queue only; else 1) first when none is
+    (``state(register=True)``), and a client whose ``shards`` differs from the registered count
+    is refused (ShardCountMismatch). A registered count is kept for the client's life (a queue
+    resharded under it raises ShardCountMismatch rather than sending jobs where no worker
+    reads). Reads that enqueue nothing (status, depth) register nothing: until a count is
+    registered they use ``shards`` or 1 and follow a later registration. The high-water mark
     is ``max_queued_jobs`` (the client's own), else the config hash's, else the default."""
 
     def __init__(self, namespace: str, queue: str, shards: Optional[int],
@@ -48,14 +58,37 @@ class QueueBook:
             return None
         return st
 
-    def state(self, queue: Optional[str] = None, fresh: bool = False) -> Plan[QueueState]:
-        """The queue's state, reading its config hash when unknown (or due, with ``fresh``)."""
+    def state(self, queue: Optional[str] = None, fresh: bool = False,
+              register: bool = False) -> Plan[QueueState]:
+        """The queue's state, reading its config hash when unknown (or due, with ``fresh``).
+        ``register`` (every enqueue): a state whose count is not registered yet is read
+        again, and when the hash holds no count this client's is registered (HSETNX, then
+        HMGET, in one MULTI: no write once a count is registered)."""
         st = self.cached(queue, fresh)
-        if st is None:
-            key = self.config_key(queue)
-            limit, shards = yield Call(lambda r: r.hmget(key, [LIMIT_FIELD, SHARDS_FIELD]))
-            st = self.store(queue, limit, shards)
-        return st
+        if st is not None and (st.registered or not register):
+            return st
+        key = self.config_key(queue)
+        limit, shards = yield Call(lambda r: r.hmget(key, [LIMIT_FIELD, SHARDS_FIELD]))
+        if register and shards is None:
+            count = self.registering(queue)
+            try:
+                limit, shards = (yield Call(lambda r: _register_and_read(r, key, count)))[1]
+            except ResponseError as exc:
+                if not is_oom(exc) and "OOM" not in str(exc):
+                    raise
+                # Redis refuses writes (maxmemory): so will the enqueue that follows, which
+                # turns it into back-pressure; the count is registered at its next round.
+        return self.store(queue, limit, shards)
+
+    def registering(self, queue: Optional[str]) -> int:
+        """The count this client registers for ``queue`` when none is: the one it knew
+        registered (the field was lost with a Redis restart), else its own ``shards`` (its own
+        queue only), else 1."""
+        name = queue or self.queue
+        old = self._states.get(name)
+        if old is not None and old.registered:
+            return old.keys.shards
+        return (self.shards if name == self.queue else None) or 1
 
     def keys(self, queue: Optional[str] = None) -> Plan[Keys]:
         return (yield from self.state(queue)).keys
@@ -96,6 +129,15 @@ class QueueBook:
         st = self._states.get(queue or self.queue)
         if st is not None:
             st.expires = 0.0
+
+
+def _register_and_read(r: Any, key: str, count: int) -> Any:
+    """MULTI: HSETNX the shard count (a no-op when one is registered), HMGET limit and count.
+    One key, so one slot on a Redis Cluster; an asyncio client returns an awaitable."""
+    pipe = r.pipeline(transaction=True)
+    pipe.hsetnx(key, SHARDS_FIELD, count)
+    pipe.hmget(key, [LIMIT_FIELD, SHARDS_FIELD])
+    return pipe.execute()
 
 
 __all__ = ["QueueBook", "LIMIT_FIELD", "CONFIG_TTL_S"]

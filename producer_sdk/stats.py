@@ -1,5 +1,6 @@
-"""``python -m producer_sdk stats``: each queue's depth, lag, pending jobs by lane, workers and dead
-letters, read from what Redis holds (the CLI prints it; ``demos.service`` shows it live)."""
+"""``python -m producer_sdk stats``: each queue's depth, lag, pending jobs by lane, workers, dead
+letters and the job streams no worker reads (``protocol.lanes``), read from what Redis holds
+(the CLI prints it; ``demos.service`` shows it live)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS
 from producer_sdk.queues import LIMIT_FIELD
 from protocol.keys import GROUP, Keys
+from protocol.lanes import queue_of_key, unread_lanes
 
 
 def discover_queues(r: Any, namespace: str) -> list[str]:
@@ -21,14 +23,6 @@ def discover_queues(r: Any, namespace: str) -> list[str]:
             if name:
                 names.add(name)
     return sorted(names)
-
-
-def queue_of_key(rest: str) -> str:
-    """The queue a key names after ``<ns>:<kind>:``: ``{<queue>}``, ``{<queue>:<shard>...}``
-    (a hash tag) or a plain ``<queue>``."""
-    if rest.startswith("{"):
-        return rest[1:].split("}", 1)[0].split(":", 1)[0]
-    return rest.split(":", 1)[0]
 
 
 def queue_stats(r: Any, keys: Keys, live_s: float) -> dict[str, Any]:
@@ -54,6 +48,8 @@ def queue_stats(r: Any, keys: Keys, live_s: float) -> dict[str, Any]:
         "workers_known": r.zcard(keys.workers),
         "dead_letters": sum(r.xlen(d) for d in keys.dead_streams()),
         "max_queued_jobs": int(limit) if limit is not None else None,
+        "unread_lanes": [{"key": u.key, "depth": u.depth, "reason": u.reason,
+                          "detail": u.detail} for u in unread_lanes(r, keys)],
     }
 
 
@@ -93,4 +89,9 @@ def stats_table(stats: list[dict[str, Any]], namespace: str) -> str:
                      f"{s['workers_live']}/{s['workers_known']}", str(s["dead_letters"]),
                      str(limit) if limit is not None else f"{DEFAULT_MAX_QUEUED_JOBS} (default)"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    table = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    for s in stats:
+        for u in s["unread_lanes"]:
+            table.append(f"UNREAD {s['queue']}: {u['key']} holds {u['depth']} job(s): "
+                         f"{u['detail']}")
+    return "\n".join(table)

@@ -1,7 +1,9 @@
 """A job's status as queue users expect it (BullMQ's ``getState``, Celery's ``AsyncResult.state``),
 read from what Redis already holds; workers write nothing for it.
 
-States: ``queued`` (in its lane, not yet taken, or handed back by a draining worker), ``running``
+States: ``queued`` (in its lane, not yet taken, or handed back by a draining worker),
+``stranded`` (in a job stream no worker of the queue reads: one of another shard layout than
+the queue registered, see ``protocol.lanes``; ``message`` says which), ``running``
 (held by a worker), ``done``, ``cancelled``, ``failed`` (an error event; ``expired`` when its
 deadline passed before it started), ``expired`` also when the job is known but its results have
 expired, and ``unknown``. The reads are I/O-free here, shared by ``Client.status`` and
@@ -25,10 +27,17 @@ from producer_sdk.effects import Call, Plan, cluster
 from protocol.errors import ProtocolError
 from protocol.events import ErrorEvent
 from protocol.keys import EVENT_FIELD, GROUP, Keys, PARKING_CONSUMER, key_slot
+from protocol.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards
 from protocol.wire import decode_event
 
-State = Literal["queued", "running", "done", "cancelled", "failed", "expired", "unknown"]
+State = Literal["queued", "stranded", "running", "done", "cancelled", "failed", "expired",
+                "unknown"]
 POSITION_CAP = 1000     # entries counted ahead of a queued job in its own lane, at most
+# Jobs whose reads share one round of pipelines: a round's snapshot is one MULTI (per slot), which
+# Redis runs without serving anyone else, so it is bounded: 50,000 ids in one MULTI stalled
+# Redis for every other client for ~100-230 ms; 128 jobs (640 cheap commands) take a few ms
+# (benchmarks/statuses.py).
+STATUS_CHUNK = 128
 
 
 class JobStatus(BaseModel):
@@ -144,16 +153,21 @@ class Lockstep:
 
 def read_statuses(targets: Sequence[tuple[Keys, str, Optional[int]]],
                   position: bool = True) -> Plan[list[JobStatus]]:
-    """``status_plan`` of each (keys, job id, shard) target, in the round trips of one: each
-    Lockstep round's pipelines, one after another. On a Redis Cluster a MULTI per slot."""
-    lock = Lockstep([status_plan(k, j, s, position) for k, j, s in targets],
-                    by_slot=(yield cluster()))
-    while (steps := lock.round()) is not None:
-        replies = []
-        for step in steps:
-            replies.append((yield Call(step.execute)))
-        lock.feed(replies)
-    return lock.results
+    """``status_plan`` of each (keys, job id, shard) target, STATUS_CHUNK targets at a time in
+    the round trips of one: each Lockstep round's pipelines, one after another. On a Redis
+    Cluster a MULTI per slot."""
+    by_slot = yield cluster()
+    out: list[JobStatus] = []
+    for at in range(0, len(targets), STATUS_CHUNK):
+        lock = Lockstep([status_plan(k, j, s, position)
+                         for k, j, s in targets[at:at + STATUS_CHUNK]], by_slot=by_slot)
+        while (steps := lock.round()) is not None:
+            replies = []
+            for step in steps:
+                replies.append((yield Call(step.execute)))
+            lock.feed(replies)
+        out.extend(lock.results)
+    return out
 
 
 def _queue_all(pipe: Any, steps: list[tuple[int, Step]], shares: list) -> None:
@@ -167,20 +181,47 @@ def status_plan(keys: Keys, job_id: str, shard: Optional[int] = None,
                 position: bool = True) -> StepPlan:
     """The reads of ``Client.status`` for a job of ``keys``' queue (on ``shard``, None: the
     one its id goes to): the dedupe record, one MULTI snapshot (all in the shard's slot), and
-    (``position``) for a queued job the lanes' groups and the entries ahead of it in its lane."""
+    (``position``) for a queued job the queue's registered shard count, the lanes' groups and
+    the entries ahead of it in its lane. A job of a sharded queue not found there is looked
+    for in the one-shard layout too (where producers that guessed the count put it): a job
+    queued in a layout the queue did not register is ``stranded``."""
     shard = keys.shard_of(job_id) if shard is None else shard
-    (record,) = yield Step(False, lambda p: p.get(keys.dedupe(job_id, shard)))
+    one = Keys(keys.namespace, keys.queue) if keys.shards > 1 else None
+    found = yield Step(False, lambda p: [p.get(k.dedupe(job_id, s)) for k, s in
+                                         ((keys, shard), (one, 0)) if k is not None])
+    record = found[0]
+    if record is None and one is not None and found[1] is not None:
+        keys, shard, record = one, 0, found[1]
     replies = yield Step(True, lambda p: queue_snapshot(p, keys, job_id, record, shard),
                          keys.results(job_id, shard))
     status = fold_status(keys, job_id, record, replies, shard)
     if not position or status.state != "queued" or status.position is not None:
         return status
-    ahead, span = position_range(keys, record, shard, (yield Step(
-        False, lambda p: queue_position_reads(p, keys))))
+    registered, *reads = yield Step(False, lambda p: (p.hget(keys.config, SHARDS_FIELD),
+                                                      queue_position_reads(p, keys)))
+    stranded = stranded_status(status, keys, registered)
+    if stranded is not None:
+        return stranded
+    ahead, span = position_range(keys, record, shard, reads)
     if span is not None:
         (entries,) = yield Step(False, lambda p: p.xrange(*span, count=POSITION_CAP))
         ahead += len(entries) if isinstance(entries, list) else 0
     return status.model_copy(update={"position": ahead})
+
+
+def stranded_status(status: JobStatus, keys: Keys, registered: Any) -> Optional[JobStatus]:
+    """``status`` as ``stranded`` when the queue registered another shard count than the
+    layout the job's lane belongs to (no worker reads it), else None."""
+    try:
+        count = parse_shards(registered, keys.config)
+    except ShardCountMismatch:
+        return None
+    if count is None or count == keys.shards:
+        return None
+    return status.model_copy(update={"state": "stranded", "message": (
+        f"queued in a lane of the {keys.shards}-shard layout, but queue {keys.queue!r} is "
+        f"registered with {count} shards: no worker reads it. Drain it by hand (python -m "
+        f"worker admin unread lists such lanes) or resubmit the job")})
 
 
 def liveness(status: JobStatus) -> str:

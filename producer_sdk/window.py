@@ -13,6 +13,7 @@ from producer_sdk.effects import NET_ERRORS, Plan
 from producer_sdk.errors import DUPLICATE, JobFailed, RedisUnavailable
 from producer_sdk.job import Delta, JobHandle, JobState
 from producer_sdk.payloads import Prepared
+from protocol.scripts.cancel import CancelTarget
 
 Pair = tuple[Any, Any]      # (the caller's tag, its job handle)
 
@@ -29,7 +30,7 @@ class WindowOps(Protocol):
     def _pump(self, states: Iterable[JobState],
               block_ms: int) -> Plan[list[tuple[JobState, list[Delta]]]]: ...
 
-    def _cancel_keys(self, keys: list[str]) -> Plan[None]: ...
+    def _cancel_jobs(self, targets: Sequence[CancelTarget]) -> Plan[list[bool]]: ...
 
 
 def take_batch(it: Iterator[Any], room: int) -> tuple[list[Any], bool]:
@@ -110,7 +111,8 @@ class Window:
         if not self.inflight:
             return
         try:
-            yield from self.ops._cancel_keys([j.cancel_key for _, j in self.inflight.values()])
+            yield from self.ops._cancel_jobs([j.cancel_target
+                                              for _, j in self.inflight.values()])
         except (*NET_ERRORS, RedisUnavailable):
             pass
 

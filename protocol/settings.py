@@ -109,8 +109,9 @@ class ConnectionSettings(CliSettings):
     shards: Optional[int] = Field(
         None, ge=1, le=MAX_SHARDS,
         description="How many streams (each in its own cluster slot) the queue is split into.",
-        json_schema_extra=unset("the count the queue's workers registered in "
-                                "<ns>:config:<queue>, else 1"))
+        json_schema_extra=unset("the count registered in <ns>:config:<queue> by the queue's "
+                                "first worker or producer; none yet: a producer registers 1 "
+                                "before it enqueues, a worker 1 before it reads"))
 
     _key_parts = field_validator("namespace", "queue")(key_part)
 

@@ -3,7 +3,8 @@
 Operators need four things when something goes wrong: which jobs are held by whom and for how
 long (a stuck or crash-looping worker shows as growing idle times and delivery counts), which jobs
 were given up on (dead letters) and the means to replay or purge them, and a way to take one worker
-out of service gracefully (drain) without shell access to its host.
+out of service gracefully (drain) without shell access to its host. ``unread`` lists the job
+streams of the queue no worker reads (``protocol.lanes``), with their depth.
 
 Every command works on a queue of any shard count (the count the queue's workers registered;
 --shards must agree) and against a Redis Cluster (pending entries and dead letters are read
@@ -32,6 +33,7 @@ from protocol.errors import ErrorCode
 from protocol.keys import GROUP, Keys, PAYLOAD_FIELD
 from protocol.scripts import REPLAY, run_script
 from protocol.wire import DeadLetter, decode_job
+from protocol.lanes import unread_lanes
 from protocol.shards import ShardCountMismatch, registered_shards, resolve_shards
 from worker.connection import (EXIT_CONFIG, REDIS_ERRORS, ErrorKind, classify, client_for,
                                describe_permanent)
@@ -263,7 +265,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     add_settings_flags(p, AdminSettings)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, what in (("pending", "pending jobs: owner, idle time, delivery count"),
-                       ("workers", "workers and their last heartbeat")):
+                       ("workers", "workers and their last heartbeat"),
+                       ("unread", "job streams of the queue no worker reads, with their depth "
+                                  "(outside the registered shard layout, or no consumer group "
+                                  "yet)")):
         add_settings_flags(sub.add_parser(name, help=what), AdminSettings)
     dead_parser = sub.add_parser("dead", help="dead letters")
     add_settings_flags(dead_parser, AdminSettings)
@@ -355,6 +360,9 @@ def _run(args: argparse.Namespace, settings: AdminSettings) -> int:
     elif args.cmd == "workers":
         _emit(settings, list_workers(r, keys),
               ("worker_id", "last_beat_ms_ago", "heartbeat_key", "draining"))
+    elif args.cmd == "unread":
+        _emit(settings, (asdict(u) for u in unread_lanes(r, keys)),
+              ("key", "depth", "reason", "detail"))
     elif args.cmd == "drain":
         alive = request_drain(r, keys, args.worker_id)
         print(f"drain requested for {args.worker_id}"

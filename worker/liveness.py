@@ -204,11 +204,30 @@ class Liveness:
         if due("renew", self.s.lease_ms / 3000.0):
             held = self._held()
             out.lost_entries = self.pending.renew(held) if held else []
+        if not draining and due("departed", 10 * hb):
+            self.drop_departed()
         if not draining and due("lane_stats", 5 * hb):
             for lane, (lag, pending) in self.pending.lane_stats().items():
                 self.metrics.stream_lag.labels(lane).set(lag)
                 self.metrics.stream_pending.labels(lane).set(pending)
         return out
+
+    def drop_departed(self) -> None:
+        """Remove departed workers (no heartbeat, nothing pending) from the consumer groups;
+        housekeeping, so a failure is logged and tried again at the next turn."""
+        def alive(names: list[str]) -> list[bool]:
+            pipe = self.client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(self.keys.heartbeat(name))
+            return [bool(x) for x in pipe.execute()]
+        try:
+            removed = self.pending.drop_departed(alive)
+        except redis.RedisError as exc:
+            self.log.warning("could not remove departed consumers", error=str(exc))
+            return
+        if removed:
+            self.log.info("departed workers removed from the consumer groups",
+                          consumers=sorted({n for _, n in removed}), lanes=len(removed))
 
     def heartbeat(self) -> bool:
         """Beat; returns True when an admin asked this worker to drain."""

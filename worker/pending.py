@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterable, Optional
 import redis
 
 from protocol.keys import GROUP, Keys, PARKED_IDLE_MS, PARKING_CONSUMER
-from protocol.scripts import (ACK, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM, ScriptPipeline,
-                              text)
+from protocol.scripts import (ACK, DROP_CONSUMER, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM,
+                              ScriptPipeline, text)
 from protocol.topology import is_cluster
 from worker.entries import CHUNK, Entry, EntryKey, Lanes, by_lane, is_nogroup
 from worker.idle_read import IdleRead
@@ -297,6 +297,33 @@ class PendingList:
                  for i in range(0, len(ids), CHUNK)]
         replies = self._run_all(lambda p: [self.queue_ack(p, lane, ids) for lane, ids in calls])
         return [AckStatus(int(c)) for reply in replies for c in reply]
+
+    # ---------------------------------------------------------------- departed consumers
+    def drop_departed(self, alive: Callable[[list[str]], list[bool]]) -> list[tuple[str, str]]:
+        """Remove departed workers from the group of every shared lane: consumers other than
+        this worker and the parking one that hold no pending entry there and whose heartbeat
+        is gone (``alive`` answers per name). Why: worker ids accumulate in the groups
+        forever otherwise (every restart with a fresh id adds one to every lane). The script
+        checks the pending list again in the same step, so a consumer that took an entry
+        meanwhile is kept. Returns the (lane, consumer) removed."""
+        idle: dict[str, list[str]] = {}
+        for key in self.keys.lanes():
+            try:
+                consumers = self.client.xinfo_consumers(key, GROUP)
+            except redis.ResponseError:     # no stream or group yet
+                continue
+            idle[key] = [name for c in consumers
+                         if int(c.get("pending") or 0) == 0
+                         and (name := text(c.get("name", b""))) not in (self.worker_id,
+                                                                        PARKING_CONSUMER)]
+        names = sorted({n for found in idle.values() for n in found})
+        if not names:
+            return []
+        gone = {n for n, live in zip(names, alive(names)) if not live}
+        calls = [(lane, n) for lane, found in idle.items() for n in found if n in gone]
+        replies = self._run_all(lambda p: [p.script(DROP_CONSUMER, [lane], [GROUP, n])
+                                           for lane, n in calls])
+        return [call for call, reply in zip(calls, replies) if int(reply) == 1]
 
     # ---------------------------------------------------------------- metrics
     def lane_stats(self) -> dict[str, tuple[int, int]]:

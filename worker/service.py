@@ -35,6 +35,7 @@ import redis
 from engine.errors import UnsupportedModelError
 from protocol import topology
 from protocol.keys import Keys
+from protocol.lanes import OUTSIDE_LAYOUT, unread_lanes
 from protocol.shards import ShardCountMismatch, register_shards
 from worker.admission import StartDeferred
 from worker.config import WorkerSettings
@@ -183,13 +184,18 @@ class Worker:
 
     # ================================================================== connection
     def _assemble(self) -> Crew:
-        """The queue's shard count (registered by the first worker, refused with exit 78 when
-        --shards says otherwise), then the collaborators for its keys."""
+        """The queue's shard count (registered by the first worker or producer, refused with
+        exit 78 when --shards says otherwise), a warning for jobs in lanes no worker of that
+        count reads, then the collaborators for its keys."""
         try:
             shards = register_shards(self.client, self.keys, self.s.shards)
         except ShardCountMismatch as exc:
             raise PermanentRedisError(str(exc)) from exc
         self.keys = Keys(self.keys.namespace, self.keys.queue, shards)
+        for lane in unread_lanes(self.client, self.keys):
+            if lane.reason == OUTSIDE_LAYOUT:
+                self.log.warning("jobs in a lane no worker reads", lane=lane.key,
+                                 depth=lane.depth, detail=lane.detail)
         assert self.engine is not None
         return Crew.assemble(
             settings=self.s, worker_id=self.worker_id, client=self.client, keys=self.keys,

@@ -5,7 +5,7 @@ A cancel asked for while the request is being torn down (the client disconnected
 being cancelled) cannot wait for Redis there, and one that fails must not be forgotten (a
 swallowed cancel is a job that runs to its end for nobody and holds a worker's slot). So the
 request hands the job's cancel flag to ``Cancels`` and leaves at once; one task sends every
-flag asked for since its last round in one pipeline (``ClientCore._cancel_keys``, itself
+flag asked for since its last round in one pipeline (``ClientCore._cancel_jobs``, itself
 retried through a failover) and keeps what failed for the next round, backing off while Redis
 is down, for as long as the gateway runs. At shutdown it tries once more and names what it
 could not send.
@@ -18,6 +18,8 @@ import contextlib
 import logging
 from typing import Any, Optional
 
+from protocol.scripts.cancel import CancelTarget
+
 log = logging.getLogger("producer_sdk.gateway")
 
 BATCH = 1000            # flags per pipeline
@@ -26,18 +28,19 @@ MAX_PAUSE_S = 5.0
 
 class Cancels:
     """Cancel flags to set, sent by one task with retries. ``client`` is any AsyncClient of
-    the gateway's Redis (a flag is a key; the client's ``_cancel_keys`` sets it with its TTL)."""
+    the gateway's Redis (the client's ``_cancel_jobs`` sets each job's flag with the cancel
+    script, which skips a job Redis no longer holds)."""
 
     def __init__(self, client: Any, metrics: Any = None) -> None:
         self.client = client
         self.metrics = metrics
-        self.keys: dict[str, None] = {}     # ordered set: each flag once
+        self.keys: dict[CancelTarget, None] = {}     # ordered set: each job once
         self.sent = 0
         self.failures = 0
         self._wake = asyncio.Event()
         self._task: Optional[asyncio.Task] = None
 
-    def add(self, key: str) -> None:
+    def add(self, key: CancelTarget) -> None:
         """Owe the cancel flag ``key``; returns at once (safe while a task is being cancelled)."""
         self.keys[key] = None
         self._gauge()
@@ -65,7 +68,7 @@ class Cancels:
     async def _send_some(self) -> bool:
         batch = list(self.keys)[:BATCH]
         try:
-            await self.client._run(self.client._cancel_keys(batch))
+            await self.client._run(self.client._cancel_jobs(batch))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -95,7 +98,7 @@ class Cancels:
                 await self._send_some()
         if self.keys:
             log.error("gateway stopping with %d cancels not sent (their jobs may run): %s",
-                      len(self.keys), ", ".join(list(self.keys)[:20]))
+                      len(self.keys), ", ".join(t.flag for t in list(self.keys)[:20]))
 
 
 __all__ = ["Cancels"]

@@ -85,7 +85,7 @@ class JobFeed:
         self.cursor.__exit__(None, None, None)
         self._watching.__exit__(None, None, None)
         if not self.ended:
-            self.cancels.add(self.job.cancel_key)
+            self.cancels.add(self.job.cancel_target)
 
 
 @dataclass

@@ -11,11 +11,12 @@ seen) runs inside one script, atomically.
 - ``pipeline``: ``ScriptPipeline`` (one round trip per node, NOSCRIPT-safe) and ``run_script``;
 - ``enqueue``: the producers' enqueue (``ENQUEUE``);
 - ``pending``: the worker's pending-list steps (``READ_NEW``, ``READ_OWN_PENDING``, ``RECLAIM``,
-  ``MOVE_MINE``, ``ACK``);
+  ``MOVE_MINE``, ``ACK``, ``DROP_CONSUMER``);
 - ``results``: fenced result writes and identity (``WRITE_STEP``, ``BIND_AND_OWN``,
   ``RELEASE_OWNER``, ``DEAD_LETTER``, ``REPLAY``);
 - ``affinity``: the sweep of affinity streams (``MOVE_UNREAD``);
 - ``worker_id``: the worker id lease (``ID_CLAIM``, ``ID_RELEASE``);
+- ``cancel``: cancel by id, only for a job whose records exist (``CANCEL_KNOWN``);
 - ``readers``: a reader letting go of a lost job's stale dedupe record (``FORGET_STALE_RECORD``).
 
 Every script's keys share one hash slot (one queue shard's tag, see ``Keys``), as a Redis
@@ -23,9 +24,11 @@ Cluster requires.
 """
 
 from protocol.scripts.affinity import MOVE_UNREAD
+from protocol.scripts.cancel import CANCEL_KNOWN, CancelTarget, cancel_target
 from protocol.scripts.enqueue import ENQUEUE
 from protocol.scripts.lua import CONTRACT_NAMES, LuaScript, lua
-from protocol.scripts.pending import ACK, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM
+from protocol.scripts.pending import (ACK, DROP_CONSUMER, MOVE_MINE, READ_NEW, READ_OWN_PENDING,
+                                      RECLAIM)
 from protocol.scripts.pipeline import ScriptPipeline, run_script
 from protocol.scripts.readers import FORGET_STALE_RECORD
 from protocol.scripts.resp import pack, text
@@ -35,9 +38,11 @@ from protocol.scripts.worker_id import ID_CLAIM, ID_RELEASE
 
 ALL_SCRIPTS: tuple[LuaScript, ...] = (
     ENQUEUE, READ_NEW, READ_OWN_PENDING, RECLAIM, MOVE_MINE, ACK, WRITE_STEP, BIND_AND_OWN,
-    RELEASE_OWNER, DEAD_LETTER, REPLAY, MOVE_UNREAD, ID_CLAIM, ID_RELEASE, FORGET_STALE_RECORD)
+    RELEASE_OWNER, DEAD_LETTER, REPLAY, MOVE_UNREAD, ID_CLAIM, ID_RELEASE, FORGET_STALE_RECORD,
+    CANCEL_KNOWN, DROP_CONSUMER)
 
-__all__ = ["ACK", "ALL_SCRIPTS", "BIND_AND_OWN", "CONTRACT_NAMES", "DEAD_LETTER", "ENQUEUE",
+__all__ = ["ACK", "ALL_SCRIPTS", "BIND_AND_OWN", "CANCEL_KNOWN", "CancelTarget", "cancel_target",
+           "CONTRACT_NAMES", "DROP_CONSUMER", "DEAD_LETTER", "ENQUEUE",
            "FORGET_STALE_RECORD",
            "ID_CLAIM", "ID_RELEASE", "LuaScript", "MOVE_MINE", "MOVE_UNREAD", "READ_NEW",
            "READ_OWN_PENDING", "RECLAIM", "RELEASE_OWNER", "REPLAY", "ScriptPipeline",

@@ -140,3 +140,14 @@ for i = 3, #ARGV do
 end
 return out
 """)
+
+# KEYS: one lane. ARGV: group, consumer (a departed worker's id).
+# Removes the consumer from the group (XGROUP DELCONSUMER) only when it holds no pending entry
+# of this lane, checked in the same atomic step: DELCONSUMER drops the entries a consumer still
+# holds from the pending list, where nobody could reclaim them any more. Reply: 1 removed, 0
+# kept (it holds entries: reclaim them first).
+DROP_CONSUMER = lua("drop_consumer", """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+""")

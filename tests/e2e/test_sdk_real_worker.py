@@ -151,7 +151,7 @@ def test_batch_200_with_malformed_lines(sdk_url: str, worker: RealWorker, tmp_pa
     outputs = read_jsonl(out)
     assert len({o["custom_id"] for o in outputs}) == 197
     assert all(o["response"]["body"]["usage"]["completion_tokens"] >= 1 for o in outputs)
-    assert sorted(e["line"] for e in read_jsonl(err)) == [4, 78, 141]
+    assert sorted(e["error"]["line"] for e in read_jsonl(err)) == [4, 78, 141]
 
 
 def test_batch_killed_and_rerun_exactly_once(sdk_url: str, worker: RealWorker, tmp_path: Path):

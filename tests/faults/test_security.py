@@ -42,6 +42,8 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
     # shard count
     "worker": ("ping", "cluster|info", "evalsha", "eval",
                "xgroup|create", "xreadgroup", "xinfo|groups", "xadd", "xack", "xdel", "xclaim",
+               # departed workers leave the groups: listed, then removed by a script
+               "xinfo|consumers", "xgroup|delconsumer",
                "xautoclaim", "xpending", "xrange", "xrevrange",
                "get", "set", "mget", "exists", "del", "pexpire",
                "hset", "hsetnx", "hget", "hgetall", "zadd", "zrem", "sadd",
@@ -54,6 +56,9 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
     "producer": ("ping", "evalsha", "script|load", "xadd", "xlen", "xread", "xrange",
                  "xrevrange", "xpending", "xinfo|groups", "get", "set", "exists", "hget",
                  "multi", "exec", "smembers", "zrange", "hmget", "cluster|info", "wait",
+                 # the shard count registered before the first enqueue; the cancel script
+                 # caps the flag's TTL by the job's records
+                 "hsetnx", "pttl",
                  # asyncio clients and the gateway: their shared readers' wake streams
                  "pexpire"),
     # python -m worker admin ... and python -m producer_sdk stats --queue Q

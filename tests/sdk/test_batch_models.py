@@ -62,13 +62,14 @@ def test_lines_are_routed_by_model_and_unknown_models_are_404(two_models, tmp_pa
         summary = BatchRunner(client, inp, out, err, batch_id="route", progress=False).run()
         r = client.redis
         outputs = {o["custom_id"]: o for o in read_jsonl(out)}
-        assert (summary.succeeded, summary.failed) == (4, 1)
+        assert (summary.succeeded, summary.failed, summary.malformed) == (3, 1, 1)
         assert {c: o["response"]["body"]["model"] for c, o in outputs.items()} == {
-            "a1": "alpha", "b1": "beta", "b2": "beta", "none": "alpha"}
-        queue_of = {"a1": "qa", "b1": "qb", "b2": "qb", "none": "qa"}
+            "a1": "alpha", "b1": "beta", "b2": "beta"}
+        queue_of = {"a1": "qa", "b1": "qb", "b2": "qb"}
         assert {c: served_by(r, o["response"]["request_id"], queue_of[c])
-                for c, o in outputs.items()} == {"a1": "wa", "b1": "wb", "b2": "wb", "none": "wa"}
-    (error,) = read_jsonl(err)
+                for c, o in outputs.items()} == {"a1": "wa", "b1": "wb", "b2": "wb"}
+    error, no_model = sorted(read_jsonl(err), key=lambda e: e["error"]["line"])
+    assert (no_model["custom_id"], no_model["error"]["param"]) == ("none", "model")
     assert error["custom_id"] == "g1" and error["error"]["code"] == "model_not_found"
     assert error["response"]["status_code"] == 404
     assert error["response"]["body"]["error"] == {
@@ -79,9 +80,10 @@ def test_lines_are_routed_by_model_and_unknown_models_are_404(two_models, tmp_pa
         [sys.executable, "-m", "producer_sdk", "status", "--batch", str(inp), "--batch-id",
          "route", "--queue", "qa", "--redis-url", two_models.url, "--json"],
         capture_output=True, text=True, timeout=60, env=env_with_repo())
-    states = {x["custom_id"]: x["state"] for x in map(json.loads, status.stdout.splitlines())}
-    assert states == {"a1": "done", "b1": "done", "b2": "done", "g1": "unknown",
-                      "none": "done"}, status.stderr
+    rows = [json.loads(x) for x in status.stdout.splitlines()]
+    states = {x["custom_id"]: x["state"] for x in rows if "custom_id" in x}
+    assert states == {"a1": "done", "b1": "done", "b2": "done", "g1": "unknown"}, status.stderr
+    assert [x["line"] for x in rows if "malformed" in x] == [5]      # the line without model
 
 
 @pytest.mark.timeout(120)
@@ -130,6 +132,5 @@ def test_without_live_workers_lines_wait_on_the_only_queue_but_not_on_a_guess(re
         with pytest.raises(Exception) as exc:
             runner.router.route("alpha")
         assert getattr(exc.value, "code", None) == "model_not_found"
-        assert runner.router.route("") == (None, "tokenrelay")
         assert runner.run().failed == 1
     assert read_jsonl(err)[0]["error"]["code"] == "model_not_found"

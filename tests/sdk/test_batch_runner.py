@@ -25,7 +25,8 @@ def chat_line(i: int, **body) -> str:
 
 def completion_line(i: int, max_tokens: int = 2) -> str:
     return json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
-                       "body": {"prompt": f"p{i}", "max_completion_tokens": max_tokens,
+                       "body": {"model": "tiny", "prompt": f"p{i}",
+                                "max_completion_tokens": max_tokens,
                                 "temperature": 0, "stop": ["\n"], "seed": 3, "n": 1}})
 
 
@@ -100,7 +101,7 @@ def test_batch_200_lines_with_3_malformed(sdk_url: str, tmp_path: Path):
     assert (summary.succeeded, summary.malformed, summary.failed) == (197, 3, 0)
     outputs, errors = read_jsonl(out), read_jsonl(err)
     assert len(outputs) == 197 and len(errors) == 3
-    assert sorted(e["line"] for e in errors) == [11, 51, 121]
+    assert sorted(e["error"]["line"] for e in errors) == [11, 51, 121]
     assert {e["error"]["code"] for e in errors} == {"invalid_json", "unsupported_field",
                                                      "invalid_request"}
     chat = next(o for o in outputs if o["custom_id"] == "req-1")
@@ -135,7 +136,7 @@ def test_duplicate_custom_id_is_an_error_line_and_answered_once(sdk_url: str, tm
         again = BatchRunner(client, inp, out, err, batch_id="dups", progress=False).run()
     outputs, errors = read_jsonl(out), read_jsonl(err)
     assert sorted(o["custom_id"] for o in outputs) == [f"req-{i}" for i in (0, 1, 2, 3, 5)]
-    assert [(e["line"], e["custom_id"], e["error"]["code"]) for e in errors] == [
+    assert [(e["error"]["line"], e["custom_id"], e["error"]["code"]) for e in errors] == [
         (5, None, "duplicate_custom_id")]
     assert again.skipped == 6 and len(read_jsonl(out)) == 5 and len(read_jsonl(err)) == 1
 

@@ -105,10 +105,11 @@ def test_batch_runner_maps_n_to_openai_choices(redis_server, start_worker, tmp_p
     start_worker()
     inp, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     lines = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"messages": [{"role": "user", "content": "hi"}], "n": 3,
+              "body": {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "n": 3,
                        "max_tokens": 3, "seed": SEED}},
              {"custom_id": "comp", "method": "POST", "url": "/v1/completions",
-              "body": {"prompt": "batch ways", "n": 2, "max_tokens": 4, "seed": SEED}}]
+              "body": {"model": "fake", "prompt": "batch ways", "n": 2, "max_tokens": 4,
+                       "seed": SEED}}]
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
     with Client(redis_server.url) as client:
         summary = BatchRunner(client, inp, out, err, batch_id="n", progress=False).run()

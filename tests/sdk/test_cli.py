@@ -50,8 +50,13 @@ def test_stats_and_cancel(sdk_url: str):
     table = cli("stats", "--redis-url", sdk_url).stdout
     assert table.splitlines()[0].split()[:4] == ["queue", "depth", "lag", "pending"]
     assert table.splitlines()[1].split()[:2] == ["q1", "2"]
-    res = cli("cancel", "some-job", "--redis-url", sdk_url)
-    assert res.returncode == 0 and r.exists(Keys().cancel("some-job"))
+    res = cli("cancel", "some-job", "--redis-url", sdk_url)      # unknown: exit 6, no flag
+    assert res.returncode == 6 and "no job 'some-job'" in res.stderr, res.stderr
+    assert not r.exists(Keys().cancel("some-job"))
+    with Client(sdk_url) as c:
+        c.submit("k", job_id="known-job")
+    res = cli("cancel", "known-job", "--redis-url", sdk_url)
+    assert res.returncode == 0 and r.exists(Keys().cancel("known-job")), res.stderr
     r.close()
 
 

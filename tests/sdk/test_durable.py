@@ -150,7 +150,8 @@ def test_the_cli_and_the_batch_runner_submit_durably(master, tmp_path: Path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST",
                                        "url": "/v1/completions",
-                                       "body": {"prompt": "p", "max_tokens": 2}}) + "\n"
+                                       "body": {"model": "m", "prompt": "p",
+                                                "max_tokens": 2}}) + "\n"
                            for i in range(10)))
     r = redis.Redis.from_url(master.url)
     r.delete(*KEYS.lanes())                              # the CLI's jobs: no worker takes them

@@ -214,7 +214,8 @@ def test_batch_runner_end_to_end_on_a_sharded_queue(client, url, tmp_path: Path)
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({
         "custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-        "body": {"prompt": f"line {i}", "max_tokens": 2}}) + "\n" for i in range(24)))
+        "body": {"model": "m", "prompt": f"line {i}", "max_tokens": 2}}) + "\n"
+        for i in range(24)))
     with FakeWorker(url, queue=Q, shards=SHARDS):
         summary = BatchRunner(client, inp, out, batch_id="b", concurrency=8,
                               progress=False).run()

@@ -94,6 +94,25 @@ def test_many_statuses_in_the_round_trips_of_one(client, monkeypatch):
     assert len(pipelines) == 4, pipelines
 
 
+def test_many_statuses_are_read_in_bounded_chunks(client, redis_server):
+    """No round's MULTI holds Redis for more than STATUS_CHUNK jobs (#25): 50,000 ids in one
+    stalled every other client; the answers are the same as one by one, in order."""
+    from producer_sdk.status import STATUS_CHUNK
+    n = 2 * STATUS_CHUNK + 5
+    jobs = client.submit_many([{"prompt": f"c{i}", "job_id": f"c{i}"} for i in range(n)],
+                              max_tokens=2)
+    ids = [j.id for j in jobs] + ["never"]
+    admin = redis_server.client()
+    admin.config_resetstat()
+    got = client.statuses(ids)
+    execs = admin.info("commandstats")["cmdstat_exec"]["calls"]
+    admin.close()
+    assert [s.job_id for s in got] == ids and got[-1].state == "unknown"
+    assert {s.state for s in got[:-1]} == {"queued"}
+    assert execs == 3                           # ceil((n + 1) / STATUS_CHUNK) MULTIs
+    assert got[n - 1] == client.status(ids[n - 1])
+
+
 def test_batch_status_lists_every_line(tmp_path, redis_server):
     import json
     import subprocess
@@ -103,7 +122,8 @@ def test_batch_status_lists_every_line(tmp_path, redis_server):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST",
                                        "url": "/v1/completions",
-                                       "body": {"prompt": f"p{i}", "max_tokens": 2}}) + "\n"
+                                       "body": {"model": "m", "prompt": f"p{i}",
+                                                "max_tokens": 2}}) + "\n"
                            for i in range(3)))
     with Client(redis_server.url) as c:
         c.submit("p0", max_tokens=2, job_id=job_id_for("my-batch", "c0"))
@@ -115,4 +135,5 @@ def test_batch_status_lists_every_line(tmp_path, redis_server):
     assert [(r["custom_id"], r["state"]) for r in rows] == [
         ("c0", "queued"), ("c1", "unknown"), ("c2", "unknown")]
     assert json.loads(out.stderr.splitlines()[-1]) == {"batch_id": "my-batch", "jobs": 3,
-                                                       "queued": 1, "unknown": 2}
+                                                       "queued": 1, "unknown": 2,
+                                                       "malformed_lines": 0}
