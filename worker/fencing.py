@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import secrets
 from enum import Enum
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import msgpack
 
@@ -67,21 +67,25 @@ class Fence:
                             self.dedupe_ttl_s])
 
     def write_step(self, pipe: ScriptPipeline, ttl_ms: int, shard: int,
-                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, str, bool]]
-                   ) -> int:
+                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, str, bool]],
+                   releases: Optional[Sequence[int]] = None) -> int:
         """All jobs of a step that hold entries of one queue shard, in one script call (their keys
         share the shard's slot): ``(job_id, owner, batch_id, events, create, expect, refresh)``
         each (``expect``: '' for a plain append; after a lost reply or any Redis error, the mark of
         the last entry the worker knows landed, so the script can tell a retried batch that landed
         from events a failover lost (status BEHIND; see protocol/scripts/results.py); ``refresh``:
-        reset the TTLs); also reads each job's cancel flag. Parse the reply with
+        reset the TTLs); also reads each job's cancel flag. ``releases``, per job: its admitted
+        token cost when its batch ends with its terminal event, else 0 (None: all 0); the script
+        returns it to the shard's budget with that event, exactly once. Parse the reply with
         ``parse_step_reply``."""
         keys: list[str] = []
         spec = []
-        for job_id, owner, batch_id, events, create, expect, refresh in jobs:
+        for k, (job_id, owner, batch_id, events, create, expect, refresh) in enumerate(jobs):
             keys += [self.keys.owner(job_id, shard), self.keys.results(job_id, shard),
                      self.keys.cancel(job_id, shard)]
-            spec.append([owner, int(create), batch_id, expect, list(events), int(refresh)])
+            spec.append([owner, int(create), batch_id, expect, list(events), int(refresh),
+                         int(releases[k]) if releases else 0])
+        keys.append(self.keys.budget(shard))   # always the last key (see WRITE_STEP)
         # Old-spec raw strings: Redis's cmsgpack does not read the bin types.
         return pipe.script(WRITE_STEP, keys, [int(ttl_ms), msgpack.packb(spec, use_bin_type=False)])
 

@@ -10,7 +10,8 @@ from protocol.scripts.lua import lua
 # of the dedupe record and XADD happen atomically, so a retried call (redis-py retries on
 # timeouts) never enqueues twice. Every key is in the shard's slot (its hash tag): a Redis
 # Cluster runs the call on the master of that slot.
-# KEYS: target lane, the shard's three lanes (its depth), then one dedupe key per job.
+# KEYS: target lane, the shard's three lanes (its depth), the shard's token budget counter
+# (``Keys.budget``), then one dedupe key per job.
 # A target that is none of the three lanes is a worker's affinity stream on that shard
 # (producer_sdk/affinity.py); KEYS[2] is then the jobs' own lane, where they go instead when
 # that stream does not exist: its worker deleted it when it drained, or a sweep did after it
@@ -18,11 +19,16 @@ from protocol.scripts.lua import lua
 # Depth is the shared lanes' (affinity streams are bounded per worker by the producer's
 # affinity_max_backlog): a routed job is refused like any other past the mark, but one written
 # to an affinity stream adds nothing to the depth (``step`` 0).
+# Token budget (protocol/budget.py): each new job's cost is stored in its entry ($cost) and
+# added to the shard's counter, routed jobs too; past the shard's share of max_queued_tokens
+# a job is refused unless the counter is 0 (one job always fits an empty shard). The script
+# writing the job's terminal event subtracts the stored cost (protocol/scripts/results.py).
 # ARGV: limit (0: none), dedupe TTL, depth of the queue's other shards (read by the caller just
-# before; 0 for a one-shard queue), durable ('1': make sure the call writes, see below),
-# then the payloads.
-# Reply: {depth when the queue filled up or -1, limit, then per accepted/known job either the new
-# entry id or '=' .. the existing dedupe record}. Jobs past the reply's end were refused (full).
+# before; 0 for a one-shard queue), durable ('1': make sure the call writes, see below), token
+# limit of this shard (0: none), then per job its payload and its cost.
+# Reply: {depth when the job count refused or -1, limit, the shard's tokens when the budget
+# refused or -1, token limit, then per accepted/known job either the new entry id or '=' .. the
+# existing dedupe record}. Jobs past the reply's end were refused (full).
 # Durable: WAIT (sent by the caller right after) counts replicas that acknowledged this
 # connection's last write; a call whose jobs were all known writes nothing, so it rewrites one
 # known record unchanged (SET .. KEEPTTL): acknowledging that proves the replicas also hold the
@@ -31,6 +37,8 @@ ENQUEUE = lua("enqueue", """
 local limit = tonumber(ARGV[1])
 local depth = tonumber(ARGV[3]) + redis.call('XLEN', KEYS[2]) + redis.call('XLEN', KEYS[3])
   + redis.call('XLEN', KEYS[4])
+local tlimit = tonumber(ARGV[5])
+local used = tonumber(redis.call('GET', KEYS[5]) or '0') or 0
 local lane = KEYS[1]
 local step = 1
 if lane ~= KEYS[2] and lane ~= KEYS[3] and lane ~= KEYS[4] then
@@ -41,16 +49,17 @@ if lane ~= KEYS[2] and lane ~= KEYS[3] and lane ~= KEYS[4] then
   end
 end
 local ttl = ARGV[2]
-local out = {-1, limit}
-local wrote, known = false, nil
+local out = {-1, limit, -1, tlimit}
+local wrote, known, added = false, nil, 0
 local function finish()
+  if added > 0 then redis.call('INCRBY', KEYS[5], added) end
   if ARGV[4] == '1' and not wrote and known then
     redis.call('SET', known, redis.call('GET', known), 'KEEPTTL')
   end
   return out
 end
-for i = 1, #KEYS - 4 do
-  local dk = KEYS[4 + i]
+for i = 1, #KEYS - 5 do
+  local dk = KEYS[5 + i]
   local cur = redis.call('GET', dk)
   if cur then
     known = dk
@@ -60,10 +69,18 @@ for i = 1, #KEYS - 4 do
       out[1] = depth
       return finish()
     end
-    local id = redis.call('XADD', lane, '*', '$payload', ARGV[4 + i])
+    local cost = ARGV[5 + 2 * i]
+    local n = tonumber(cost)
+    if tlimit > 0 and used > 0 and used + n > tlimit then
+      out[3] = used
+      return finish()
+    end
+    local id = redis.call('XADD', lane, '*', '$payload', ARGV[4 + 2 * i], '$cost', cost)
     redis.call('SET', dk, lane .. '$sep' .. id, 'EX', ttl)
     wrote = true
     depth = depth + step
+    used = used + n
+    added = added + n
     out[#out + 1] = id
   end
 end
