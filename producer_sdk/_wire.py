@@ -33,6 +33,8 @@ class EnqueueOutcome:
     refused: list[int] = field(default_factory=list)                # queue full
     depth: Optional[int] = None
     limit: Optional[int] = None
+    tokens: Optional[int] = None        # the shard's queued tokens when the budget refused
+    token_limit: Optional[int] = None   # the shard's share of max_queued_tokens
 
 
 def _s(x: Any) -> str:
@@ -40,8 +42,10 @@ def _s(x: Any) -> str:
 
 
 def parse_enqueue_reply(reply: Sequence[Any], indexes: Sequence[int]) -> EnqueueOutcome:
-    out = EnqueueOutcome(limit=int(reply[1]))
-    results = reply[2:]
+    """Per job of the chunk ``indexes``: new, known or refused; and, when some were refused,
+    which bound refused them (the job count: ``depth``; the token budget: ``tokens``)."""
+    out = EnqueueOutcome(limit=int(reply[1]), token_limit=int(reply[3]))
+    results = reply[4:]
     for idx, r in zip(indexes, results):
         s = _s(r)
         if s.startswith("="):
@@ -50,20 +54,30 @@ def parse_enqueue_reply(reply: Sequence[Any], indexes: Sequence[int]) -> Enqueue
             out.new.append((idx, s))
     if len(results) < len(indexes):
         out.refused = list(indexes[len(results):])
-        out.depth = int(reply[0])
+        if int(reply[2]) >= 0:
+            out.tokens = int(reply[2])
+        else:
+            out.depth = int(reply[0])
     return out
 
 
 @dataclass
 class QueueState:
     """What a producer knows of one queue it sends to: its keys (the shard count resolved),
-    its high-water mark (0: no back-pressure), whether the count is the one the queue's
-    workers registered, and when the mark is read again (monotonic seconds)."""
+    its high-water mark (0: no back-pressure), its token budget (``max_queued_tokens``, 0:
+    none), whether the count is the one the queue's workers registered, and when the marks are
+    read again (monotonic seconds)."""
 
     keys: Keys
     limit: int
     registered: bool
     expires: float
+    token_limit: int = 0
+
+    def shard_tokens(self) -> int:
+        """Each shard's share of the token budget: a shard's script sees only its own slot, so
+        the budget is split evenly, rounded up (0: none)."""
+        return -(-self.token_limit // self.keys.shards)
 
 
 class EnqueueScript:
@@ -74,19 +88,23 @@ class EnqueueScript:
         self._ttl = str(int(ttl_s)).encode()
 
     def command(self, keys: Keys, shard: int, jobs: Sequence[Prepared], limit: int,
-                other_depth: int, durable: bool) -> bytes:
+                other_depth: int, durable: bool, token_limit: int = 0) -> bytes:
         """One EVALSHA for jobs that all go to the same lane of shard ``shard``, or all to one
-        worker's affinity stream on that shard (their lane is then the fallback)."""
+        worker's affinity stream on that shard (their lane is then the fallback);
+        ``token_limit`` is the shard's share of the token budget."""
         dkeys = [keys.dedupe(j.job_id, shard).encode() for j in jobs]
         lane = keys.lane(jobs[0].lane, shard)
         stream = affinity_target(keys, jobs[0], shard)
         # an affinity target: the jobs' own lane first (KEYS[2], the fallback), then the others
         head = keys.lanes(shard) if stream is None else [
             lane, *(k for k in keys.lanes(shard) if k != lane)]
-        args = [b"EVALSHA", self.sha, b"%d" % (4 + len(jobs)), (stream or lane).encode(),
-                *[k.encode() for k in head], *dkeys,
+        per_job = []
+        for j in jobs:
+            per_job += (j.payload, b"%d" % j.cost)
+        args = [b"EVALSHA", self.sha, b"%d" % (5 + len(jobs)), (stream or lane).encode(),
+                *[k.encode() for k in head], keys.budget(shard).encode(), *dkeys,
                 b"%d" % limit, self._ttl, b"%d" % other_depth, b"1" if durable else b"",
-                *[j.payload for j in jobs]]
+                b"%d" % token_limit, *per_job]
         return pack(args)
 
 
@@ -277,6 +295,8 @@ class EnqueuePlan:
         self.refused: list[int] = []
         self.depth: Optional[int] = None
         self.limit: Optional[int] = None
+        self.tokens: Optional[int] = None          # set when the token budget refused
+        self.token_limit: Optional[int] = None
         self.oom = False
         self._depth_queues: list[Optional[str]] = []
 
@@ -320,7 +340,7 @@ class EnqueuePlan:
                 if first.affinity is None:      # routed jobs do not add to the depth
                     mine[shard] += len(idx)
             cmd = self.script.command(st.keys, shard, [self.jobs[i] for i in idx], st.limit,
-                                      other, self.durable)
+                                      other, self.durable, st.shard_tokens())
             out.append((idx, (st.keys.lane(first.lane, shard), cmd, 1)))
         return out
 
@@ -339,6 +359,7 @@ class EnqueuePlan:
         if out.refused:
             self.refused.extend(out.refused)
             self.depth, self.limit = out.depth, out.limit
+            self.tokens, self.token_limit = out.tokens, out.token_limit
 
     def resend(self, indexes: list[int]) -> None:
         self.todo.extend(indexes)
@@ -351,6 +372,13 @@ class EnqueuePlan:
         self.todo.extend(self.refused)
         self.refused = []
         self.oom = False
+        self.tokens = self.depth = None
+
+    def refusal(self) -> str:
+        """Which bound refused the jobs left in ``refused`` (QueueFull's ``reason``)."""
+        if self.oom:
+            return "oom"
+        return "token budget" if self.tokens is not None else "high-water mark"
 
     def accepted(self) -> list[int]:
         return [i for i, e in enumerate(self.entries) if e is not None]

@@ -31,7 +31,7 @@ from producer_sdk.errors import (ClientClosed, JobNotFound, NotDurable, QueueFul
 from producer_sdk.job import Deadline, JobHandle, JobState
 from producer_sdk.models import live_workers as queue_workers
 from producer_sdk.payloads import PayloadBuilder, Prepared
-from producer_sdk.queues import LIMIT_FIELD, QueueBook
+from producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD, QueueBook
 from producer_sdk.reads import Lost, Pumped, ResultReader, rerun_request
 from producer_sdk.signatures import SEND_OPTIONS, bind_submit
 from producer_sdk.status import JobStatus, liveness, read_statuses
@@ -99,8 +99,10 @@ class ClientCore(ABC, Generic[R]):
         self._redis: Optional[R] = redis_client
         self._making = threading.Lock()
         self._closed = False
-        self._builder = PayloadBuilder(Keys(namespace, queue), limits=limits)
-        self._queues = QueueBook(namespace, queue, cfg.shards, cfg.max_queued_jobs)
+        self._builder = PayloadBuilder(Keys(namespace, queue), limits=limits,
+                                       context_tokens=cfg.context_tokens)
+        self._queues = QueueBook(namespace, queue, cfg.shards, cfg.max_queued_jobs,
+                                 cfg.max_queued_tokens)
         self._affinity = AffinityRouter(Keys(namespace, queue), cfg.affinity_ttl_s,
                                         cfg.affinity_max_backlog)
         self._enqueuer = Enqueuer(self._queues, self._affinity, cfg, self.url)
@@ -162,8 +164,8 @@ class ClientCore(ABC, Generic[R]):
             self.config.reconnect_timeout_s, self.url, connection=False)
         if batch.refused:
             raise QueueFull(batch.refused_queue(self.queue), batch.depth, batch.limit,
-                            reason="oom" if batch.oom else "high-water mark",
-                            accepted=self._handles(batch, batch.accepted()))
+                            reason=batch.refusal(), accepted=self._handles(batch, batch.accepted()),
+                            tokens=batch.tokens, token_limit=batch.token_limit)
         jobs = self._handles(batch, list(range(len(batch.jobs))))
         if batch.durable:
             asked = self.config.durable_replicas
@@ -265,6 +267,9 @@ class ClientCore(ABC, Generic[R]):
 
     def _set_max_queued_jobs(self, limit: int, queue: Optional[str]) -> Plan[None]:
         yield from self._queues.set_limit(limit, queue)
+
+    def _set_max_queued_tokens(self, limit: int, queue: Optional[str]) -> Plan[None]:
+        yield from self._queues.set_limit(limit, queue, TOKENS_FIELD)
 
     # -- plans: results
     def _pump(self, states: Iterable[JobState], block_ms: int) -> Plan[Pumped]:

@@ -18,6 +18,7 @@ import msgpack
 from pydantic import ValidationError
 
 from producer_sdk.errors import InvalidRequest
+from protocol.budget import DEFAULT_CONTEXT_TOKENS, completion_tokens, job_cost, text_tokens
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check_job_limits
@@ -163,6 +164,7 @@ class Prepared:
     routing_key: Optional[str] = None   # prefix-affinity key (producer_sdk/affinity.py)
     affinity: Optional[str] = None      # the worker it was routed to; None: the shared lanes
     deadline_ms: Optional[int] = None   # its start deadline (epoch ms), which readers keep too
+    cost: int = 1                       # its token cost (protocol/budget.py), for the budget
 
 
 class PayloadBuilder:
@@ -176,9 +178,11 @@ class PayloadBuilder:
     """
 
     def __init__(self, keys: Keys, job_ids: Optional[JobIds] = None,
-                 limits: Limits = DEFAULT_LIMITS) -> None:
+                 limits: Limits = DEFAULT_LIMITS,
+                 context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> None:
         self.keys = keys
         self.limits = limits
+        self.context_tokens = context_tokens    # what a chat job without max_tokens may fill
         self.params = ParamsCache(limits=limits)
         self.new_id = job_ids or JobIds()
 
@@ -219,7 +223,8 @@ class PayloadBuilder:
                                  f"{self.limits.max_payload_bytes} (max_payload_bytes)")
         return Prepared(payload["job_id"], Keys.lane_for_priority(payload["priority"]), raw,
                         payload["stream"], queue, routing_key=payload.get("routing_key"),
-                        deadline_ms=payload.get("deadline_ms"))
+                        deadline_ms=payload.get("deadline_ms"),
+                        cost=job_cost(payload, self.context_tokens))
 
     def _payload(self, fields: Mapping[str, Any], params: dict[str, Any], submitted: int,
                  deadline: Optional[int]) -> dict[str, Any]:
@@ -258,7 +263,7 @@ class PayloadBuilder:
         template = self._template(defaults, submitted_ms)
         if template is None:
             return [self.build_request(r, defaults, submitted_ms) for r in requests]
-        head, key_prompt, tail, lane, stream, deadline = template
+        head, key_prompt, tail, lane, stream, deadline, completion = template
         pack = msgpack.Packer(use_bin_type=True).pack  # one per call: Packer is not thread-safe
         new_id = self.new_id
         # A prompt of at most this many characters is within max_prompt_bytes whatever it holds
@@ -271,15 +276,18 @@ class PayloadBuilder:
             if type(r) is str and len(r) <= short:
                 jid = new_id()
                 out.append(Prepared(jid, lane, b"".join((head, pack(jid), key_prompt, pack(r),
-                                                         tail)), stream, deadline_ms=deadline))
+                                                         tail)), stream, deadline_ms=deadline,
+                                    cost=text_tokens(r) + completion))
             else:
                 out.append(self.build_request(r, defaults, submitted_ms))
         return out
 
     def _template(self, defaults: Mapping[str, Any], submitted_ms: int,
-                  ) -> Optional[tuple[bytes, bytes, bytes, str, bool, Optional[int]]]:
-        """Constant payload parts for prompt-only requests, or None when defaults need the
-        general path (job ids, inputs, another queue or a routing key in the defaults)."""
+                  ) -> Optional[tuple[bytes, bytes, bytes, str, bool, Optional[int], int]]:
+        """Constant payload parts for prompt-only requests, and the completion part of their
+        cost (``job_cost`` of a prompt job is its prompt's tokens plus this), or None when
+        defaults need the general path (job ids, inputs, another queue or a routing key in the
+        defaults)."""
         if not PER_JOB_FIELDS.isdisjoint(defaults):
             return None
         probe = self.build("x", job_id="x", submitted_ms=submitted_ms,
@@ -289,7 +297,9 @@ class PayloadBuilder:
         rest = [(k, v) for k, v in fields.items() if k not in ("v", "job_id", "prompt")]
         head = bytes([0x80 | (3 + len(rest))]) + pack("v") + pack(PROTOCOL_VERSION) + pack("job_id")
         tail = b"".join(pack(k) + pack(v) for k, v in rest)
-        return head, pack("prompt"), tail, probe.lane, probe.stream, probe.deadline_ms
+        completion = completion_tokens(fields.get("params") or {}, 0, chat=False)
+        return (head, pack("prompt"), tail, probe.lane, probe.stream, probe.deadline_ms,
+                completion)
 
     def build_request(self, request: Any, defaults: Mapping[str, Any],
                       submitted_ms: Optional[int] = None) -> Prepared:

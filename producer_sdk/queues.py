@@ -16,6 +16,7 @@ from protocol.keys import Keys
 from protocol.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards, resolve_shards
 
 LIMIT_FIELD = "max_queued_jobs"
+TOKENS_FIELD = "max_queued_tokens"    # the token budget (protocol/budget.py); absent: none
 # How long a producer reuses a queue's high-water mark (and watches for a shard count being
 # registered) before reading its config hash again: one HMGET per queue per second of submits.
 CONFIG_TTL_S = 1.0
@@ -28,14 +29,17 @@ class QueueBook:
     queue's workers registered, else 1; a registered count is kept for the client's life (a
     queue resharded under it raises ShardCountMismatch rather than sending jobs where no worker
     reads), while a count not registered yet follows a later registration. The high-water mark
-    is ``max_queued_jobs`` (the client's own), else the config hash's, else the default."""
+    is ``max_queued_jobs`` (the client's own), else the config hash's, else the default; the
+    token budget likewise ``max_queued_tokens``, else the config hash's, else none."""
 
     def __init__(self, namespace: str, queue: str, shards: Optional[int],
-                 max_queued_jobs: Optional[int]) -> None:
+                 max_queued_jobs: Optional[int], max_queued_tokens: Optional[int] = None,
+                 ) -> None:
         self.namespace = namespace
         self.queue = queue
         self.shards = shards
         self.max_queued_jobs = max_queued_jobs
+        self.max_queued_tokens = max_queued_tokens
         self._states: dict[str, QueueState] = {}
 
     def config_key(self, queue: Optional[str] = None) -> str:
@@ -53,14 +57,16 @@ class QueueBook:
         st = self.cached(queue, fresh)
         if st is None:
             key = self.config_key(queue)
-            limit, shards = yield Call(lambda r: r.hmget(key, [LIMIT_FIELD, SHARDS_FIELD]))
-            st = self.store(queue, limit, shards)
+            limit, shards, tokens = yield Call(
+                lambda r: r.hmget(key, [LIMIT_FIELD, SHARDS_FIELD, TOKENS_FIELD]))
+            st = self.store(queue, limit, shards, tokens)
         return st
 
     def keys(self, queue: Optional[str] = None) -> Plan[Keys]:
         return (yield from self.state(queue)).keys
 
-    def store(self, queue: Optional[str], raw_limit: Any, raw_shards: Any) -> QueueState:
+    def store(self, queue: Optional[str], raw_limit: Any, raw_shards: Any,
+              raw_tokens: Any = None) -> QueueState:
         """What the queue's config hash says, checked against what this book knew."""
         name = queue or self.queue
         base = Keys(self.namespace, name)
@@ -77,25 +83,34 @@ class QueueBook:
         keys = old.keys if old is not None and old.keys.shards == count else \
             Keys(self.namespace, name, count)
         st = QueueState(keys, self._limit(raw_limit), registered is not None,
-                        time.monotonic() + CONFIG_TTL_S)
+                        time.monotonic() + CONFIG_TTL_S,
+                        _count(self.max_queued_tokens, raw_tokens, 0))
         self._states[name] = st
         return st
 
     def _limit(self, raw: Any) -> int:
-        if self.max_queued_jobs is not None:
-            return self.max_queued_jobs
-        try:
-            return max(0, int(raw)) if raw is not None else DEFAULT_MAX_QUEUED_JOBS
-        except ValueError:
-            return DEFAULT_MAX_QUEUED_JOBS
+        return _count(self.max_queued_jobs, raw, DEFAULT_MAX_QUEUED_JOBS)
 
-    def set_limit(self, limit: int, queue: Optional[str] = None) -> Plan[None]:
-        """Set the queue's shared high-water mark; this book reads it again on next use."""
+    def set_limit(self, limit: int, queue: Optional[str] = None,
+                  field: str = LIMIT_FIELD) -> Plan[None]:
+        """Set one of the queue's shared bounds (``LIMIT_FIELD``: the high-water mark,
+        ``TOKENS_FIELD``: the token budget); this book reads them again on next use."""
         key = self.config_key(queue)
-        yield Call(lambda r: r.hset(key, LIMIT_FIELD, int(limit)))
+        yield Call(lambda r: r.hset(key, field, int(limit)))
         st = self._states.get(queue or self.queue)
         if st is not None:
             st.expires = 0.0
 
 
-__all__ = ["QueueBook", "LIMIT_FIELD", "CONFIG_TTL_S"]
+def _count(own: Optional[int], raw: Any, default: int) -> int:
+    """A bound: the client's own, else the config hash's value (``raw``), else ``default``
+    (also for a value that is no integer); 0 means none."""
+    if own is not None:
+        return own
+    try:
+        return max(0, int(raw)) if raw is not None else default
+    except ValueError:
+        return default
+
+
+__all__ = ["QueueBook", "LIMIT_FIELD", "TOKENS_FIELD", "CONFIG_TTL_S"]

@@ -246,7 +246,7 @@ def _ended(r: Any, results_key: str) -> bool:
 
 
 def _released(r: Any, keys: Keys, shard: int, streams: Sequence[str]) -> list[str]:
-    """``'<KEYS index> <entry id>'`` (RECOUNT_BUDGET's ARGV) of the shard's pending entries
+    """``'<KEYS index>/<entry id>'`` (RECOUNT_BUDGET's ARGV) of the shard's pending entries
     whose job already has its terminal event: released, waiting for their ack."""
     out = []
     for k, stream in enumerate(streams, start=2):
@@ -258,7 +258,7 @@ def _released(r: Any, keys: Keys, shard: int, streams: Sequence[str]) -> list[st
             entry_id = _s(row["message_id"])
             job_id = _job_id_of(r, stream, entry_id)
             if job_id and _ended(r, keys.results(job_id, shard)):
-                out.append(f"{k} {entry_id}")
+                out.append(f"{k}/{entry_id}")
     return out
 
 

@@ -15,7 +15,7 @@ from protocol.scripts.lua import lua
 
 # KEYS: the shard's budget counter, then the streams of the shard that hold its jobs (its three
 # lanes and the affinity streams of the queue's workers on that shard). ARGV: entries to leave
-# out, each '<KEYS index> <entry id>': jobs whose terminal event is written (released already)
+# out, each '<KEYS index>/<entry id>': jobs whose terminal event is written (released already)
 # and whose entries wait for their ack. Sums the $cost field of every other entry, sets the
 # counter to it and returns {the counter before (false: none), the counter now}.
 RECOUNT_BUDGET = lua("recount_budget", """
@@ -27,7 +27,7 @@ for k = 2, #KEYS do
   while true do
     local page = redis.call('XRANGE', KEYS[k], start, '+', 'COUNT', 1000)
     for _, e in ipairs(page) do
-      if not skip[k .. ' ' .. e[1]] then
+      if not skip[k .. '/' .. e[1]] then
         local f = e[2]
         for j = 1, #f, 2 do
           if f[j] == '$cost' then

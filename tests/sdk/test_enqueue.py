@@ -19,9 +19,11 @@ from producer_sdk import effects
 Reply = Any     # one packed send's answer: (replies, trailer replies), or an exception to raise
 
 
-def accepted(first: int, count: int, limit: int = 100_000, depth: int = -1) -> list[Any]:
-    """The enqueue script's reply accepting ``count`` jobs (entry ids from ``first``)."""
-    return [depth, limit, *[f"{first + i}-0".encode() for i in range(count)]]
+def accepted(first: int, count: int, limit: int = 100_000, depth: int = -1, tokens: int = -1,
+             token_limit: int = 0) -> list[Any]:
+    """The enqueue script's reply accepting ``count`` jobs (entry ids from ``first``); the
+    rest refused by the job count (``depth``) or the token budget (``tokens``)."""
+    return [depth, limit, tokens, token_limit, *[f"{first + i}-0".encode() for i in range(count)]]
 
 
 class ScriptedRedis:
@@ -38,7 +40,7 @@ class ScriptedRedis:
         return "sha"
 
     def hmget(self, key: str, fields: list[str]) -> list[Any]:
-        return [None, None]
+        return [None] * len(fields)
 
     def close(self) -> None:
         pass
@@ -97,6 +99,16 @@ def test_a_full_queue_refuses_at_once_without_block_and_names_what_went_in(submi
         submit_many([[accepted(1, 1, limit=5, depth=5)]], ["a", "b", "c"], block=False)
     assert (err.value.depth, err.value.limit, err.value.reason) == (5, 5, "high-water mark")
     assert len(err.value.accepted) == 1
+
+
+def test_a_full_token_budget_refuses_naming_the_budget(submit_many):
+    with pytest.raises(QueueFull) as err:
+        submit_many([[accepted(1, 2, tokens=900, token_limit=1000)]], ["a", "b", "c"],
+                    block=False)
+    assert (err.value.tokens, err.value.token_limit, err.value.reason) == \
+        (900, 1000, "token budget")
+    assert err.value.depth is None and len(err.value.accepted) == 2
+    assert "max_queued_tokens" in str(err.value) and "token budget" in str(err.value)
 
 
 def test_redis_out_of_memory_is_back_pressure(submit_many):
