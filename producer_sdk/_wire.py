@@ -19,6 +19,7 @@ from producer_sdk.payloads import Prepared
 from protocol.errors import ProtocolError
 from protocol.keys import Keys, key_slot, parse_dedupe_record
 from protocol.scripts import ENQUEUE, pack
+from protocol.scripts.resp import bulk, bulk_pairs, bulk_prefixed, pack_parts
 from protocol.topology import Packed
 
 DEFAULT_MAX_QUEUED_JOBS = 100_000
@@ -46,12 +47,13 @@ def parse_enqueue_reply(reply: Sequence[Any], indexes: Sequence[int]) -> Enqueue
     which bound refused them (the job count: ``depth``; the token budget: ``tokens``)."""
     out = EnqueueOutcome(limit=int(reply[1]), token_limit=int(reply[3]))
     results = reply[4:]
+    new, known = out.new, out.known
     for idx, r in zip(indexes, results):
-        s = _s(r)
-        if s.startswith("="):
-            out.known.append((idx, s[1:]))
+        s = r.decode() if type(r) is bytes else str(r)
+        if s[:1] == "=":
+            known.append((idx, s[1:]))
         else:
-            out.new.append((idx, s))
+            new.append((idx, s))
     if len(results) < len(indexes):
         out.refused = list(indexes[len(results):])
         if int(reply[2]) >= 0:
@@ -92,20 +94,19 @@ class EnqueueScript:
         """One EVALSHA for jobs that all go to the same lane of shard ``shard``, or all to one
         worker's affinity stream on that shard (their lane is then the fallback);
         ``token_limit`` is the shard's share of the token budget."""
-        dkeys = [keys.dedupe(j.job_id, shard).encode() for j in jobs]
         lane = keys.lane(jobs[0].lane, shard)
         stream = affinity_target(keys, jobs[0], shard)
         # an affinity target: the jobs' own lane first (KEYS[2], the fallback), then the others
         head = keys.lanes(shard) if stream is None else [
             lane, *(k for k in keys.lanes(shard) if k != lane)]
-        per_job = []
-        for j in jobs:
-            per_job += (j.payload, b"%d" % j.cost)
-        args = [b"EVALSHA", self.sha, b"%d" % (5 + len(jobs)), (stream or lane).encode(),
-                *[k.encode() for k in head], keys.budget(shard).encode(), *dkeys,
-                b"%d" % limit, self._ttl, b"%d" % other_depth, b"1" if durable else b"",
-                b"%d" % token_limit, *per_job]
-        return pack(args)
+        n = len(jobs)
+        return pack_parts(13 + 3 * n, (
+            *bulk([b"EVALSHA", self.sha, b"%d" % (5 + n), (stream or lane).encode(),
+                   *[k.encode() for k in head], keys.budget(shard).encode()]),
+            *bulk_prefixed(keys.dedupe_prefix(shard).encode(), [j.job_id.encode() for j in jobs]),
+            *bulk([b"%d" % limit, self._ttl, b"%d" % other_depth, b"1" if durable else b"",
+                   b"%d" % token_limit]),
+            *bulk_pairs([(j.payload, b"%d" % j.cost) for j in jobs])))
 
 
 def chunk_jobs(indexes: Iterable[int], jobs: Sequence[Prepared],

@@ -178,11 +178,15 @@ class ClientCore(ABC, Generic[R]):
 
     def _handles(self, batch: EnqueuePlan, indexes: list[int]) -> list[Any]:
         out = []
+        keys_of: dict[Optional[str], Keys] = {}
+        make, entries, jobs = self.job_class, batch.entries, batch.jobs
         for i in indexes:
-            p, known = batch.jobs[i], batch.entries[i][0]
-            keys = self._queues.cached(p.queue).keys
-            out.append(self.job_class(self, p.job_id, keys=keys, shard=p.shard,
-                                      reattached=known, request=p))
+            p = jobs[i]
+            keys = keys_of.get(p.queue)
+            if keys is None:
+                keys = keys_of[p.queue] = self._queues.cached(p.queue).keys
+            out.append(make(self, p.job_id, keys=keys, shard=p.shard,
+                            reattached=entries[i][0], request=p))
         return out
 
     # -- plans: jobs by id

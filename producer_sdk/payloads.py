@@ -131,6 +131,11 @@ class JobIds:
     def __call__(self) -> str:
         return f"{self._prefix}{next(self._count):x}"
 
+    def take(self, n: int) -> list[str]:
+        """``n`` fresh ids at once (the bulk path: one comprehension, not a call per job)."""
+        prefix, count = self._prefix, self._count
+        return [f"{prefix}{next(count):x}" for _ in range(n)]
+
 
 def _deadline_ms(deadline_s: Any, submitted_ms: int) -> Optional[int]:
     """The absolute deadline of a job given ``deadline_s`` seconds from its submit time."""
@@ -265,19 +270,20 @@ class PayloadBuilder:
             return [self.build_request(r, defaults, submitted_ms) for r in requests]
         head, key_prompt, tail, lane, stream, deadline, completion = template
         pack = msgpack.Packer(use_bin_type=True).pack  # one per call: Packer is not thread-safe
-        new_id = self.new_id
         # A prompt of at most this many characters is within max_prompt_bytes whatever it holds
         # (4 UTF-8 bytes per character at most; the template leaves room for the id and prompt
         # header in max_payload_bytes); longer ones take the general path, which measures.
         short = min(self.limits.max_prompt_bytes,
                     self.limits.max_payload_bytes - len(head) - len(tail) - 256) // 4
+        requests = requests if type(requests) is list else list(requests)
         out = []
-        for r in requests:
+        # Ids for every request at once (one the general path does not use is just skipped);
+        # Prepared's fields positionally: keyword arguments cost a third of its construction.
+        for jid, r in zip(self.new_id.take(len(requests)), requests):
             if type(r) is str and len(r) <= short:
-                jid = new_id()
                 out.append(Prepared(jid, lane, b"".join((head, pack(jid), key_prompt, pack(r),
-                                                         tail)), stream, deadline_ms=deadline,
-                                    cost=text_tokens(r) + completion))
+                                                         tail)), stream, None, None, None,
+                                    None, deadline, text_tokens(r) + completion))
             else:
                 out.append(self.build_request(r, defaults, submitted_ms))
         return out

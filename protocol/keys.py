@@ -209,7 +209,12 @@ class Keys:
     def dedupe(self, job_id: str, shard: Optional[int] = None) -> str:
         """Set with the XADD: holds ``dedupe_record(lane key, entry id)``; its presence means
         'job known', and its value names the one entry that is this job."""
-        return f"{self.namespace}:job:{self.tag(self._job_shard(job_id, shard))}:{job_id}"
+        return self.dedupe_prefix(self._job_shard(job_id, shard)) + job_id
+
+    def dedupe_prefix(self, shard: int) -> str:
+        """What every dedupe record key of ``shard`` starts with (the job id follows): the
+        bulk enqueue builds a chunk's keys from it without a call per job."""
+        return f"{self.namespace}:job:{self.tag(shard)}:"
 
     def owner(self, job_id: str, shard: Optional[int] = None) -> str:
         """Fencing record: which worker currently owns the job (written by workers only)."""
