@@ -8,6 +8,7 @@ with the script's replies turned into per-job outcomes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
@@ -29,7 +30,7 @@ DEFAULT_MAX_QUEUED_JOBS = 100_000
 class EnqueueOutcome:
     """What one script call said about each job of its chunk."""
 
-    new: list[tuple[int, str]] = field(default_factory=list)        # (index, entry id)
+    new: list[tuple[int, Any]] = field(default_factory=list)        # (index, entry id)
     known: list[tuple[int, str]] = field(default_factory=list)      # (index, dedupe record)
     refused: list[int] = field(default_factory=list)                # queue full
     depth: Optional[int] = None
@@ -49,11 +50,10 @@ def parse_enqueue_reply(reply: Sequence[Any], indexes: Sequence[int]) -> Enqueue
     results = reply[4:]
     new, known = out.new, out.known
     for idx, r in zip(indexes, results):
-        s = r.decode() if type(r) is bytes else str(r)
-        if s[:1] == "=":
-            known.append((idx, s[1:]))
+        if r[:1] in (b"=", "="):
+            known.append((idx, _s(r)[1:]))
         else:
-            new.append((idx, s))
+            new.append((idx, r))        # the entry id, as the reply gives it (not used)
     if len(results) < len(indexes):
         out.refused = list(indexes[len(results):])
         if int(reply[2]) >= 0:
@@ -290,7 +290,7 @@ class EnqueuePlan:
         self.script = script
         self.chunk_size = chunk_size
         self.durable = durable
-        self.entries: list[Optional[tuple[bool, str]]] = [None] * len(jobs)  # (known, value)
+        self.entries: list[Optional[tuple[bool, Any]]] = [None] * len(jobs)  # (known, value)
         self.acks: list[Optional[int]] = [None] * len(jobs)
         self.todo: list[int] = list(range(len(jobs)))
         self.refused: list[int] = []
@@ -340,8 +340,11 @@ class EnqueuePlan:
                 other = sum(d) - d[shard] + sum(mine) - mine[shard]
                 if first.affinity is None:      # routed jobs do not add to the depth
                     mine[shard] += len(idx)
-            cmd = self.script.command(st.keys, shard, [self.jobs[i] for i in idx], st.limit,
-                                      other, self.durable, st.shard_tokens())
+            # packed when it is sent (``topology._stream``: packing overlaps Redis running
+            # the calls before it)
+            cmd = functools.partial(self.script.command, st.keys, shard,
+                                    [self.jobs[i] for i in idx], st.limit, other, self.durable,
+                                    st.shard_tokens())
             out.append((idx, (st.keys.lane(first.lane, shard), cmd, 1)))
         return out
 

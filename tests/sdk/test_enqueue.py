@@ -122,7 +122,7 @@ def test_a_blocking_submit_waits_for_room_and_sends_only_the_refused(submit_many
     jobs, fake = submit_many([[accepted(1, 1, limit=5, depth=5)], [accepted(2, 2)]],
                              ["a", "b", "c"], block=True, block_timeout=5)
     assert len(jobs) == 3 and time.monotonic() - t0 >= 0.02
-    resent = fake.sent[1][0][1]                          # the second round's script call
+    resent = fake.sent[1][0][1]()                        # the second round's script call
     assert resent.count(b"tokenrelay:job:") == 2         # the two refused jobs' dedupe keys
 
 
