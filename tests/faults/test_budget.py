@@ -80,3 +80,38 @@ def test_budget_back_at_exactly_zero_after_thousands_of_jobs_and_worker_kills(en
     env.assert_exactly_once(reports)
     wait_for(lambda: not pending_summary(env.r, env.keys), 15, what="nothing pending")
     assert int(env.r.get(env.keys.budget()) or 0) == 0
+
+
+@pytest.mark.timeout(120)
+def test_the_batch_runner_waits_for_budget_room(env, tmp_path):
+    """A batch whose jobs do not all fit the budget: the runner waits for room (as for the
+    job-count bound), every line is answered, the budget is never exceeded and ends at 0."""
+    import json
+    import threading
+
+    from producer_sdk.batch import BatchRunner
+    env.worker("w1", max_num_seqs=4)
+    inp, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    inp.write_text("".join(json.dumps({
+        "custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+        "body": {"prompt": f"p{i}", "max_tokens": 4, "temperature": 0}}) + "\n"
+        for i in range(40)))                         # each costs 1 + 4 tokens
+    seen, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen[0] = max(seen[0], int(env.r.get(env.keys.budget()) or 0))
+            time.sleep(0.005)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        client = env.client(max_queued_tokens=12)      # two jobs at a time
+        summary = BatchRunner(client, inp, out, err, batch_id="bb", concurrency=16,
+                              progress=False).run()
+    finally:
+        stop.set()
+        watcher.join()
+    assert summary.succeeded == 40
+    assert not err.exists() or not err.read_text().strip()
+    assert 0 < seen[0] <= 12
+    wait_for(lambda: int(env.r.get(env.keys.budget()) or 0) == 0, 10, what="budget back at 0")
