@@ -116,9 +116,14 @@ def chunk_jobs(indexes: Iterable[int], jobs: Sequence[Prepared],
     within a lane: every chunk is one script call whose keys share one slot. Jobs routed to a
     worker's affinity stream chunk by worker after that lane's shared jobs."""
     groups: dict[tuple[str, int, str, str], list[int]] = {}
+    last_key: Optional[tuple[str, int, str, str]] = None
+    last: list[int] = []
     for i in indexes:
         j = jobs[i]
-        groups.setdefault((j.queue or "", j.shard or 0, j.lane, j.affinity or ""), []).append(i)
+        key = (j.queue or "", j.shard or 0, j.lane, j.affinity or "")
+        if key != last_key:         # a bulk submit is one long run of one key: no dict per job
+            last_key, last = key, groups.setdefault(key, [])
+        last.append(i)
     order = sorted(groups, key=lambda g: (g[0], g[1], Keys.LANES.index(g[2]), g[3]))
     return [idx[s:s + size] for g in order for idx in (groups[g],)
             for s in range(0, len(idx), size)]
@@ -307,8 +312,13 @@ class EnqueuePlan:
 
     def place(self, states: Mapping[Optional[str], QueueState]) -> None:
         """Put each job still to send on its shard: ``shard_of(job_id)`` with its queue's count."""
+        jobs = self.jobs
+        if all(st.keys.shards == 1 for st in states.values()):
+            for i in self.todo:
+                jobs[i].shard = 0
+            return
         for i in self.todo:
-            job = self.jobs[i]
+            job = jobs[i]
             job.shard = states[job.queue].keys.shard_of(job.job_id)
 
     def depth_reads(self, states: Mapping[Optional[str], QueueState]) -> list[Packed]:

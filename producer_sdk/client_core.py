@@ -179,14 +179,13 @@ class ClientCore(ABC, Generic[R]):
     def _handles(self, batch: EnqueuePlan, indexes: list[int]) -> list[Any]:
         out = []
         keys_of: dict[Optional[str], Keys] = {}
-        make, entries, jobs = self.job_class, batch.entries, batch.jobs
+        make, entries, jobs = self.job_class.enqueued, batch.entries, batch.jobs
         for i in indexes:
             p = jobs[i]
             keys = keys_of.get(p.queue)
             if keys is None:
                 keys = keys_of[p.queue] = self._queues.cached(p.queue).keys
-            out.append(make(self, p.job_id, keys=keys, shard=p.shard,
-                            reattached=entries[i][0], request=p))
+            out.append(make(self, p.job_id, keys, p.shard, entries[i][0], p))
         return out
 
     # -- plans: jobs by id
