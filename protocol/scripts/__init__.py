@@ -43,5 +43,5 @@ ALL_SCRIPTS: tuple[LuaScript, ...] = (
 __all__ = ["ACK", "ALL_SCRIPTS", "BIND_AND_OWN", "CONTRACT_NAMES", "DEAD_LETTER", "ENQUEUE",
            "FORGET_STALE_RECORD",
            "ID_CLAIM", "ID_RELEASE", "LuaScript", "MOVE_MINE", "MOVE_UNREAD", "READ_NEW",
-           "READ_OWN_PENDING", "RECLAIM", "RECOUNT_BUDGET", "RELEASE_OWNER", "REPLAY", "ScriptPipeline",
-           "WRITE_STEP", "lua", "pack", "run_script", "text"]
+           "READ_OWN_PENDING", "RECLAIM", "RECOUNT_BUDGET", "RELEASE_OWNER", "REPLAY",
+           "ScriptPipeline", "WRITE_STEP", "lua", "pack", "run_script", "text"]

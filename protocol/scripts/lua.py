@@ -5,7 +5,8 @@ One templating style for every script: ``string.Template``. A script writes ``$e
 ``$batch``, ``$payload``, ``$cost``, ``$sep`` or ``$instance`` where the contract's name goes,
 and ``lua`` substitutes the values of ``protocol.keys`` and ``protocol.heartbeat`` once, at
 import; a ``$name`` the contract does not define fails the import (``Template.substitute`` is
-strict). So no field name is written by hand in Lua: renaming one in the contract renames it in every script.
+strict). So no field name is written by hand in Lua: renaming one in the contract renames it in
+every script.
 """
 
 from __future__ import annotations
