@@ -1,5 +1,6 @@
-"""``python -m producer_sdk stats``: each queue's depth, lag, pending jobs by lane, workers and dead
-letters, read from what Redis holds (the CLI prints it; ``demos.service`` shows it live)."""
+"""``python -m producer_sdk stats``: each queue's depth, lag, pending jobs by lane, workers, dead
+letters and token budget, read from what Redis holds (the CLI prints it; ``demos.service``
+shows it live)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 from typing import Any
 
 from producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS
-from producer_sdk.queues import LIMIT_FIELD
+from producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD
 from protocol.keys import GROUP, Keys
 
 
@@ -42,7 +43,7 @@ def queue_stats(r: Any, keys: Keys, live_s: float) -> dict[str, Any]:
                 total[field] += info[field]
             total["consumers"] = max(total["consumers"], info["consumers"])
     now_ms = int(time.time() * 1000)
-    limit = r.hget(keys.config, LIMIT_FIELD)
+    limit, tokens_limit = r.hmget(keys.config, [LIMIT_FIELD, TOKENS_FIELD])
     return {
         "queue": keys.queue,
         "shards": keys.shards,
@@ -54,6 +55,9 @@ def queue_stats(r: Any, keys: Keys, live_s: float) -> dict[str, Any]:
         "workers_known": r.zcard(keys.workers),
         "dead_letters": sum(r.xlen(d) for d in keys.dead_streams()),
         "max_queued_jobs": int(limit) if limit is not None else None,
+        # the budget counters' sum: the tokens of jobs without a terminal event
+        "queued_tokens": sum(int(r.get(b) or 0) for b in keys.budgets()),
+        "max_queued_tokens": int(tokens_limit) if tokens_limit is not None else None,
     }
 
 
@@ -83,7 +87,7 @@ def stats_table(stats: list[dict[str, Any]], namespace: str) -> str:
     if not stats:
         return f"no queues in namespace {namespace!r}"
     head = ("queue", "depth", "lag", "pending", "urgent/default/bulk", "workers live/known",
-            "dead", "max_queued")
+            "dead", "max_queued", "tokens/budget")
     rows = [head]
     for s in stats:
         ln = s["lanes"]
@@ -91,6 +95,7 @@ def stats_table(stats: list[dict[str, Any]], namespace: str) -> str:
         rows.append((s["queue"], str(s["depth"]), str(s["lag"]), str(s["pending"]),
                      f"{ln['urgent']['length']}/{ln['default']['length']}/{ln['bulk']['length']}",
                      f"{s['workers_live']}/{s['workers_known']}", str(s["dead_letters"]),
-                     str(limit) if limit is not None else f"{DEFAULT_MAX_QUEUED_JOBS} (default)"))
+                     str(limit) if limit is not None else f"{DEFAULT_MAX_QUEUED_JOBS} (default)",
+                     f"{s['queued_tokens']}/{s['max_queued_tokens'] or 'none'}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
