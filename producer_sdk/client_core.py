@@ -30,7 +30,7 @@ from producer_sdk.errors import (ClientClosed, JobNotFound, NotDurable, QueueFul
                                  SDKError)
 from producer_sdk.job import Deadline, JobHandle, JobState
 from producer_sdk.models import live_workers as queue_workers
-from producer_sdk.payloads import PayloadBuilder, Prepared
+from producer_sdk.payloads import PayloadBuilder, Prepared, gc_paused
 from producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD, QueueBook
 from producer_sdk.reads import Lost, Pumped, ResultReader, rerun_request
 from producer_sdk.signatures import SEND_OPTIONS, bind_submit
@@ -146,7 +146,8 @@ class ClientCore(ABC, Generic[R]):
 
     def _submit_many(self, requests: Iterable[Any], block: bool, block_timeout: Optional[float],
                      durable: Optional[bool], defaults: dict[str, Any]) -> Plan[list[Any]]:
-        prepared = self._builder.build_many(requests, defaults, now_ms())
+        with gc_paused():
+            prepared = self._builder.build_many(requests, defaults, now_ms())
         return (yield from self._enqueue(prepared, block=block, block_timeout=block_timeout,
                                          durable=durable))
 
@@ -177,6 +178,10 @@ class ClientCore(ABC, Generic[R]):
         return jobs
 
     def _handles(self, batch: EnqueuePlan, indexes: list[int]) -> list[Any]:
+        with gc_paused():           # one handle per job, all kept: see gc_paused
+            return self._make_handles(batch, indexes)
+
+    def _make_handles(self, batch: EnqueuePlan, indexes: list[int]) -> list[Any]:
         out = []
         keys_of: dict[Optional[str], Keys] = {}
         make, entries, jobs = self.job_class.enqueued, batch.entries, batch.jobs
