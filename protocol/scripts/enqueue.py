@@ -22,7 +22,9 @@ from protocol.scripts.lua import lua
 # Token budget (protocol/budget.py): each new job's cost is stored in its entry ($cost) and
 # added to the shard's counter, routed jobs too; past the shard's share of max_queued_tokens
 # a job is refused unless the counter is 0 (one job always fits an empty shard). The script
-# writing the job's terminal event subtracts the stored cost (protocol/scripts/results.py).
+# writing the job's terminal event subtracts the stored cost (protocol/scripts/results.py). A
+# counter that is no integer (a key overwritten by hand) is dropped and starts again from 0:
+# enqueueing never fails for it, and ``worker admin recount-budget`` restores the true sum.
 # ARGV: limit (0: none), dedupe TTL, depth of the queue's other shards (read by the caller just
 # before; 0 for a one-shard queue), durable ('1': make sure the call writes, see below), token
 # limit of this shard (0: none), then per job its payload and its cost.
@@ -43,7 +45,12 @@ local limit = tonumber(ARGV[1])
 local depth = tonumber(ARGV[3]) + redis.call('XLEN', KEYS[2]) + redis.call('XLEN', KEYS[3])
   + redis.call('XLEN', KEYS[4])
 local tlimit = tonumber(ARGV[5])
-local used = tonumber(redis.call('GET', KEYS[5]) or '0') or 0
+local raw = redis.pcall('GET', KEYS[5])
+local used = tonumber(raw)
+if not used then
+  if raw then redis.call('DEL', KEYS[5]) end
+  used = 0
+end
 local lane = KEYS[1]
 local step = 1
 if lane ~= KEYS[2] and lane ~= KEYS[3] and lane ~= KEYS[4] then

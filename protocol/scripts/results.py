@@ -79,7 +79,9 @@ end
 # [events], refresh 0/1, release]: ``release`` is the job's admitted cost (its entry's $cost)
 # when the batch ends with its terminal event, else 0. It is subtracted from the counter when
 # that append writes the batch's last event ('ok': a 'dup' batch landed before, and released
-# then), so the budget is released exactly once, with the one terminal event of the job.
+# then), so the budget is released exactly once, with the one terminal event of the job. A
+# counter that is no integer (overwritten by hand) never fails the write: the release is
+# skipped (redis.pcall) and a recount repairs it.
 # Owners and cancel flags are read with one MGET each.
 # Returns {status letters, cancel flags ('0'/'1' per job), {job number, error, ...}}, one letter
 # per job: o ok, d dup, r refused, m missing, g gone, b behind, s skip (no events), e error. Each
@@ -104,7 +106,7 @@ for j = 1, #jobs do
                           ARGV[1], job[2], job[3], job[5], job[4], job[6])
     if ok then
       st = string.sub(res, 1, 1)
-      if res == 'ok' and (job[7] or 0) > 0 then redis.call('DECRBY', KEYS[#KEYS], job[7]) end
+      if res == 'ok' and (job[7] or 0) > 0 then redis.pcall('DECRBY', KEYS[#KEYS], job[7]) end
     else
       st = 'e'
       errors[#errors + 1] = j
@@ -170,7 +172,7 @@ end
 redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
 redis.call('XADD', KEYS[4], '*', '$event', ARGV[6])
 redis.call('PEXPIRE', KEYS[4], ARGV[4])
-if #KEYS >= 5 and (tonumber(ARGV[7]) or 0) > 0 then redis.call('DECRBY', KEYS[5], ARGV[7]) end
+if #KEYS >= 5 and (tonumber(ARGV[7]) or 0) > 0 then redis.pcall('DECRBY', KEYS[5], ARGV[7]) end
 return 'written'
 """)
 

@@ -154,3 +154,16 @@ def test_recount_repairs_a_corrupted_counter_and_leaves_out_jobs_already_ended(s
     assert admin_main(["recount-budget", *ns]) == 0
     assert counter(r, keys) == want
     r.close()
+
+
+def test_a_counter_overwritten_by_hand_never_blocks_enqueueing(sdk_url):
+    r = redis.Redis.from_url(sdk_url)
+    with Client(sdk_url, max_queued_tokens=1000) as c:
+        r.set(c.keys.budget(), "not a number")
+        c.submit("a", max_tokens=9)
+        assert counter(r, c.keys) == 10                  # started again from 0
+        r.delete(c.keys.budget())
+        r.hset(c.keys.budget(), "x", "1")                # even a key of another type
+        c.submit("b", max_tokens=9)
+        assert counter(r, c.keys) == 10
+    r.close()

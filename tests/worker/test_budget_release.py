@@ -91,3 +91,17 @@ def test_an_entry_without_a_cost_releases_nothing(r, keys):
     assert dead_letter(r, keys, "b", entry) == "written"
     assert budget(r, keys) == 5
     assert job_cost({"prompt": "x"}) > 0      # a producer using the budget always admits > 0
+
+
+def test_a_counter_that_is_no_integer_never_fails_a_write(r, keys):
+    enqueue_costed(r, keys, "j", 9)
+    r.delete(keys.budget())
+    r.hset(keys.budget(), "x", "1")                      # overwritten by hand, wrong type
+    r.set(keys.owner("j"), "w1:a")
+    done = encode_event(DoneEvent(finish_reason="stop"))
+    assert write(r, keys, "j", "b.0", [b"t0", done], 9) is WriteStatus.OK
+    assert len(r.xrange(keys.results("j"))) == 2
+    read_as(r, keys, "b")
+    (entry,) = keeper(r, keys, "b").read_own_pending()
+    r.delete(keys.results("j"))
+    assert dead_letter(r, keys, "b", entry) == "written"
