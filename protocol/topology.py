@@ -28,10 +28,9 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
 Key = Union[str, bytes]
 # (routing key, one or more RESP-packed commands whose keys all hash to that key's slot,
-#  how many commands the bytes hold)
-# (routing key, the packed commands, how many replies they give). The bytes may come as a
-# function that packs them: such a batch is sent streamed (``_stream``), each item packed just
-# before it is written while Redis runs the ones before, its replies read a few items behind.
+#  how many commands the bytes hold). The bytes may come as a function that packs them: such a
+# batch is sent streamed (``_stream``), each item packed just before it is written while Redis
+# runs the ones before, its replies read a few items behind.
 Packed = tuple[Optional[Key], Union[bytes, Callable[[], bytes]], int]
 # How many items a streamed send writes ahead of the replies it reads (Redis is never idle).
 STREAM_AHEAD = 4
