@@ -43,7 +43,7 @@ def queue_stats(r: Any, keys: Keys, live_s: float) -> dict[str, Any]:
                 total[field] += info[field]
             total["consumers"] = max(total["consumers"], info["consumers"])
     now_ms = int(time.time() * 1000)
-    limit, tokens_limit = r.hmget(keys.config, [LIMIT_FIELD, TOKENS_FIELD])
+    limit, tokens_limit = r.hget(keys.config, LIMIT_FIELD), r.hget(keys.config, TOKENS_FIELD)
     return {
         "queue": keys.queue,
         "shards": keys.shards,

@@ -23,7 +23,7 @@ from protocol.scripts.lua import lua
 # added to the shard's counter, routed jobs too; past the shard's share of max_queued_tokens
 # a job is refused unless the counter is 0 (one job always fits an empty shard). The script
 # writing the job's terminal event subtracts the stored cost (protocol/scripts/results.py). A
-# counter that is no integer (a key overwritten by hand) is dropped and starts again from 0:
+# counter that is no integer (a key overwritten by hand) is set to 0 and counts from there:
 # enqueueing never fails for it, and ``worker admin recount-budget`` restores the true sum.
 # ARGV: limit (0: none), dedupe TTL, depth of the queue's other shards (read by the caller just
 # before; 0 for a one-shard queue), durable ('1': make sure the call writes, see below), token
@@ -48,7 +48,7 @@ local tlimit = tonumber(ARGV[5])
 local raw = redis.pcall('GET', KEYS[5])
 local used = tonumber(raw)
 if not used then
-  if raw then redis.call('DEL', KEYS[5]) end
+  if raw then redis.call('SET', KEYS[5], 0) end
   used = 0
 end
 local lane = KEYS[1]

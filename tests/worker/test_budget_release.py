@@ -105,3 +105,29 @@ def test_a_counter_that_is_no_integer_never_fails_a_write(r, keys):
     (entry,) = keeper(r, keys, "b").read_own_pending()
     r.delete(keys.results("j"))
     assert dead_letter(r, keys, "b", entry) == "written"
+
+
+def test_a_user_without_decrby_gets_noperm_not_a_budget_that_never_empties(r, keys):
+    import redis as redis_lib
+    from worker.connection import ErrorKind, classify, classify_text
+    enqueue_costed(r, keys, "j", 9)
+    r.set(keys.owner("j"), "w1:a")
+    r.acl_setuser("old-rules", enabled=True, passwords=["+pw"], keys=["*"],
+                  commands=["+@all", "-decrby"])
+    kw = r.connection_pool.connection_kwargs
+    old = redis_lib.Redis(host=kw["host"], port=kw["port"], username="old-rules", password="pw")
+    try:
+        pipe = ScriptPipeline(old)
+        done = encode_event(DoneEvent(finish_reason="stop"))
+        Fence(keys).write_step(pipe, 60_000, 0, [("j", "w1:a", "b.0", [done], True, "", True)],
+                               [9])
+        ((status, _, why),) = parse_step_reply(pipe.execute()[0])
+        assert status is WriteStatus.ERROR and classify_text(why) is ErrorKind.PERMANENT
+        enqueue_costed(r, keys, "p", 4)
+        read_as(r, keys, "b")
+        entry = next(e for e in keeper(r, keys, "b").read_own_pending() if e.cost == 4)
+        with pytest.raises(redis_lib.ResponseError) as err:
+            dead_letter(old, keys, "b", entry)
+        assert classify(err.value) is ErrorKind.PERMANENT
+    finally:
+        old.close()
