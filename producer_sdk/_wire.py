@@ -30,7 +30,7 @@ DEFAULT_MAX_QUEUED_JOBS = 100_000
 class EnqueueOutcome:
     """What one script call said about each job of its chunk."""
 
-    new: list[tuple[int, Any]] = field(default_factory=list)        # (index, entry id)
+    new: list[tuple[int, Any]] = field(default_factory=list)        # (index, 1)
     known: list[tuple[int, str]] = field(default_factory=list)      # (index, dedupe record)
     refused: list[int] = field(default_factory=list)                # queue full
     depth: Optional[int] = None
@@ -50,10 +50,10 @@ def parse_enqueue_reply(reply: Sequence[Any], indexes: Sequence[int]) -> Enqueue
     results = reply[4:]
     new, known = out.new, out.known
     for idx, r in zip(indexes, results):
-        if r[:1] in (b"=", "="):
+        if type(r) is not int and r[:1] in (b"=", "="):
             known.append((idx, _s(r)[1:]))
         else:
-            new.append((idx, r))        # the entry id, as the reply gives it (not used)
+            new.append((idx, r))        # 1 (the script's reply for an enqueued job)
     if len(results) < len(indexes):
         out.refused = list(indexes[len(results):])
         if int(reply[2]) >= 0:

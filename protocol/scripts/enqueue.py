@@ -29,8 +29,9 @@ from protocol.scripts.lua import lua
 # before; 0 for a one-shard queue), durable ('1': make sure the call writes, see below), token
 # limit of this shard (0: none), then per job its payload and its cost.
 # Reply: {depth when the job count refused or -1, limit, the shard's tokens when the budget
-# refused or -1, token limit, then per accepted/known job either the new entry id or '=' .. the
-# existing dedupe record}. Jobs past the reply's end were refused (full).
+# refused or -1, token limit, then per accepted/known job either 1 (enqueued: its entry id is in
+# its dedupe record; an integer is cheaper to return than the id) or '=' .. the existing dedupe
+# record}. Jobs past the reply's end were refused (full).
 # Per job the common case costs one XADD and one SET NX (the record written only if absent):
 # a GET first would be a third call for every job, a quarter of the script's time. A job the
 # SET finds known has its entry deleted again at once (XDEL), inside the script, so no reader
@@ -62,6 +63,7 @@ if lane ~= KEYS[2] and lane ~= KEYS[3] and lane ~= KEYS[4] then
 end
 local ttl = ARGV[2]
 local out = {-1, limit, -1, tlimit}
+local k = 4
 local wrote, known, added = false, nil, 0
 local function finish()
   if added > 0 then redis.call('INCRBY', KEYS[5], added) end
@@ -82,7 +84,8 @@ for i = 1, #KEYS - 5 do
       return finish()
     end
     known = dk
-    out[#out + 1] = '=' .. cur
+    k = k + 1
+    out[k] = '=' .. cur
   else
     local id = redis.call('XADD', lane, '*', '$payload', ARGV[4 + 2 * i], '$cost', cost)
     if redis.call('SET', dk, lane .. '$sep' .. id, 'NX', 'EX', ttl) then
@@ -90,11 +93,13 @@ for i = 1, #KEYS - 5 do
       depth = depth + step
       used = used + n
       added = added + n
-      out[#out + 1] = id
+      k = k + 1
+      out[k] = 1
     else
       redis.call('XDEL', lane, id)
       known = dk
-      out[#out + 1] = '=' .. redis.call('GET', dk)
+      k = k + 1
+      out[k] = '=' .. redis.call('GET', dk)
     end
   end
 end
