@@ -8,6 +8,7 @@ with the script's replies turned into per-job outcomes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
@@ -19,6 +20,7 @@ from producer_sdk.payloads import Prepared
 from protocol.errors import ProtocolError
 from protocol.keys import Keys, key_slot, parse_dedupe_record
 from protocol.scripts import ENQUEUE, pack
+from protocol.scripts.resp import bulk, bulk_pairs, bulk_prefixed, pack_parts
 from protocol.topology import Packed
 
 DEFAULT_MAX_QUEUED_JOBS = 100_000
@@ -28,11 +30,13 @@ DEFAULT_MAX_QUEUED_JOBS = 100_000
 class EnqueueOutcome:
     """What one script call said about each job of its chunk."""
 
-    new: list[tuple[int, str]] = field(default_factory=list)        # (index, entry id)
+    new: list[tuple[int, Any]] = field(default_factory=list)        # (index, 1)
     known: list[tuple[int, str]] = field(default_factory=list)      # (index, dedupe record)
     refused: list[int] = field(default_factory=list)                # queue full
     depth: Optional[int] = None
     limit: Optional[int] = None
+    tokens: Optional[int] = None        # the shard's queued tokens when the budget refused
+    token_limit: Optional[int] = None   # the shard's share of max_queued_tokens
 
 
 def _s(x: Any) -> str:
@@ -40,30 +44,42 @@ def _s(x: Any) -> str:
 
 
 def parse_enqueue_reply(reply: Sequence[Any], indexes: Sequence[int]) -> EnqueueOutcome:
-    out = EnqueueOutcome(limit=int(reply[1]))
-    results = reply[2:]
+    """Per job of the chunk ``indexes``: new, known or refused; and, when some were refused,
+    which bound refused them (the job count: ``depth``; the token budget: ``tokens``)."""
+    out = EnqueueOutcome(limit=int(reply[1]), token_limit=int(reply[3]))
+    results = reply[4:]
+    new, known = out.new, out.known
     for idx, r in zip(indexes, results):
-        s = _s(r)
-        if s.startswith("="):
-            out.known.append((idx, s[1:]))
+        if type(r) is not int and r[:1] in (b"=", "="):
+            known.append((idx, _s(r)[1:]))
         else:
-            out.new.append((idx, s))
+            new.append((idx, r))        # 1 (the script's reply for an enqueued job)
     if len(results) < len(indexes):
         out.refused = list(indexes[len(results):])
-        out.depth = int(reply[0])
+        if int(reply[2]) >= 0:
+            out.tokens = int(reply[2])
+        else:
+            out.depth = int(reply[0])
     return out
 
 
 @dataclass
 class QueueState:
     """What a producer knows of one queue it sends to: its keys (the shard count resolved),
-    its high-water mark (0: no back-pressure), whether the count is the one the queue's
-    workers registered, and when the mark is read again (monotonic seconds)."""
+    its high-water mark (0: no back-pressure), its token budget (``max_queued_tokens``, 0:
+    none), whether the count is the one the queue's workers registered, and when the marks are
+    read again (monotonic seconds)."""
 
     keys: Keys
     limit: int
     registered: bool
     expires: float
+    token_limit: int = 0
+
+    def shard_tokens(self) -> int:
+        """Each shard's share of the token budget: a shard's script sees only its own slot, so
+        the budget is split evenly, rounded up (0: none)."""
+        return -(-self.token_limit // self.keys.shards)
 
 
 class EnqueueScript:
@@ -74,20 +90,23 @@ class EnqueueScript:
         self._ttl = str(int(ttl_s)).encode()
 
     def command(self, keys: Keys, shard: int, jobs: Sequence[Prepared], limit: int,
-                other_depth: int, durable: bool) -> bytes:
+                other_depth: int, durable: bool, token_limit: int = 0) -> bytes:
         """One EVALSHA for jobs that all go to the same lane of shard ``shard``, or all to one
-        worker's affinity stream on that shard (their lane is then the fallback)."""
-        dkeys = [keys.dedupe(j.job_id, shard).encode() for j in jobs]
+        worker's affinity stream on that shard (their lane is then the fallback);
+        ``token_limit`` is the shard's share of the token budget."""
         lane = keys.lane(jobs[0].lane, shard)
         stream = affinity_target(keys, jobs[0], shard)
         # an affinity target: the jobs' own lane first (KEYS[2], the fallback), then the others
         head = keys.lanes(shard) if stream is None else [
             lane, *(k for k in keys.lanes(shard) if k != lane)]
-        args = [b"EVALSHA", self.sha, b"%d" % (4 + len(jobs)), (stream or lane).encode(),
-                *[k.encode() for k in head], *dkeys,
-                b"%d" % limit, self._ttl, b"%d" % other_depth, b"1" if durable else b"",
-                *[j.payload for j in jobs]]
-        return pack(args)
+        n = len(jobs)
+        return pack_parts(13 + 3 * n, (
+            *bulk([b"EVALSHA", self.sha, b"%d" % (5 + n), (stream or lane).encode(),
+                   *[k.encode() for k in head], keys.budget(shard).encode()]),
+            *bulk_prefixed(keys.dedupe_prefix(shard).encode(), [j.job_id.encode() for j in jobs]),
+            *bulk([b"%d" % limit, self._ttl, b"%d" % other_depth, b"1" if durable else b"",
+                   b"%d" % token_limit]),
+            *bulk_pairs([(j.payload, b"%d" % j.cost) for j in jobs])))
 
 
 def chunk_jobs(indexes: Iterable[int], jobs: Sequence[Prepared],
@@ -97,9 +116,14 @@ def chunk_jobs(indexes: Iterable[int], jobs: Sequence[Prepared],
     within a lane: every chunk is one script call whose keys share one slot. Jobs routed to a
     worker's affinity stream chunk by worker after that lane's shared jobs."""
     groups: dict[tuple[str, int, str, str], list[int]] = {}
+    last_key: Optional[tuple[str, int, str, str]] = None
+    last: list[int] = []
     for i in indexes:
         j = jobs[i]
-        groups.setdefault((j.queue or "", j.shard or 0, j.lane, j.affinity or ""), []).append(i)
+        key = (j.queue or "", j.shard or 0, j.lane, j.affinity or "")
+        if key != last_key:         # a bulk submit is one long run of one key: no dict per job
+            last_key, last = key, groups.setdefault(key, [])
+        last.append(i)
     order = sorted(groups, key=lambda g: (g[0], g[1], Keys.LANES.index(g[2]), g[3]))
     return [idx[s:s + size] for g in order for idx in (groups[g],)
             for s in range(0, len(idx), size)]
@@ -271,12 +295,14 @@ class EnqueuePlan:
         self.script = script
         self.chunk_size = chunk_size
         self.durable = durable
-        self.entries: list[Optional[tuple[bool, str]]] = [None] * len(jobs)  # (known, value)
+        self.entries: list[Optional[tuple[bool, Any]]] = [None] * len(jobs)  # (known, value)
         self.acks: list[Optional[int]] = [None] * len(jobs)
         self.todo: list[int] = list(range(len(jobs)))
         self.refused: list[int] = []
         self.depth: Optional[int] = None
         self.limit: Optional[int] = None
+        self.tokens: Optional[int] = None          # set when the token budget refused
+        self.token_limit: Optional[int] = None
         self.oom = False
         self._depth_queues: list[Optional[str]] = []
 
@@ -286,8 +312,13 @@ class EnqueuePlan:
 
     def place(self, states: Mapping[Optional[str], QueueState]) -> None:
         """Put each job still to send on its shard: ``shard_of(job_id)`` with its queue's count."""
+        jobs = self.jobs
+        if all(st.keys.shards == 1 for st in states.values()):
+            for i in self.todo:
+                jobs[i].shard = 0
+            return
         for i in self.todo:
-            job = self.jobs[i]
+            job = jobs[i]
             job.shard = states[job.queue].keys.shard_of(job.job_id)
 
     def depth_reads(self, states: Mapping[Optional[str], QueueState]) -> list[Packed]:
@@ -319,8 +350,11 @@ class EnqueuePlan:
                 other = sum(d) - d[shard] + sum(mine) - mine[shard]
                 if first.affinity is None:      # routed jobs do not add to the depth
                     mine[shard] += len(idx)
-            cmd = self.script.command(st.keys, shard, [self.jobs[i] for i in idx], st.limit,
-                                      other, self.durable)
+            # packed when it is sent (``topology._stream``: packing overlaps Redis running
+            # the calls before it)
+            cmd = functools.partial(self.script.command, st.keys, shard,
+                                    [self.jobs[i] for i in idx], st.limit, other, self.durable,
+                                    st.shard_tokens())
             out.append((idx, (st.keys.lane(first.lane, shard), cmd, 1)))
         return out
 
@@ -339,6 +373,7 @@ class EnqueuePlan:
         if out.refused:
             self.refused.extend(out.refused)
             self.depth, self.limit = out.depth, out.limit
+            self.tokens, self.token_limit = out.tokens, out.token_limit
 
     def resend(self, indexes: list[int]) -> None:
         self.todo.extend(indexes)
@@ -351,6 +386,13 @@ class EnqueuePlan:
         self.todo.extend(self.refused)
         self.refused = []
         self.oom = False
+        self.tokens = self.depth = None
+
+    def refusal(self) -> str:
+        """Which bound refused the jobs left in ``refused`` (QueueFull's ``reason``)."""
+        if self.oom:
+            return "oom"
+        return "token budget" if self.tokens is not None else "high-water mark"
 
     def accepted(self) -> list[int]:
         return [i for i, e in enumerate(self.entries) if e is not None]

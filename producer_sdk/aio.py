@@ -136,6 +136,10 @@ class AsyncClient(ClientCore[aioredis.Redis]):
     async def set_max_queued_jobs(self, limit: int, queue: Optional[str] = None) -> None:
         await self._run(self._set_max_queued_jobs(limit, queue))
 
+    async def set_max_queued_tokens(self, limit: int, queue: Optional[str] = None) -> None:
+        """Set the queue's shared token budget (for every producer without its own; 0: none)."""
+        await self._run(self._set_max_queued_tokens(limit, queue))
+
     # -- submit
     @signatures.same_signature(signatures.submit)
     async def submit(self, *args: Any, **kwargs: Any) -> AsyncJob:

@@ -19,8 +19,8 @@ from typing import Any, Optional, Sequence
 
 from pydantic import Field
 
-from protocol.settings import (CliSettings, ConnectionSettings, JsonOutput, add_settings_flags,
-                               parse_settings, unset)
+from protocol.settings import (BackPressureSettings, CliSettings, ConnectionSettings, JsonOutput,
+                               add_settings_flags, parse_settings, unset)
 from producer_sdk.batch_lock import BatchLocked
 from producer_sdk.client import Client
 from producer_sdk.errors import (InvalidRequest, JobFailed, JobNotFound, NotDurable, QueueFull,
@@ -60,7 +60,8 @@ class BatchIdOption(CliSettings):
                                     json_schema_extra=unset("batch_<hash of the input file>"))
 
 
-class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption, DurableOptions):
+class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption, DurableOptions,
+                    BackPressureSettings):
     """``submit``: sampling parameters the CLI passes on (unset: the server's defaults)."""
 
     chat: bool = Field(False, description="Send the prompt as one user chat message.")
@@ -108,7 +109,7 @@ class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption, DurableOptions):
                                    json_schema_extra=unset("none"))
 
 
-class BatchOptions(ConnectionSettings, BatchIdOption, DurableOptions):
+class BatchOptions(ConnectionSettings, BatchIdOption, DurableOptions, BackPressureSettings):
     errors: Optional[str] = Field(None, description="Errors JSONL.",
                                   json_schema_extra=unset("OUTPUT with .errors.jsonl"))
     concurrency: int = Field(256, ge=1, description="Most jobs in flight.")
@@ -208,8 +209,10 @@ def run_command(args: argparse.Namespace, opts: Any) -> int:
 
 def client_settings(opts: ConnectionSettings) -> dict[str, Any]:
     """The Client settings a command's options give: cluster mode, shard count and, for the
-    commands that submit, the durable ones."""
+    commands that submit, the durable ones and the queue bounds."""
     out: dict[str, Any] = {"cluster": cluster_flag(opts.cluster), "shards": opts.shards}
+    if isinstance(opts, BackPressureSettings):
+        out.update(max_queued_jobs=opts.max_queued_jobs, max_queued_tokens=opts.max_queued_tokens)
     if isinstance(opts, DurableOptions):
         out.update(durable=opts.durable, durable_replicas=opts.durable_replicas,
                    durable_timeout_ms=opts.durable_timeout_ms,

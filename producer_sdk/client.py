@@ -96,6 +96,10 @@ class Client(ClientCore[redis.Redis]):
         """Set the queue's shared high-water mark (for every producer without its own)."""
         self._run(self._set_max_queued_jobs(limit, queue))
 
+    def set_max_queued_tokens(self, limit: int, queue: Optional[str] = None) -> None:
+        """Set the queue's shared token budget (for every producer without its own; 0: none)."""
+        self._run(self._set_max_queued_tokens(limit, queue))
+
     # -- submit
     @signatures.same_signature(signatures.submit)
     def submit(self, *args: Any, **kwargs: Any) -> Job:

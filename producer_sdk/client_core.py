@@ -31,8 +31,8 @@ from producer_sdk.errors import (ClientClosed, JobNotFound, NotDurable, QueueFul
                                  SDKError)
 from producer_sdk.job import Deadline, JobHandle, JobState
 from producer_sdk.models import live_workers as queue_workers
-from producer_sdk.payloads import PayloadBuilder, Prepared
-from producer_sdk.queues import LIMIT_FIELD, QueueBook
+from producer_sdk.payloads import PayloadBuilder, Prepared, gc_paused
+from producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD, QueueBook
 from producer_sdk.reads import Lost, Pumped, ResultReader, rerun_request
 from producer_sdk.signatures import SEND_OPTIONS, bind_submit
 from producer_sdk.status import JobStatus, liveness, read_statuses
@@ -100,8 +100,10 @@ class ClientCore(ABC, Generic[R]):
         self._redis: Optional[R] = redis_client
         self._making = threading.Lock()
         self._closed = False
-        self._builder = PayloadBuilder(Keys(namespace, queue), limits=limits)
-        self._queues = QueueBook(namespace, queue, cfg.shards, cfg.max_queued_jobs)
+        self._builder = PayloadBuilder(Keys(namespace, queue), limits=limits,
+                                       context_tokens=cfg.context_tokens)
+        self._queues = QueueBook(namespace, queue, cfg.shards, cfg.max_queued_jobs,
+                                 cfg.max_queued_tokens)
         self._affinity = AffinityRouter(Keys(namespace, queue), cfg.affinity_ttl_s,
                                         cfg.affinity_max_backlog)
         self._enqueuer = Enqueuer(self._queues, self._affinity, cfg, self.url)
@@ -145,7 +147,8 @@ class ClientCore(ABC, Generic[R]):
 
     def _submit_many(self, requests: Iterable[Any], block: bool, block_timeout: Optional[float],
                      durable: Optional[bool], defaults: dict[str, Any]) -> Plan[list[Any]]:
-        prepared = self._builder.build_many(requests, defaults, now_ms())
+        with gc_paused():
+            prepared = self._builder.build_many(requests, defaults, now_ms())
         return (yield from self._enqueue(prepared, block=block, block_timeout=block_timeout,
                                          durable=durable))
 
@@ -163,8 +166,8 @@ class ClientCore(ABC, Generic[R]):
             self.config.reconnect_timeout_s, self.url, connection=False)
         if batch.refused:
             raise QueueFull(batch.refused_queue(self.queue), batch.depth, batch.limit,
-                            reason="oom" if batch.oom else "high-water mark",
-                            accepted=self._handles(batch, batch.accepted()))
+                            reason=batch.refusal(), accepted=self._handles(batch, batch.accepted()),
+                            tokens=batch.tokens, token_limit=batch.token_limit)
         jobs = self._handles(batch, list(range(len(batch.jobs))))
         if batch.durable:
             asked = self.config.durable_replicas
@@ -176,12 +179,19 @@ class ClientCore(ABC, Generic[R]):
         return jobs
 
     def _handles(self, batch: EnqueuePlan, indexes: list[int]) -> list[Any]:
+        with gc_paused():           # one handle per job, all kept: see gc_paused
+            return self._make_handles(batch, indexes)
+
+    def _make_handles(self, batch: EnqueuePlan, indexes: list[int]) -> list[Any]:
         out = []
+        keys_of: dict[Optional[str], Keys] = {}
+        make, entries, jobs = self.job_class.enqueued, batch.entries, batch.jobs
         for i in indexes:
-            p, known = batch.jobs[i], batch.entries[i][0]
-            keys = self._queues.cached(p.queue).keys
-            out.append(self.job_class(self, p.job_id, keys=keys, shard=p.shard,
-                                      reattached=known, request=p))
+            p = jobs[i]
+            keys = keys_of.get(p.queue)
+            if keys is None:
+                keys = keys_of[p.queue] = self._queues.cached(p.queue).keys
+            out.append(make(self, p.job_id, keys, p.shard, entries[i][0], p))
         return out
 
     # -- plans: jobs by id
@@ -278,6 +288,9 @@ class ClientCore(ABC, Generic[R]):
 
     def _set_max_queued_jobs(self, limit: int, queue: Optional[str]) -> Plan[None]:
         yield from self._queues.set_limit(limit, queue)
+
+    def _set_max_queued_tokens(self, limit: int, queue: Optional[str]) -> Plan[None]:
+        yield from self._queues.set_limit(limit, queue, TOKENS_FIELD)
 
     # -- plans: results
     def _pump(self, states: Iterable[JobState], block_ms: int) -> Plan[Pumped]:

@@ -16,6 +16,7 @@ class ClientConfig(BaseModel):
 
     ``max_queued_jobs`` overrides the queue's shared high-water mark (the ``max_queued_jobs``
     field of the queue's config hash); None uses the shared one, 0 disables back-pressure.
+    ``max_queued_tokens`` does the same for the queue's token budget (``max_queued_tokens``).
     ``cluster``: None asks the server whether it is a Redis Cluster node (any node's URL
     works), True/False force it (also ``auto``/``on``/``off``, ``$TOKENRELAY_CLUSTER``).
     ``shards``: the queue's shard count; None uses the count its workers registered (else 1),
@@ -31,6 +32,12 @@ class ClientConfig(BaseModel):
     queue: str = "default"
     namespace: str = "tokenrelay"
     max_queued_jobs: Optional[int] = Field(default=None, ge=0)
+    max_queued_tokens: Optional[int] = Field(
+        default=None, ge=0, description="the queue's token budget (protocol/budget.py): None "
+        "uses the config hash's max_queued_tokens (absent: none), 0 disables it")
+    context_tokens: int = Field(
+        default=8192, ge=1, description="the context a chat job without max_tokens is costed "
+        "at for the token budget: set it to the workers' max_model_len")
     dedupe_ttl_s: int = Field(default=86_400, ge=1)
     cancel_ttl_s: int = Field(default=86_400, ge=1)
     connect_timeout_s: float = Field(default=2.0, gt=0)

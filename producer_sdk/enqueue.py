@@ -21,7 +21,7 @@ from producer_sdk.config import ClientConfig
 from producer_sdk.effects import SEND_ERRORS, Call, Plan, Send, Sleep, cluster
 from producer_sdk.errors import RedisUnavailable
 from producer_sdk.job import Deadline
-from producer_sdk.payloads import Prepared
+from producer_sdk.payloads import Prepared, gc_paused
 from producer_sdk.queues import QueueBook
 from protocol.topology import Packed
 from protocol.scripts import ENQUEUE, pack
@@ -106,26 +106,29 @@ class Enqueuer:
         states = {}
         for q in batch.queues():
             states[q] = yield from self.queues.state(q, fresh=True, register=True)
-        batch.place(states)
+        with gc_paused():           # per-job bookkeeping of a bulk round: see gc_paused
+            batch.place(states)
         reads = batch.depth_reads(states)
         depths = (yield from self._send(reads, retry))[0] if reads else []
-        cmds = batch.round(states, depths)
+        with gc_paused():
+            cmds = batch.round(states, depths)
         replies, acks = yield from self._send([c for _, c in cmds], retry,
                                               self.wait if batch.durable else None)
         load, failed = False, None
-        for (idx, _), rep, ack in zip(cmds, replies, acks):
-            if isinstance(rep, NoScriptError):
-                batch.resend(idx)
-                load = True
-            elif is_oom(rep):
-                batch.refuse_oom(idx)
-            elif is_transient(rep):
-                batch.resend(idx)
-                failed = rep
-            elif isinstance(rep, Exception):
-                raise rep
-            else:
-                batch.on_reply(idx, rep, ack)
+        with gc_paused():
+            for (idx, _), rep, ack in zip(cmds, replies, acks):
+                if isinstance(rep, NoScriptError):
+                    batch.resend(idx)
+                    load = True
+                elif is_oom(rep):
+                    batch.refuse_oom(idx)
+                elif is_transient(rep):
+                    batch.resend(idx)
+                    failed = rep
+                elif isinstance(rep, Exception):
+                    raise rep
+                else:
+                    batch.on_reply(idx, rep, ack)
         if load:
             yield Call(lambda r: r.script_load(ENQUEUE.source))
         return failed

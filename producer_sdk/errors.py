@@ -47,18 +47,27 @@ class RedisUnavailable(ConnectionError):
 
 
 class QueueFull(SDKError):
-    """The queue is past its high-water mark (or Redis is out of memory).
+    """The queue is past its high-water mark, or its token budget (or Redis is out of memory).
 
-    Retry later, submit with ``block=True`` to wait for room, or raise ``max_queued_jobs``
-    (per client, or for everyone via the queue's config hash). ``accepted`` holds the jobs that a
-    ``submit_many`` call did enqueue before the queue filled up.
+    Retry later, submit with ``block=True`` to wait for room, or raise ``max_queued_jobs`` /
+    ``max_queued_tokens`` (per client, or for everyone via the queue's config hash).
+    ``reason`` says which bound refused: ``high-water mark`` (``depth`` of ``limit`` jobs),
+    ``token budget`` (``tokens`` queued on the job's shard of its share ``token_limit``) or
+    ``oom``. ``accepted`` holds the jobs that a ``submit_many`` call did enqueue before the
+    queue filled up.
     """
 
     def __init__(self, queue: str, depth: Optional[int], limit: Optional[int],
-                 reason: str = "high-water mark", accepted: Optional[list[Any]] = None) -> None:
+                 reason: str = "high-water mark", accepted: Optional[list[Any]] = None,
+                 tokens: Optional[int] = None, token_limit: Optional[int] = None) -> None:
         if reason == "oom":
             msg = (f"queue {queue!r}: Redis is out of memory (maxmemory reached); treat as "
                    f"back-pressure: wait for workers to drain results, or raise maxmemory")
+        elif reason == "token budget":
+            msg = (f"queue {queue!r} is at its token budget: {tokens} tokens queued or running "
+                   f"on the job's shard, whose share of max_queued_tokens is {token_limit}, and "
+                   f"the job's cost does not fit; retry later, pass block=True to wait, or "
+                   f"raise max_queued_tokens")
         else:
             msg = (f"queue {queue!r} holds {depth} jobs, at its high-water mark of {limit}; retry "
                    f"later, pass block=True to wait, or raise max_queued_jobs")
@@ -67,6 +76,8 @@ class QueueFull(SDKError):
         self.depth = depth
         self.limit = limit
         self.reason = reason
+        self.tokens = tokens
+        self.token_limit = token_limit
         self.accepted = accepted or []
 
 

@@ -242,6 +242,16 @@ class JobHandle:
         self.reattached = reattached
         self.request = request          # the Prepared it was submitted with; None: by id
 
+    @classmethod
+    def enqueued(cls, client: Any, job_id: str, keys: Keys, shard: int, reattached: bool,
+                 request: Any) -> "JobHandle":
+        """A handle on a job just enqueued (``__init__`` without its keyword parsing: a bulk
+        submit makes one per job)."""
+        h = cls.__new__(cls)
+        h.client, h.id, h.keys, h.shard = client, job_id, keys, shard
+        h._state, h.reattached, h.request = None, reattached, request
+        return h
+
     @property
     def queue(self) -> str:
         return self.keys.queue

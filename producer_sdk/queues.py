@@ -23,9 +23,11 @@ from protocol.keys import Keys
 from protocol.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards, resolve_shards
 
 LIMIT_FIELD = "max_queued_jobs"
+TOKENS_FIELD = "max_queued_tokens"    # the token budget (protocol/budget.py); absent: none
 # How long a producer reuses a queue's high-water mark (and watches for a shard count being
 # registered) before reading its config hash again: one HMGET per queue per second of submits.
 CONFIG_TTL_S = 1.0
+_FIELDS = [LIMIT_FIELD, SHARDS_FIELD, TOKENS_FIELD]   # what a producer reads of the config hash
 
 
 class QueueBook:
@@ -38,14 +40,17 @@ class QueueBook:
     resharded under it raises ShardCountMismatch rather than sending jobs where no worker
     reads). Reads that enqueue nothing (status, depth) register nothing: until a count is
     registered they use ``shards`` or 1 and follow a later registration. The high-water mark
-    is ``max_queued_jobs`` (the client's own), else the config hash's, else the default."""
+    is ``max_queued_jobs`` (the client's own), else the config hash's, else the default; the
+    token budget likewise ``max_queued_tokens``, else the config hash's, else none."""
 
     def __init__(self, namespace: str, queue: str, shards: Optional[int],
-                 max_queued_jobs: Optional[int]) -> None:
+                 max_queued_jobs: Optional[int], max_queued_tokens: Optional[int] = None,
+                 ) -> None:
         self.namespace = namespace
         self.queue = queue
         self.shards = shards
         self.max_queued_jobs = max_queued_jobs
+        self.max_queued_tokens = max_queued_tokens
         self._states: dict[str, QueueState] = {}
 
     def config_key(self, queue: Optional[str] = None) -> str:
@@ -68,17 +73,18 @@ class QueueBook:
         if st is not None and (st.registered or not register):
             return st
         key = self.config_key(queue)
-        limit, shards = yield Call(lambda r: r.hmget(key, [LIMIT_FIELD, SHARDS_FIELD]))
+        limit, shards, tokens = yield Call(lambda r: r.hmget(key, _FIELDS))
         if register and shards is None:
             count = self.registering(queue)
             try:
-                limit, shards = (yield Call(lambda r: _register_and_read(r, key, count)))[1]
+                reply = yield Call(lambda r: _register_and_read(r, key, count))
+                limit, shards, tokens = reply[1]
             except ResponseError as exc:
                 if not is_oom(exc) and "OOM" not in str(exc):
                     raise
                 # Redis refuses writes (maxmemory): so will the enqueue that follows, which
                 # turns it into back-pressure; the count is registered at its next round.
-        return self.store(queue, limit, shards)
+        return self.store(queue, limit, shards, tokens)
 
     def registering(self, queue: Optional[str]) -> int:
         """The count this client registers for ``queue`` when none is: the one it knew
@@ -93,7 +99,8 @@ class QueueBook:
     def keys(self, queue: Optional[str] = None) -> Plan[Keys]:
         return (yield from self.state(queue)).keys
 
-    def store(self, queue: Optional[str], raw_limit: Any, raw_shards: Any) -> QueueState:
+    def store(self, queue: Optional[str], raw_limit: Any, raw_shards: Any,
+              raw_tokens: Any = None) -> QueueState:
         """What the queue's config hash says, checked against what this book knew."""
         name = queue or self.queue
         base = Keys(self.namespace, name)
@@ -110,34 +117,43 @@ class QueueBook:
         keys = old.keys if old is not None and old.keys.shards == count else \
             Keys(self.namespace, name, count)
         st = QueueState(keys, self._limit(raw_limit), registered is not None,
-                        time.monotonic() + CONFIG_TTL_S)
+                        time.monotonic() + CONFIG_TTL_S,
+                        _count(self.max_queued_tokens, raw_tokens, 0))
         self._states[name] = st
         return st
 
     def _limit(self, raw: Any) -> int:
-        if self.max_queued_jobs is not None:
-            return self.max_queued_jobs
-        try:
-            return max(0, int(raw)) if raw is not None else DEFAULT_MAX_QUEUED_JOBS
-        except ValueError:
-            return DEFAULT_MAX_QUEUED_JOBS
+        return _count(self.max_queued_jobs, raw, DEFAULT_MAX_QUEUED_JOBS)
 
-    def set_limit(self, limit: int, queue: Optional[str] = None) -> Plan[None]:
-        """Set the queue's shared high-water mark; this book reads it again on next use."""
+    def set_limit(self, limit: int, queue: Optional[str] = None,
+                  field: str = LIMIT_FIELD) -> Plan[None]:
+        """Set one of the queue's shared bounds (``LIMIT_FIELD``: the high-water mark,
+        ``TOKENS_FIELD``: the token budget); this book reads them again on next use."""
         key = self.config_key(queue)
-        yield Call(lambda r: r.hset(key, LIMIT_FIELD, int(limit)))
+        yield Call(lambda r: r.hset(key, field, int(limit)))
         st = self._states.get(queue or self.queue)
         if st is not None:
             st.expires = 0.0
 
 
+def _count(own: Optional[int], raw: Any, default: int) -> int:
+    """A bound: the client's own, else the config hash's value (``raw``), else ``default``
+    (also for a value that is no integer); 0 means none."""
+    if own is not None:
+        return own
+    try:
+        return max(0, int(raw)) if raw is not None else default
+    except ValueError:
+        return default
+
+
 def _register_and_read(r: Any, key: str, count: int) -> Any:
-    """MULTI: HSETNX the shard count (a no-op when one is registered), HMGET limit and count.
+    """MULTI: HSETNX the shard count (a no-op when one is registered), HMGET the bounds and count.
     One key, so one slot on a Redis Cluster; an asyncio client returns an awaitable."""
     pipe = r.pipeline(transaction=True)
     pipe.hsetnx(key, SHARDS_FIELD, count)
-    pipe.hmget(key, [LIMIT_FIELD, SHARDS_FIELD])
+    pipe.hmget(key, _FIELDS)
     return pipe.execute()
 
 
-__all__ = ["QueueBook", "LIMIT_FIELD", "CONFIG_TTL_S"]
+__all__ = ["QueueBook", "LIMIT_FIELD", "TOKENS_FIELD", "CONFIG_TTL_S"]

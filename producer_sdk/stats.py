@@ -1,6 +1,6 @@
 """``python -m producer_sdk stats``: each queue's depth, lag, pending jobs by lane, workers, dead
-letters and the job streams no worker reads (``protocol.lanes``), read from what Redis holds
-(the CLI prints it; ``demos.service`` shows it live)."""
+letters, token budget and the job streams no worker reads (``protocol.lanes``), read from what
+Redis holds (the CLI prints it; ``demos.service`` shows it live)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS
-from producer_sdk.queues import LIMIT_FIELD
+from producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD
 from protocol.keys import GROUP, Keys
 from protocol.lanes import queue_of_key, unread_lanes
 
@@ -36,7 +36,7 @@ def queue_stats(r: Any, keys: Keys, live_s: float) -> dict[str, Any]:
                 total[field] += info[field]
             total["consumers"] = max(total["consumers"], info["consumers"])
     now_ms = int(time.time() * 1000)
-    limit = r.hget(keys.config, LIMIT_FIELD)
+    limit, tokens_limit = r.hget(keys.config, LIMIT_FIELD), r.hget(keys.config, TOKENS_FIELD)
     return {
         "queue": keys.queue,
         "shards": keys.shards,
@@ -50,6 +50,9 @@ def queue_stats(r: Any, keys: Keys, live_s: float) -> dict[str, Any]:
         "max_queued_jobs": int(limit) if limit is not None else None,
         "unread_lanes": [{"key": u.key, "depth": u.depth, "reason": u.reason,
                           "detail": u.detail} for u in unread_lanes(r, keys)],
+        # the budget counters' sum: the tokens of jobs without a terminal event
+        "queued_tokens": sum(int(r.get(b) or 0) for b in keys.budgets()),
+        "max_queued_tokens": int(tokens_limit) if tokens_limit is not None else None,
     }
 
 
@@ -79,7 +82,7 @@ def stats_table(stats: list[dict[str, Any]], namespace: str) -> str:
     if not stats:
         return f"no queues in namespace {namespace!r}"
     head = ("queue", "depth", "lag", "pending", "urgent/default/bulk", "workers live/known",
-            "dead", "max_queued")
+            "dead", "max_queued", "tokens/budget")
     rows = [head]
     for s in stats:
         ln = s["lanes"]
@@ -87,7 +90,8 @@ def stats_table(stats: list[dict[str, Any]], namespace: str) -> str:
         rows.append((s["queue"], str(s["depth"]), str(s["lag"]), str(s["pending"]),
                      f"{ln['urgent']['length']}/{ln['default']['length']}/{ln['bulk']['length']}",
                      f"{s['workers_live']}/{s['workers_known']}", str(s["dead_letters"]),
-                     str(limit) if limit is not None else f"{DEFAULT_MAX_QUEUED_JOBS} (default)"))
+                     str(limit) if limit is not None else f"{DEFAULT_MAX_QUEUED_JOBS} (default)",
+                     f"{s['queued_tokens']}/{s['max_queued_tokens'] or 'none'}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     table = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     for s in stats:

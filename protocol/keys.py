@@ -21,6 +21,10 @@ PAYLOAD_FIELD = b"data"
 # worker uses it to make retried writes idempotent). Readers ignore ``b``.
 EVENT_FIELD = b"data"
 BATCH_FIELD = b"b"
+# Job stream entries enqueued by the SDK also carry the job's admitted token cost (decimal text)
+# in this field, beside the payload: the worker's terminal write releases exactly that much from
+# the shard's budget counter (``Keys.budget``; protocol/budget.py). Absent means 0.
+COST_FIELD = b"cost"
 # Consumer name that holds jobs a draining worker handed back: it never has a heartbeat, and its
 # entries are parked with an idle time of PARKED_IDLE_MS so any reclaimer takes them at once.
 PARKING_CONSUMER = "__parked__"
@@ -158,6 +162,14 @@ class Keys:
         """Dead letters of one shard (the dead-letter script writes them beside the job's keys)."""
         return f"{self.namespace}:dead:{self.tag(shard)}"
 
+    def budget(self, shard: int = 0) -> str:
+        """The shard's token budget counter: the sum of the admitted costs of its jobs that have
+        no terminal event yet (the enqueue script adds, the terminal write subtracts)."""
+        return f"{self.namespace}:budget:{self.tag(shard)}"
+
+    def budgets(self) -> list[str]:
+        return [self.budget(s) for s in range(self.shards)]
+
     def dead_streams(self) -> list[str]:
         return [self.dead(s) for s in range(self.shards)]
 
@@ -169,7 +181,7 @@ class Keys:
     @property
     def config(self) -> str:
         """Hash of queue settings shared by all producers and workers (``max_queued_jobs``,
-        ``shards``)."""
+        ``max_queued_tokens``, ``shards``)."""
         return f"{self.namespace}:config:{self.queue}"
 
     def heartbeat(self, worker_id: str) -> str:
@@ -197,7 +209,12 @@ class Keys:
     def dedupe(self, job_id: str, shard: Optional[int] = None) -> str:
         """Set with the XADD: holds ``dedupe_record(lane key, entry id)``; its presence means
         'job known', and its value names the one entry that is this job."""
-        return f"{self.namespace}:job:{self.tag(self._job_shard(job_id, shard))}:{job_id}"
+        return self.dedupe_prefix(self._job_shard(job_id, shard)) + job_id
+
+    def dedupe_prefix(self, shard: int) -> str:
+        """What every dedupe record key of ``shard`` starts with (the job id follows): the
+        bulk enqueue builds a chunk's keys from it without a call per job."""
+        return f"{self.namespace}:job:{self.tag(shard)}:"
 
     def owner(self, job_id: str, shard: Optional[int] = None) -> str:
         """Fencing record: which worker currently owns the job (written by workers only)."""

@@ -116,6 +116,23 @@ class ConnectionSettings(CliSettings):
     _key_parts = field_validator("namespace", "queue")(key_part)
 
 
+class BackPressureSettings(CliSettings):
+    """A producer's own bounds for the queues it sends to, over the queue's shared ones (the
+    ``max_queued_jobs`` / ``max_queued_tokens`` fields of ``<ns>:config:<queue>``): the CLI's
+    submit and batch commands and the gateway take the same flags and variables."""
+
+    max_queued_jobs: Optional[int] = Field(
+        None, ge=0, description="Refuse (or, blocking, wait) past this many jobs queued or "
+        "running in the queue; 0: no bound.",
+        json_schema_extra=unset("the queue's max_queued_jobs in <ns>:config:<queue>, else "
+                                "100000"))
+    max_queued_tokens: Optional[int] = Field(
+        None, ge=0, description="Token budget: refuse (or wait) past this many tokens (prompt "
+        "+ max_tokens of each job) queued or running; split evenly over the shards; 0: none.",
+        json_schema_extra=unset("the queue's max_queued_tokens in <ns>:config:<queue>, else "
+                                "none"))
+
+
 with warnings.catch_warnings():
     # The field shadows BaseModel.json, pydantic v1's deprecated serializer (never called here);
     # the flag has always been --json, and renaming the field would rename the flag.

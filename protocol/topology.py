@@ -19,7 +19,7 @@ scripts are idempotent: dedupe records, batch ids, XPENDING-checked acks).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import redis
 import redis.asyncio
@@ -28,8 +28,12 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
 Key = Union[str, bytes]
 # (routing key, one or more RESP-packed commands whose keys all hash to that key's slot,
-#  how many commands the bytes hold)
-Packed = tuple[Optional[Key], bytes, int]
+#  how many commands the bytes hold). The bytes may come as a function that packs them: such a
+# batch is sent streamed (``_stream``), each item packed just before it is written while Redis
+# runs the ones before, its replies read a few items behind.
+Packed = tuple[Optional[Key], Union[bytes, Callable[[], bytes]], int]
+# How many items a streamed send writes ahead of the replies it reads (Redis is never idle).
+STREAM_AHEAD = 4
 
 CLUSTER_MODES = {"auto": None, "on": True, "off": False}
 
@@ -217,6 +221,36 @@ def _read_one(conn: Any) -> Any:
         return exc
 
 
+def _data(item: Packed) -> bytes:
+    """An item's packed bytes (packed now when it carries a function that packs them)."""
+    data = item[1]
+    return data() if callable(data) else data
+
+
+def _streamed(items: Sequence[Packed], groups: dict[Any, list[int]]) -> bool:
+    """A batch for one node whose bytes are packed on demand: sent by ``_stream``."""
+    return len(groups) == 1 and len(items) > 1 and callable(items[0][1])
+
+
+def _stream(conn: Any, items: Sequence[Packed], idx: list[int], replies: list[list[Any]],
+            tail: list[bytes]) -> None:
+    """Write each item as soon as it is packed, reading replies ``STREAM_AHEAD`` items behind:
+    the producer packs (and parses) while Redis runs what was written before, instead of
+    Redis waiting for the whole batch to be packed and the producer for the whole batch to
+    run (a bulk enqueue's packing and its scripts then overlap)."""
+    done = 0
+    for k, i in enumerate(idx):
+        conn.send_packed_command([_data(items[i])], check_health=False)
+        while done < k - STREAM_AHEAD:
+            j = idx[done]
+            replies[j].extend(_read_one(conn) for _ in range(items[j][2]))
+            done += 1
+    if tail:
+        conn.send_packed_command(tail, check_health=False)
+    for j in idx[done:]:
+        replies[j].extend(_read_one(conn) for _ in range(items[j][2]))
+
+
 def _send_once(client: Any, items: Sequence[Packed],
                trailer: Optional[bytes] = None) -> tuple[list[list[Any]], list[Any]]:
     groups = _group(client, items)
@@ -226,9 +260,17 @@ def _send_once(client: Any, items: Sequence[Packed],
     try:
         with contextlib.ExitStack() as stack:
             conns = {name: stack.enter_context(_pooled(client, name)) for name in groups}
+            if _streamed(items, groups):
+                ((name, idx),) = groups.items()
+                _stream(conns[name], items, idx, replies, tail)
+                if trailer is not None:
+                    last = _read_one(conns[name])
+                    for i in idx:
+                        trailed[i] = last
+                return replies, trailed
             for name, idx in groups.items():  # every node's commands go out before any read
-                conns[name].send_packed_command([b"".join([*(items[i][1] for i in idx), *tail])],
-                                                check_health=False)
+                conns[name].send_packed_command(
+                    [b"".join([*(_data(items[i]) for i in idx), *tail])], check_health=False)
             for name, idx in groups.items():
                 conn = conns[name]
                 for i in idx:
@@ -313,8 +355,8 @@ async def _async_send_once(client: Any, items: Sequence[Packed], trailer: Option
         acquired = [(node, node.acquire_connection(), idx) for node, idx in groups.values()]
         try:
             for _, conn, idx in acquired:
-                await conn.send_packed_command([b"".join([*(items[i][1] for i in idx), *tail])],
-                                               check_health=False)
+                await conn.send_packed_command([b"".join([*(_data(items[i]) for i in idx),
+                                                          *tail])], check_health=False)
             for _, conn, idx in acquired:
                 await _async_read(conn, items, idx, replies, trailed, trailer is not None)
         except (redis.ConnectionError, redis.TimeoutError, OSError):
@@ -330,9 +372,16 @@ async def _async_send_once(client: Any, items: Sequence[Packed], trailer: Option
     pool = client.connection_pool
     conn = await pool.get_connection()
     try:
-        await conn.send_packed_command([b"".join([*(it[1] for it in items), *tail])],
-                                       check_health=False)
-        await _async_read(conn, items, range(len(items)), replies, trailed, trailer is not None)
+        if _streamed(items, {None: list(range(len(items)))}):
+            await _async_stream(conn, items, replies, tail)
+            if trailer is not None:
+                last = await _async_read_one(conn)
+                trailed = [last] * len(items)
+        else:
+            await conn.send_packed_command([b"".join([*(_data(it) for it in items), *tail])],
+                                           check_health=False)
+            await _async_read(conn, items, range(len(items)), replies, trailed,
+                              trailer is not None)
     except BaseException:
         await conn.disconnect()
         raise
@@ -346,6 +395,23 @@ async def _async_read_one(conn: Any) -> Any:
         return await conn.read_response()
     except redis.ResponseError as exc:
         return exc
+
+
+async def _async_stream(conn: Any, items: Sequence[Packed], replies: list[list[Any]],
+                        tail: list[bytes]) -> None:
+    """``_stream`` for an asyncio connection to one Redis."""
+    done = 0
+    for k, item in enumerate(items):
+        await conn.send_packed_command([_data(item)], check_health=False)
+        while done < k - STREAM_AHEAD:
+            for _ in range(items[done][2]):
+                replies[done].append(await _async_read_one(conn))
+            done += 1
+    if tail:
+        await conn.send_packed_command(tail, check_health=False)
+    for j in range(done, len(items)):
+        for _ in range(items[j][2]):
+            replies[j].append(await _async_read_one(conn))
 
 
 async def _async_read(conn: Any, items: Sequence[Packed], idx: Any, replies: list[list[Any]],

@@ -4,7 +4,8 @@ Operators need four things when something goes wrong: which jobs are held by who
 long (a stuck or crash-looping worker shows as growing idle times and delivery counts), which jobs
 were given up on (dead letters) and the means to replay or purge them, and a way to take one worker
 out of service gracefully (drain) without shell access to its host. ``unread`` lists the job
-streams of the queue no worker reads (``protocol.lanes``), with their depth.
+streams of the queue no worker reads (``protocol.lanes``), with their depth, and
+``recount-budget`` repairs the token budget's counters after Redis lost writes.
 
 Every command works on a queue of any shard count (the count the queue's workers registered;
 --shards must agree) and against a Redis Cluster (pending entries and dead letters are read
@@ -29,11 +30,12 @@ from pydantic import Field
 from protocol.topology import ClusterModeError, redact_url
 from protocol.settings import (ConnectionSettings, JsonOutput, add_settings_flags, parse_settings,
                                unset)
-from protocol.errors import ErrorCode
-from protocol.keys import GROUP, Keys, PAYLOAD_FIELD
-from protocol.scripts import REPLAY, run_script
-from protocol.wire import DeadLetter, decode_job
+from protocol.errors import ErrorCode, ProtocolError
+from protocol.events import is_terminal
+from protocol.keys import EVENT_FIELD, GROUP, Keys, PAYLOAD_FIELD
 from protocol.lanes import unread_lanes
+from protocol.scripts import RECOUNT_BUDGET, REPLAY, run_script
+from protocol.wire import DeadLetter, decode_event, decode_job
 from protocol.shards import ShardCountMismatch, registered_shards, resolve_shards
 from worker.connection import (EXIT_CONFIG, REDIS_ERRORS, ErrorKind, classify, client_for,
                                describe_permanent)
@@ -231,6 +233,54 @@ def purge_dead(r: Any, keys: Keys, ids: Sequence[str] = ()) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# token budget
+# --------------------------------------------------------------------------------------------
+
+def _ended(r: Any, results_key: str) -> bool:
+    """Whether a job's result stream ends with its terminal event (its cost was released)."""
+    last = r.xrevrange(results_key, count=1)
+    if not last:
+        return False
+    try:
+        return is_terminal(decode_event(last[0][1].get(EVENT_FIELD)))
+    except (ProtocolError, ValueError):   # unreadable: not this job's terminal write
+        return False
+
+
+def _released(r: Any, keys: Keys, shard: int, streams: Sequence[str]) -> list[str]:
+    """``'<KEYS index>/<entry id>'`` (RECOUNT_BUDGET's ARGV) of the shard's pending entries
+    whose job already has its terminal event: released, waiting for their ack."""
+    out = []
+    for k, stream in enumerate(streams, start=2):
+        try:
+            rows = list(_pending_rows(r, stream))
+        except redis_lib.ResponseError:     # NOGROUP: nobody read this stream yet
+            continue
+        for row in rows:
+            entry_id = _s(row["message_id"])
+            job_id = _job_id_of(r, stream, entry_id)
+            if job_id and _ended(r, keys.results(job_id, shard)):
+                out.append(f"{k}/{entry_id}")
+    return out
+
+
+def recount_budget(r: Any, keys: Keys) -> list[dict]:
+    """Set every shard's token budget counter to the costs of its jobs still queued or running:
+    entries in its lanes and in the affinity streams of the queue's registered workers, less
+    those whose terminal event is written. A job that ends between the scan of pending entries
+    and the script is counted once too many until the next recount (one round trip's window)."""
+    workers = [_s(w) for w in r.zrange(keys.workers, 0, -1)]
+    rows = []
+    for shard in range(keys.shards):
+        streams = keys.lanes(shard) + [keys.affinity(w, shard) for w in workers]
+        before, now = run_script(r, RECOUNT_BUDGET, [keys.budget(shard), *streams],
+                                 _released(r, keys, shard, streams))
+        rows.append({"shard": shard, "key": keys.budget(shard),
+                     "before": int(before) if before else 0, "now": int(now)})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
 # draining
 # --------------------------------------------------------------------------------------------
 
@@ -268,7 +318,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                        ("workers", "workers and their last heartbeat"),
                        ("unread", "job streams of the queue no worker reads, with their depth "
                                   "(outside the registered shard layout, or no consumer group "
-                                  "yet)")):
+                                  "yet)"),
+                       ("recount-budget", "set each shard's token budget counter to the costs "
+                                          "of its jobs still queued or running")):
         add_settings_flags(sub.add_parser(name, help=what), AdminSettings)
     dead_parser = sub.add_parser("dead", help="dead letters")
     add_settings_flags(dead_parser, AdminSettings)
@@ -287,7 +339,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m worker admin",
                                 description="Inspect pending jobs and workers, manage dead "
-                                            "letters, drain a worker.")
+                                            "letters, drain a worker, recount token budgets.")
     configure_parser(p)
     return p
 
@@ -363,6 +415,8 @@ def _run(args: argparse.Namespace, settings: AdminSettings) -> int:
     elif args.cmd == "unread":
         _emit(settings, (asdict(u) for u in unread_lanes(r, keys)),
               ("key", "depth", "reason", "detail"))
+    elif args.cmd == "recount-budget":
+        _emit(settings, recount_budget(r, keys), ("shard", "key", "before", "now"))
     elif args.cmd == "drain":
         alive = request_drain(r, keys, args.worker_id)
         print(f"drain requested for {args.worker_id}"

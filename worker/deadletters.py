@@ -74,12 +74,13 @@ class DeadLetterWriter:
         event = b""
         if r.job_id:
             keys += [self.keys.dedupe(r.job_id, shard), self.keys.owner(r.job_id, shard),
-                     self.keys.results(r.job_id, shard)]
+                     self.keys.results(r.job_id, shard), self.keys.budget(shard)]
             event = encode_event(ErrorEvent(code=r.code, message=r.message, metadata=r.metadata))
         flat = [x for k, v in self.letter(r).to_fields().items() for x in (k, v)]
         return pipe.script(DEAD_LETTER, keys, [
             self.maxlen, dedupe_record(r.entry.lane_key, r.entry.entry_id),
-            f"{self.worker_id}:dead-letter", self.ttl_ms, self.dedupe_ttl_s, event, *flat])
+            f"{self.worker_id}:dead-letter", self.ttl_ms, self.dedupe_ttl_s, event,
+            r.entry.cost, *flat])
 
 
 def outcome(reply: Any) -> str:

@@ -17,7 +17,8 @@ from typing import Any, Iterable, Optional
 
 import redis
 
-from protocol.keys import Keys, PAYLOAD_FIELD
+from protocol.budget import entry_cost
+from protocol.keys import COST_FIELD, Keys, PAYLOAD_FIELD
 
 # (lane key, entry id): how an entry is named in every hold-changing call.
 EntryKey = tuple[str, str]
@@ -43,6 +44,12 @@ class Entry:
     @property
     def payload(self) -> Optional[bytes]:
         return None if self.fields is None else self.fields.get(PAYLOAD_FIELD)
+
+    @property
+    def cost(self) -> int:
+        """The token cost the enqueue admitted (protocol/budget.py); what the job's terminal
+        write releases. 0 for an entry without one (a raw producer's)."""
+        return 0 if self.fields is None else entry_cost(self.fields.get(COST_FIELD))
 
     @property
     def key(self) -> EntryKey:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import secrets
 from enum import Enum
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import msgpack
 
@@ -68,21 +68,26 @@ class Fence:
                             self.dedupe_ttl_s, entry_id])
 
     def write_step(self, pipe: ScriptPipeline, ttl_ms: int, shard: int,
-                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, int, bool]]
-                   ) -> int:
+                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, int, bool]],
+                   releases: Optional[Sequence[int]] = None) -> int:
         """All jobs of a step that hold entries of one queue shard, in one script call (their keys
         share the shard's slot): ``(job_id, owner, batch_id, events, create, known, refresh)``
         each (``known``: how many entries the worker knows the job's stream holds; every write is
         checked against the stream's length, so a retried batch that landed is not written twice
         and events a failover or a restart lost make the status BEHIND, with or without an error
         the worker saw; see protocol/scripts/results.py; ``refresh``: reset the TTLs); also
-        reads each job's cancel flag. Parse the reply with ``parse_step_reply``."""
+        reads each job's cancel flag. ``releases``, per job: its admitted token cost when its
+        batch ends with its terminal event, else 0 (None: all 0); the script returns it to the
+        shard's budget with that event, exactly once. Parse the reply with
+        ``parse_step_reply``."""
         keys: list[str] = []
         spec = []
-        for job_id, owner, batch_id, events, create, known, refresh in jobs:
+        for k, (job_id, owner, batch_id, events, create, known, refresh) in enumerate(jobs):
             keys += [self.keys.owner(job_id, shard), self.keys.results(job_id, shard),
                      self.keys.cancel(job_id, shard)]
-            spec.append([owner, int(create), batch_id, int(known), list(events), int(refresh)])
+            spec.append([owner, int(create), batch_id, int(known), list(events), int(refresh),
+                         int(releases[k]) if releases else 0])
+        keys.append(self.keys.budget(shard))   # always the last key (see WRITE_STEP)
         # Old-spec raw strings: Redis's cmsgpack does not read the bin types.
         return pipe.script(WRITE_STEP, keys, [int(ttl_ms), msgpack.packb(spec, use_bin_type=False)])
 

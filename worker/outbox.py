@@ -180,7 +180,7 @@ class Outbox:
         i = self.fence.write_step(pipe, self.ttl_ms, shard, [
             (j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create,
              j.stream_len, r)
-            for j, r in zip(chunk, refresh)])
+            for j, r in zip(chunk, refresh)], [j.entry.cost if j.terminal else 0 for j in chunk])
 
         def handle(res: list) -> None:
             self._on_step_reply(chunk, counts, res[i])

@@ -63,7 +63,8 @@ class Gateway:
             cluster=cluster_flag(settings.cluster), max_connections=settings.redis_max_connections,
             pool_timeout_s=settings.redis_pool_timeout_s,
             reconnect_timeout_s=settings.redis_retry_s, reader_streams=settings.reader_streams,
-            reader_wake=settings.reader_wake)
+            reader_wake=settings.reader_wake, max_queued_jobs=settings.max_queued_jobs,
+            max_queued_tokens=settings.max_queued_tokens)
         self.url = redact_url(settings.redis_url)
         self.redis: Any = None
         self.hub: Optional[ReadHub] = None

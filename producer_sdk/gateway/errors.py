@@ -65,6 +65,8 @@ def api_error(exc: BaseException, retry_after_s: int = 1) -> APIError:
                         "invalid_request")
     if isinstance(exc, QueueFull):
         what = ("Redis is out of memory" if exc.reason == "oom" else
+                f"its token budget holds {exc.tokens} tokens of {exc.token_limit}, no room for "
+                f"this request's prompt and max_tokens" if exc.reason == "token budget" else
                 f"it holds {exc.depth} jobs, at its limit of {exc.limit}")
         return APIError(429, f"the queue of this model is full ({what}); retry after "
                         f"{retry_after_s} s (Retry-After)", "rate_limit_error", None,

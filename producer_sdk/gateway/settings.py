@@ -13,14 +13,15 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator
 
-from protocol.settings import CliSettings, ConnectionSettings, key_part, unset
+from protocol.settings import BackPressureSettings, ConnectionSettings, key_part, unset
 from protocol.keys import MAX_SHARDS
 
 _CONN = ConnectionSettings.model_fields
 
 
-class GatewaySettings(CliSettings):
-    """Options of ``python -m producer_sdk.gateway``."""
+class GatewaySettings(BackPressureSettings):
+    """Options of ``python -m producer_sdk.gateway`` (``--max-queued-jobs`` and
+    ``--max-queued-tokens`` bound every queue it sends to, over the queues' own)."""
 
     redis_url: str = _CONN["redis_url"]
     cluster: Literal["auto", "on", "off"] = _CONN["cluster"]

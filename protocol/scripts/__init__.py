@@ -17,13 +17,15 @@ seen) runs inside one script, atomically.
 - ``affinity``: the sweep of affinity streams (``MOVE_UNREAD``);
 - ``worker_id``: the worker id lease (``ID_CLAIM``, ``ID_RELEASE``);
 - ``cancel``: cancel by id, only for a job whose records exist (``CANCEL_KNOWN``);
-- ``readers``: a reader letting go of a lost job's stale dedupe record (``FORGET_STALE_RECORD``).
+- ``readers``: a reader letting go of a lost job's stale dedupe record (``FORGET_STALE_RECORD``);
+- ``budget``: the recount of a shard's token budget counter (``RECOUNT_BUDGET``).
 
 Every script's keys share one hash slot (one queue shard's tag, see ``Keys``), as a Redis
 Cluster requires.
 """
 
 from protocol.scripts.affinity import MOVE_UNREAD
+from protocol.scripts.budget import RECOUNT_BUDGET
 from protocol.scripts.cancel import CANCEL_KNOWN, CancelTarget, cancel_target
 from protocol.scripts.enqueue import ENQUEUE
 from protocol.scripts.lua import CONTRACT_NAMES, LuaScript, lua
@@ -39,11 +41,11 @@ from protocol.scripts.worker_id import ID_CLAIM, ID_RELEASE
 ALL_SCRIPTS: tuple[LuaScript, ...] = (
     ENQUEUE, READ_NEW, READ_OWN_PENDING, RECLAIM, MOVE_MINE, ACK, WRITE_STEP, BIND_AND_OWN,
     RELEASE_OWNER, DEAD_LETTER, REPLAY, MOVE_UNREAD, ID_CLAIM, ID_RELEASE, FORGET_STALE_RECORD,
-    CANCEL_KNOWN, DROP_CONSUMER)
+    CANCEL_KNOWN, DROP_CONSUMER, RECOUNT_BUDGET)
 
 __all__ = ["ACK", "ALL_SCRIPTS", "BIND_AND_OWN", "CANCEL_KNOWN", "CancelTarget", "cancel_target",
            "CONTRACT_NAMES", "DROP_CONSUMER", "DEAD_LETTER", "ENQUEUE",
            "FORGET_STALE_RECORD",
            "ID_CLAIM", "ID_RELEASE", "LuaScript", "MOVE_MINE", "MOVE_UNREAD", "READ_NEW",
-           "READ_OWN_PENDING", "RECLAIM", "RELEASE_OWNER", "REPLAY", "ScriptPipeline",
-           "WRITE_STEP", "lua", "pack", "run_script", "text"]
+           "READ_OWN_PENDING", "RECLAIM", "RECOUNT_BUDGET", "RELEASE_OWNER", "REPLAY",
+           "ScriptPipeline", "WRITE_STEP", "lua", "pack", "run_script", "text"]

@@ -2,10 +2,11 @@
 separators substituted in, and its SHA1 (what EVALSHA sends).
 
 One templating style for every script: ``string.Template``. A script writes ``$event``,
-``$batch``, ``$payload``, ``$sep`` or ``$instance`` where the contract's name goes, and ``lua``
-substitutes the values of ``protocol.keys`` and ``protocol.heartbeat`` once, at import; a
-``$name`` the contract does not define fails the import (``Template.substitute`` is strict). So
-no field name is written by hand in Lua: renaming one in the contract renames it in every script.
+``$batch``, ``$payload``, ``$cost``, ``$sep`` or ``$instance`` where the contract's name goes,
+and ``lua`` substitutes the values of ``protocol.keys`` and ``protocol.heartbeat`` once, at
+import; a ``$name`` the contract does not define fails the import (``Template.substitute`` is
+strict). So no field name is written by hand in Lua: renaming one in the contract renames it in
+every script.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from dataclasses import dataclass, field
 from string import Template
 
 from protocol.heartbeat import INSTANCE_FIELD
-from protocol.keys import BATCH_FIELD, DEDUPE_SEPARATOR, EVENT_FIELD, PAYLOAD_FIELD
+from protocol.keys import BATCH_FIELD, COST_FIELD, DEDUPE_SEPARATOR, EVENT_FIELD, PAYLOAD_FIELD
 
 # What a script's ``$name`` stands for.
 CONTRACT_NAMES: dict[str, str] = {
     "event": EVENT_FIELD.decode(),        # a result stream entry's event field
     "batch": BATCH_FIELD.decode(),        # a result stream entry's write-batch mark
     "payload": PAYLOAD_FIELD.decode(),    # a job stream entry's payload field
+    "cost": COST_FIELD.decode(),          # a job stream entry's admitted token cost
     "sep": DEDUPE_SEPARATOR,              # between lane key and entry id in a dedupe record
     "instance": INSTANCE_FIELD,           # the heartbeat field naming the id lease's holder
 }

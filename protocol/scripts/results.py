@@ -74,14 +74,36 @@ local function append(cur, ko, kr, owner, ttl, create, batch, events, known, ref
 end
 """
 
-# One call for every job of an engine step. KEYS: per job owner, results, cancel. ARGV[1]: ttl
-# ms; ARGV[2]: msgpack array, per job [owner value, create 0/1, batch id, known (entries the
-# writer knows the stream holds; see _APPEND), [events], refresh 0/1]. Owners and cancel flags are read with one MGET each.
+# Returning a job's cost to its shard's token budget counter. A counter that is no integer
+# (overwritten by hand) never fails the write: the release is skipped and a recount repairs the
+# counter. A user whose ACL lacks DECRBY gets NOPERM back (Redis 7.0 words it "can't run this
+# command"; the worker exits 78 naming it) rather than a budget that silently never empties.
+_RELEASE = """
+local function release(key, cost)
+  local r = redis.pcall('DECRBY', key, cost)
+  if type(r) == 'table' and r.err and (string.find(r.err, 'NOPERM', 1, true)
+      or string.find(r.err, "can't run this command", 1, true)) then
+    return 'NOPERM the token budget release needs DECRBY: ' .. r.err
+  end
+  return nil
+end
+"""
+
+# One call for every job of an engine step. KEYS: per job owner, results, cancel; then the
+# shard's token budget counter (``Keys.budget``, always the last key). ARGV[1]: ttl ms; ARGV[2]:
+# msgpack array, per job [owner value, create 0/1, batch id, known (entries the writer
+# knows the stream holds; see _APPEND),
+# [events], refresh 0/1, release]: ``release`` is the job's admitted cost (its entry's $cost)
+# when the batch ends with its terminal event, else 0. It is subtracted from the counter when
+# that append writes the batch's last event ('ok': a 'dup' batch landed before, and released
+# then), so the budget is released exactly once, with the one terminal event of the job (see
+# _RELEASE for a counter that is no integer, and for a missing permission: status e).
+# Owners and cancel flags are read with one MGET each.
 # Returns {status letters, cancel flags ('0'/'1' per job), {job number, error, ...}}, one letter
 # per job: o ok, d dup, r refused, m missing, g gone, b behind, s skip (no events), e error. Each
 # job is isolated (pcall): one job's broken key never fails another job's write (MGET reads a key
 # of the wrong type as absent).
-WRITE_STEP = lua("write_step", _APPEND + """
+WRITE_STEP = lua("write_step", _APPEND + _RELEASE + """
 local jobs = cmsgpack.unpack(ARGV[2])
 local status, cancel, errors = {}, {}, {}
 local owner_keys, cancel_keys = {}, {}
@@ -100,6 +122,14 @@ for j = 1, #jobs do
                           ARGV[1], job[2], job[3], job[5], job[4], job[6])
     if ok then
       st = string.sub(res, 1, 1)
+      if res == 'ok' and (job[7] or 0) > 0 then
+        local denied = release(KEYS[#KEYS], job[7])
+        if denied then
+          st = 'e'
+          errors[#errors + 1] = j
+          errors[#errors + 1] = denied
+        end
+      end
     else
       st = 'e'
       errors[#errors + 1] = j
@@ -140,15 +170,17 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """)
 
-# The one dead-letter write. KEYS: dead stream[, dedupe, owner, results when the job id is
-# known]. ARGV: maxlen, dedupe record of the entry, owner value, ttl ms, dedupe ttl s, error
-# event ('' = none), then the dead letter's flat fields. Copies the entry to the capped
-# dead-letter stream, then ends the job's result stream with the error event unless the job id
-# is bound to another entry (never touch another live job: returns 'other') or the stream
-# already ended ('ended'). Taking the owner record fences out a paused former holder.
-DEAD_LETTER = lua("dead_letter", """
+# The one dead-letter write. KEYS: dead stream[, dedupe, owner, results, the shard's token
+# budget counter when the job id is known]. ARGV: maxlen, dedupe record of the entry, owner
+# value, ttl ms, dedupe ttl s, error event ('' = none), the entry's admitted cost ($cost, '0'
+# none), then the dead letter's flat fields. Copies the entry to the capped dead-letter stream,
+# then ends the job's result stream with the error event unless the job id is bound to another
+# entry (never touch another live job: returns 'other') or the stream already ended ('ended':
+# its terminal write released the cost); writing that terminal event releases the cost.
+# Taking the owner record fences out a paused former holder.
+DEAD_LETTER = lua("dead_letter", _RELEASE + """
 local fields = {}
-for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(fields))
 if #KEYS < 4 or ARGV[6] == '' then return 'nojob' end
 local rec = redis.call('GET', KEYS[2])
@@ -169,6 +201,10 @@ end
 redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
 redis.call('XADD', KEYS[4], '*', '$event', ARGV[6])
 redis.call('PEXPIRE', KEYS[4], ARGV[4])
+if #KEYS >= 5 and (tonumber(ARGV[7]) or 0) > 0 then
+  local denied = release(KEYS[5], ARGV[7])
+  if denied then return redis.error_reply(denied) end
+end
 return 'written'
 """)
 

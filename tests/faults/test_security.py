@@ -49,7 +49,9 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
                "hset", "hsetnx", "hget", "hgetall", "zadd", "zrem", "sadd",
                # the affinity sweep reads the registry and its own streams' lengths; every beat
                # reads the server's run id (a restart without an error)
-               "zrange", "xlen", "info"),
+               "zrange", "xlen", "info",
+               # the terminal write returns the job's cost to the token budget
+               "decrby"),
     # producer_sdk.Client / AsyncClient / python -m producer_sdk submit|cancel|batch|status
     # (status and reattach read the job's pending row, last event and the lanes' groups;
     # producer_sdk.models and the batch runner's routing read the queues, registries and beats)
@@ -60,11 +62,15 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
                  # caps the flag's TTL by the job's records
                  "hsetnx", "pttl",
                  # asyncio clients and the gateway: their shared readers' wake streams
-                 "pexpire"),
+                 "pexpire",
+                 # the enqueue script: the token budget's counter; a known job's entry undone
+                 "incrby", "xdel"),
     # python -m worker admin ... and python -m producer_sdk stats --queue Q
     "admin": ("evalsha", "eval", "xpending", "xrange", "xadd", "xdel", "xlen", "xinfo|groups",
               "get", "set", "exists", "del", "hget", "hset", "zrange", "zcount", "zcard",
-              "cluster|info"),
+              "cluster|info",
+              # recount-budget: whether a pending job's stream already ended
+              "xrevrange"),
 }
 # What every role also needs on a Redis Cluster (docs/operations.md, "Redis Cluster and hash
 # tags"): the cluster client reads the slot map and the commands' key positions when it
@@ -352,7 +358,7 @@ def test_acl_users_run_worker_sdk_admin_and_health(acl_redis, procs):
         assert health.returncode == 0, health.stdout + health.stderr
         admin = ("--redis-url", a_url, "--namespace", NS_A, "--queue", "q", "--json")
         wait_for(lambda: len(srv.client().xrange(keys.dead())) >= 2, 30, what="two dead letters")
-        for cmd in (("pending",), ("workers",), ("dead", "list")):
+        for cmd in (("pending",), ("workers",), ("dead", "list"), ("recount-budget",)):
             out = procs.run("worker", "admin", *admin, *cmd)
             assert out.returncode == 0, (cmd, out.stderr)
         dead = json.loads(procs.run("worker", "admin", *admin, "dead", "list").stdout)

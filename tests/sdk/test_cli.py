@@ -39,6 +39,7 @@ def test_stats_and_cancel(sdk_url: str):
         c.submit("a")
         c.submit("b", priority=5)
         c.set_max_queued_jobs(50)
+        c.set_max_queued_tokens(9000)
     r.zadd(keys.workers, {"w1": int(time.time() * 1000), "w-old": 1})
     r.xadd(keys.dead(), {"data": b"x", "reason": "poison"})
     res = cli("stats", "--redis-url", sdk_url, "--json")
@@ -46,6 +47,7 @@ def test_stats_and_cancel(sdk_url: str):
     (q,) = json.loads(res.stdout)
     assert (q["queue"], q["depth"], q["workers_live"], q["workers_known"]) == ("q1", 2, 1, 2)
     assert q["dead_letters"] == 1 and q["max_queued_jobs"] == 50
+    assert (q["queued_tokens"], q["max_queued_tokens"]) == (2 * (1 + 16), 9000)
     assert q["lanes"]["bulk"]["length"] == 1
     table = cli("stats", "--redis-url", sdk_url).stdout
     assert table.splitlines()[0].split()[:4] == ["queue", "depth", "lag", "pending"]

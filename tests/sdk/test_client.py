@@ -159,10 +159,10 @@ def test_idempotent_submit(client: Client, sdk_url: str):
     assert a.id == b.id and b.reattached and not a.reattached
     # A retried script call (what redis-py does after a timeout) enqueues nothing new.
     r = redis.Redis.from_url(sdk_url)
-    args = [KEYS.lane("default"), *KEYS.lanes(), KEYS.dedupe("same"), 100, 86400, 0, "",
-            b"payload"]
-    reply = r.evalsha(ENQUEUE.sha, 5, *args)
-    assert reply[2].startswith(b"=")
+    args = [KEYS.lane("default"), *KEYS.lanes(), KEYS.budget(), KEYS.dedupe("same"), 100,
+            86400, 0, "", 0, b"payload", 5]
+    reply = r.evalsha(ENQUEUE.sha, 6, *args)
+    assert reply[4].startswith(b"=")
     assert len(entries(sdk_url)) == 1
     r.script_flush()  # NOSCRIPT is handled by loading the script and resending
     client.submit("z", job_id="other")

@@ -19,9 +19,11 @@ from producer_sdk import effects
 Reply = Any     # one packed send's answer: (replies, trailer replies), or an exception to raise
 
 
-def accepted(first: int, count: int, limit: int = 100_000, depth: int = -1) -> list[Any]:
-    """The enqueue script's reply accepting ``count`` jobs (entry ids from ``first``)."""
-    return [depth, limit, *[f"{first + i}-0".encode() for i in range(count)]]
+def accepted(first: int, count: int, limit: int = 100_000, depth: int = -1, tokens: int = -1,
+             token_limit: int = 0) -> list[Any]:
+    """The enqueue script's reply accepting ``count`` jobs (entry ids from ``first``); the
+    rest refused by the job count (``depth``) or the token budget (``tokens``)."""
+    return [depth, limit, tokens, token_limit, *[f"{first + i}-0".encode() for i in range(count)]]
 
 
 class ScriptedRedis:
@@ -38,7 +40,8 @@ class ScriptedRedis:
         return "sha"
 
     def hmget(self, key: str, fields: list[str]) -> list[Any]:
-        return [None, b"1"]         # no high-water mark set; one shard registered
+        # no bound set; one shard registered (fields: limit, shards, token budget)
+        return [b"1" if f == "shards" else None for f in fields]
 
     def close(self) -> None:
         pass
@@ -99,6 +102,16 @@ def test_a_full_queue_refuses_at_once_without_block_and_names_what_went_in(submi
     assert len(err.value.accepted) == 1
 
 
+def test_a_full_token_budget_refuses_naming_the_budget(submit_many):
+    with pytest.raises(QueueFull) as err:
+        submit_many([[accepted(1, 2, tokens=900, token_limit=1000)]], ["a", "b", "c"],
+                    block=False)
+    assert (err.value.tokens, err.value.token_limit, err.value.reason) == \
+        (900, 1000, "token budget")
+    assert err.value.depth is None and len(err.value.accepted) == 2
+    assert "max_queued_tokens" in str(err.value) and "token budget" in str(err.value)
+
+
 def test_redis_out_of_memory_is_back_pressure(submit_many):
     with pytest.raises(QueueFull) as err:
         submit_many([[OutOfMemoryError("OOM command not allowed")]], ["a", "b"], block=False)
@@ -110,7 +123,7 @@ def test_a_blocking_submit_waits_for_room_and_sends_only_the_refused(submit_many
     jobs, fake = submit_many([[accepted(1, 1, limit=5, depth=5)], [accepted(2, 2)]],
                              ["a", "b", "c"], block=True, block_timeout=5)
     assert len(jobs) == 3 and time.monotonic() - t0 >= 0.02
-    resent = fake.sent[1][0][1]                          # the second round's script call
+    resent = fake.sent[1][0][1]()                        # the second round's script call
     assert resent.count(b"tokenrelay:job:") == 2         # the two refused jobs' dedupe keys
 
 

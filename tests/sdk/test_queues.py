@@ -7,19 +7,21 @@ import pytest
 
 from producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS
 from producer_sdk.effects import run
-from producer_sdk.queues import QueueBook
-from protocol.shards import ShardCountMismatch
+from producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD, QueueBook
+from protocol.shards import SHARDS_FIELD, ShardCountMismatch
 
 
 class ConfigHash:
     """A Redis whose only data is one queue config hash (``HMGET`` of it)."""
 
-    def __init__(self, limit: object = None, shards: object = None) -> None:
-        self.limit, self.shards, self.reads = limit, shards, 0
+    def __init__(self, limit: object = None, shards: object = None,
+                 tokens: object = None) -> None:
+        self.limit, self.shards, self.tokens, self.reads = limit, shards, tokens, 0
 
     def hmget(self, key: str, fields: list[str]) -> list[object]:
         self.reads += 1
-        return [self.limit, self.shards]
+        values = {LIMIT_FIELD: self.limit, SHARDS_FIELD: self.shards, TOKENS_FIELD: self.tokens}
+        return [values[f] for f in fields]
 
 
 def test_the_limit_is_the_clients_own_else_the_hashs_else_the_default():
@@ -29,6 +31,15 @@ def test_the_limit_is_the_clients_own_else_the_hashs_else_the_default():
         DEFAULT_MAX_QUEUED_JOBS
     assert QueueBook("ns", "q", None, None).store(None, b"many", None).limit == \
         DEFAULT_MAX_QUEUED_JOBS
+
+
+def test_the_token_budget_is_the_clients_own_else_the_hashs_else_none():
+    assert QueueBook("ns", "q", None, None).store(None, None, None, b"5000").token_limit == 5000
+    assert QueueBook("ns", "q", None, None, 70).store(None, None, None, b"5000").token_limit == 70
+    assert QueueBook("ns", "q", None, None).store(None, None, None, None).token_limit == 0
+    assert QueueBook("ns", "q", None, None).store(None, None, None, b"x").token_limit == 0
+    st = QueueBook("ns", "q", 3, None, 1000).store(None, None, None)
+    assert st.shard_tokens() == 334                          # split over 3 shards, rounded up
 
 
 def test_a_queue_is_read_once_and_again_only_when_fresh_is_due():

@@ -1,0 +1,117 @@
+"""The token budget through worker kills: thousands of jobs (ordinary, cancelled, expired, one
+poison) through two ``--model fake:`` workers while one is SIGKILLed and restarted every
+second. Each job's cost is released exactly once, by the script writing its one terminal event
+(or its dead letter), so the counter never goes below zero and ends at exactly zero: no kill
+releases a job twice or loses its release."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from protocol.keys import EVENT_FIELD
+from protocol.wire import decode_event
+from tests.fault_harness import FaultEnv, pending_summary, wait_for
+
+N_JOBS = 2000
+FLAGS = dict(max_num_seqs=32, max_deliveries=2, delay=0.02)
+INJECT = {"TOKENRELAY_FAULT_INJECT": "raise_on_prompt:POISON"}
+
+
+@pytest.fixture
+def env(request, tmp_path):
+    e = FaultEnv(tmp_path)
+    request.addfinalizer(e.close)
+    return e
+
+
+def ended(env: FaultEnv, job_ids: list[str]) -> set[str]:
+    """The jobs whose result stream ends with a terminal event."""
+    pipe = env.r.pipeline(transaction=False)
+    for j in job_ids:
+        pipe.xrevrange(env.keys.results(j), count=1)
+    out = set()
+    for j, last in zip(job_ids, pipe.execute()):
+        if last and decode_event(last[0][1][EVENT_FIELD]).type in ("done", "error"):
+            out.add(j)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_budget_back_at_exactly_zero_after_thousands_of_jobs_and_worker_kills(env):
+    steady = env.worker("w1", env=INJECT, **FLAGS)
+    victim = env.worker("w2", env=INJECT, **FLAGS)
+    client = env.client(max_queued_tokens=10**9)         # the budget on; room for all
+    ids = [f"b{i}" for i in range(N_JOBS)]
+    jobs = client.submit_many([{"prompt": f"budget {i}", "job_id": j}
+                               for i, j in enumerate(ids)], max_tokens=8, temperature=0.0)
+    admitted = sum(j.request.cost for j in jobs)
+    for j in ids[::10]:
+        client.cancel(j)                               # some before a worker reads them
+    ids += [j.id for j in client.submit_many([{"prompt": f"late {i}", "job_id": f"e{i}"}
+                                              for i in range(100)],
+                                             max_tokens=8, deadline_s=0.001)]
+    ids += [client.submit("this is POISON", max_tokens=8, job_id="poison").id]
+    kills, ready_at, done = 0, time.monotonic(), set()
+    deadline = time.monotonic() + 240
+    while len(done) < len(ids):
+        used = int(env.r.get(env.keys.budget()) or 0)
+        assert 0 <= used <= admitted + 10_000, f"budget counter {used}"
+        done |= ended(env, [j for j in ids if j not in done])
+        if steady.proc.poll() is not None:             # the poison job crashed it
+            steady = env.worker("w1", env=INJECT, wait=False, **FLAGS)
+        if victim.proc.poll() is None and ready_at is None and "worker ready" in victim.log():
+            ready_at = time.monotonic()
+        if ready_at is not None and time.monotonic() > ready_at + 1.0 or \
+                victim.proc.poll() is not None:
+            victim.kill()                               # SIGKILL, whatever it was doing
+            kills += 1
+            victim, ready_at = env.worker("w2", env=INJECT, wait=False, **FLAGS), None
+        assert time.monotonic() < deadline, (
+            f"{len(ids) - len(done)} jobs open after {kills} kills; budget {used}; "
+            f"pending {pending_summary(env.r, env.keys)[:5]}\n{env.logs()[-3000:]}")
+        time.sleep(0.2)
+    assert kills >= 3, f"only {kills} kills"
+    reports = env.streams(ids)
+    kinds = {rep.kind for rep in reports.values()}
+    assert {"error:poison", "error:expired", "done:cancelled", "done:length"} <= kinds, kinds
+    env.assert_exactly_once(reports)
+    wait_for(lambda: not pending_summary(env.r, env.keys), 15, what="nothing pending")
+    assert int(env.r.get(env.keys.budget()) or 0) == 0
+
+
+@pytest.mark.timeout(120)
+def test_the_batch_runner_waits_for_budget_room(env, tmp_path):
+    """A batch whose jobs do not all fit the budget: the runner waits for room (as for the
+    job-count bound), every line is answered, the budget is never exceeded and ends at 0."""
+    import json
+    import threading
+
+    from producer_sdk.batch import BatchRunner
+    env.worker("w1", max_num_seqs=4)
+    inp, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    inp.write_text("".join(json.dumps({
+        "custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+        "body": {"prompt": f"p{i}", "max_tokens": 4, "temperature": 0}}) + "\n"
+        for i in range(40)))                         # each costs 1 + 4 tokens
+    seen, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen[0] = max(seen[0], int(env.r.get(env.keys.budget()) or 0))
+            time.sleep(0.005)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        client = env.client(max_queued_tokens=12)      # two jobs at a time
+        summary = BatchRunner(client, inp, out, err, batch_id="bb", concurrency=16,
+                              progress=False).run()
+    finally:
+        stop.set()
+        watcher.join()
+    assert summary.succeeded == 40
+    assert not err.exists() or not err.read_text().strip()
+    assert 0 < seen[0] <= 12
+    wait_for(lambda: int(env.r.get(env.keys.budget()) or 0) == 0, 10, what="budget back at 0")
