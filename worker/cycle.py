@@ -12,7 +12,10 @@ thread touches nothing but the engine, and the writer never calls the engine:
   (``JobTable.stepping``); the job leaves ``in_engine`` at once, so the step's delta for it is
   ignored when it is built: no token of a cancelled or refused job is ever written;
 * the next read of new entries is sized before the step (``Intake.prefetch``);
-* a step that raised is handled by the loop's thread once the flush has landed.
+* a step that raised is handled by the loop's thread once the flush has landed;
+* a step's deltas go only to the Job objects that ran it (``StepOutcome.ran``): a job the
+  flush dropped and the loop admitted again under the same id (resumed after a failover lost
+  its events) never takes its old run's deltas.
 
 Every other Redis call of the loop (heartbeat, lease renewal, reads, admission) happens between
 two overlaps, with no flush in flight, so the per-job order of writes and the fencing are
@@ -72,10 +75,11 @@ class StepCycle:
     def _overlapped(self, riders: list[Rider], reading: Callable[[], bool]) -> FlushReport:
         built = self.stepper.detach()
         read = self.intake.prefetch() if reading() else None
+        ran = self.stepper.running()
         with self.jobs.stepping():
             self.writer.start(lambda: self._flush(built, riders, read))
             try:
-                self.stepper.run()
+                self.stepper.run(ran)
             finally:
                 report = self.writer.wait()
         if self.stepper.failed():

@@ -36,10 +36,12 @@ class EngineFailure:
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """What one engine step returned (``deltas``, ``ts`` when it returned) or raised."""
+    """What one engine step returned (``deltas``, ``ts`` when it returned) or raised, and the
+    jobs it ran (``ran``: job id -> the Job object in the engine when it started)."""
 
     deltas: Sequence[Any]
     ts: float
+    ran: dict[str, Job]
     error: Optional[Exception] = None
 
 
@@ -61,19 +63,24 @@ class Stepper:
     def step(self) -> Optional[EngineFailure]:
         """One engine step, its deltas turned into events at once (the loop in series); None
         when it ran, the failure (jobs already handed back) when it raised."""
-        self.run()
+        self.run(self.running())
         return self.build(self.detach())
 
-    def run(self) -> None:
+    def running(self) -> dict[str, Job]:
+        """The jobs in the engine now, by id: taken before a step (and before the writer's
+        flush starts: the flush changes the table)."""
+        return {jid: j for jid, j in self.jobs.items() if j.in_engine}
+
+    def run(self, ran: dict[str, Job]) -> None:
         """Only the engine step, timed; its outcome is held until ``build`` (the writer's
         thread builds it while the loop's thread runs the next step). Touches no job."""
         t0 = time.perf_counter()
         try:
             deltas = self.engine.step()
         except Exception as exc:
-            self._held = StepOutcome([], 0.0, exc)
+            self._held = StepOutcome([], 0.0, ran, exc)
             return
-        self._held = StepOutcome(deltas, time.time())
+        self._held = StepOutcome(deltas, time.time(), ran)
         self.metrics.engine_step.observe(time.perf_counter() - t0)
 
     def detach(self) -> Optional["StepOutcome"]:
@@ -90,16 +97,18 @@ class Stepper:
         return self._held is not None and self._held.error is not None
 
     def build(self, outcome: Optional["StepOutcome"]) -> Optional[EngineFailure]:
-        """Turn a step's deltas into events on the held jobs (a job no longer in the engine,
-        cancelled or dropped since, ignores its delta); a failed step hands the jobs back."""
+        """Turn a step's deltas into events on the jobs that ran it; a failed step hands the
+        jobs back. A delta is dropped when its job left the engine since (cancelled, dropped)
+        or is no longer the job of that id in the table: a job dropped and admitted again
+        (resumed after a failover lost its events) must never take its old run's deltas."""
         if outcome is None:
             return None
         if outcome.error is not None:
             return self._engine_failed(outcome.error)
-        ts = outcome.ts
+        ts, table = outcome.ts, self.jobs
         for d in outcome.deltas:
-            job = self.jobs.get(d.request_id)
-            if job is None or not job.in_engine:
+            job = outcome.ran.get(d.request_id)
+            if job is None or not job.in_engine or table.get(d.request_id) is not job:
                 continue
             if d.error is not None:     # the engine ended this request alone (its grammar)
                 job.in_engine = False

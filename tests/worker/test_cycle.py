@@ -116,3 +116,26 @@ def test_the_overlapped_worker_streams_every_job_exactly(start_worker, redis_ser
     for i in range(16):
         rep = check_stream(r, KEYS, f"o{i}")
         assert rep.problems == [] and rep.text == fake_completion(f"o{i}", 25 + i)
+
+
+def test_a_job_resumed_under_the_overlap_never_takes_its_old_runs_deltas(hand_worker,
+                                                                         redis_server):
+    """The flush that finds a stream shorter than written (BEHIND: a failover lost events)
+    drops the job while the next step runs it; the loop admits it again under the same id.
+    That step's deltas belong to the old run: built into the new job they would put a token
+    at the wrong position."""
+    r = redis_server.client()
+    w = hand_worker(engine=FakeEngine())
+    w.writer.open()
+    submit(r, KEYS, {"job_id": "lost", "prompt": "lost", "params": {"max_tokens": 30,
+                                                                   "temperature": 0}})
+    iterate_until(w, lambda: "lost" in w.jobs and w.jobs["lost"].tokens >= 5)
+    stream = KEYS.results("lost")
+    r.xdel(stream, r.xrevrange(stream, count=1)[0][0])   # a failover lost the last write
+    w.jobs.mark_unsure()
+    old = w.jobs["lost"]
+    iterate_until(w, lambda: w.jobs.get("lost") not in (None, old))   # dropped, admitted again
+    iterate_until(w, lambda: check_stream(r, KEYS, "lost").ended)
+    rep = check_stream(r, KEYS, "lost")
+    assert rep.problems == [] and rep.text == fake_completion("lost", 30)
+    assert [s.attempt for s in rep.started] == [1, 2]
