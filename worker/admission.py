@@ -28,7 +28,7 @@ from worker.connection import ErrorKind, classify
 from worker.deadletters import Rejection, payload_job_id
 from worker.engine_api import EngineAPI
 from worker.entries import Entry, EntryKey, entry_fields
-from worker.fencing import Fence, bound, new_owner_value
+from worker.fencing import Fence, bound, entry_lost, new_owner_value
 from worker.jobs import Choice, Job, JobTable
 from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox
@@ -178,6 +178,12 @@ class Admission:
             if bad is not None:  # e.g. WRONGTYPE on a per-job key: this job only
                 self._reject(e, ErrorCode.INTERNAL, f"cannot use the job's keys: {bad}",
                              req.job_id, req.metadata)
+            elif entry_lost(res[i_own]):   # no dead letter: that would recreate its stream
+                self.log.warning("job lost: Redis no longer holds its entry (it came back "
+                                 "without its data); not running it, writing nothing (its "
+                                 "readers enqueue it again or end it job_lost)",
+                                 job_id=req.job_id, entry_id=e.entry_id, lane=e.lane)
+                self.outbox.owe_ack(e, req.job_id, "lost")
             elif not bound(res[i_own]):
                 self._reject(e, ErrorCode.DUPLICATE_JOB_ID, f"job_id {req.job_id!r} belongs to another entry "
                              f"({text(res[i_own])}); give each job its own id", req.job_id, {})
@@ -189,7 +195,7 @@ class Admission:
     def _start_guarded(self, job: Job, stream: Any, cancelled: bool) -> None:
         try:
             progress = progress_from_entries(stream or [])
-            job.tail_mark = progress.last_mark
+            job.stream_len = progress.entries
             self._start(job, progress, cancelled)
         except Exception as exc:  # any failure admitting one job ends that job alone
             self.log.exception("job could not be started", **job.log_fields())

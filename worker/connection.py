@@ -21,7 +21,7 @@ import random
 import ssl
 import time
 from enum import Enum
-from typing import Any
+from typing import Any, Optional
 
 import redis
 from redis.backoff import NoBackoff
@@ -135,6 +135,41 @@ def connect(url: str, block_ms: int = 0, cluster: Any = "auto") -> Any:
     return client_for(url, cluster, protocol=2, socket_connect_timeout=2.0,
                       socket_timeout=max(5.0, block_ms / 1000.0 + 5.0),
                       retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+
+class ServerRestarts:
+    """Notices that the Redis server restarted, error or not: its run id (``INFO server``)
+    changes at every start.
+
+    Why: a restart that fits between two of the worker's commands is invisible to it (redis-py's
+    pool replaces closed connections silently). Every held job's next write finds what its
+    stream lost by itself (protocol/scripts/results.py), but an entry whose terminal event and
+    ack the restart lost is pending under this worker again while it no longer holds it: told of
+    the restart, the worker re-reads its own pending entries at once instead of leaving them
+    until their lease expires. A Redis Cluster's nodes each have their own run id and fail over
+    with errors the worker sees, so only a single server is watched. A user whose ACL rules lack
+    ``+info`` (the rule set before this check) turns the check off, said once in the log: the
+    check of every write still holds."""
+
+    def __init__(self, client: Any, log: Any) -> None:
+        self.client = client
+        self.log = log
+        self.run_id: Optional[str] = None
+        self.enabled = not topology.is_cluster(client)
+
+    def restarted(self) -> bool:
+        """Read the run id; True when it differs from the one read last time."""
+        if not self.enabled:
+            return False
+        try:
+            run_id = str(self.client.info("server").get("run_id", "")) or None
+        except redis.exceptions.NoPermissionError as exc:
+            self.enabled = False
+            self.log.warning("cannot read the redis server's run id (the ACL user lacks +info); "
+                             "restarts are found by each job's next write only", error=str(exc))
+            return False
+        before, self.run_id = self.run_id, run_id
+        return before is not None and run_id is not None and run_id != before
 
 
 class Backoff:

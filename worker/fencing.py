@@ -29,7 +29,7 @@ class WriteStatus(str, Enum):
     REFUSED = "refused"
     MISSING = "missing"
     GONE = "gone"
-    BEHIND = "behind"    # the stream lost events this writer saw land (a failover): resume
+    BEHIND = "behind"    # the stream lost events this writer saw land (failover, restart): resume
     SKIP = "skip"
     ERROR = "error"
 
@@ -60,28 +60,29 @@ class Fence:
         """Bind the job id to this entry (or find it bound to another) and, when it is ours,
         make ``owner`` the job's owner: from then on every write of a previous owner is
         refused. Call only for an entry this consumer holds; ``shard`` is that of the stream
-        the entry was read from (never the job id's hash: see ``Keys``); see ``bound``."""
+        the entry was read from (never the job id's hash: see ``Keys``); see ``bound`` and
+        ``entry_lost`` (the lane no longer holds the entry: nothing was touched)."""
         return pipe.script(BIND_AND_OWN, [self.keys.dedupe(job_id, shard),
-                                          self.keys.owner(job_id, shard)],
+                                          self.keys.owner(job_id, shard), lane_key],
                            [dedupe_record(lane_key, entry_id), owner, int(ttl_ms),
-                            self.dedupe_ttl_s])
+                            self.dedupe_ttl_s, entry_id])
 
     def write_step(self, pipe: ScriptPipeline, ttl_ms: int, shard: int,
-                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, str, bool]]
+                   jobs: Sequence[tuple[str, str, str, Sequence[bytes], bool, int, bool]]
                    ) -> int:
         """All jobs of a step that hold entries of one queue shard, in one script call (their keys
-        share the shard's slot): ``(job_id, owner, batch_id, events, create, expect, refresh)``
-        each (``expect``: '' for a plain append; after a lost reply or any Redis error, the mark of
-        the last entry the worker knows landed, so the script can tell a retried batch that landed
-        from events a failover lost (status BEHIND; see protocol/scripts/results.py); ``refresh``:
-        reset the TTLs); also reads each job's cancel flag. Parse the reply with
-        ``parse_step_reply``."""
+        share the shard's slot): ``(job_id, owner, batch_id, events, create, known, refresh)``
+        each (``known``: how many entries the worker knows the job's stream holds; every write is
+        checked against the stream's length, so a retried batch that landed is not written twice
+        and events a failover or a restart lost make the status BEHIND, with or without an error
+        the worker saw; see protocol/scripts/results.py; ``refresh``: reset the TTLs); also
+        reads each job's cancel flag. Parse the reply with ``parse_step_reply``."""
         keys: list[str] = []
         spec = []
-        for job_id, owner, batch_id, events, create, expect, refresh in jobs:
+        for job_id, owner, batch_id, events, create, known, refresh in jobs:
             keys += [self.keys.owner(job_id, shard), self.keys.results(job_id, shard),
                      self.keys.cancel(job_id, shard)]
-            spec.append([owner, int(create), batch_id, expect, list(events), int(refresh)])
+            spec.append([owner, int(create), batch_id, int(known), list(events), int(refresh)])
         # Old-spec raw strings: Redis's cmsgpack does not read the bin types.
         return pipe.script(WRITE_STEP, keys, [int(ttl_ms), msgpack.packb(spec, use_bin_type=False)])
 
@@ -93,6 +94,12 @@ class Fence:
 def bound(reply: Any) -> bool:
     """A BIND_AND_OWN reply: True when the job id is bound to this entry (and now owned)."""
     return reply == 1
+
+
+def entry_lost(reply: Any) -> bool:
+    """A BIND_AND_OWN reply: True when the entry's lane no longer holds it (Redis lost it);
+    the script then touched nothing, and the worker must not run the job."""
+    return reply in (b"lost", "lost")
 
 
 def parse_step_reply(reply: Any) -> list[tuple[WriteStatus, bool, str]]:

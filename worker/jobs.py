@@ -116,8 +116,7 @@ class Job:
     pending: list[bytes] = field(default_factory=list)  # encoded events not yet written
     batch_no: int = 0
     may_create: bool = True              # the stream may be created until the first write lands
-    unsure: bool = False                 # a reply was lost or Redis failed: check before writing
-    tail_mark: str = "^"                 # $batch mark of the stream's last entry we know landed
+    stream_len: int = 0                  # entries we know the result stream holds (checked)
     terminal: Optional[str] = None       # "done"/"error" once the terminal event is queued
     ttl_set_at: float = 0.0              # monotonic time the stream/owner TTLs were last set
     finish_reason: Optional[str] = None
@@ -306,12 +305,6 @@ class JobTable(dict):
         job.pending.clear()
         self.pop(job.job_id, None)
         self.log.warning("dropped", why=why, **job.log_fields())
-
-    def mark_unsure(self) -> None:
-        """After a Redis error every job's next write checks what its stream holds: a lost reply,
-        or a failover that lost acknowledged writes (protocol/scripts/results.py, _APPEND)."""
-        for job in self.values():
-            job.unsure = True
 
     def abort_all(self) -> None:
         for job in self.values():

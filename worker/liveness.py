@@ -24,6 +24,7 @@ from protocol.scripts import ID_CLAIM, ID_RELEASE, run_script, text
 from protocol.wire import now_ms
 from worker.affinity import Affinity
 from worker.config import WorkerSettings
+from worker.connection import ServerRestarts
 from worker.entries import EntryKey
 from worker.metrics import WorkerMetrics
 from worker.pending import PendingList
@@ -146,6 +147,7 @@ class Tick:
     lost_worker_id: bool = False    # another process serves under our id now: stop at once
     drain_requested: bool = False   # an admin set our drain flag
     lost_entries: list[EntryKey] = field(default_factory=list)   # reclaimed from us
+    redis_restarted: bool = False   # the server's run id changed (worker/connection.py)
 
 
 class Liveness:
@@ -170,6 +172,7 @@ class Liveness:
         self.id_lease: Optional[WorkerIdLease] = None
         self.cadence = Cadence()
         self._started_ms = now_ms()
+        self.restarts = ServerRestarts(client, log)
 
     def claim_worker_id(self) -> bool:
         """One live process per worker id; False (exit code 3) when a live worker holds it."""
@@ -185,8 +188,8 @@ class Liveness:
         return True
 
     def tick(self, draining: bool) -> Tick:
-        """Run what is due: beat (stopping there when the id was lost), sweep, renew, lane
-        metrics (not while ``draining``)."""
+        """Run what is due: beat (stopping there when the id was lost) and the server's run
+        id, sweep, renew, lane metrics (not while ``draining``)."""
         out = Tick()
         hb = self.s.heartbeat_ms / 1000.0
         due = self.cadence.due
@@ -195,6 +198,7 @@ class Liveness:
                 out.lost_worker_id = True
                 return out
             out.drain_requested = self.heartbeat()
+            out.redis_restarted = self.restarts.restarted()
         if due("affinity", hb):
             self.affinity.sweep()
         if due("renew", self.s.lease_ms / 3000.0):

@@ -130,11 +130,7 @@ class Outbox:
         if any(j.pending for j in step_jobs):
             self.fault_point("built")
         t0 = time.perf_counter()
-        try:
-            res = pipe.execute()
-        except (redis.ConnectionError, redis.TimeoutError):
-            self.jobs.mark_unsure()  # the retry must check what already landed
-            raise
+        res = pipe.execute()   # lost reply: the retry is checked, it adds only what is missing
         self.metrics.step_redis.observe(time.perf_counter() - t0)
         if terminal:
             self.fault_point("written")
@@ -202,7 +198,7 @@ class Outbox:
         batches = [j.batch_no for j in chunk]
         i = self.fence.write_step(pipe, self.ttl_ms, shard, [
             (j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create,
-             j.tail_mark if j.unsure else "", r)
+             j.stream_len, r)
             for j, r in zip(chunk, refresh)])
 
         def handle(res: list) -> None:
@@ -236,24 +232,25 @@ class Outbox:
                                       f"{detail}", job.job_id, job.request.metadata))
             return
         if status.written:
-            job.tail_mark = f"{job.batch_id}:{n}"
+            job.stream_len += n
             del job.pending[:n]
             job.batch_no += 1
             job.may_create = False
-            job.unsure = False
             job.write_failures = 0
             if job.terminal and not job.pending:
                 self.owe_ack(job.entry, job.job_id, job.terminal)
         elif status is WriteStatus.BEHIND:
-            # Redis failed over to a replica that had not received our last writes: resume
-            # the job from what its stream holds now (re-admitted as a takeover would be).
-            self.jobs.drop(job, "its result stream lost events in a Redis failover; resuming "
-                                "from what the stream holds")
+            # A failover or a restart lost our last acknowledged writes: resume the job from
+            # what its stream holds now (re-admitted as a takeover would be).
+            self.jobs.drop(job, "its result stream lost events (a Redis failover or restart); "
+                                "resuming from what the stream holds")
             self._report.resume.append(job.entry)
         elif status is WriteStatus.REFUSED:
             self.jobs.drop(job, "ownership lost: another worker took the job over")
-        else:  # missing/gone: the result stream expired, nobody can read this job any more
-            self.jobs.drop(job, f"result stream {status.value}: the reader is gone")
+        else:  # missing/gone: expired, or lost in a Redis restart; never recreated
+            self.jobs.drop(job, f"result stream {status.value}: Redis no longer holds the job's "
+                                "records (expired, or lost with Redis's data); ending it here, "
+                                "writing nothing (its readers enqueue it again or end it)")
             self.owe_ack(job.entry, job.job_id, f"result stream {status.value}")
 
     # ---------------------------------------------------------------- dead letters

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional
 from protocol.fold import ChoiceFold, ResultFold
 from protocol.errors import ProtocolError
 from protocol.events import Event
-from protocol.keys import BATCH_FIELD, EVENT_FIELD
+from protocol.keys import EVENT_FIELD
 
 
 @dataclass
@@ -33,7 +33,7 @@ class JobProgress:
     choices: dict[int, ChoiceFold] = field(default_factory=dict)   # every choice, by index
     terminal: Optional[Event] = None       # the done/error event, if the job already ended
     last_entry_id: Optional[str] = None
-    last_mark: str = "^"                   # $batch mark of the last entry ('^': none or unmarked)
+    entries: int = 0                       # entries read, undecodable ones too (the stream's XLEN)
     undecodable: int = 0                   # entries that were not protocol events (skipped)
 
     @property
@@ -54,10 +54,9 @@ def progress_from_entries(entries: Iterable[tuple[Any, dict[Any, Any]]]) -> JobP
     fold = ResultFold()
     for entry_id, fields in entries:
         prog.exists = True
+        prog.entries += 1
         prog.last_entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         raw = (fields or {}).get(EVENT_FIELD, (fields or {}).get(EVENT_FIELD.decode()))
-        mark = (fields or {}).get(BATCH_FIELD, (fields or {}).get(BATCH_FIELD.decode()))
-        prog.last_mark = (mark.decode() if isinstance(mark, bytes) else mark) or "^"
         try:
             if raw is None:
                 raise ProtocolError("entry without an event field")

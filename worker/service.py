@@ -269,7 +269,6 @@ class Worker:
             return self._iteration()
         except REDIS_ERRORS as exc:
             self._check_permanent(exc)
-            self.jobs.mark_unsure()   # a failover may have lost writes we saw acknowledged
             if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
                 self.log_limited("warning", "redis connection lost", error=str(exc))
                 return not self._connect()
@@ -280,7 +279,6 @@ class Worker:
         """Wait out an error: intake pauses, every held job stays held and is retried. A
         cluster error (CLUSTERDOWN, MOVED, an uncovered slot) means the slot map is stale."""
         self.redis_error = error
-        self.jobs.mark_unsure()
         topology.refresh(self.client)
         delay = self.backoff.failed()
         self.log_limited("warning", "redis command failed; pausing intake and retrying",
@@ -322,6 +320,11 @@ class Worker:
         if tick.lost_worker_id:
             self._lost_worker_id()
             return
+        if tick.redis_restarted:
+            self.log.warning("redis restarted (its run id changed); re-reading own pending "
+                             "entries, each held job's next write checks what its stream kept",
+                             held=len(self.jobs))
+            self._crew().intake.reread_own_pending()
         if tick.drain_requested and not self._stop.is_set():
             self.log.info("drain requested by admin")
             self.stop()

@@ -12,59 +12,60 @@ from __future__ import annotations
 from protocol.scripts.lua import lua
 
 # The fenced append; ``cur`` is the owner record's value as read by the caller (false when
-# absent). Each event entry gets field $batch = "<batch id>:<k>" (k = 1..n). ``expect`` is ''
-# for a plain append, else the writer is unsure what the stream holds (a reply was lost, or
-# Redis failed over) and ``expect`` names the $batch mark of the last entry it knows landed
-# ('^': none, or an entry without a mark). Then the stream's last entry decides: a mark of this
-# batch says how much of it already landed (only the rest is written); ``expect`` itself means
-# nothing was lost; anything else means the stream lost events the writer saw acknowledged (a
-# failover to a replica that had not received them: Redis replicates asynchronously), and the
-# append returns 'behind' without writing, so the worker resumes the job from what survived
-# instead of leaving a gap. An unsure writer whose owner record is gone is 'behind' too (the
-# record may have been lost the same way). After the first write (create = 0) XADD runs with
-# NOMKSTREAM: an expired stream is never recreated. The TTLs of the result stream and the owner
-# record are (re)set when the stream is created, on a checked write and when ``refresh`` is 1
-# (the worker asks for that when a TTL is due or the batch is terminal), not on every step: two
-# PEXPIREs per job per step were a third of the step script's time. Returns ok | dup | refused
-# (another owner) | missing (owner record expired) | gone (result stream expired) | behind.
+# absent). Each event entry gets field $batch = "<batch id>:<k>" (k = 1..n). ``known`` is how
+# many entries the writer knows the stream holds (read at admission, plus every batch it saw
+# land). EVERY write is checked against it, not only after an error the writer saw: a Redis
+# restarted from an AOF that lost its last second (appendfsync everysec), or a replica promoted
+# before it had the last writes, loses events the writer saw acknowledged, and the writer's
+# client may reconnect without raising anything. Result streams are never trimmed, so XLEN
+# (O(1), a fraction of a microsecond; the last entry's mark, XREVRANGE COUNT 1, cost ~4 us a
+# job: benchmarks/step_script.py) decides: ``known`` means nothing was lost; more is a retry
+# after a lost reply, and the last entry's mark says how much of this batch landed (only the
+# rest is written; a length that does not match it is 'behind'); less is 'behind'. 'behind'
+# writes nothing: the worker resumes the job from what survived, never leaving a gap.
+# Records gone are never recreated: no owner record and no stream is 'missing' (expired, or a
+# Redis that came back without its data: the job ends on the worker and its readers, who hold
+# the request, enqueue it again or end it job_lost); a stream gone while the writer knows it
+# held entries is 'gone' (only a first write, create = 1 and known = 0, creates the stream, so
+# an expired stream is never recreated either). No owner record but a stream is 'behind' (the
+# record was lost with the last second: resume, which takes ownership again). The TTLs of the
+# result stream and the owner record are (re)set when the stream is created and when
+# ``refresh`` is 1 (the worker asks for that when a TTL is due or the batch is terminal), not on
+# every step: two PEXPIREs per job per step were a third of the step script's time. Returns ok |
+# dup | refused (another owner) | missing | gone | behind.
 _APPEND = """
-local function last_mark(kr)
+local function landed(kr, prefix)
   local last = redis.call('XREVRANGE', kr, '+', '-', 'COUNT', 1)
-  if #last == 0 then return '^' end
   local f = last[1][2]
   for i = 1, #f, 2 do
-    if f[i] == '$batch' then return f[i + 1] end
+    if f[i] == '$batch' and string.sub(f[i + 1], 1, #prefix) == prefix then
+      return tonumber(string.sub(f[i + 1], #prefix + 1))
+    end
   end
-  return '^'
+  return nil
 end
 
-local function append(cur, ko, kr, owner, ttl, create, batch, events, expect, refresh)
+local function append(cur, ko, kr, owner, ttl, create, batch, events, known, refresh)
+  local len = redis.call('XLEN', kr)
   if not cur then
-    if expect ~= '' then return 'behind' end
+    if len > 0 then return 'behind' end
     return 'missing'
   end
   if cur ~= owner then return 'refused' end
+  if len == 0 and (known > 0 or create ~= 1) then return 'gone' end
   local n = #events
+  local prefix = batch .. ':'
   local done = 0
-  if expect ~= '' then
-    local mark = last_mark(kr)
-    local prefix = batch .. ':'
-    if string.sub(mark, 1, #prefix) == prefix then
-      done = tonumber(string.sub(mark, #prefix + 1)) or 0
-    elseif mark ~= expect then
-      return 'behind'
-    end
+  if len > known then
+    done = landed(kr, prefix)
+    if done == nil or len - known ~= done then return 'behind' end
+  elseif len < known then
+    return 'behind'
   end
   for k = done + 1, n do
-    local id
-    if create == 1 then
-      id = redis.call('XADD', kr, '*', '$event', events[k], '$batch', batch .. ':' .. k)
-    else
-      id = redis.call('XADD', kr, 'NOMKSTREAM', '*', '$event', events[k], '$batch', batch .. ':' .. k)
-    end
-    if not id then return 'gone' end
+    redis.call('XADD', kr, '*', '$event', events[k], '$batch', prefix .. k)
   end
-  if create == 1 or expect ~= '' or refresh == 1 then
+  if create == 1 or refresh == 1 then
     redis.call('PEXPIRE', kr, ttl)
     redis.call('PEXPIRE', ko, ttl)
   end
@@ -74,8 +75,8 @@ end
 """
 
 # One call for every job of an engine step. KEYS: per job owner, results, cancel. ARGV[1]: ttl
-# ms; ARGV[2]: msgpack array, per job [owner value, create 0/1, batch id, expect ('' or a mark,
-# see _APPEND), [events], refresh 0/1]. Owners and cancel flags are read with one MGET each.
+# ms; ARGV[2]: msgpack array, per job [owner value, create 0/1, batch id, known (entries the
+# writer knows the stream holds; see _APPEND), [events], refresh 0/1]. Owners and cancel flags are read with one MGET each.
 # Returns {status letters, cancel flags ('0'/'1' per job), {job number, error, ...}}, one letter
 # per job: o ok, d dup, r refused, m missing, g gone, b behind, s skip (no events), e error. Each
 # job is isolated (pcall): one job's broken key never fails another job's write (MGET reads a key
@@ -111,12 +112,18 @@ end
 return {table.concat(status), table.concat(cancel), errors}
 """)
 
-# Identity binding, then ownership. KEYS: dedupe record, owner. ARGV: this entry's dedupe record
-# ("<lane key> <entry id>"), owner value, owner ttl ms, dedupe ttl s. A job id is bound to the
-# entry its dedupe record names: absent (a raw producer, or expired) -> bind it to this entry
-# (SET NX) and own the job; names this entry -> own the job; names another entry -> touch
-# nothing and return that record (the worker rejects this entry as duplicate_job_id).
+# Identity binding, then ownership. KEYS: dedupe record, owner, the entry's lane (same slot: the
+# shard's hash tag). ARGV: this entry's dedupe record ("<lane key> <entry id>"), owner value,
+# owner ttl ms, dedupe ttl s, entry id. An entry its lane no longer holds (a Redis that came
+# back without its data, while the worker held the entry in memory; workers delete an entry
+# only after its job's terminal event) -> touch nothing and return 'lost': recreating the
+# job's records would start a second run beside the one its readers enqueue again. Else a job
+# id is bound to the entry its dedupe record names: absent (a raw producer, or expired) -> bind
+# it to this entry (SET NX) and own the job; names this entry -> own the job; names another
+# entry -> touch nothing and return that record (the worker rejects this entry as
+# duplicate_job_id).
 BIND_AND_OWN = lua("bind_and_own", """
+if #redis.call('XRANGE', KEYS[3], ARGV[5], ARGV[5]) == 0 then return 'lost' end
 local rec = redis.call('GET', KEYS[1])
 if not rec then
   redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[4], 'NX')

@@ -5,9 +5,9 @@ queue: the replica takes over, the worker pauses intake, re-reads the slot map, 
 owed and carries on by itself; every job ends exactly once (no token twice, none missing).
 
 A replica promoted after its master died may lack the master's last writes (the master
-acknowledged them before sending them on). The worker checks every job's stream after any Redis
-error and resumes a job whose stream lost events from what survived (protocol/scripts/results.py,
-_APPEND). On loopback the replicas are rarely behind, so that loss is also made deterministic
+acknowledged them before sending them on). Every write of the worker checks the job's stream
+(its length) and a job whose stream lost events resumes from what survived
+(protocol/scripts/results.py, _APPEND). On loopback the replicas are rarely behind, so that loss is also made deterministic
 here: the last events of running jobs are deleted while the worker is stopped and its
 connections are cut, as a failover would leave them."""
 
@@ -54,7 +54,7 @@ def test_master_killed_mid_stream_worker_carries_on(cluster, tmp_path, request):
         assert not rep.problems, (j, rep.problems)
         assert rep.text == fake_completion(text, 150), j
     log = env.workers[0].log()
-    print(f"{log.count('lost events in a Redis failover')} jobs resumed after lost events")
+    print(f"{log.count('its result stream lost events')} jobs resumed after lost events")
     assert "pausing intake" in log or "redis connection lost" in log, log[-3000:]
     wait_for(lambda: not env.held_by("w1"), 30, what="every entry acknowledged")
 
@@ -103,5 +103,5 @@ def test_events_a_failover_lost_are_rewritten_not_skipped(cluster, tmp_path, req
         rep = reports[j]
         assert not rep.problems, (j, rep.problems)
         assert rep.kind == "done:length" and rep.text == fake_completion(text, 120), j
-    assert w.log().count("lost events in a Redis failover") == len(ids), w.log()[-3000:]
+    assert w.log().count("its result stream lost events") == len(ids), w.log()[-3000:]
     wait_for(lambda: not env.held_by("w1"), 30, what="every entry acknowledged")

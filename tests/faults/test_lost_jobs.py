@@ -5,10 +5,10 @@ queue under the same id and keep streaming from what they have (the sync and asy
 gateway's SSE, the batch runner): each ends with exactly the full completion, each token once.
 A reader that does not hold it (``Client.get(id)``) ends ``job_lost``.
 
-Every job here is greedy: a worker that wrote to a job after the restart (it resumes a job
-whose stream lost events, and here the whole stream is gone) draws a fresh seed, so a sampled
-job's stream would mix two samples whatever its readers do (reported as a worker issue; the
-seed a reader's rerun carries is tested in tests/sdk/test_shared_readers.py)."""
+Jobs here are greedy so the texts compare exactly with one run; sampled jobs through the same
+restart (the worker never recreates a lost job's records, so no stream mixes two samples) are
+tests/faults/test_redis_restarts.py's, and the seed a reader's rerun carries is tested in
+tests/sdk/test_shared_readers.py."""
 
 from __future__ import annotations
 

@@ -45,8 +45,9 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
                "xautoclaim", "xpending", "xrange", "xrevrange",
                "get", "set", "mget", "exists", "del", "pexpire",
                "hset", "hsetnx", "hget", "hgetall", "zadd", "zrem", "sadd",
-               # the affinity sweep reads the registry and its own streams' lengths
-               "zrange", "xlen"),
+               # the affinity sweep reads the registry and its own streams' lengths; every beat
+               # reads the server's run id (a restart without an error)
+               "zrange", "xlen", "info"),
     # producer_sdk.Client / AsyncClient / python -m producer_sdk submit|cancel|batch|status
     # (status and reattach read the job's pending row, last event and the lanes' groups;
     # producer_sdk.models and the batch runner's routing read the queues, registries and beats)

@@ -59,3 +59,38 @@ def test_protected_mode_says_what_to_change():
     line = describe_permanent(redis.ConnectionError("DENIED Redis is running in protected mode"),
                               "redis://:secret@10.0.0.5:6379/0")
     assert "protected mode" in line and "requirepass" in line and "secret" not in line
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def warning(self, event: str, **fields: object) -> None:
+        self.lines.append(event)
+
+
+def test_a_restart_is_noticed_by_the_run_id_without_an_error(redis_server):
+    """The pooled client reconnects silently after the restart; only the run id tells."""
+    from worker.connection import ServerRestarts
+    client = redis_server.client()
+    restarts = ServerRestarts(client, _Log())
+    assert restarts.restarted() is False               # the first read sets the baseline
+    assert restarts.restarted() is False
+    redis_server.restart()
+    assert restarts.restarted() is True
+    assert restarts.restarted() is False
+    client.close()
+
+
+def test_a_user_without_info_turns_the_check_off_once(redis_server):
+    from worker.connection import ServerRestarts
+    admin = redis_server.client()
+    admin.acl_setuser("noinfo", enabled=True, passwords=["+pw"], keys=["*"],
+                      commands=["+@all", "-info"])
+    client = redis.Redis(port=redis_server.port, username="noinfo", password="pw")
+    log = _Log()
+    restarts = ServerRestarts(client, log)
+    assert restarts.restarted() is False and restarts.restarted() is False
+    assert not restarts.enabled and len(log.lines) == 1 and "+info" in log.lines[0]
+    client.close()
+    admin.close()
