@@ -97,7 +97,6 @@ def test_a_connection_lost_under_the_overlap_keeps_the_step_and_retries(hand_wor
     assert w._iteration_guarded() is False    # raised in the loop's thread, after the step
     assert lost and w.engine.num_steps == steps + 1
     assert w._crew().stepper.owes() and job.pending   # nothing built or stepped is lost
-    assert job.unsure                          # reconnected; the retry checks the stream
     iterate_until(w, lambda: check_stream(r, KEYS, "k").ended)
     rep = check_stream(r, KEYS, "k")
     assert rep.problems == [] and rep.text == fake_completion("k", 30)
@@ -132,7 +131,6 @@ def test_a_job_resumed_under_the_overlap_never_takes_its_old_runs_deltas(hand_wo
     iterate_until(w, lambda: "lost" in w.jobs and w.jobs["lost"].tokens >= 5)
     stream = KEYS.results("lost")
     r.xdel(stream, r.xrevrange(stream, count=1)[0][0])   # a failover lost the last write
-    w.jobs.mark_unsure()
     old = w.jobs["lost"]
     iterate_until(w, lambda: w.jobs.get("lost") not in (None, old))   # dropped, admitted again
     iterate_until(w, lambda: check_stream(r, KEYS, "lost").ended)
