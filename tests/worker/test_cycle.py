@@ -137,3 +137,18 @@ def test_a_job_resumed_under_the_overlap_never_takes_its_old_runs_deltas(hand_wo
     rep = check_stream(r, KEYS, "lost")
     assert rep.problems == [] and rep.text == fake_completion("lost", 30)
     assert [s.attempt for s in rep.started] == [1, 2]
+
+
+@pytest.mark.parametrize("flag,device,expected", [
+    (None, None, True),          # the fake engine (no config): a simulated GPU, overlapped
+    (None, "cuda:1", True), (None, "cpu", False),
+    (True, "cpu", True), (False, "cuda", False)])    # the flag wins
+def test_the_overlap_is_on_unless_the_engine_steps_on_the_cpu(flag, device, expected):
+    from types import SimpleNamespace
+
+    from worker.config import WorkerSettings
+    from worker.service import overlaps
+    settings = WorkerSettings(model="fake:", overlap_steps=flag)
+    engine = FakeEngine() if device is None else SimpleNamespace(
+        config=SimpleNamespace(device=device))
+    assert overlaps(settings, engine) is expected
