@@ -1,5 +1,6 @@
 """Test support for the worker and fault tests: the one ``wait_for``, test-only fault injection
-(``TOKENRELAY_FAULT_INJECT``, applied by tests/fault_worker.py), raw producer helpers, result
+(``TOKENRELAY_FAULT_INJECT``, and ``TOKENRELAY_FAULT_POINT``: a SIGKILL at a point of a flush;
+both applied by tests/fault_worker.py), raw producer helpers, result
 streams as a client sees them, and ``FaultEnv`` (a redis-server plus worker processes, all killed
 at teardown, also when the test failed). Servers and worker processes come from
 tests/fixtures_redis.py.
@@ -10,10 +11,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import redis
 
@@ -109,6 +111,39 @@ def maybe_inject_faults(engine: Any, spec: Optional[str] = None) -> Any:
     if kind != "raise_on_prompt" or not arg:
         raise ValueError(f"{FAULT_INJECT_ENV}={spec!r}: expected 'raise_on_prompt:<marker>'")
     return FaultInjectingEngine(engine, arg)
+
+
+FAULT_POINT_ENV = "TOKENRELAY_FAULT_POINT"
+
+
+def kill_at(point: str, nth: int) -> Callable[[str], None]:
+    """An outbox fault point (worker/outbox.py, FAULT_POINTS) that SIGKILLs the worker the
+    ``nth`` time its flush reaches ``point``: a kill at an exact point of the pipeline, with
+    no timing involved. It says so on stderr first (the test checks the line)."""
+    from worker.outbox import FAULT_POINTS
+    if point not in FAULT_POINTS or nth < 1:
+        raise ValueError(f"{FAULT_POINT_ENV}: expected '<{'|'.join(FAULT_POINTS)}>:<n >= 1>', "
+                         f"got {point!r}:{nth}")
+    seen = [0]
+
+    def hook(reached: str) -> None:
+        if reached != point:
+            return
+        seen[0] += 1
+        if seen[0] == nth:
+            sys.stderr.write(f"fault point {point} #{nth} reached: SIGKILL\n")
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+    return hook
+
+
+def fault_point_from_env(spec: Optional[str] = None) -> Optional[Callable[[str], None]]:
+    """``kill_at`` from ``TOKENRELAY_FAULT_POINT="<point>:<n>"`` (or ``spec``); None unset."""
+    spec = os.environ.get(FAULT_POINT_ENV, "") if spec is None else spec
+    if not spec:
+        return None
+    point, _, nth = spec.partition(":")
+    return kill_at(point, int(nth or 1))
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """``python -m tests.fault_worker [worker flags]``: ``python -m worker`` for tests, with the
-engine factory wrapped by fault injection (TOKENRELAY_FAULT_INJECT, see tests/fault_harness.py).
+engine factory wrapped by fault injection (TOKENRELAY_FAULT_INJECT) and the outbox's fault
+point set from TOKENRELAY_FAULT_POINT (a SIGKILL at a point of a flush); see
+tests/fault_harness.py.
 
 Fault injection is a test aid, so it lives here and not on the worker's production path."""
 
@@ -7,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from tests.fault_harness import maybe_inject_faults
+from tests.fault_harness import fault_point_from_env, maybe_inject_faults
 from worker.__main__ import main
 from worker.config import WorkerSettings
 from worker.engine_api import EngineAPI, load_engine
@@ -18,4 +20,4 @@ def injected_engine(settings: WorkerSettings) -> EngineAPI:
 
 
 if __name__ == "__main__":
-    sys.exit(main(engine_factory=injected_engine))
+    sys.exit(main(engine_factory=injected_engine, fault_point=fault_point_from_env()))

@@ -14,9 +14,11 @@ from typing import Callable, Optional
 
 
 def main(argv: Optional[list[str]] = None,
-         engine_factory: Optional[Callable[..., object]] = None) -> int:
+         engine_factory: Optional[Callable[..., object]] = None,
+         fault_point: Optional[Callable[[str], None]] = None) -> int:
     """The CLI; ``engine_factory`` (default worker.engine_api.load_engine) lets a test-only
-    entry wrap the engine (tests/fault_worker.py)."""
+    entry wrap the engine, ``fault_point`` stop the worker at a point of a flush
+    (tests/fault_worker.py; worker/outbox.py, FAULT_POINTS)."""
     from protocol.settings import parse_settings
     from worker.config import build_parser
     parser = build_parser()
@@ -44,8 +46,12 @@ def main(argv: Optional[list[str]] = None,
     if refused is not None:
         return refused
     from worker.service import Worker
-    worker = (Worker(settings) if engine_factory is None
-              else Worker(settings, engine_factory=engine_factory))
+    seams: dict = {}
+    if engine_factory is not None:
+        seams["engine_factory"] = engine_factory
+    if fault_point is not None:
+        seams["fault_point"] = fault_point
+    worker = Worker(settings, **seams)
 
     def on_signal(signum: int, _frame: object) -> None:
         worker.stop()

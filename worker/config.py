@@ -96,6 +96,11 @@ class WorkerSettings(WorkerIdentity):
                               "last write.")
     drain_timeout: float = Field(30.0, ge=0, description="Seconds running jobs get to finish on "
                                  "SIGTERM before they are handed back.")
+    overlap_steps: Optional[bool] = Field(
+        None, description="Build and write a step's token events while the engine computes the "
+        "next step (one step in flight); off: one after the other. Unset: on, except for an "
+        "engine on the CPU, whose step holds the cores (overlapping there only delays tokens).",
+        json_schema_extra=unset("on, off for a CPU engine"))
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port; 0 disables.")
     metrics_host: str = Field("0.0.0.0", description="Address the metrics server binds.")
     lease_ms: int = Field(30000, ge=100, description="Lease on held jobs; renewed every lease/3.")

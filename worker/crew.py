@@ -27,7 +27,7 @@ from worker.jobs import JobTable
 from worker.liveness import Liveness, WorkerStatus
 from worker.logs import RateLimitedLog
 from worker.metrics import WorkerMetrics
-from worker.outbox import Outbox
+from worker.outbox import Outbox, no_fault
 from worker.pending import PendingList
 from worker.steps import Stepper
 
@@ -50,10 +50,12 @@ class Crew:
                  engine: EngineAPI, jobs: JobTable, metrics: WorkerMetrics, log: Any,
                  log_limited: RateLimitedLog, status: Callable[[], WorkerStatus],
                  held: Callable[[], list[EntryKey]],
-                 on_group_recreated: Callable[[str], None]) -> "Crew":
+                 on_group_recreated: Callable[[str], None],
+                 fault_point: Callable[[str], None] = no_fault) -> "Crew":
         """Wire the collaborators for ``keys`` (the queue's registered shard count).
         ``status`` and ``held`` are the loop's answers to what a heartbeat reports and what a
-        lease renewal covers; ``on_group_recreated`` is told of every NOGROUP repaired."""
+        lease renewal covers; ``on_group_recreated`` is told of every NOGROUP repaired;
+        ``fault_point`` is the outbox's test seam (worker/outbox.py, FAULT_POINTS)."""
         s = settings
         limits = s.decode_limits()
         fence = Fence(keys, s.dedupe_ttl)
@@ -63,7 +65,7 @@ class Crew:
         affinity = Affinity(client, keys, worker_id, pending, limits, log, log_limited)
         intake = Intake(pending, affinity, engine, s.block_ms, s.lease_ms, log, log_limited)
         outbox = Outbox(client, jobs, pending, fence, dead, s.result_ttl_ms, metrics, log,
-                        log_limited)
+                        log_limited, fault_point)
         return cls(
             pending=pending, affinity=affinity, intake=intake, outbox=outbox,
             admission=Admission(client, keys, worker_id, s, limits, engine, jobs, fence, outbox,

@@ -126,17 +126,28 @@ class Intake:
 
     def prefetch_rider(self, pipe: ScriptPipeline) -> Any:
         """Ride the next iteration's read of new entries on the flush (while busy; the loop
-        does not offer it once stopping)."""
+        does not offer it once stopping), sized when the flush is queued."""
+        rider = self.prefetch()
+        return rider(pipe) if rider is not None else None
+
+    def prefetch(self) -> Optional[Callable[[ScriptPipeline], Any]]:
+        """The next read of new entries as a rider, sized NOW (None: nothing to read): the
+        loop sizes it before an engine step whose flush it rides, as the engine must not be
+        asked anything while it steps. Its capacity only grows during the step (jobs end),
+        so the read never brings more than the engine can start."""
         if not self.engine.has_unfinished_requests():
             return None
         cap = self.capacity()
         if cap <= 0:
             return None
-        parse = self.pending.queue_read_new(pipe, cap)
 
-        def handle(res: list) -> None:
-            self.prefetched = self.fit(self._read(lambda: parse(res)), cap)
-        return handle
+        def rider(pipe: ScriptPipeline) -> Any:
+            parse = self.pending.queue_read_new(pipe, cap)
+
+            def handle(res: list) -> None:
+                self.prefetched = self.fit(self._read(lambda: parse(res)), cap)
+            return handle
+        return rider
 
     def hand_back_prefetched(self) -> None:
         """Entries read but not admitted yet go back at once (drain): those read with the last

@@ -9,8 +9,9 @@ partial output in ``usage`` when a job is cancelled.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import msgpack
 
@@ -260,11 +261,30 @@ class JobTable(dict):
         self.engine = engine
         self.metrics = metrics
         self.log = log
+        self._aborts: Optional[list[str]] = None    # while a step runs: aborts it waits for
 
     def _out_of_engine(self, job: Job) -> None:
         if job.in_engine:
-            self.engine.abort_request(job.job_id)
             job.in_engine = False
+            if self._aborts is not None:
+                self._aborts.append(job.job_id)
+            else:
+                self.engine.abort_request(job.job_id)
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """While the loop's thread runs an engine step and the writer's flush ends jobs
+        (cancel flags, lost ownership): those jobs leave the table's view of the engine at
+        once (``in_engine`` is False, so the step's deltas for them are ignored), and the
+        engine hears of it when the step is over. Why: an engine is not safe to call from two
+        threads, and only the loop's thread calls it."""
+        self._aborts = []
+        try:
+            yield
+        finally:
+            aborts, self._aborts = self._aborts, None
+            for job_id in aborts:
+                self.engine.abort_request(job_id)
 
     def fail(self, job: Job, code: ErrorCode, message: str) -> None:
         """End the job with an error event (written by the next flush)."""

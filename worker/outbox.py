@@ -38,6 +38,15 @@ STEP_WRITE_CHUNK = 128   # jobs per write_step call: bounds how long one script 
 # A rider queues its commands on the flush's pipeline and returns what to do with the replies.
 Rider = Callable[[ScriptPipeline], Optional[Callable[[list], None]]]
 
+# The points of a flush a test may stop the worker at (``Outbox.fault_point``; only
+# tests/fault_worker.py sets it): events built and queued but not sent; a terminal event written
+# but its entry not acked yet; acks written (and their replies handled).
+FAULT_POINTS = ("built", "written", "acked")
+
+
+def no_fault(point: str) -> None:
+    """The production fault point: nothing happens."""
+
 
 @dataclass
 class OwedAck:
@@ -61,8 +70,10 @@ class Outbox:
 
     def __init__(self, client: Any, jobs: JobTable, pending: PendingList, fence: Fence,
                  dead: DeadLetterWriter, ttl_ms: int, metrics: WorkerMetrics, log: Any,
-                 log_limited: RateLimitedLog) -> None:
+                 log_limited: RateLimitedLog,
+                 fault_point: Callable[[str], None] = no_fault) -> None:
         self.client = client
+        self.fault_point = fault_point   # a test seam: called at each of FAULT_POINTS
         self.jobs = jobs
         self.pending = pending
         self.fence = fence
@@ -100,8 +111,10 @@ class Outbox:
         new entries) rides only on a round trip that happens anyway."""
         report = self._report = FlushReport()
         pipe = ScriptPipeline(self.client)
+        acks = bool(self.owed_acks)
         handlers = [self._queue_acks(pipe)]
         step_jobs = [j for j in self.jobs.values() if j.pending or j.in_engine]
+        terminal = any(j.terminal and j.pending for j in step_jobs)
         by_shard: dict[int, list[Job]] = {}
         for j in step_jobs:   # one script call per shard: its keys must share a slot
             by_shard.setdefault(j.entry.shard, []).append(j)
@@ -114,12 +127,18 @@ class Outbox:
             return report
         if read is not None:
             handlers.append(read(pipe))
+        if any(j.pending for j in step_jobs):
+            self.fault_point("built")
         t0 = time.perf_counter()
         res = pipe.execute()   # lost reply: the retry is checked, it adds only what is missing
         self.metrics.step_redis.observe(time.perf_counter() - t0)
+        if terminal:
+            self.fault_point("written")
         for handle in handlers:
             if handle is not None:
                 handle(res)
+        if acks:
+            self.fault_point("acked")
         return report
 
     def _note_error(self, what: str, error: Any, **fields: Any) -> bool:

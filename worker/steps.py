@@ -1,8 +1,10 @@
 """One engine step: deltas into queued events, then (after the flush) the step's logs and
 metrics; and what happens to the held jobs when a step raises.
 
-Events are queued for the flush that follows at once, while logs and metrics wait until after
-it (``account``): they are not on the path from the engine to the reader. A step that raises
+``run`` is the engine step alone and ``build`` turns its deltas into events: in series
+(``step``), or, when the loop overlaps, the writer's thread builds step N's events while the
+loop's thread runs step N+1 (worker/writer.py). Logs and metrics wait until after the flush
+(``account``): they are not on the path from the engine to the reader. A step that raises
 hands the jobs back here and returns an ``EngineFailure``; what the worker does about it
 (report the engine unloaded, exit 1) is the loop's decision (worker/service.py).
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import redis
 
@@ -32,6 +34,17 @@ class EngineFailure:
     error: Exception
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one engine step returned (``deltas``, ``ts`` when it returned) or raised, and the
+    jobs it ran (``ran``: job id -> the Job object in the engine when it started)."""
+
+    deltas: Sequence[Any]
+    ts: float
+    ran: dict[str, Job]
+    error: Optional[Exception] = None
+
+
 class Stepper:
     """Runs engine steps and turns their deltas into events on the held jobs."""
 
@@ -45,20 +58,57 @@ class Stepper:
         self.metrics = metrics
         self.log = log
         self._stepped: list[tuple] = []     # (job, delta, prev token time, first, ts, ended)
+        self._held: Optional[StepOutcome] = None
 
     def step(self) -> Optional[EngineFailure]:
-        """One engine step; None when it ran, the failure (jobs already handed back) when it
-        raised."""
+        """One engine step, its deltas turned into events at once (the loop in series); None
+        when it ran, the failure (jobs already handed back) when it raised."""
+        self.run(self.running())
+        return self.build(self.detach())
+
+    def running(self) -> dict[str, Job]:
+        """The jobs in the engine now, by id: taken before a step (and before the writer's
+        flush starts: the flush changes the table)."""
+        return {jid: j for jid, j in self.jobs.items() if j.in_engine}
+
+    def run(self, ran: dict[str, Job]) -> None:
+        """Only the engine step, timed; its outcome is held until ``build`` (the writer's
+        thread builds it while the loop's thread runs the next step). Touches no job."""
         t0 = time.perf_counter()
         try:
             deltas = self.engine.step()
         except Exception as exc:
-            return self._engine_failed(exc)
-        ts = time.time()
+            self._held = StepOutcome([], 0.0, ran, exc)
+            return
+        self._held = StepOutcome(deltas, time.time(), ran)
         self.metrics.engine_step.observe(time.perf_counter() - t0)
-        for d in deltas:
-            job = self.jobs.get(d.request_id)
-            if job is None or not job.in_engine:
+
+    def detach(self) -> Optional["StepOutcome"]:
+        """The outcome of the last ``run`` not built yet (None: none), now the caller's."""
+        out, self._held = self._held, None
+        return out
+
+    def owes(self) -> bool:
+        """A step's outcome waits to be built into events."""
+        return self._held is not None
+
+    def failed(self) -> bool:
+        """The held outcome is an engine failure (the loop builds it at once, in its thread)."""
+        return self._held is not None and self._held.error is not None
+
+    def build(self, outcome: Optional["StepOutcome"]) -> Optional[EngineFailure]:
+        """Turn a step's deltas into events on the jobs that ran it; a failed step hands the
+        jobs back. A delta is dropped when its job left the engine since (cancelled, dropped)
+        or is no longer the job of that id in the table: a job dropped and admitted again
+        (resumed after a failover lost its events) must never take its old run's deltas."""
+        if outcome is None:
+            return None
+        if outcome.error is not None:
+            return self._engine_failed(outcome.error)
+        ts, table = outcome.ts, self.jobs
+        for d in outcome.deltas:
+            job = outcome.ran.get(d.request_id)
+            if job is None or not job.in_engine or table.get(d.request_id) is not job:
                 continue
             if d.error is not None:     # the engine ended this request alone (its grammar)
                 job.in_engine = False
@@ -98,7 +148,7 @@ class Stepper:
         running job when it names none) are handed back counting a delivery, or dead-lettered
         (poison) when that was their last allowed one; the others are parked without counting
         one (the flush hands them back)."""
-        self.log.exception("engine step failed; handing jobs back and exiting")
+        self.log.error("engine step failed; handing jobs back and exiting", exc_info=exc)
         named = set(getattr(exc, "request_ids", None) or ())
         for job in [j for j in self.jobs.values() if j.in_engine]:
             try:
