@@ -121,8 +121,9 @@ class WorkerUnderTest:
                                                 f"r{self.rounds}", work, timeout=600)
         m1, i1, c1 = self.metrics(), self.info(), proc.cpu_times()
         steps = max(1.0, m1["steps"] - m0["steps"])
-        return Run(events, wall, steps, (c1.user + c1.system - c0.user - c0.system) / steps,
-                   (i1["cpu"] - i0["cpu"]) / steps, (m1["flushes"] - m0["flushes"]) / steps,
+        # max(0, ...): a delta of two sums of rounded clock ticks can come out as -1e-17
+        return Run(events, wall, steps, max(0.0, (c1.user + c1.system) - (c0.user + c0.system))
+                   / steps, max(0.0, i1["cpu"] - i0["cpu"]) / steps, (m1["flushes"] - m0["flushes"]) / steps,
                    (i1["commands"] - i0["commands"]) / steps, delays)
 
     def metrics(self) -> dict[str, float]:

@@ -80,6 +80,22 @@ def thaw_heap() -> None:
     gc.unfreeze()
 
 
+def registered_keys(client: Any, keys: Keys, shards: Optional[int], log: Any) -> Keys:
+    """The queue's keys with its registered shard count (registered here when none is; a
+    different ``--shards`` is a configuration error), and a warning for each lane of jobs that
+    no worker of that count reads (producers that guessed the count before they registered)."""
+    try:
+        count = register_shards(client, keys, shards)
+    except ShardCountMismatch as exc:
+        raise PermanentRedisError(str(exc)) from exc
+    keys = Keys(keys.namespace, keys.queue, count)
+    for lane in unread_lanes(client, keys):
+        if lane.reason == OUTSIDE_LAYOUT:
+            log.warning("jobs in a lane no worker reads", lane=lane.key, depth=lane.depth,
+                        detail=lane.detail)
+    return keys
+
+
 class Worker:
     """Runs one worker; ``run()`` blocks until stopped, ``stop()`` may be called from any thread.
 
@@ -210,15 +226,7 @@ class Worker:
         """The queue's shard count (registered by the first worker or producer, refused with
         exit 78 when --shards says otherwise), a warning for jobs in lanes no worker of that
         count reads, then the collaborators for its keys."""
-        try:
-            shards = register_shards(self.client, self.keys, self.s.shards)
-        except ShardCountMismatch as exc:
-            raise PermanentRedisError(str(exc)) from exc
-        self.keys = Keys(self.keys.namespace, self.keys.queue, shards)
-        for lane in unread_lanes(self.client, self.keys):
-            if lane.reason == OUTSIDE_LAYOUT:
-                self.log.warning("jobs in a lane no worker reads", lane=lane.key,
-                                 depth=lane.depth, detail=lane.detail)
+        self.keys = registered_keys(self.client, self.keys, self.s.shards, self.log)
         assert self.engine is not None
         return Crew.assemble(
             settings=self.s, worker_id=self.worker_id, client=self.client, keys=self.keys,

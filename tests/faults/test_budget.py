@@ -94,7 +94,8 @@ def test_the_batch_runner_waits_for_budget_room(env, tmp_path):
     inp, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     inp.write_text("".join(json.dumps({
         "custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-        "body": {"prompt": f"p{i}", "max_tokens": 4, "temperature": 0}}) + "\n"
+        "body": {"model": "fake", "prompt": f"p{i}", "max_tokens": 4, "temperature": 0}})
+        + "\n"
         for i in range(40)))                         # each costs 1 + 4 tokens
     seen, stop = [0], threading.Event()
 
