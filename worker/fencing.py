@@ -43,6 +43,9 @@ _STEP_CODES = {"o": WriteStatus.OK, "d": WriteStatus.DUP, "r": WriteStatus.REFUS
                "e": WriteStatus.ERROR}
 
 
+STEP_KEYS_MEMO = 65_536   # jobs whose step keys a Fence remembers (far above max_num_seqs)
+
+
 def new_owner_value(worker_id: str) -> str:
     """A fresh ``<worker_id>:<token>``: the token tells apart two lives of the same worker id."""
     return f"{worker_id}:{secrets.token_hex(8)}"
@@ -54,6 +57,22 @@ class Fence:
     def __init__(self, keys: Keys, dedupe_ttl_s: int = 86_400) -> None:
         self.keys = keys
         self.dedupe_ttl_s = int(dedupe_ttl_s)
+        self._step_keys: dict[tuple[str, int], tuple[bytes, bytes, bytes]] = {}
+
+    def step_keys(self, job_id: str, shard: int) -> tuple[bytes, bytes, bytes]:
+        """A job's owner, results and cancel keys, built and UTF-8 encoded once per job rather
+        than per step (three key builds and encodes per running job per step were a measurable
+        share of the worker's CPU, issue #29). Bounded: the memo starts over past
+        ``STEP_KEYS_MEMO`` jobs."""
+        found = self._step_keys.get((job_id, shard))
+        if found is None:
+            if len(self._step_keys) >= STEP_KEYS_MEMO:
+                self._step_keys.clear()
+            k = self.keys
+            found = self._step_keys[(job_id, shard)] = (
+                k.owner(job_id, shard).encode(), k.results(job_id, shard).encode(),
+                k.cancel(job_id, shard).encode())
+        return found
 
     def bind_and_own(self, pipe: ScriptPipeline, job_id: str, shard: int, lane_key: str,
                      entry_id: str, owner: str, ttl_ms: int) -> int:
@@ -80,14 +99,13 @@ class Fence:
         batch ends with its terminal event, else 0 (None: all 0); the script returns it to the
         shard's budget with that event, exactly once. Parse the reply with
         ``parse_step_reply``."""
-        keys: list[str] = []
+        keys: list[bytes] = []
         spec = []
         for k, (job_id, owner, batch_id, events, create, known, refresh) in enumerate(jobs):
-            keys += [self.keys.owner(job_id, shard), self.keys.results(job_id, shard),
-                     self.keys.cancel(job_id, shard)]
+            keys += self.step_keys(job_id, shard)
             spec.append([owner, int(create), batch_id, int(known), list(events), int(refresh),
                          int(releases[k]) if releases else 0])
-        keys.append(self.keys.budget(shard))   # always the last key (see WRITE_STEP)
+        keys.append(self.keys.budget(shard).encode())   # always the last key (see WRITE_STEP)
         # Old-spec raw strings: Redis's cmsgpack does not read the bin types.
         return pipe.script(WRITE_STEP, keys, [int(ttl_ms), msgpack.packb(spec, use_bin_type=False)])
 

@@ -8,6 +8,7 @@ partial output in ``usage`` when a job is cancelled.
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,7 +47,21 @@ def encode_token_event(seq: int, choice: int, position: int, text: str, token_id
         if cumulative_logprob is not None:
             ev["cumulative_logprob"] = float(cumulative_logprob)
     ev["ts"] = ts
-    return msgpack.packb(ev, use_bin_type=True)
+    return _token_packer().pack(ev)
+
+
+_PACKERS = threading.local()
+
+
+def _token_packer() -> msgpack.Packer:
+    """One msgpack Packer per thread, made once: ``msgpack.packb`` builds a Packer per call,
+    half the cost of packing a token event (issue #29). Per thread because token events are
+    built by the writer's thread when the loop overlaps and by the loop's thread in series, and
+    a Packer holds its buffer between calls. Same options as ``packb(use_bin_type=True)``."""
+    packer = getattr(_PACKERS, "packer", None)
+    if packer is None:
+        packer = _PACKERS.packer = msgpack.Packer(use_bin_type=True)
+    return packer
 
 
 @dataclass

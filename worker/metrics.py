@@ -21,6 +21,22 @@ _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
         0.75, 1.0, 2.5)
 
 
+def observe_many(histogram: Histogram, value: float, count: int) -> None:
+    """``histogram.observe(value)`` ``count`` times, in one bucket increment: the worker observes
+    one inter-token gap per token, and the sequences of one step share their gap, so a step of
+    256 sequences is one or two of these instead of 256 ``observe`` calls (issue #29). Uses
+    prometheus_client's bucket layout (``_upper_bounds``, ``_buckets``, ``_sum``), the same
+    fields ``observe`` updates; tests/worker/test_metrics.py holds the two equal."""
+    if count <= 0:
+        return
+    histogram._raise_if_not_observable()
+    histogram._sum.inc(value * count)
+    for bucket, bound in zip(histogram._buckets, histogram._upper_bounds):
+        if value <= bound:
+            bucket.inc(count)
+            return
+
+
 class _Labelled:
     """A collector that re-exports another registry's metrics with constant labels added."""
 

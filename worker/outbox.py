@@ -197,7 +197,7 @@ class Outbox:
         counts = [len(j.pending) for j in chunk]
         batches = [j.batch_no for j in chunk]
         i = self.fence.write_step(pipe, self.ttl_ms, shard, [
-            (j.job_id, j.owner, j.batch_id, list(j.pending), j.may_create,
+            (j.job_id, j.owner, j.batch_id, j.pending, j.may_create,
              j.stream_len, r)
             for j, r in zip(chunk, refresh)], [j.entry.cost if j.terminal else 0 for j in chunk])
 

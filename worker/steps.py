@@ -21,7 +21,7 @@ from protocol.errors import ErrorCode
 from worker.deadletters import Rejection
 from worker.engine_api import EngineAPI
 from worker.jobs import Job, JobTable
-from worker.metrics import WorkerMetrics
+from worker.metrics import WorkerMetrics, observe_many
 from worker.outbox import Outbox
 from worker.pending import PendingList
 
@@ -125,22 +125,27 @@ class Stepper:
     def account(self) -> None:
         """Logs and metrics of the last step (after its flush)."""
         m, log = self.metrics, self.log
+        tokens, gaps = 0, {}    # summed per step: one counter and histogram update, not per token
         for job, d, prev, first, ts, ended in self._stepped:
             if first:
                 m.ttft.observe(max(0.0, ts - job.enqueued_ms / 1000))
                 log.debug("first_token", **job.log_fields())
             n = len(d.new_token_ids)
             if n:
-                m.generation_tokens.inc(n)
+                tokens += n
                 if prev is not None:
-                    for _ in range(n):
-                        m.itl.observe((ts - prev) / n)
+                    gap = (ts - prev) / n
+                    gaps[gap] = gaps.get(gap, 0) + n
             if ended:
                 m.prompt_tokens.inc(job.prompt_tokens)
                 m.e2e.observe(max(0.0, time.time() - job.enqueued_ms / 1000))
                 m.finished.labels(job.finish_reason or "stop").inc()
                 log.info("finished", finish_reason=job.finish_reason, tokens=job.tokens,
                          **job.log_fields())
+        if tokens:
+            m.generation_tokens.inc(tokens)
+        for gap, count in gaps.items():
+            observe_many(m.itl, gap, count)
         self._stepped.clear()
 
     def _engine_failed(self, exc: Exception) -> EngineFailure:

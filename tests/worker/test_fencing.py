@@ -192,3 +192,17 @@ def test_scripts_survive_a_script_cache_flush(r):
     own(r, f, "j", "w1:a")
     r.script_flush()
     assert write(r, f, "w1:a", "a.0", [b"x"]) is WriteStatus.OK
+
+
+def test_step_keys_are_the_keys_of_the_job_and_bounded(monkeypatch):
+    import worker.fencing as fencing
+    keys = Keys(namespace="t-stepkeys", shards=4)
+    f = Fence(keys)
+    assert f.step_keys("job-1", 2) == (keys.owner("job-1", 2).encode(),
+                                       keys.results("job-1", 2).encode(),
+                                       keys.cancel("job-1", 2).encode())
+    assert f.step_keys("job-1", 3)[0] == keys.owner("job-1", 3).encode()   # its shard's key
+    monkeypatch.setattr(fencing, "STEP_KEYS_MEMO", 2)
+    for i in range(5):
+        assert f.step_keys(f"j{i}", 0)[1] == keys.results(f"j{i}", 0).encode()
+    assert len(f._step_keys) <= 2
