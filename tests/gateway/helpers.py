@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -13,7 +14,7 @@ import uvicorn
 
 from producer_sdk.gateway import GatewaySettings, create_app
 from producer_sdk.gateway.http import server_config
-from tests.fault_harness import wait_for
+from tests.fault_harness import FaultEnv, wait_for
 from tests.fixtures_redis import free_port
 
 # Fast for tests: the model list is read on every request, keep-alives and headers come quickly.
@@ -173,3 +174,21 @@ class GatewayProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self._log.close()
+
+
+@contextmanager
+def worker_and_gateway(tmp: Any, namespace: str, queue: str, *flags: str,
+                       max_num_seqs: int) -> Iterator[tuple[FaultEnv, GatewayProcess]]:
+    """A private redis-server with one fake worker (``w1``, 20 ms steps) and a gateway process on
+    it, started with ``flags``; both are ended on exit, also when a test fails."""
+    e = FaultEnv(tmp, namespace=namespace, queue=queue)
+    gw = None
+    try:
+        e.worker("w1", delay=0.02, max_num_seqs=max_num_seqs)
+        gw = GatewayProcess(tmp / "gateway.log", "--redis-url", e.url, "--namespace", namespace,
+                            *flags).wait_up()
+        yield e, gw
+    finally:
+        if gw is not None:
+            gw.stop()
+        e.close()

@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.fault_harness import FaultEnv, wait_for
-from tests.gateway.helpers import GatewayProcess
+from tests.fault_harness import wait_for
+from tests.gateway.helpers import worker_and_gateway
 
 pytestmark = pytest.mark.timeout(120)
 BUDGET = 4000
@@ -17,19 +17,10 @@ BUDGET = 4000
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gateway-budget")
-    e = FaultEnv(tmp, namespace="gb", queue="gbq")
-    gw = None
-    try:
-        e.worker("w1", delay=0.02, max_num_seqs=8)
-        gw = GatewayProcess(tmp / "gateway.log", "--redis-url", e.url, "--namespace", "gb",
+    with worker_and_gateway(tmp_path_factory.mktemp("gateway-budget"), "gb", "gbq",
                             "--max-queued-tokens", str(BUDGET), "--models-refresh-s", "0",
-                            "--retry-after-s", "3").wait_up()
-        yield e, gw
-    finally:
-        if gw is not None:
-            gw.stop()
-        e.close()
+                            "--retry-after-s", "3", max_num_seqs=8) as pair:
+        yield pair
 
 
 def test_429_with_retry_after_past_the_token_budget_small_requests_still_run(env):

@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from protocol.keys import Keys
-from tests.fault_harness import FaultEnv, wait_for
-from tests.gateway.helpers import GatewayProcess, sse_events
+from tests.fault_harness import wait_for
+from tests.gateway.helpers import sse_events, worker_and_gateway
 
 pytestmark = pytest.mark.timeout(120)
 CHAT = [{"role": "user", "content": "hi"}]
@@ -27,22 +27,13 @@ IN_FLIGHT = 6
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("front-door")
-    e = FaultEnv(tmp, namespace="fd", queue="fdq")
-    gw = None
-    try:
-        e.worker("w1", delay=0.02, max_num_seqs=64)
-        gw = GatewayProcess(tmp / "gateway.log", "--redis-url", e.url, "--namespace", "fd",
+    with worker_and_gateway(tmp_path_factory.mktemp("front-door"), "fd", "fdq",
                             "--max-body-bytes", str(LIMIT), "--header-timeout-s", "1",
                             "--body-timeout-s", "1", "--max-in-flight", str(IN_FLIGHT),
                             "--routes", "ghost=ghostq", "--models-refresh-s", "0",
                             "--keepalive-s", "0.2", "--status-wait-s", "0.2",
-                            "--retry-after-s", "2").wait_up()
-        yield e, gw
-    finally:
-        if gw is not None:
-            gw.stop()
-        e.close()
+                            "--retry-after-s", "2", max_num_seqs=64) as pair:
+        yield pair
 
 
 def error_of(resp: httpx.Response, status: int) -> dict:

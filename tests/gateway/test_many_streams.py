@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from protocol.keys import Keys
-from tests.fault_harness import FaultEnv, read_events, wait_for
-from tests.gateway.helpers import GatewayProcess, sse_events
+from tests.fault_harness import read_events, wait_for
+from tests.gateway.helpers import sse_events, worker_and_gateway
 from worker.fake_engine import fake_completion
 
 pytestmark = pytest.mark.timeout(180)
@@ -25,18 +25,10 @@ STREAMS, ORDINARY, MAX_TOKENS = 300, 40, 2000
 
 @pytest.fixture
 def env(tmp_path):
-    e = FaultEnv(tmp_path, namespace="many", queue="mq")
-    gw = None
-    try:
-        e.worker("w1", delay=0.02, max_num_seqs=512)
-        gw = GatewayProcess(tmp_path / "gateway.log", "--redis-url", e.url, "--namespace",
-                            "many", "--redis-max-connections", "16", "--reader-streams", "64",
-                            "--status-wait-s", "0.2").wait_up()
-        yield e, gw
-    finally:
-        if gw is not None:
-            gw.stop()
-        e.close()
+    with worker_and_gateway(tmp_path, "many", "mq", "--redis-max-connections", "16",
+                            "--reader-streams", "64", "--status-wait-s", "0.2",
+                            max_num_seqs=512) as pair:
+        yield pair
 
 
 async def abandon(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, str, int]:
