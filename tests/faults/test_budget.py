@@ -19,13 +19,6 @@ FLAGS = dict(max_num_seqs=32, max_deliveries=2, delay=0.02)
 INJECT = {"TOKENRELAY_FAULT_INJECT": "raise_on_prompt:POISON"}
 
 
-@pytest.fixture
-def env(request, tmp_path):
-    e = FaultEnv(tmp_path)
-    request.addfinalizer(e.close)
-    return e
-
-
 def ended(env: FaultEnv, job_ids: list[str]) -> set[str]:
     """The jobs whose result stream ends with a terminal event."""
     pipe = env.r.pipeline(transaction=False)

@@ -9,17 +9,10 @@ import time
 
 import pytest
 
-from tests.fault_harness import FaultEnv, wait_for
+from tests.fault_harness import wait_for
 from worker.fake_engine import fake_beams, fake_token
 
 STOP = ord("q")
-
-
-@pytest.fixture
-def env(request, tmp_path):
-    e = FaultEnv(tmp_path)
-    request.addfinalizer(e.close)
-    return e
 
 
 def offline(prompt: str, seed: int, n: int, max_tokens: int) -> list[tuple[str, str]]:

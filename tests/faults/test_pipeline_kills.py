@@ -11,18 +11,11 @@ import signal
 
 import pytest
 
-from tests.fault_harness import FaultEnv, wait_for
+from tests.fault_harness import wait_for
 from worker.fake_engine import fake_completion
 from worker.outbox import FAULT_POINTS
 
 SHORT, LONG = 8, 40     # tokens: the short jobs end (and are acked) while the long ones run
-
-
-@pytest.fixture
-def env(request, tmp_path):
-    e = FaultEnv(tmp_path)
-    request.addfinalizer(e.close)
-    return e
 
 
 @pytest.mark.timeout(120)

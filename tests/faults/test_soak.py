@@ -22,13 +22,6 @@ RESULT_TTL_S = 6
 KILL_AFTER_READY_S = 1.0
 
 
-@pytest.fixture
-def env(request, tmp_path):
-    e = FaultEnv(tmp_path)
-    request.addfinalizer(e.close)
-    return e
-
-
 class StreamFollower:
     """Reads every job's result stream as a client would, from the last id seen, so events are
     captured before the streams expire."""

@@ -13,7 +13,7 @@ import time
 import jsonschema
 import pytest
 
-from tests.fault_harness import FaultEnv, submit, wait_for
+from tests.fault_harness import submit, wait_for
 
 # An answer that runs long (about 60 tokens): time to kill a worker in the middle of it.
 LONG = {"type": "object", "additionalProperties": False, "required": ["items"],
@@ -21,13 +21,6 @@ LONG = {"type": "object", "additionalProperties": False, "required": ["items"],
                                  "items": {"type": "string", "maxLength": 5}}}}
 REAL = {"max-num-seqs": 32, "dtype": "float32"}
 EAGER = {"TOKENRELAY_ENFORCE_EAGER": "true"}     # seconds less start-up (no compiled kernels)
-
-
-@pytest.fixture
-def env(request, tmp_path):
-    e = FaultEnv(tmp_path)
-    request.addfinalizer(e.close)
-    return e
 
 
 @pytest.mark.timeout(300)

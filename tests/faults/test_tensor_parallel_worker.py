@@ -18,14 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_harness import FaultEnv, wait_for
-
-
-@pytest.fixture
-def env(request, tmp_path):
-    e = FaultEnv(tmp_path)
-    request.addfinalizer(e.close)
-    return e
+from tests.fault_harness import wait_for
 
 
 def rank_pids(parent: int) -> list[int]:

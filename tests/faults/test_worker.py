@@ -20,13 +20,6 @@ from worker.fake_engine import fake_completion
 
 
 @pytest.fixture
-def env(request, tmp_path):
-    e = FaultEnv(tmp_path)
-    request.addfinalizer(e.close)
-    return e
-
-
-@pytest.fixture
 def aof_env(request, tmp_path):
     e = FaultEnv(tmp_path, redis_args=("--appendonly", "yes", "--appendfsync", "everysec"))
     request.addfinalizer(e.close)

@@ -44,3 +44,13 @@ def iterate_until(w: Worker, done: Callable[[], bool], limit: int = 200) -> int:
         if done() or exit_now:
             return n
     raise AssertionError(f"not done after {limit} iterations")
+
+
+def start_job(w: Worker, r: Any, job_id: str, max_tokens: int = 40,
+              temperature: float = 0.0) -> None:
+    """Submit a job and iterate until the worker runs it with 3 tokens made and nothing owed."""
+    from tests.fault_harness import submit
+    submit(r, KEYS, {"job_id": job_id, "prompt": job_id,
+                     "params": {"max_tokens": max_tokens, "temperature": temperature}})
+    iterate_until(w, lambda: job_id in w.jobs and w.jobs[job_id].tokens >= 3
+                  and not w.jobs[job_id].pending)

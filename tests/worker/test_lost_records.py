@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fault_harness import submit
-from tests.worker.hand_driven import KEYS, hand_worker, iterate_until  # noqa: F401
+from tests.worker.hand_driven import KEYS, hand_worker, iterate_until, start_job  # noqa: F401
 from worker.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,10 +20,7 @@ def records(r, job_id: str) -> int:
 
 
 def start(w, r, job_id: str) -> None:
-    submit(r, KEYS, {"job_id": job_id, "prompt": job_id,
-                     "params": {"max_tokens": 40, "temperature": 0.7}})
-    iterate_until(w, lambda: job_id in w.jobs and w.jobs[job_id].tokens >= 3
-                  and not w.jobs[job_id].pending)
+    start_job(w, r, job_id, temperature=0.7)       # sampled: a rerun would draw another seed
 
 
 def test_the_next_write_ends_the_job_and_recreates_nothing(hand_worker, redis_server):

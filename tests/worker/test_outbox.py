@@ -7,24 +7,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fault_harness import check_stream, submit
-from tests.worker.hand_driven import KEYS, hand_worker, iterate_until  # noqa: F401
+from tests.fault_harness import check_stream
+from tests.worker.hand_driven import KEYS, hand_worker, iterate_until, start_job  # noqa: F401
 from worker.fake_engine import FakeEngine, fake_completion
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def start(w, r, job_id: str, max_tokens: int = 40) -> None:
-    submit(r, KEYS, {"job_id": job_id, "prompt": job_id,
-                     "params": {"max_tokens": max_tokens, "temperature": 0}})
-    iterate_until(w, lambda: job_id in w.jobs and w.jobs[job_id].tokens >= 3
-                  and not w.jobs[job_id].pending)
-
-
 def test_a_transient_error_keeps_everything_owed_and_pauses_the_loop(hand_worker, redis_server):
     r = redis_server.client()
     w = hand_worker(engine=FakeEngine())
-    start(w, r, "j")
+    start_job(w, r, "j")
     outbox, job = w._crew().outbox, w.jobs["j"]
     w._crew().stepper.step()
     owed = list(job.pending)
@@ -47,7 +40,7 @@ def test_a_transient_error_keeps_everything_owed_and_pauses_the_loop(hand_worker
 def test_a_stream_that_lost_events_is_resumed_from_what_it_holds(hand_worker, redis_server):
     r = redis_server.client()
     w = hand_worker(engine=FakeEngine())
-    start(w, r, "lost", max_tokens=12)
+    start_job(w, r, "lost", max_tokens=12)
     entry = w.jobs["lost"].entry
     stream = KEYS.results("lost")
     last = r.xrevrange(stream, count=1)[0][0]
