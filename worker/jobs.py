@@ -12,6 +12,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterator, Optional
 
 import msgpack
@@ -149,9 +150,14 @@ class Job:
     def enqueued_ms(self) -> int:
         return self.request.submitted_ms or self.entry.enqueued_ms
 
+    @cached_property
+    def owner_token(self) -> str:
+        """The token of ``owner`` (set once, when the job is admitted)."""
+        return self.owner.rsplit(":", 1)[-1]
+
     @property
     def batch_id(self) -> str:
-        return f"{self.owner.rsplit(':', 1)[-1]}.{self.batch_no}"
+        return f"{self.owner_token}.{self.batch_no}"
 
     @property
     def text(self) -> str:

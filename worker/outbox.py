@@ -184,22 +184,25 @@ class Outbox:
                                was_pending=AckStatus(int(code)) is AckStatus.ACKED)
 
     # ---------------------------------------------------------------- event writes
-    def _ttl_due(self, job: Job, now: float) -> bool:
-        """Whether this write should reset the job's TTLs: with a terminal event (the stream
-        then lives result_ttl from its end) or once a tenth of the TTL has passed since the
-        last reset (creation and checked retries always set them)."""
-        return bool(job.terminal) or now - job.ttl_set_at > self.ttl_ms / 10_000.0
-
     def _queue_writes(self, pipe: ScriptPipeline, shard: int,
                       chunk: list[Job]) -> Callable[[list], None]:
+        """One WRITE_STEP call for ``chunk``; the handler applies its reply. One pass over the
+        jobs (this runs for every running job every step: issue #29)."""
         now = time.monotonic()
-        refresh = [self._ttl_due(j, now) for j in chunk]
-        counts = [len(j.pending) for j in chunk]
-        batches = [j.batch_no for j in chunk]
-        i = self.fence.write_step(pipe, self.ttl_ms, shard, [
-            (j.job_id, j.owner, j.batch_id, j.pending, j.may_create,
-             j.stream_len, r)
-            for j, r in zip(chunk, refresh)], [j.entry.cost if j.terminal else 0 for j in chunk])
+        due_after = self.ttl_ms / 10_000.0
+        writes, releases, counts, refresh, batches = [], [], [], [], []
+        for j in chunk:
+            # Reset the job's TTLs with a terminal event (the stream then lives result_ttl from
+            # its end) or once a tenth of the TTL has passed since the last reset (creation and
+            # checked retries always set them).
+            r = bool(j.terminal) or now - j.ttl_set_at > due_after
+            writes.append((j.job_id, j.owner, j.batch_id, j.pending, j.may_create,
+                           j.stream_len, r))
+            releases.append(j.entry.cost if j.terminal else 0)
+            counts.append(len(j.pending))
+            refresh.append(r)
+            batches.append(j.batch_no)
+        i = self.fence.write_step(pipe, self.ttl_ms, shard, writes, releases)
 
         def handle(res: list) -> None:
             self._on_step_reply(chunk, counts, res[i])
