@@ -269,8 +269,9 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] * 1000.0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.worker", description=__doc__.split("\n")[0])
+def build_parser(prog: str = "python -m benchmarks.worker") -> argparse.ArgumentParser:
+    """The workload and engine options (benchmarks.delivery_floor's writer takes them too)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--model", help="checkpoint (default: build the bench-size tiny one)")
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--quick", action="store_true", help="16 requests, prompts 16-128, "
@@ -283,7 +284,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--skip-in-process", action="store_true")
     p.add_argument("--rounds", type=int, default=1, help="alternate in-process and Redis runs")
-    args = p.parse_args(argv)
+    p.add_argument("--no-floor", action="store_true", help="skip the delivery floor "
+                   "(benchmarks.delivery_floor: the engine alone, one XADD per step)")
+    return p
+
+
+def workload(args: argparse.Namespace) -> tuple[str, int, list[Request]]:
+    """(checkpoint, its vocabulary size, requests) as the options ask."""
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
@@ -293,7 +300,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     n, pr, orng = args.num_requests, (16, 384), (16, 192)
     if args.quick:
         n, pr, orng = min(n, 16), (16, 128), (16, 64)
-    work = make_workload(n, pr, orng, vocab, args.seed)
+    return model, vocab, make_workload(n, pr, orng, vocab, args.seed)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    model, vocab, work = workload(args)
     print(f"workload: {len(work)} requests, {sum(len(w.prompt_token_ids) for w in work)} prompt "
           f"tokens, {sum(w.max_tokens for w in work)} output tokens; model {model}", flush=True)
     in_proc: list[tuple[float, float]] = []
@@ -329,6 +342,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"redis-server (medians; target >= 0.9)")
     print(f"token delivery    : p50 {pct(delays, 0.5):.2f} ms  p99 {pct(delays, 0.99):.2f} ms  "
           f"max {max(delays) * 1000:.2f} ms over {len(delays)} token events (target p99 < 5 ms)")
+    if not args.no_floor:
+        from benchmarks.delivery_floor import measure_floor, report
+        print(report(measure_floor(argv)))
     return 0
 
 

@@ -1,0 +1,38 @@
+"""benchmarks.delivery_floor on a tiny model: the writer really runs the engine alone and writes
+one event per step; the reader counts one delay per token, so the floor's percentiles are over
+as many samples as the worker benchmark's (one per token event)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from benchmarks import delivery_floor as floor
+from benchmarks.worker import build_parser, workload
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_the_floor_has_one_delay_per_token_the_engine_made(tiny_llama, capsys):
+    argv = ["--model", str(tiny_llama), "--quick", "--num-requests", "3", "--max-num-seqs", "4"]
+    _, _, work = workload(build_parser().parse_args(argv))
+    assert floor.main(argv) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"delivery floor +: p50 ([\d.]+) ms +p99 ([\d.]+) ms +max ([\d.]+) ms over "
+                  r"(\d+) tokens", out)
+    assert m, out
+    p50, p99, worst, tokens = float(m[1]), float(m[2]), float(m[3]), int(m[4])
+    assert tokens == sum(w.max_tokens for w in work)      # ignore_eos: every token was made
+    assert 0 < p50 <= p99 <= worst < 10_000
+
+
+def test_the_reader_weighs_an_event_by_its_tokens():
+    reader = floor.floor_reader("redis://127.0.0.1:1/0")
+    key = next(iter(reader.last))
+
+    class Ev:
+        type, ts, token_ids = "token", 100.0, [5, 5, 5]
+    reader._event(key, Ev(), 100.002)
+    assert len(reader.delays) == 3 and reader.tokens == 3
+    assert all(abs(d - 0.002) < 1e-9 for d in reader.delays)
