@@ -269,9 +269,10 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] * 1000.0
 
 
-def build_parser(prog: str = "python -m benchmarks.worker") -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     """The workload and engine options (benchmarks.delivery_floor's writer takes them too)."""
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.worker",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--model", help="checkpoint (default: build the bench-size tiny one)")
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--quick", action="store_true", help="16 requests, prompts 16-128, "
