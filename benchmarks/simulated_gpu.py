@@ -33,7 +33,7 @@ from typing import Optional
 
 import redis
 
-from benchmarks.worker import Request, _submit_and_read, pct
+from benchmarks.worker import Request, _submit_and_read, pct, stop_process
 from protocol.keys import Keys
 
 REPO = Path(__file__).resolve().parent.parent
@@ -152,11 +152,7 @@ class WorkerUnderTest:
                 "commands": float(stats["total_commands_processed"])}
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc, 30)
         self._log.close()
         self._tmp.cleanup()
         self.r.close()

@@ -234,14 +234,20 @@ class WorkerProcess:
         return 0.0
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc, 60)
         self._log.close()
         self._tmp.cleanup()
         self.srv.stop()
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM (a worker drains), SIGKILL after ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _submit_and_read(r: redis.Redis, url: str, keys: Keys, tag: str, work: list[Request],

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from tests.fault_harness import check_stream, submit, wait_for
-from tests.worker.hand_driven import KEYS, hand_worker, iterate_until  # noqa: F401
+from tests.worker.hand_driven import KEYS, hand_worker, iterate_until, start_job  # noqa: F401
 from worker.fake_engine import FakeEngine, fake_completion
 from worker.jobs import JobTable
 from worker.metrics import WorkerMetrics
@@ -63,9 +63,7 @@ def test_a_slow_redis_holds_the_engine_back_one_step_in_flight(hand_worker, redi
     r = redis_server.client()
     w = hand_worker(engine=FakeEngine(step_delay=0.005))
     w.writer.open()
-    submit(r, KEYS, {"job_id": "j", "prompt": "j", "params": {"max_tokens": 60,
-                                                             "temperature": 0}})
-    iterate_until(w, lambda: "j" in w.jobs and w.jobs["j"].tokens >= 3)
+    start_job(w, r, "j", 60)
     steps = w.engine.num_steps
     r.client_pause(400, all=False)        # writes wait 0.4 s: the flush in flight with them
     t0 = time.monotonic()
@@ -82,9 +80,7 @@ def test_a_connection_lost_under_the_overlap_keeps_the_step_and_retries(hand_wor
     r = redis_server.client()
     w = hand_worker(engine=FakeEngine(step_delay=0.005))
     w.writer.open()
-    submit(r, KEYS, {"job_id": "k", "prompt": "k", "params": {"max_tokens": 30,
-                                                             "temperature": 0}})
-    iterate_until(w, lambda: "k" in w.jobs and w.jobs["k"].tokens >= 3)
+    start_job(w, r, "k", 30)
     lost = []
 
     def drop_connection(point: str) -> None:   # the flush in flight loses its connection
