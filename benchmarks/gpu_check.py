@@ -13,7 +13,9 @@ installed from there with ``--no-index`` before anything else is imported. Then,
 3. cuda_graphs: decode graphs captured, their tokens equal to eager, tokens/s with and without;
 4. engine_bench: our engine against transformers on the GPU (benchmarks.engine's workload);
 5. decode_bandwidth: decode attention's GB/s against a device-to-device copy (target 70%);
-6. worker_stream: one worker streaming through an embedded redis-server.
+6. worker_stream: one worker streaming through an embedded redis-server;
+7. keep_up: the worker benchmark beside the GPU (issue #29: through-Redis throughput >= 0.97 of
+   in-process, token delivery p99 < 2 ms), with its delivery floor.
 
 A section that fails does not stop the others. ``DIR/report.json`` holds every figure and
 ``DIR/report.txt`` the same, readable; the exit status is 1 when a section failed. The dry run
@@ -137,6 +139,8 @@ def render(report: dict[str, Any]) -> str:
                                        for c in s.get("cases", [])]
         elif name == "parity":
             lines += ["[parity]"] + [f"  {x}" for x in s.get("lines", [])]
+        elif name == "keep_up":
+            lines += ["[keep_up]"] + [f"  {x}" for x in s.get("lines", [])]
         elif name == "decode_bandwidth":
             lines += ["[decode_bandwidth]"] + [
                 f"  {c['case']:22} {c['ms']:9.4f} ms {c['gbs']:9.1f} GB/s "

@@ -16,6 +16,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 DECODE_TARGET = 0.70
+KEEP_UP_RATIO, KEEP_UP_P99_MS = 0.97, 2.0    # issue #29's targets for benchmarks.worker
 
 
 @dataclass
@@ -230,8 +231,43 @@ def worker_stream(plan: Plan) -> Outcome:
                     "model": str(model)})
 
 
+def keep_up(plan: Plan) -> Outcome:
+    """Does the service keep up with a GPU step? ``benchmarks.worker`` on the device: the
+    engine stepping in-process against one worker through an embedded redis-server (its
+    overlapped writer: on by default beside a GPU), three alternated rounds, token delivery from
+    a step's end to a reader, and the delivery floor (the engine alone, one XADD a step).
+    Targets: through-Redis throughput >= 0.97 of in-process, delivery p99 < 2 ms: the ones a
+    2-core CPU host cannot show, whose engine step takes the cores the worker, Redis and the
+    reader need. A dry run: the quick workload, one round, no target."""
+    from benchmarks.worker import measure, pct
+
+    argv = ["--model", str(plan.bench_model()), "--device", plan.device,
+            "--dtype", "float32" if plan.dry else "bfloat16"]
+    argv += ["--quick", "--rounds", "1"] if plan.dry else ["--rounds", "3"]
+    fig = measure(argv, on_round=lambda line: print("   " + line, flush=True))
+    ratio, p50, p99 = fig.ratio(), pct(fig.delays, 0.5), pct(fig.delays, 0.99)
+    floor = fig.floor or []
+    met = ratio is not None and ratio >= KEEP_UP_RATIO and p99 < KEEP_UP_P99_MS
+    note = " (dry run: CPU, not a measurement)" if plan.dry else ""
+    return Outcome("pass" if plan.dry or met else "fail",
+                   f"through Redis {ratio:.3f} of in-process (median of {len(fig.in_process)}), "
+                   f"delivery p50 {p50:.2f} ms p99 {p99:.2f} ms (floor p99 "
+                   f"{pct(floor, 0.99) if floor else float('nan'):.2f} ms); targets >= "
+                   f"{KEEP_UP_RATIO} and p99 < {KEEP_UP_P99_MS:g} ms: "
+                   f"{'met' if met else 'not met'}{note}",
+                   {"argv": argv, "ratio": ratio, "ratio_per_cpu": fig.ratio(per_cpu=True),
+                    "rounds": [{"in_process_tok_s": a[0], "through_redis_tok_s": b[0],
+                                "in_step_share": s}
+                               for a, b, s in zip(fig.in_process, fig.through_redis, fig.in_step)],
+                    "delivery_ms": {"p50": p50, "p99": p99, "max": max(fig.delays) * 1000,
+                                    "events": len(fig.delays)},
+                    "floor_ms": ({"p50": pct(floor, 0.5), "p99": pct(floor, 0.99)}
+                                 if floor else None),
+                    "target_met": met, "lines": fig.summary()})
+
+
 SECTIONS: list[tuple[str, Callable[[Plan], Outcome]]] = [
     ("kernels", kernels), ("parity", parity), ("cuda_graphs", cuda_graphs),
     ("engine_bench", engine_bench), ("decode_bandwidth", decode_bandwidth),
-    ("worker_stream", worker_stream),
+    ("worker_stream", worker_stream), ("keep_up", keep_up),
 ]

@@ -10,7 +10,9 @@ step returned) to the reader receiving it (target p99 < 5 ms on loopback).
 
 Workload (the engine benchmark's): 48 requests, prompt length uniform 16-384 (random token ids),
 output length uniform 16-192 with ``ignore_eos``, greedy, the ``bench``-size tiny checkpoint,
-float32 on CPU. Not a test: it takes a minute or two.
+float32 on CPU (``--device cuda --dtype bfloat16`` beside a GPU: ``make gpu-check``'s keep_up
+section runs it there, where the engine's step does not take the cores the worker, Redis and the
+reader need). Not a test: it takes a minute or two.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import redis
 
@@ -62,7 +64,7 @@ def ensure_model(path: Optional[str]) -> str:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine bench's settings, as EngineConfig keywords."""
-    return dict(device="cpu", dtype="float32", max_num_seqs=args.max_num_seqs,
+    return dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
                 max_num_batched_tokens=args.max_num_batched_tokens)
 
@@ -284,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="16 requests, prompts 16-128, "
                    "outputs 16-64 (as benchmarks.engine --quick)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda beside a GPU")
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -310,15 +314,53 @@ def workload(args: argparse.Namespace) -> tuple[str, int, list[Request]]:
     return model, vocab, make_workload(n, pr, orng, vocab, args.seed)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+@dataclass
+class Figures:
+    """What ``measure`` found: per round (output tok/s, output tokens per CPU-second) in-process
+    and through Redis, the worker's share of wall time inside ``engine.step``, every token
+    event's delivery delay (seconds) and the delivery floor's (None: not measured)."""
+
+    in_process: list[tuple[float, float]] = field(default_factory=list)
+    through_redis: list[tuple[float, float]] = field(default_factory=list)
+    in_step: list[float] = field(default_factory=list)
+    delays: list[float] = field(default_factory=list)
+    floor: Optional[list[float]] = None
+
+    def ratio(self, per_cpu: bool = False) -> Optional[float]:
+        """Median over rounds of through-Redis / in-process (wall, or per CPU-second)."""
+        if not self.in_process:
+            return None
+        k = 1 if per_cpu else 0
+        return statistics.median(b[k] / a[k] for a, b in zip(self.in_process, self.through_redis))
+
+    def summary(self) -> list[str]:
+        med = statistics.median
+        lines = []
+        if self.in_process:
+            lines += [f"in-process engine : {med(a[0] for a in self.in_process):8.1f} output tok/s "
+                      f"(median)",
+                      f"through Redis     : {med(b[0] for b in self.through_redis):8.1f} output "
+                      f"tok/s (median); ratio {self.ratio():.3f} wall-clock, "
+                      f"{self.ratio(per_cpu=True):.3f} per CPU-second incl. redis-server "
+                      f"(medians; target >= 0.9)"]
+        d = self.delays
+        lines.append(f"token delivery    : p50 {pct(d, 0.5):.2f} ms  p99 {pct(d, 0.99):.2f} ms  "
+                     f"max {max(d) * 1000:.2f} ms over {len(d)} token events (target p99 < 5 ms)")
+        if self.floor is not None:
+            from benchmarks.delivery_floor import report
+            lines.append(report(self.floor))
+        return lines
+
+
+def measure(argv: list[str], on_round: Callable[[str], None] = print) -> Figures:
+    """Runs the benchmark ``argv`` asks for (this module's options); ``on_round`` gets one line
+    per round as it ends."""
     args = build_parser().parse_args(argv)
     model, vocab, work = workload(args)
-    print(f"workload: {len(work)} requests, {sum(len(w.prompt_token_ids) for w in work)} prompt "
-          f"tokens, {sum(w.max_tokens for w in work)} output tokens; model {model}", flush=True)
-    in_proc: list[tuple[float, float]] = []
-    redis_runs: list[tuple[float, float]] = []
-    delays: list[float] = []
+    on_round(f"workload: {len(work)} requests, {sum(len(w.prompt_token_ids) for w in work)} "
+             f"prompt tokens, {sum(w.max_tokens for w in work)} output tokens; model {model} on "
+             f"{args.device}, {args.dtype}")
+    fig = Figures()
     worker = WorkerProcess(model, args)
     try:
         for rnd in range(args.rounds):  # alternate, so load drift on a shared box hits both
@@ -327,31 +369,29 @@ def main(argv: Optional[list[str]] = None) -> int:
             work_r = [Request([5 + (t - 5 + 7919 * rnd) % (vocab - 5) for t in w.prompt_token_ids],
                               w.max_tokens) for w in work]
             if not args.skip_in_process:
-                in_proc.append(run_in_process(model, work_r, args))
+                fig.in_process.append(run_in_process(model, work_r, args))
             tps, d, share, per_cpu = worker.run(work_r)
-            redis_runs.append((tps, per_cpu))
-            delays += d
+            fig.through_redis.append((tps, per_cpu))
+            fig.in_step.append(share)
+            fig.delays += d
             line = f"round {rnd + 1}: through Redis {tps:.1f} tok/s ({per_cpu:.1f} per CPU-s)"
-            if in_proc:
-                a, a_cpu = in_proc[-1]
+            if fig.in_process:
+                a, a_cpu = fig.in_process[-1]
                 line += (f", in-process {a:.1f} tok/s ({a_cpu:.1f} per CPU-s): ratio "
                          f"{tps / a:.3f} wall, {per_cpu / a_cpu:.3f} per CPU-s")
-            print(line + f"; worker inside engine.step {share:.1%} of the wall time", flush=True)
+            on_round(line + f"; worker inside engine.step {share:.1%} of the wall time")
     finally:
         worker.close()
-    med = statistics.median
-    if in_proc:
-        wall_ratio = med([b[0] / a[0] for a, b in zip(in_proc, redis_runs)])
-        cpu_ratio = med([b[1] / a[1] for a, b in zip(in_proc, redis_runs)])
-        print(f"in-process engine : {med([a[0] for a in in_proc]):8.1f} output tok/s (median)")
-        print(f"through Redis     : {med([b[0] for b in redis_runs]):8.1f} output tok/s (median); "
-              f"ratio {wall_ratio:.3f} wall-clock, {cpu_ratio:.3f} per CPU-second incl. "
-              f"redis-server (medians; target >= 0.9)")
-    print(f"token delivery    : p50 {pct(delays, 0.5):.2f} ms  p99 {pct(delays, 0.99):.2f} ms  "
-          f"max {max(delays) * 1000:.2f} ms over {len(delays)} token events (target p99 < 5 ms)")
     if not args.no_floor:
-        from benchmarks.delivery_floor import measure_floor, report
-        print(report(measure_floor(argv)))
+        from benchmarks.delivery_floor import measure_floor
+        fig.floor = measure_floor(argv)
+    return fig
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    fig = measure(sys.argv[1:] if argv is None else argv,
+                  on_round=lambda line: print(line, flush=True))
+    print("\n".join(fig.summary()))
     return 0
 
 

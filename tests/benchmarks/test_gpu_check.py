@@ -14,15 +14,20 @@ from benchmarks import gpu_wheels
 from tests.fixtures_redis import REPO_ROOT
 
 SECTIONS = ["kernels", "parity", "cuda_graphs", "engine_bench", "decode_bandwidth",
-            "worker_stream"]
+            "worker_stream", "keep_up"]
 
 
-@pytest.mark.timeout(240)
+def _quick_output_tokens(argv: list[str]) -> int:
+    from benchmarks.worker import build_parser, workload
+    return sum(w.max_tokens for w in workload(build_parser().parse_args(argv))[2])
+
+
+@pytest.mark.timeout(300)
 def test_dry_run_runs_every_section_and_writes_the_report(tmp_path):
     out = tmp_path / "report"
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out",
                            str(out), "--smollm2", "none", "--wheels", str(tmp_path / "none")],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=220,
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=280,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     report = json.loads((out / "report.json").read_text())
@@ -34,7 +39,12 @@ def test_dry_run_runs_every_section_and_writes_the_report(tmp_path):
     assert {c["dtype"] for c in kernels} == {"float16", "bfloat16"} and len(kernels) == 14
     assert [m["ok"] for m in report["sections"]["parity"]["models"]] == [True, True]
     assert report["sections"]["worker_stream"]["worker_exit"] == 0
+    keep_up = report["sections"]["keep_up"]      # one token event per token of the workload
+    assert keep_up["delivery_ms"]["events"] == _quick_output_tokens(keep_up["argv"])
+    assert 0 < keep_up["delivery_ms"]["p50"] <= keep_up["delivery_ms"]["p99"]
+    assert keep_up["ratio"] > 0 and keep_up["floor_ms"]["p50"] > 0
     text = (out / "report.txt").read_text()
+    assert "[keep_up]\n  in-process engine :" in text
     assert "DRY RUN" in text and "SKIPPED  cuda_graphs" in text and "\nOK in" in text
 
 
@@ -64,3 +74,28 @@ def test_only_what_is_missing_is_installed(tmp_path):
                                "redis>=999", "triton; sys_platform == 'nonexistent'"]) == [
         "tokenrelay-no-such-package>=1", "redis>=999"]
     assert gpu_wheels.install_missing(tmp_path) == ([], "")      # here everything is present
+
+
+@pytest.mark.parametrize("through_redis, delay_ms, met", [
+    (98.0, 1.5, True),      # both targets met
+    (95.0, 1.5, False),     # 0.95 of in-process: under 0.97
+    (99.0, 2.5, False),     # p99 2.5 ms: over 2 ms
+])
+def test_keep_up_fails_on_the_gpu_when_a_target_is_missed(tmp_path, monkeypatch, through_redis,
+                                                          delay_ms, met):
+    from benchmarks import gpu_check_sections as sections
+    from benchmarks import worker as bench
+
+    def measure(argv, on_round):
+        assert argv[argv.index("--device") + 1] == "cuda" and "--quick" not in argv
+        return bench.Figures(in_process=[(100.0, 10.0)] * 3,
+                             through_redis=[(through_redis, 9.0)] * 3, in_step=[0.99] * 3,
+                             delays=[0.0005] * 900 + [delay_ms / 1000] * 100,
+                             floor=[0.0004] * 1000)
+    monkeypatch.setattr(bench, "measure", measure)
+    plan = sections.Plan(device="cuda", workdir=tmp_path, smollm2=tmp_path / "smollm2")
+    out = sections.keep_up(plan)
+    assert out.status == ("pass" if met else "fail") and out.data["target_met"] is met
+    assert out.data["ratio"] == pytest.approx(through_redis / 100)
+    assert out.data["delivery_ms"]["p99"] == pytest.approx(delay_ms)
+    assert ("not met" not in out.summary) is met
