@@ -243,7 +243,7 @@ def keep_up(plan: Plan) -> Outcome:
 
     argv = ["--model", str(plan.bench_model()), "--device", plan.device,
             "--dtype", "float32" if plan.dry else "bfloat16"]
-    argv += ["--quick", "--rounds", "1"] if plan.dry else ["--rounds", "3"]
+    argv += ["--quick", "--rounds", "1", "--enforce-eager"] if plan.dry else ["--rounds", "3"]
     fig = measure(argv, on_round=lambda line: print("   " + line, flush=True))
     ratio, p50, p99 = fig.ratio() or 0.0, pct(fig.delays, 0.5), pct(fig.delays, 0.99)
     floor = fig.floor or [float("nan")]        # measured unless --no-floor, never passed here

@@ -66,13 +66,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine bench's settings, as EngineConfig keywords."""
     return dict(device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-                max_num_batched_tokens=args.max_num_batched_tokens)
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enforce_eager=args.enforce_eager)
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
     out = []
     for k, v in engine_kwargs(args).items():
-        out += ["--" + k.replace("_", "-"), str(v)]
+        flag = k.replace("_", "-")
+        out += ([f"--{flag}" if v else f"--no-{flag}"] if isinstance(v, bool)   # the CLI's bools
+                else [f"--{flag}", str(v)])
     return out
 
 
@@ -288,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu, or cuda beside a GPU")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--enforce-eager", action="store_true", help="no compiled kernels or CUDA "
+                   "graphs: seconds less start-up, slower steps")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=1024)

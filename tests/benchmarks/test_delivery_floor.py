@@ -15,7 +15,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_the_floor_has_one_delay_per_token_the_engine_made(tiny_llama, capsys):
-    argv = ["--model", str(tiny_llama), "--quick", "--num-requests", "3", "--max-num-seqs", "4"]
+    argv = ["--model", str(tiny_llama), "--quick", "--num-requests", "3", "--max-num-seqs", "4",
+            "--enforce-eager"]
     _, _, work = workload(build_parser().parse_args(argv))
     assert floor.main(argv) == 0
     out = capsys.readouterr().out
