@@ -15,7 +15,10 @@ benchmark's. Its p50 is a floor: the worker's p50 minus it is what the worker, i
 not a bound on the worker's: on a host whose cores the engine's step fills (the CPU engine),
 a reader that was not scheduled before the next step began waits for a core, and the worker,
 whose flush round trip keeps it off the cores for about a millisecond after the step, leaves
-the reader more room than this writer, whose one XADD returns in a fraction of that.
+the reader more room than this writer, whose one XADD returns in a fraction of that. (On the
+2-core development host this writer sleeping 0.5 ms after each XADD brought the floor's p99
+from 3.4-4.8 ms to 0.8-0.9 ms, while the same sleep after the worker's flush left the worker's
+p99 where it was: the worker's tail is in its flush.)
 
     python -m benchmarks.delivery_floor [the options of benchmarks.worker]
 
