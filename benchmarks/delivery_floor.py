@@ -20,6 +20,14 @@ the reader more room than this writer, whose one XADD returns in a fraction of t
 from 3.4-4.8 ms to 0.8-0.9 ms, while the same sleep after the worker's flush left the worker's
 p99 where it was: the worker's tail is in its flush.)
 
+It also measures what the host's wake-ups cost alone (``wake_probe``): after the writer is
+done, one PING to the same redis-server after each of ``WAKE_PINGS`` silences as long as the
+engine's median step, from this process: two wake-ups (redis-server, then the caller), both
+after sleeping through a step, as a delivered token's (redis-server, then the reader), with no
+engine, worker or script on the path. On the 2-core development VM (2026-12-03) that round
+trip is 0.03 ms after 1 ms of silence but 0.9-1.0 ms at p50 and 2.1-2.6 ms at p99 after 70 ms
+(the bench-size engine's step): a vCPU that idled through a step wakes slowly, whatever runs.
+
     python -m benchmarks.delivery_floor [the options of benchmarks.worker]
 
 ``benchmarks.worker`` prints it after its own figures (``--no-floor`` skips it). Not a test:
@@ -28,10 +36,12 @@ it prints measured figures.
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -42,6 +52,19 @@ from protocol.keys import EVENT_FIELD, Keys
 
 REPO = Path(__file__).resolve().parent.parent
 JOB_ID = "floor"
+WAKE_PINGS = 60          # round trips of the wake probe (60 x a 70 ms step: 4 s)
+WAKE_GAP_S = (0.001, 0.2)  # the probe's silence: the engine's median step, within these bounds
+
+
+@dataclass
+class Floor:
+    """What ``measure_floor`` found: one delivery delay per token the engine made (seconds),
+    the engine's median step (the interval between the writer's events) and the wake probe's
+    round trips after a silence that long."""
+
+    delays: list[float]
+    step_s: float
+    wakes: list[float]
 
 
 def write(url: str, argv: list[str]) -> None:
@@ -69,9 +92,9 @@ def write(url: str, argv: list[str]) -> None:
     r.xadd(key, {EVENT_FIELD: encode_event(DoneEvent(finish_reason="length"))})
 
 
-def measure_floor(argv: list[str]) -> list[float]:
-    """Delivery delays (seconds), one per token the engine made (as the worker benchmark has
-    one per token event), on a private redis-server."""
+def measure_floor(argv: list[str]) -> Floor:
+    """The floor's delivery delays (one per token the engine made, as the worker benchmark has
+    one per token event) and the wake probe, on a private redis-server."""
     from worker.redis_server import RedisServer
     with RedisServer(["--appendonly", "no"]) as srv:
         reader = floor_reader(srv.url)
@@ -81,7 +104,33 @@ def measure_floor(argv: list[str]) -> list[float]:
         reader.join(30)
         if reader.error:
             raise reader.error
-        return reader.delays
+        stamps = reader.stamps
+        step = (statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+                if len(stamps) > 1 else WAKE_GAP_S[0])
+        step = min(max(step, WAKE_GAP_S[0]), WAKE_GAP_S[1])
+        return Floor(reader.delays, step, wake_probe(srv.url, step, WAKE_PINGS))
+
+
+def wake_probe(url: str, gap_s: float, count: int) -> list[float]:
+    """``count`` round trips (seconds) of one PING, each sent after ``gap_s`` of silence, on a
+    bare connection (hiredis, no redis-py callbacks, as the benchmark's reader): what waking
+    redis-server and then this process costs when both slept that long (see the module
+    docstring)."""
+    r = redis.Redis.from_url(url, socket_timeout=30)
+    conn = r.connection_pool.make_connection()
+    try:
+        conn.connect()
+        out = []
+        for _ in range(count):
+            time.sleep(gap_s)
+            t0 = time.perf_counter()
+            conn.send_packed_command([b"*1\r\n$4\r\nPING\r\n"], check_health=False)
+            conn.read_response()
+            out.append(time.perf_counter() - t0)
+        return out
+    finally:
+        conn.disconnect()
+        r.close()
 
 
 def floor_reader(url: str) -> "threading.Thread":
@@ -92,18 +141,27 @@ def floor_reader(url: str) -> "threading.Thread":
     from benchmarks.worker import Reader
 
     class FloorReader(Reader):
+        stamps: list[float]     # each event's ts: one a step, their intervals are the steps
+
         def _event(self, key: str, ev: Any, now: float) -> None:
             if ev.type == "token":
                 self.delays += [now - ev.ts] * (len(ev.token_ids) - 1)
+                self.stamps.append(ev.ts)
             super()._event(key, ev, now)
-    return FloorReader(url, Keys(), [JOB_ID])
+    reader = FloorReader(url, Keys(), [JOB_ID])
+    reader.stamps = []
+    return reader
 
 
-def report(delays: list[float]) -> str:
+def report(floor: Floor) -> list[str]:
     from benchmarks.worker import pct
-    return (f"delivery floor    : p50 {pct(delays, 0.5):.2f} ms  p99 {pct(delays, 0.99):.2f} ms  "
-            f"max {max(delays) * 1000:.2f} ms over {len(delays)} tokens (the engine alone, one "
-            f"XADD per step, the same reader: benchmarks.delivery_floor)")
+    d, w = floor.delays, floor.wakes
+    return [f"delivery floor    : p50 {pct(d, 0.5):.2f} ms  p99 {pct(d, 0.99):.2f} ms  "
+            f"max {max(d) * 1000:.2f} ms over {len(d)} tokens (the engine alone, one XADD per "
+            f"step, the same reader: benchmarks.delivery_floor)",
+            f"wake-up floor     : p50 {pct(w, 0.5):.2f} ms  p99 {pct(w, 0.99):.2f} ms  "
+            f"max {max(w) * 1000:.2f} ms over {len(w)} PINGs, each after "
+            f"{floor.step_s * 1000:.1f} ms of silence (the engine's median step)"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -111,7 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv[:1] == ["--write"]:
         write(argv[1], argv[2:])
         return 0
-    print(report(measure_floor(argv)))
+    print("\n".join(report(measure_floor(argv))))
     return 0
 
 

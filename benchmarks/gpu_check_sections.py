@@ -246,7 +246,8 @@ def keep_up(plan: Plan) -> Outcome:
     argv += ["--quick", "--rounds", "1", "--enforce-eager"] if plan.dry else ["--rounds", "3"]
     fig = measure(argv, on_round=lambda line: print("   " + line, flush=True))
     ratio, p50, p99 = fig.ratio() or 0.0, pct(fig.delays, 0.5), pct(fig.delays, 0.99)
-    floor = fig.floor or [float("nan")]        # measured unless --no-floor, never passed here
+    nan = [float("nan")]        # the floor is measured unless --no-floor, never passed here
+    floor, wakes = (fig.floor.delays, fig.floor.wakes) if fig.floor else (nan, nan)
     met = ratio >= KEEP_UP_RATIO and p99 < KEEP_UP_P99_MS
     note = " (dry run: CPU, not a measurement)" if plan.dry else ""
     return Outcome("pass" if plan.dry or met else "fail",
@@ -262,6 +263,7 @@ def keep_up(plan: Plan) -> Outcome:
                     "delivery_ms": {"p50": p50, "p99": p99, "max": max(fig.delays) * 1000,
                                     "events": len(fig.delays)},
                     "floor_ms": {"p50": pct(floor, 0.5), "p99": pct(floor, 0.99)},
+                    "wake_ms": {"p50": pct(wakes, 0.5), "p99": pct(wakes, 0.99)},
                     "target_met": met, "lines": fig.summary()})
 
 

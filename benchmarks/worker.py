@@ -27,12 +27,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import redis
 
 from protocol.keys import EVENT_FIELD, Keys
 from protocol.wire import JobRequest, decode_event, encode_job
+
+if TYPE_CHECKING:
+    from benchmarks.delivery_floor import Floor
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -323,13 +326,13 @@ def workload(args: argparse.Namespace) -> tuple[str, int, list[Request]]:
 class Figures:
     """What ``measure`` found: per round (output tok/s, output tokens per CPU-second) in-process
     and through Redis, the worker's share of wall time inside ``engine.step``, every token
-    event's delivery delay (seconds) and the delivery floor's (None: not measured)."""
+    event's delivery delay (seconds) and the delivery floor (None: not measured)."""
 
     in_process: list[tuple[float, float]] = field(default_factory=list)
     through_redis: list[tuple[float, float]] = field(default_factory=list)
     in_step: list[float] = field(default_factory=list)
     delays: list[float] = field(default_factory=list)
-    floor: Optional[list[float]] = None
+    floor: Optional["Floor"] = None
 
     def ratio(self, per_cpu: bool = False) -> Optional[float]:
         """Median over rounds of through-Redis / in-process (wall, or per CPU-second)."""
@@ -353,7 +356,7 @@ class Figures:
                      f"max {max(d) * 1000:.2f} ms over {len(d)} token events (target p99 < 5 ms)")
         if self.floor is not None:
             from benchmarks.delivery_floor import report
-            lines.append(report(self.floor))
+            lines += report(self.floor)
         return lines
 
 

@@ -43,6 +43,7 @@ def test_dry_run_runs_every_section_and_writes_the_report(tmp_path):
     assert keep_up["delivery_ms"]["events"] == _quick_output_tokens(keep_up["argv"])
     assert 0 < keep_up["delivery_ms"]["p50"] <= keep_up["delivery_ms"]["p99"]
     assert keep_up["ratio"] > 0 and keep_up["floor_ms"]["p50"] > 0
+    assert 0 < keep_up["wake_ms"]["p50"] <= keep_up["wake_ms"]["p99"]
     text = (out / "report.txt").read_text()
     assert "[keep_up]\n  in-process engine :" in text
     assert "DRY RUN" in text and "SKIPPED  cuda_graphs" in text and "\nOK in" in text
@@ -85,13 +86,14 @@ def test_keep_up_fails_on_the_gpu_when_a_target_is_missed(tmp_path, monkeypatch,
                                                           delay_ms, met):
     from benchmarks import gpu_check_sections as sections
     from benchmarks import worker as bench
+    from benchmarks.delivery_floor import Floor
 
     def measure(argv, on_round):
         assert argv[argv.index("--device") + 1] == "cuda" and "--quick" not in argv
         return bench.Figures(in_process=[(100.0, 10.0)] * 3,
                              through_redis=[(through_redis, 9.0)] * 3, in_step=[0.99] * 3,
                              delays=[0.0005] * 900 + [delay_ms / 1000] * 100,
-                             floor=[0.0004] * 1000)
+                             floor=Floor([0.0004] * 1000, 0.01, [0.0002] * 60))
     monkeypatch.setattr(bench, "measure", measure)
     plan = sections.Plan(device="cuda", workdir=tmp_path, smollm2=tmp_path / "smollm2")
     out = sections.keep_up(plan)
