@@ -141,16 +141,16 @@ def floor_reader(url: str) -> "threading.Thread":
     from benchmarks.worker import Reader
 
     class FloorReader(Reader):
-        stamps: list[float]     # each event's ts: one a step, their intervals are the steps
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.stamps: list[float] = []  # each event's ts: one a step, their gaps the steps
 
         def _event(self, key: str, ev: Any, now: float) -> None:
             if ev.type == "token":
                 self.delays += [now - ev.ts] * (len(ev.token_ids) - 1)
                 self.stamps.append(ev.ts)
             super()._event(key, ev, now)
-    reader = FloorReader(url, Keys(), [JOB_ID])
-    reader.stamps = []
-    return reader
+    return FloorReader(url, Keys(), [JOB_ID])
 
 
 def report(floor: Floor) -> list[str]:
