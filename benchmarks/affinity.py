@@ -1,6 +1,6 @@
 """``python -m benchmarks.affinity``: what prefix-affinity routing buys a multi-turn chat.
 
-Two ``python -m worker`` processes on the bench-size tiny checkpoint (CPU, float32), a private
+Two ``tokenrelay worker`` processes on the bench-size tiny checkpoint (CPU, float32), a private
 redis-server, and 32 conversations of 6 turns sharing one system prompt, run in two modes each
 round: with a routing key per conversation (each turn goes to the worker whose prefix cache
 holds the turns before it) and without (each turn goes to whichever worker reads the shared
@@ -43,10 +43,10 @@ from typing import Any, Optional
 
 import redis
 
-from protocol.keys import EVENT_FIELD, Keys
-from protocol.wire import decode_event
+from tokenrelay.protocol.keys import EVENT_FIELD, Keys
+from tokenrelay.protocol.wire import decode_event
 from benchmarks.worker import REPO, ensure_model
-from worker.redis_server import RedisServer, free_port
+from tokenrelay.worker.redis_server import RedisServer, free_port
 
 # The default beat: its hash lives 5 beats, longer than the longest step here (a burst of
 # prefills on a loaded CPU takes a second or two; a worker whose hash expires counts as dead).
@@ -136,7 +136,7 @@ def fresh_ids(system: list[int], convs: list[Conversation], vocab: int,
 # ------------------------------------------------------------------------------------------
 
 class Fleet:
-    """A private redis-server and ``python -m worker`` processes with their metrics ports."""
+    """A private redis-server and ``tokenrelay worker`` processes with their metrics ports."""
 
     def __init__(self, model: str, args: argparse.Namespace) -> None:
         self.srv = RedisServer(args=["--appendonly", "no"]).start()
@@ -156,7 +156,7 @@ class Fleet:
             self.ports[wid] = port
             log = open(Path(self._tmp.name) / f"{wid}.log", "wb")
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "worker", "--model", model, "--redis-url", self.srv.url,
+                [sys.executable, "-m", "tokenrelay.worker", "--model", model, "--redis-url", self.srv.url,
                  "--worker-id", wid, "--metrics-port", str(port), "--metrics-host", "127.0.0.1",
                  *flags], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, env=env))
@@ -234,7 +234,7 @@ async def started_by(client: Any, job_id: str) -> str:
 
 async def run_mode(url: str, fleet: Fleet, name: str, system: list[int],
                    convs: list[Conversation], use_keys: bool, timeout: float) -> ModeResult:
-    from producer_sdk import AsyncClient
+    from tokenrelay.producer_sdk import AsyncClient
     out = ModeResult(name)
     prompts = [list(system) for _ in convs]
     async with AsyncClient(url) as client:
@@ -326,7 +326,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     model = ensure_model(args.model)
-    from engine.model_config import ModelConfig
+    from tokenrelay.engine.model_config import ModelConfig
     vocab = ModelConfig.from_pretrained(model).vocab_size
     system, convs = make_workload(args, vocab)
     fleet = Fleet(model, args)

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from tokenrelay.engine.llm import LLM
+from tokenrelay.engine.sampling_params import SamplingParams
 
 
 def _llm(model: str, **kw: Any) -> LLM:
@@ -51,7 +51,7 @@ def peak_blocks(model: str, prompt: list[int], max_tokens: int) -> dict[str, int
     llm.generate([{"prompt_token_ids": prompt}] * 4,
                  [_sampling(1, max_tokens, seed=i) for i in range(4)])
     out["n4_separate"] = llm.stats()["kv_blocks_peak"]
-    from engine.beam_search import BeamSearchParams
+    from tokenrelay.engine.beam_search import BeamSearchParams
     llm = LLM(model)
     llm.beam_search({"prompt_token_ids": prompt},
                     BeamSearchParams(beam_width=4, max_tokens=max_tokens, ignore_eos=True))

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from tokenrelay.engine.llm_engine import LLMEngine
+from tokenrelay.engine.sampling_params import SamplingParams
 
 PROMPT_LEN = 64
 BLOCK_SIZE = 16

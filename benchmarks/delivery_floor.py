@@ -47,8 +47,8 @@ from typing import Any, Optional
 
 import redis
 
-from protocol.events import DoneEvent, encode_event
-from protocol.keys import EVENT_FIELD, Keys
+from tokenrelay.protocol.events import DoneEvent, encode_event
+from tokenrelay.protocol.keys import EVENT_FIELD, Keys
 
 REPO = Path(__file__).resolve().parent.parent
 JOB_ID = "floor"
@@ -70,10 +70,10 @@ class Floor:
 def write(url: str, argv: list[str]) -> None:
     """The writer process: the workload on the engine alone, one token event per step."""
     from benchmarks.worker import build_parser, engine_kwargs, params, workload
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from worker.jobs import encode_token_event
+    from tokenrelay.engine.config import EngineConfig
+    from tokenrelay.engine.llm_engine import LLMEngine
+    from tokenrelay.engine.sampling_params import SamplingParams
+    from tokenrelay.worker.jobs import encode_token_event
     args = build_parser().parse_args(argv)
     model, _, work = workload(args)
     eng = LLMEngine(EngineConfig(model=model, **engine_kwargs(args)))
@@ -95,7 +95,7 @@ def write(url: str, argv: list[str]) -> None:
 def measure_floor(argv: list[str]) -> Floor:
     """The floor's delivery delays (one per token the engine made, as the worker benchmark has
     one per token event) and the wake probe, on a private redis-server."""
-    from worker.redis_server import RedisServer
+    from tokenrelay.worker.redis_server import RedisServer
     with RedisServer(["--appendonly", "no"]) as srv:
         reader = floor_reader(srv.url)
         reader.start()

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from tokenrelay.engine.llm import LLM
+from tokenrelay.engine.sampling_params import SamplingParams
 
 Workload = list[tuple[list[int], int]]
 
@@ -153,7 +153,7 @@ def bench_ttft(model: str, args: argparse.Namespace, vocab: int) -> dict[str, fl
 
 def _bench_checkpoint() -> str:
     """The bench-size tiny checkpoint, written to ``.models/tiny-bench`` on first use."""
-    from engine.tiny import write_checkpoint
+    from tokenrelay.engine.tiny import write_checkpoint
     out = Path(".models/tiny-bench")
     if not (out / "config.json").is_file():
         print(f"writing the bench-size tiny checkpoint to {out} ...")
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cuda_graphs:
         from benchmarks import cuda_graphs as bench_graphs
         raise SystemExit(bench_graphs.run(model, args.graphs_batch, args.graphs_tokens))
-    from engine.model_config import ModelConfig
+    from tokenrelay.engine.model_config import ModelConfig
     vocab = ModelConfig.from_pretrained(model).vocab_size
 
     n, pr, orng = args.num_requests, (16, 384), (16, 192)

@@ -6,7 +6,7 @@ fake-engine workers are added.
 
 For each fleet size and each backend (one private redis-server; then a private cluster of
 ``--cluster-masters`` masters with the queue split into ``--shards`` shards): that many
-``python -m worker --model fake:`` processes (the FakeEngine: no model, tokens as fast as the
+``tokenrelay worker --model fake:`` processes (the FakeEngine: no model, tokens as fast as the
 service can move them), all jobs submitted at once with ``submit_many`` (streamed, one token
 event per token), and the clock stopped when the consumer group has acked every job (a job is
 acked only after its terminal event is written).
@@ -32,10 +32,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from producer_sdk import Client
-from protocol.keys import GROUP, Keys
-from protocol.topology import make_client
-from worker.redis_server import RedisCluster, RedisServer
+from tokenrelay.producer_sdk import Client
+from tokenrelay.protocol.keys import GROUP, Keys
+from tokenrelay.protocol.topology import make_client
+from tokenrelay.worker.redis_server import RedisCluster, RedisServer
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -93,7 +93,7 @@ def run_fleet(n_workers: int, jobs: int, max_tokens: int, max_num_seqs: int,
     try:
         for i in range(n_workers):
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "worker", "--model", f"fake:max_num_seqs={max_num_seqs}",
+                [sys.executable, "-m", "tokenrelay.worker", "--model", f"fake:max_num_seqs={max_num_seqs}",
                  "--redis-url", backend.url, "--shards", str(shards), "--worker-id",
                  f"fleet-{i}", "--log-level", "warning", "--block-ms", "20"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))

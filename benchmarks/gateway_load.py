@@ -4,8 +4,8 @@ ordinary requests beside them.
 ``python -m benchmarks.gateway_load [--streams 2000] [--abandon 0.5] [--workers 2]
 [--ordinary 200] [--reader-wake on|off|both] [--idle 500] [--json FILE]``
 
-Starts a private redis-server, ``--workers`` ``python -m worker --model fake:`` processes and
-one ``python -m producer_sdk.gateway``; opens ``--streams`` streamed completions at once, of
+Starts a private redis-server, ``--workers`` ``tokenrelay worker --model fake:`` processes and
+one ``tokenrelay gateway``; opens ``--streams`` streamed completions at once, of
 which the ``--abandon`` fraction leave after 3 chunks of a 2000-token job and the rest read
 their ``--held-tokens`` to the end; once every stream has its headers, ``--ordinary``
 non-streamed requests (8 tokens) go in beside the held ones at ``--ordinary-rate`` per second. Printed: answers by status (no 5xx is the target),
@@ -36,9 +36,9 @@ import httpx
 import psutil
 import redis
 
-from protocol.keys import EVENT_FIELD, Keys
-from protocol.wire import decode_event
-from worker.redis_server import RedisServer, free_port
+from tokenrelay.protocol.keys import EVENT_FIELD, Keys
+from tokenrelay.protocol.wire import decode_event
+from tokenrelay.worker.redis_server import RedisServer, free_port
 
 NS, QUEUE = "load", "loadq"
 
@@ -79,14 +79,14 @@ def start_stack(args: argparse.Namespace, wake: bool) -> Stack:
     quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     for i in range(args.workers):
         stack.workers.append(subprocess.Popen([
-            sys.executable, "-m", "worker", "--model",
+            sys.executable, "-m", "tokenrelay.worker", "--model",
             f"fake:max_num_seqs={args.max_num_seqs},step_delay={args.step_delay}",
             "--redis-url", server.url, "--namespace", NS, "--queue", QUEUE, "--worker-id",
             f"w{i}", "--log-level", "warning"], **quiet))
     port = free_port()
     stack.url = f"http://127.0.0.1:{port}"
     stack.gateway = subprocess.Popen([
-        sys.executable, "-m", "producer_sdk.gateway", "--redis-url", server.url, "--namespace",
+        sys.executable, "-m", "tokenrelay.producer_sdk.gateway", "--redis-url", server.url, "--namespace",
         NS, "--port", str(port), "--log-level", "warning", "--routes", "idle=idleq",
         "--max-in-flight", "8192", "--reader-wake" if wake else "--no-reader-wake"], **quiet)
     deadline = time.monotonic() + 60

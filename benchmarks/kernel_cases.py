@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-import kernels
-from kernels._testing import random_block_tables
+from tokenrelay.kernels import ops as kernels
+from tokenrelay.kernels._testing import random_block_tables
 
 FULL = dict(heads=32, kv_heads=8, head_dim=128, hidden=4096, inter=14336, page=16,
             pool_blocks=160_000, decode_ctx=4096, decode_batches=(1, 8, 32, 64),

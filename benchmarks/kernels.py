@@ -44,7 +44,7 @@ def _compared(case, args: tuple, result) -> list[torch.Tensor]:
 
 def check_case(case) -> CheckResult:
     """Run kernel and reference on equal inputs (in-place targets cloned) and compare."""
-    from kernels._testing import tolerance
+    from tokenrelay.kernels._testing import tolerance
 
     kernel, ref = case.fns()
     k_args, r_args = _clone_args(case, case.mutated), _clone_args(case, case.mutated)

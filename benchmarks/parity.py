@@ -95,7 +95,7 @@ def greedy_parity(path: str, device: str = "cpu", prompts: Optional[list[str]] =
     prompts as well."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine import LLM, SamplingParams
+    from tokenrelay.engine import LLM, SamplingParams
 
     prompts = list(prompts or PROMPTS)
     engine_kw.setdefault("max_num_batched_tokens", 64)

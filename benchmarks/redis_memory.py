@@ -20,9 +20,9 @@ from typing import Any
 
 import redis
 
-from producer_sdk import Client
-from protocol.keys import Keys
-from worker.redis_server import RedisServer
+from tokenrelay.producer_sdk import Client
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.worker.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "Summarise the design of a message-queue-driven inference service in one paragraph:"
@@ -49,8 +49,8 @@ def default_model() -> str:
 
 def run_jobs(url: str, namespace: str, model: str, tokens: int, stream: bool, jobs: int) -> Keys:
     """Start a worker, run ``jobs`` jobs of exactly ``tokens`` output tokens, stop the worker."""
-    from worker.config import WorkerSettings
-    from worker.service import Worker
+    from tokenrelay.worker.config import WorkerSettings
+    from tokenrelay.worker.service import Worker
     settings = WorkerSettings(redis_url=url, namespace=namespace, worker_id="mem", model=model,
                               max_num_seqs=16, enforce_eager=True)
     w = Worker(settings)

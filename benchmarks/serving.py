@@ -5,8 +5,8 @@
 
 Systems, each started here on loopback ports and stopped afterwards:
 
-- ``tokenrelay``: a private redis-server, ``python -m worker --model M`` and the gateway
-  ``python -m producer_sdk.gateway``; the load goes through HTTP (server-sent events);
+- ``tokenrelay``: a private redis-server, ``tokenrelay worker --model M`` and the gateway
+  ``tokenrelay gateway``; the load goes through HTTP (server-sent events);
 - ``sdk``: the same worker through ``AsyncClient`` without HTTP: the gateway's own cost is the
   difference between the two;
 - ``transformers``: ``transformers serve M --continuous-batching`` (transformers' own
@@ -40,7 +40,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 import httpx
 
-from worker.redis_server import RedisServer, free_port
+from tokenrelay.worker.redis_server import RedisServer, free_port
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colours.",
@@ -297,7 +297,7 @@ def start_tokenrelay(stack: Stack, model: str, args: argparse.Namespace,
                      with_gateway: bool) -> dict[str, str]:
     stack.redis = RedisServer().start()
     url = stack.redis.url
-    worker = stack.spawn([sys.executable, "-m", "worker", "--model", model, "--redis-url", url,
+    worker = stack.spawn([sys.executable, "-m", "tokenrelay.worker", "--model", model, "--redis-url", url,
                           "--dtype", "float32", "--worker-id", "bench-serving"], "worker")
     deadline = time.monotonic() + 300
     import redis as redis_lib
@@ -309,7 +309,7 @@ def start_tokenrelay(stack: Stack, model: str, args: argparse.Namespace,
     out = {"redis_url": url}
     if with_gateway:
         port = free_port()
-        gw = stack.spawn([sys.executable, "-m", "producer_sdk.gateway", "--redis-url", url,
+        gw = stack.spawn([sys.executable, "-m", "tokenrelay.producer_sdk.gateway", "--redis-url", url,
                           "--host", "127.0.0.1", "--port", str(port)], "gateway")
         wait_http(f"http://127.0.0.1:{port}/health", gw, 60, "gateway")
         out["base_url"] = f"http://127.0.0.1:{port}"
@@ -346,7 +346,7 @@ async def bench_system(system: str, args: argparse.Namespace) -> dict[float, dic
             info = start_tokenrelay(stack, args.model, args, with_gateway=system == "tokenrelay")
             model = Path(args.model.rstrip("/")).name
             if system == "sdk":
-                from producer_sdk import AsyncClient
+                from tokenrelay.producer_sdk import AsyncClient
                 async with AsyncClient(redis_url=info["redis_url"]) as client:
                     return await sweep(sdk_sender(client), args)
             base = info["base_url"]
@@ -362,7 +362,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.serving",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=".models/smollm2",
-                    help="checkpoint folder (python -m engine.fetch smollm2 .models/smollm2)")
+                    help="checkpoint folder (tokenrelay fetch smollm2 .models/smollm2)")
     ap.add_argument("--rates", default="0.5,1,2,4",
                     type=lambda s: [float(x) for x in s.split(",")])
     ap.add_argument("--requests", type=int, default=32, help="requests per rate")
@@ -384,7 +384,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(f"plot: {path}")
         return
     if not Path(args.model, "config.json").is_file():
-        raise SystemExit(f"{args.model}: no checkpoint (python -m engine.fetch smollm2 "
+        raise SystemExit(f"{args.model}: no checkpoint (tokenrelay fetch smollm2 "
                          f"{args.model})")
     print(f"model {args.model}, {args.requests} requests per rate, max_tokens "
           f"{args.max_tokens}, greedy; SLO: TTFT <= {args.slo_ttft * 1000:.0f} ms and TPOT <= "

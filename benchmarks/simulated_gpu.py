@@ -5,7 +5,7 @@ it is a sync that releases the GIL. The fake engine stands in for it with a fixe
 (``fake:step_delay``, a ``time.sleep``), one token per running sequence per step. For each
 setting (10 ms x 128 streamed sequences and 5 ms x 256, 200 tokens each by default) this
 runs the engine stepping alone in-process, then the same work through one private redis-server
-and one ``python -m worker`` subprocess (all jobs submitted at once, a reader following every
+and one ``tokenrelay worker`` subprocess (all jobs submitted at once, a reader following every
 result stream), with the worker's writer overlapping the flush with the next step
 (``overlapped``) and, for comparison, flushing in series (``--no-overlap-steps``: the loop as
 it was before). Rounds alternate the three, so load drift on a shared host hits all of them.
@@ -34,7 +34,7 @@ from typing import Optional
 import redis
 
 from benchmarks.worker import Request, _submit_and_read, pct, stop_process
-from protocol.keys import Keys
+from tokenrelay.protocol.keys import Keys
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("overlapped", "serial")
@@ -79,8 +79,8 @@ def workload(s: Setting, round_no: int) -> list[Request]:
 
 def engine_alone(s: Setting, work: list[Request]) -> float:
     """Token events/s of the fake engine stepping alone, in this process."""
-    from engine.sampling_params import SamplingParams
-    from worker.fake_engine import FakeEngine
+    from tokenrelay.engine.sampling_params import SamplingParams
+    from tokenrelay.worker.fake_engine import FakeEngine
     eng = FakeEngine(max_num_seqs=s.seqs, step_delay=s.step_ms / 1000.0)
     for i, req in enumerate(work):
         eng.add_request(f"a{i}", list(req.prompt_token_ids),
@@ -92,10 +92,10 @@ def engine_alone(s: Setting, work: list[Request]) -> float:
 
 
 class WorkerUnderTest:
-    """A private redis-server and one ``python -m worker --model fake:...`` on it."""
+    """A private redis-server and one ``tokenrelay worker --model fake:...`` on it."""
 
     def __init__(self, s: Setting, mode: str) -> None:
-        from worker.redis_server import RedisServer, free_port
+        from tokenrelay.worker.redis_server import RedisServer, free_port
         self.srv = RedisServer(args=["--appendonly", "no"]).start()
         self.metrics_port = free_port()
         self._tmp = tempfile.TemporaryDirectory()
@@ -103,7 +103,7 @@ class WorkerUnderTest:
         model = f"fake:step_delay={s.step_ms / 1000.0},max_num_seqs={s.seqs}"
         flags = ["--no-overlap-steps"] if mode == "serial" else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--model", model, "--redis-url", self.srv.url,
+            [sys.executable, "-m", "tokenrelay.worker", "--model", model, "--redis-url", self.srv.url,
              "--worker-id", f"sim-{mode}", "--log-level", "warning", "--metrics-port",
              str(self.metrics_port), "--metrics-host", "127.0.0.1", *flags],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,

@@ -21,10 +21,10 @@ from typing import Any
 import msgpack
 import redis
 
-import producer_sdk.status as status_mod
+import tokenrelay.producer_sdk.status as status_mod
 from benchmarks.submit import PrivateRedis
-from producer_sdk.client import Client
-from protocol.keys import EVENT_FIELD
+from tokenrelay.producer_sdk.client import Client
+from tokenrelay.protocol.keys import EVENT_FIELD
 
 
 def _ping_loop(port: int, stop: Any, worst_us: Any) -> None:

@@ -26,10 +26,10 @@ from typing import Any, Optional
 
 import redis
 
-from protocol.keys import Keys
-from protocol.scripts import ScriptPipeline
-from worker.fencing import Fence, WriteStatus, parse_step_reply
-from worker.redis_server import RedisServer
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.scripts import ScriptPipeline
+from tokenrelay.worker.fencing import Fence, WriteStatus, parse_step_reply
+from tokenrelay.worker.redis_server import RedisServer
 
 CHUNK = 128   # jobs per WRITE_STEP call, as worker/outbox.py sends them
 EVENT = b"x" * 60   # about one encoded token event

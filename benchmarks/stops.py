@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from protocol.limits import DEFAULT_LIMITS
+from tokenrelay.engine.llm import LLM
+from tokenrelay.engine.sampling_params import SamplingParams
+from tokenrelay.protocol.limits import DEFAULT_LIMITS
 
 NEVER = "\u2603"   # a character the tiny model's output is checked not to contain
 
@@ -113,7 +113,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = args.model
     if model is None:
-        from engine.tiny import write_checkpoint
+        from tokenrelay.engine.tiny import write_checkpoint
         out = Path(".models/tiny-stops")
         if not (out / "config.json").exists():
             write_checkpoint(out, arch="llama", size="tiny")

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from benchmarks.engine import _bench_checkpoint, make_workload
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenrelay.engine.llm import LLM
+from tokenrelay.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 LONG_ANSWERS = {"type": "object", "additionalProperties": False, "required": ["items"],
                 "properties": {"items": {"type": "array", "minItems": 500,
@@ -77,7 +77,7 @@ def run(llm: LLM, work: list, constrained: bool) -> dict[str, Any]:
 def compile_times(llm: LLM) -> list[tuple[str, float, float]]:
     """(schema, cold ms, cached ms) on a fresh compiler (the engine's own has seen the
     workload's schema), after timing llguidance's tokenizer once."""
-    from engine.grammar import GrammarCompiler
+    from tokenrelay.engine.grammar import GrammarCompiler
 
     e = llm.engine
     compiler = GrammarCompiler(e.tokenizer, e.vocab_size, e.eos_token_ids, threads=1,

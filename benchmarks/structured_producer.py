@@ -20,11 +20,11 @@ import json
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from producer_sdk.openai_format import CHAT_URL, parse_request
-from producer_sdk.payloads import PayloadBuilder
-from producer_sdk.structured import ToolPlan
-from producer_sdk.tool_calls import CallReader
-from protocol.keys import Keys
+from tokenrelay.producer_sdk.openai_format import CHAT_URL, parse_request
+from tokenrelay.producer_sdk.payloads import PayloadBuilder
+from tokenrelay.producer_sdk.structured import ToolPlan
+from tokenrelay.producer_sdk.tool_calls import CallReader
+from tokenrelay.protocol.keys import Keys
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "tags", "address"],

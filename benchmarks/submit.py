@@ -30,9 +30,9 @@ from typing import Any, Optional
 import msgpack
 import redis
 
-from producer_sdk.client import Client
-from protocol.keys import Keys, PAYLOAD_FIELD
-from protocol.wire import now_ms
+from tokenrelay.producer_sdk.client import Client
+from tokenrelay.protocol.keys import Keys, PAYLOAD_FIELD
+from tokenrelay.protocol.wire import now_ms
 
 SAMPLING = {"max_tokens": 16, "temperature": 0.7}
 BARE_PIPELINE = 1000

@@ -31,9 +31,9 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.engine import _bench_checkpoint, make_workload
-from engine.llm import LLM
-from engine.parallel.group import ParallelGroup, Rendezvous, open_store
-from engine.sampling_params import SamplingParams
+from tokenrelay.engine.llm import LLM
+from tokenrelay.engine.parallel.group import ParallelGroup, Rendezvous, open_store
+from tokenrelay.engine.sampling_params import SamplingParams
 
 COMM: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])      # kind -> [seconds, calls]
 
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--alone-tokens", type=int, default=32)
     args = ap.parse_args(argv)
     model = args.model or _bench_checkpoint()
-    from engine.model_config import ModelConfig
+    from tokenrelay.engine.model_config import ModelConfig
     vocab = ModelConfig.from_pretrained(model).vocab_size
     n, pr, orng = 48, (16, 384), (16, 192)
     if args.quick:

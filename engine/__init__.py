@@ -1,6 +1,6 @@
 """tokenrelay's inference engine: paged KV cache, continuous batching, vLLM-shaped API.
 
-    from engine import LLM, SamplingParams, BeamSearchParams
+    from tokenrelay.engine import LLM, SamplingParams, BeamSearchParams
 
 ``SamplingParams`` (and ``StructuredOutputsParams``) is the job contract's own schema
 (``protocol.sampling_params``), re-exported so engine users import it from here as vLLM users
@@ -10,23 +10,27 @@ do. Heavy names (``LLM``, ``LLMEngine``, ``BeamSearchParams``, ...) are imported
 
 from __future__ import annotations
 
+if not __name__.startswith("tokenrelay."):   # the bare folder, imported from the repository root
+    raise ImportError(f"import tokenrelay.{__name__} (commands: `tokenrelay ...`), not {__name__!r}: "
+                      "our packages live under the tokenrelay namespace")
+
 import importlib
 from typing import Any
 
-from engine.errors import InvalidRequestError, PromptTooLongError, UnsupportedModelError
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenrelay.engine.errors import InvalidRequestError, PromptTooLongError, UnsupportedModelError
+from tokenrelay.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 _LAZY = {
-    "LLM": "engine.llm",
-    "BeamSearchParams": "engine.beam_search",
-    "LLMEngine": "engine.llm_engine",
-    "EngineConfig": "engine.config",
-    "RequestOutput": "engine.outputs",
-    "CompletionOutput": "engine.outputs",
-    "RequestDelta": "engine.outputs",
-    "ResumeState": "engine.outputs",
-    "TextPrompt": "engine.prompts",
-    "TokensPrompt": "engine.prompts",
+    "LLM": "tokenrelay.engine.llm",
+    "BeamSearchParams": "tokenrelay.engine.beam_search",
+    "LLMEngine": "tokenrelay.engine.llm_engine",
+    "EngineConfig": "tokenrelay.engine.config",
+    "RequestOutput": "tokenrelay.engine.outputs",
+    "CompletionOutput": "tokenrelay.engine.outputs",
+    "RequestDelta": "tokenrelay.engine.outputs",
+    "ResumeState": "tokenrelay.engine.outputs",
+    "TextPrompt": "tokenrelay.engine.prompts",
+    "TokensPrompt": "tokenrelay.engine.prompts",
 }
 
 __all__ = ["SamplingParams", "StructuredOutputsParams", "InvalidRequestError", "PromptTooLongError",
@@ -36,4 +40,4 @@ __all__ = ["SamplingParams", "StructuredOutputsParams", "InvalidRequestError", "
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    raise AttributeError(f"module 'tokenrelay.engine' has no attribute {name!r}")

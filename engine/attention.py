@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import compiled_decode
-from engine.attention_plan import AttentionPlan, DecodeGroup
+from tokenrelay.engine import compiled_decode
+from tokenrelay.engine.attention_plan import AttentionPlan, DecodeGroup
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import compiled_decode
+from tokenrelay.engine import compiled_decode
 
 # Decode sequences are attended in groups of at most this many, sorted by length: padding to the
 # longest member of a group of similar lengths wastes little (one padded batch of 48 gathered ~2x

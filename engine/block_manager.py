@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from engine.sequence import Sequence
+from tokenrelay.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.compiled import LazyCompiled, mark_dynamic
+from tokenrelay.engine.compiled import LazyCompiled, mark_dynamic
 
 # Sequences per compiled call, sorted by length so a group pads little. Engine bench, three
 # alternating runs each: one call for the whole batch 499-523 output tok/s against 527-540 for

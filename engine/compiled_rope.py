@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.compiled import LazyCompiled, mark_dynamic
+from tokenrelay.engine.compiled import LazyCompiled, mark_dynamic
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

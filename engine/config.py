@@ -15,9 +15,9 @@ from typing import Optional, Union
 
 import torch
 
-from engine import cpu_gemm
-from engine.model_config import ModelConfig
-from engine.parallel.partition import Partition, check_size
+from tokenrelay.engine import cpu_gemm
+from tokenrelay.engine.model_config import ModelConfig
+from tokenrelay.engine.parallel.partition import Partition, check_size
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -114,7 +114,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_size(self.hf_config, self.tensor_parallel_size)
         if self.tensor_parallel_size > 1:
-            from engine.parallel.group import rank_devices
+            from tokenrelay.engine.parallel.group import rank_devices
             rank_devices(self.device, self.tensor_parallel_size)    # enough devices?
         if not self.tensor_parallel_timeout > 0:
             raise ValueError(f"tensor_parallel_timeout must be > 0 seconds, "

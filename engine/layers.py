@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.model_config import RopeScaling
+from tokenrelay.engine.model_config import RopeScaling
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

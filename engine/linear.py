@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_gemm
+from tokenrelay.engine import cpu_gemm
 
 
 def param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:

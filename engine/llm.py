@@ -5,12 +5,12 @@ from __future__ import annotations
 import itertools
 from typing import Any, Mapping, Optional, Sequence as Seq, Union
 
-from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
-from engine.llm_engine import LLMEngine, PromptType
-from engine.outputs import CompletionOutput, RequestDelta, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+from tokenrelay.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from tokenrelay.engine.config import EngineConfig
+from tokenrelay.engine.errors import InvalidRequestError
+from tokenrelay.engine.llm_engine import LLMEngine, PromptType
+from tokenrelay.engine.outputs import CompletionOutput, RequestDelta, RequestMetrics, RequestOutput
+from tokenrelay.engine.sampling_params import SamplingParams
 
 ParamsType = Union[SamplingParams, Seq[SamplingParams], None]
 

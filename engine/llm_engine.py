@@ -15,26 +15,26 @@ from typing import Any, Callable, Mapping, Optional, Sequence as Seq, Union
 
 import torch
 
-from engine.beam_search import BeamSearch
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.forks import advance_beams, beam_deltas, branch_seed, fork_samples
-from engine.grammar import GrammarError
-from engine.model_runner import ModelRunner
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestDelta, RequestError, ResumeState
-from engine.prompts import (PromptType, check_chat_template_kwargs, prompt_of, render_chat,
+from tokenrelay.engine.beam_search import BeamSearch
+from tokenrelay.engine.block_manager import BlockManager
+from tokenrelay.engine.config import EngineConfig
+from tokenrelay.engine.detokenizer import IncrementalDetokenizer
+from tokenrelay.engine.errors import InvalidRequestError, PromptTooLongError
+from tokenrelay.engine.forks import advance_beams, beam_deltas, branch_seed, fork_samples
+from tokenrelay.engine.grammar import GrammarError
+from tokenrelay.engine.model_runner import ModelRunner
+from tokenrelay.engine.output_processor import OutputProcessor
+from tokenrelay.engine.outputs import RequestDelta, RequestError, ResumeState
+from tokenrelay.engine.prompts import (PromptType, check_chat_template_kwargs, prompt_of, render_chat,
                             tool_call_format)
-from protocol.tools import NO_TOOLS
-from engine.request_checks import check_pool, check_width, resume_states
-from engine.request_checks import prompt_ids as prompt_ids_of
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.structured import StructuredOutputs
+from tokenrelay.protocol.tools import NO_TOOLS
+from tokenrelay.engine.request_checks import check_pool, check_width, resume_states
+from tokenrelay.engine.request_checks import prompt_ids as prompt_ids_of
+from tokenrelay.engine.sampler import Sampler
+from tokenrelay.engine.sampling_params import SamplingParams
+from tokenrelay.engine.scheduler import Scheduler
+from tokenrelay.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from tokenrelay.engine.structured import StructuredOutputs
 
 __all__ = ["LLMEngine", "PromptType", "check_chat_template_kwargs", "prompt_of"]
 
@@ -63,7 +63,7 @@ class LLMEngine:
                  on_parallel_failure: Optional[Callable[[str], None]] = None) -> None:
         self.config = config.resolve()
         if tokenizer is None:
-            from engine.loader import load_tokenizer
+            from tokenrelay.engine.loader import load_tokenizer
             tokenizer = load_tokenizer(config.model)
         self.tokenizer = tokenizer
         self.model_runner = ModelRunner(config, model, on_parallel_failure=on_parallel_failure)

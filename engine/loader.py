@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.errors import UnsupportedModelError
-from engine.model_config import ModelConfig
-from engine.models.decoder import DecoderForCausalLM
-from engine.models.ops import get_ops
-from engine.parallel.layers import SKIP, Slice, checkpoint_slice
+from tokenrelay.engine.errors import UnsupportedModelError
+from tokenrelay.engine.model_config import ModelConfig
+from tokenrelay.engine.models.decoder import DecoderForCausalLM
+from tokenrelay.engine.models.ops import get_ops
+from tokenrelay.engine.parallel.layers import SKIP, Slice, checkpoint_slice
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,

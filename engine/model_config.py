@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import UnsupportedModelError
+from tokenrelay.engine.errors import UnsupportedModelError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")    # "org/name", as on the Hugging Face hub
 
@@ -131,7 +131,7 @@ class ModelConfig:
         if not cfg_file.is_file():
             raise FileNotFoundError(
                 f"no config.json in {folder}: pass a Hugging Face checkpoint folder "
-                "(make one with `python -m engine.tiny OUT` or `python -m engine.fetch smollm2 "
+                "(make one with `python -m tokenrelay.engine.tiny OUT` or `tokenrelay fetch smollm2 "
                 "OUT`)")
         cfg = cls.from_dict(json.loads(cfg_file.read_text()))
         gen_file = folder / "generation_config.json"

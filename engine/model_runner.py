@@ -24,10 +24,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from engine.config import ACTIVATION_BYTES_PER_TOKEN, CudaMemory, EngineConfig, gpu_kv_budget
-from engine.attention import AttentionMetadata
-from engine.parallel.partition import Partition
-from engine.sequence import Sequence
+from tokenrelay.engine.config import ACTIVATION_BYTES_PER_TOKEN, CudaMemory, EngineConfig, gpu_kv_budget
+from tokenrelay.engine.attention import AttentionMetadata
+from tokenrelay.engine.parallel.partition import Partition
+from tokenrelay.engine.sequence import Sequence
 
 
 @dataclass
@@ -63,7 +63,7 @@ class ModelRunner:
             if model is not None:
                 raise ValueError("an injected model cannot be tensor-parallel; "
                                  "pass tensor_parallel_size=1")
-            from engine.parallel.launch import launch_ranks
+            from tokenrelay.engine.parallel.launch import launch_ranks
             self.ranks = launch_ranks(config, on_parallel_failure)
             group = self.ranks.group
         self.group = group
@@ -84,7 +84,7 @@ class ModelRunner:
         group = self.group
         before = self._cuda_memory()                 # None on CPU
         if model is None:
-            from engine.loader import load_model
+            from tokenrelay.engine.loader import load_model
             model = load_model(config.model, dtype=config.dtype, device=config.device,
                                backend=config.attention_backend,
                                compiled=self._wants_compiled(), group=group)
@@ -137,7 +137,7 @@ class ModelRunner:
         if (self.device.type != "cuda" or getattr(self.config, "enforce_eager", False)
                 or getattr(ops, "name", None) != "triton" or self.group is not None):
             return None
-        from engine.cuda_graphs import DecodeGraphRunner
+        from tokenrelay.engine.cuda_graphs import DecodeGraphRunner
         max_blocks = -(-int(self.config.max_model_len) // self.block_size)
         graphs = DecodeGraphRunner(self.model, self.kv_caches, self.config.max_num_seqs,
                                    max_blocks, self.device)

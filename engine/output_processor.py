@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from engine.detokenizer import detokenize_step
-from engine.grammar import GrammarError
-from engine.outputs import RequestDelta
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from tokenrelay.engine.detokenizer import detokenize_step
+from tokenrelay.engine.grammar import GrammarError
+from tokenrelay.engine.outputs import RequestDelta
+from tokenrelay.engine.scheduler import Scheduler
+from tokenrelay.engine.sequence import Sequence
 
 
 class OutputProcessor:

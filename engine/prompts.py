@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence, TypedDict, Union
 
-from engine.errors import InvalidRequestError
-from protocol.tools import HERMES, NO_TOOLS, UNPARSED
-from protocol.wire import RESERVED_CHAT_TEMPLATE_KWARGS
+from tokenrelay.engine.errors import InvalidRequestError
+from tokenrelay.protocol.tools import HERMES, NO_TOOLS, UNPARSED
+from tokenrelay.protocol.wire import RESERVED_CHAT_TEMPLATE_KWARGS
 
 
 class TextPrompt(TypedDict):

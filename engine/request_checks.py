@@ -7,9 +7,9 @@ from __future__ import annotations
 import numbers
 from typing import Any, Optional, Union
 
-from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.outputs import ResumeState
-from engine.sampling_params import SamplingParams
+from tokenrelay.engine.errors import InvalidRequestError, PromptTooLongError
+from tokenrelay.engine.outputs import ResumeState
+from tokenrelay.engine.sampling_params import SamplingParams
 
 
 def prompt_ids(prompt: Union[str, list[int]], tokenizer: Any, vocab_size: int) -> list[int]:

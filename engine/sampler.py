@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Optional, Sequence as Seq
 
 import torch
 
-from engine.sequence import Sequence
+from tokenrelay.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from engine.structured import RowMasks
+    from tokenrelay.engine.structured import RowMasks
 
 _MASK64 = (1 << 64) - 1
 

@@ -5,7 +5,7 @@ SDK validates with it without importing the engine); ``engine.SamplingParams`` a
 keep the engine's public name working unchanged.
 """
 
-from protocol.sampling_params import SamplingParams
-from protocol.structured_outputs import StructuredOutputsParams
+from tokenrelay.protocol.sampling_params import SamplingParams
+from tokenrelay.protocol.structured_outputs import StructuredOutputsParams
 
 __all__ = ["SamplingParams", "StructuredOutputsParams"]

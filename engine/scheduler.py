@@ -27,8 +27,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.block_manager import BlockManager, KVCacheStats
-from engine.sequence import Sequence, SequenceStatus
+from tokenrelay.engine.block_manager import BlockManager, KVCacheStats
+from tokenrelay.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -13,11 +13,11 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from engine.sampling_params import SamplingParams
+from tokenrelay.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.detokenizer import IncrementalDetokenizer
-    from engine.grammar import Constraint
+    from tokenrelay.engine.detokenizer import IncrementalDetokenizer
+    from tokenrelay.engine.grammar import Constraint
 
 
 class SequenceStatus(enum.Enum):

@@ -24,9 +24,9 @@ from typing import Any, Optional, Sequence as Seq
 import numpy as np
 import torch
 
-from engine.grammar import Constraint, GrammarCompiler, GrammarError
-from engine.sequence import Sequence
-from protocol.structured_outputs import StructuredOutputsParams
+from tokenrelay.engine.grammar import Constraint, GrammarCompiler, GrammarError
+from tokenrelay.engine.sequence import Sequence
+from tokenrelay.protocol.structured_outputs import StructuredOutputsParams
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Write small, random-weight Hugging Face checkpoints for tests and benchmarks.
 
-``python -m engine.tiny OUT --arch {llama,qwen2,qwen3,mistral} [--seed N] [--size {tiny,bench}]``
+``python -m tokenrelay.engine.tiny OUT --arch {llama,qwen2,qwen3,mistral} [--seed N] [--size {tiny,bench}]``
 
 Nothing can be downloaded here, so tests need real checkpoints made locally: config.json,
 safetensors weights under HF names, generation_config.json, and a byte-level BPE tokenizer
@@ -291,7 +291,7 @@ def write_checkpoint(out: str | Path, arch: str = "llama", seed: int = 0, size: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.tiny", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tokenrelay.engine.tiny", description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path, help="output folder (created)")
     parser.add_argument("--arch", choices=sorted(ARCHS), default="llama")
     parser.add_argument("--seed", type=int, default=0)

@@ -21,7 +21,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from producer_sdk import (AsyncClient, AsyncJob, InvalidRequest, JobFailed, JobNotFound, QueueFull,
+from tokenrelay.producer_sdk import (AsyncClient, AsyncJob, InvalidRequest, JobFailed, JobNotFound, QueueFull,
                           RedisUnavailable)
 
 

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _validate as v
-from kernels.reference import silu_and_mul_ref
+from tokenrelay.kernels import _validate as v
+from tokenrelay.kernels.reference import silu_and_mul_ref
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
 

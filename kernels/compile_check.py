@@ -1,6 +1,6 @@
 """Compile every kernel with the real Triton compiler for an NVIDIA target, no GPU needed.
 
-    python -m kernels.compile_check [--arch 90] [--dtype bf16]
+    python -m tokenrelay.kernels.compile_check [--arch 90] [--dtype bf16]
 
 Why: the interpreter runs Python, not the compiler, so it accepts things the GPU build rejects
 (tl.dot with K < 16 on 16-bit inputs, type mismatches in loops, unsupported constexpr use). This
@@ -8,7 +8,7 @@ lowers each kernel, at the bench's Llama-3-8B configuration, through TTIR -> TTG
 -> cubin (Triton ships ptxas), so a kernel that would not build on the GPU fails here first.
 Must run *without* TRITON_INTERPRET (it unsets it before importing the kernels).
 
-    python -m kernels.compile_check --launcher
+    python -m tokenrelay.kernels.compile_check --launcher
 
 The other half of a first kernel launch: Triton builds its CUDA driver module and each kernel's
 launcher as a Python C extension with the system's C compiler (``CC``, else gcc, else clang)
@@ -36,32 +36,32 @@ def _specs(dt: str) -> list[tuple[str, str, dict, dict]]:
     attn = dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_D=128, BLOCK_N=64,
                 PRECISION="ieee" if dt == "fp32" else "tf32")
     return [
-        ("kernels.store_kv", "_store_kv_kernel",
+        ("tokenrelay.kernels.store_kv", "_store_kv_kernel",
          dict(key_ptr=p, value_ptr=p, k_cache_ptr=p, v_cache_ptr=p, slot_ptr="*i64",
               num_tokens=i32, key_stride=i32, value_stride=i32),
          dict(ROW=1024, BLOCK_T=8, BLOCK_ROW=1024)),
-        *[("kernels.decode_attention", "_decode_split_kernel",
+        *[("tokenrelay.kernels.decode_attention", "_decode_split_kernel",
            dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", seq_lens_ptr="*i32",
                 out_ptr=p, part_out_ptr="*fp32", part_lse_ptr="*fp32", qk_scale=f32, num_splits=i32,
                 q_stride_b=i32, q_stride_h=i32, bt_stride=i32, **cache),
            dict(attn, BLOCK_G=16, DIRECT=direct)) for direct in (True, False)],
-        ("kernels.decode_attention", "_decode_merge_kernel",
+        ("tokenrelay.kernels.decode_attention", "_decode_merge_kernel",
          dict(out_ptr=p, part_out_ptr="*fp32", part_lse_ptr="*fp32", num_splits=i32),
          dict(GROUP=4, HEAD_DIM=128, BLOCK_G=4, BLOCK_D=128)),
-        ("kernels.prefill_attention", "_prefill_kernel",
+        ("tokenrelay.kernels.prefill_attention", "_prefill_kernel",
          dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", seq_lens_ptr="*i32",
               cu_ptr="*i32", out_ptr=p, qk_scale=f32, q_stride_t=i32, q_stride_h=i32, bt_stride=i32,
               **cache),
          dict(attn, BLOCK_GP=4, BLOCK_Q=16, BLOCK_M=64)),
-        ("kernels.norm", "_rms_norm_kernel",
+        ("tokenrelay.kernels.norm", "_rms_norm_kernel",
          dict(x_ptr=p, res_ptr=p, w_ptr=p, out_ptr=p, num_rows=i32, x_stride=i32, res_stride=i32,
               out_stride=i32, eps=f32),
          dict(HIDDEN=4096, BLOCK_T=1, BLOCK_H=4096, ADD_RESIDUAL=True)),
-        ("kernels.rotary", "_rotary_kernel",
+        ("tokenrelay.kernels.rotary", "_rotary_kernel",
          dict(q_ptr=p, k_ptr=p, pos_ptr="*i64", cache_ptr="*fp32", num_tokens=i32, q_stride_t=i32,
               q_stride_h=i32, k_stride_t=i32, k_stride_h=i32, cache_stride=i32),
          dict(NUM_Q=32, NUM_K=8, HALF=64, BLOCK_T=2, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64, IS_NEOX=True)),
-        ("kernels.activation", "_silu_and_mul_kernel",
+        ("tokenrelay.kernels.activation", "_silu_and_mul_kernel",
          dict(x_ptr=p, out_ptr=p, num_rows=i32, x_stride=i32, out_stride=i32),
          dict(INTER=14336, BLOCK_T=4, BLOCK_I=1024)),
     ]

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _validate as v
-from kernels.reference import paged_decode_attention_ref
+from tokenrelay.kernels import _validate as v
+from tokenrelay.kernels.reference import paged_decode_attention_ref
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "choose_num_splits"]
 

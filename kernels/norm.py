@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _validate as v
-from kernels.reference import fused_add_rms_norm_ref, rms_norm_ref
+from tokenrelay.kernels import _validate as v
+from tokenrelay.kernels.reference import fused_add_rms_norm_ref, rms_norm_ref
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_ref", "fused_add_rms_norm_ref"]
 

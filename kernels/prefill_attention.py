@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _validate as v
-from kernels.decode_attention import LOG2E
-from kernels.reference import paged_prefill_attention_ref
+from tokenrelay.kernels import _validate as v
+from tokenrelay.kernels.decode_attention import LOG2E
+from tokenrelay.kernels.reference import paged_prefill_attention_ref
 
 __all__ = ["paged_prefill_attention", "paged_prefill_attention_ref"]
 

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _validate as v
-from kernels.reference import rotary_ref
+from tokenrelay.kernels import _validate as v
+from tokenrelay.kernels.reference import rotary_ref
 
 __all__ = ["rotary", "rotary_ref"]
 

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _validate as v
-from kernels.reference import store_kv_ref
+from tokenrelay.kernels import _validate as v
+from tokenrelay.kernels.reference import store_kv_ref
 
 __all__ = ["store_kv", "store_kv_ref"]
 

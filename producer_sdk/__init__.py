@@ -1,6 +1,6 @@
 """What producers import: sync/async clients, the bulk batch runner and the CLI. Never imports torch.
 
-    from producer_sdk import Client
+    from tokenrelay.producer_sdk import Client
     client = Client("redis://localhost:6379/0", queue="default")
     job = client.submit("Hello", max_tokens=32, temperature=0)
     for delta in job.stream():
@@ -13,30 +13,34 @@ the worker and the engine import too.
 
 from __future__ import annotations
 
+if not __name__.startswith("tokenrelay."):   # the bare folder, imported from the repository root
+    raise ImportError(f"import tokenrelay.{__name__} (commands: `tokenrelay ...`), not {__name__!r}: "
+                      "our packages live under the tokenrelay namespace")
+
 import importlib
 from typing import Any
 
 _LAZY = {
-    "Client": "producer_sdk.client",
-    "AsyncClient": "producer_sdk.aio",
-    "AsyncJob": "producer_sdk.aio",
-    "Job": "producer_sdk.job",
-    "Result": "producer_sdk.job",
-    "CompletionOutput": "producer_sdk.job",
-    "Delta": "producer_sdk.job",
-    "ClientConfig": "producer_sdk.config",
-    "SamplingParams": "protocol.sampling_params",
-    "Limits": "protocol.limits",
-    "DEFAULT_LIMITS": "protocol.limits",
-    "InvalidRequest": "producer_sdk.errors",
-    "JobFailed": "producer_sdk.errors",
-    "JobNotFound": "producer_sdk.errors",
-    "QueueFull": "producer_sdk.errors",
-    "NotDurable": "producer_sdk.errors",
-    "ShardCountMismatch": "protocol.shards",
-    "RedisUnavailable": "producer_sdk.errors",
-    "SDKError": "producer_sdk.errors",
-    "ClientClosed": "producer_sdk.errors",
+    "Client": "tokenrelay.producer_sdk.client",
+    "AsyncClient": "tokenrelay.producer_sdk.aio",
+    "AsyncJob": "tokenrelay.producer_sdk.aio",
+    "Job": "tokenrelay.producer_sdk.job",
+    "Result": "tokenrelay.producer_sdk.job",
+    "CompletionOutput": "tokenrelay.producer_sdk.job",
+    "Delta": "tokenrelay.producer_sdk.job",
+    "ClientConfig": "tokenrelay.producer_sdk.config",
+    "SamplingParams": "tokenrelay.protocol.sampling_params",
+    "Limits": "tokenrelay.protocol.limits",
+    "DEFAULT_LIMITS": "tokenrelay.protocol.limits",
+    "InvalidRequest": "tokenrelay.producer_sdk.errors",
+    "JobFailed": "tokenrelay.producer_sdk.errors",
+    "JobNotFound": "tokenrelay.producer_sdk.errors",
+    "QueueFull": "tokenrelay.producer_sdk.errors",
+    "NotDurable": "tokenrelay.producer_sdk.errors",
+    "ShardCountMismatch": "tokenrelay.protocol.shards",
+    "RedisUnavailable": "tokenrelay.producer_sdk.errors",
+    "SDKError": "tokenrelay.producer_sdk.errors",
+    "ClientClosed": "tokenrelay.producer_sdk.errors",
 }
 
 __all__ = list(_LAZY)
@@ -47,7 +51,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'producer_sdk' has no attribute {name!r}")
+    raise AttributeError(f"module 'tokenrelay.producer_sdk' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

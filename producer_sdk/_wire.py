@@ -15,13 +15,13 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 from redis.exceptions import (AskError, ClusterDownError, OutOfMemoryError, ResponseError,
                               TryAgainError)
 
-from producer_sdk.affinity import affinity_target
-from producer_sdk.payloads import Prepared
-from protocol.errors import ProtocolError
-from protocol.keys import Keys, key_slot, parse_dedupe_record
-from protocol.scripts import ENQUEUE, pack
-from protocol.scripts.resp import bulk, bulk_pairs, bulk_prefixed, pack_parts
-from protocol.topology import Packed
+from tokenrelay.producer_sdk.affinity import affinity_target
+from tokenrelay.producer_sdk.payloads import Prepared
+from tokenrelay.protocol.errors import ProtocolError
+from tokenrelay.protocol.keys import Keys, key_slot, parse_dedupe_record
+from tokenrelay.protocol.scripts import ENQUEUE, pack
+from tokenrelay.protocol.scripts.resp import bulk, bulk_pairs, bulk_prefixed, pack_parts
+from tokenrelay.protocol.topology import Packed
 
 DEFAULT_MAX_QUEUED_JOBS = 100_000
 

@@ -39,11 +39,11 @@ from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer_sdk.effects import Plan, pipelined
-from producer_sdk.models import Pipeline
-from producer_sdk.payloads import Prepared
-from protocol.heartbeat import FIELDS, Heartbeat
-from protocol.keys import Keys
+from tokenrelay.producer_sdk.effects import Plan, pipelined
+from tokenrelay.producer_sdk.models import Pipeline
+from tokenrelay.producer_sdk.payloads import Prepared
+from tokenrelay.protocol.heartbeat import FIELDS, Heartbeat
+from tokenrelay.protocol.keys import Keys
 
 # What a read of the heartbeats may raise while Redis or a cluster node is unreachable.
 READ_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException,

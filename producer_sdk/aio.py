@@ -13,19 +13,19 @@ from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence, T
 
 import redis.asyncio as aioredis
 
-from producer_sdk import signatures
-from producer_sdk.client import Client
-from producer_sdk.client_core import NET_ERRORS, ClientCore, make_async_redis
-from producer_sdk.effects import Plan, arun
-from producer_sdk.errors import RedisUnavailable
-from producer_sdk.hub import ReadHub
-from producer_sdk.job import AsyncJob
-from producer_sdk.payloads import Prepared
-from producer_sdk.status import JobStatus
-from producer_sdk.window import MapRun, Window, map_defaults
-from protocol.keys import Keys
-from protocol.limits import DEFAULT_LIMITS, Limits
-from protocol.topology import detect_cluster, is_cluster
+from tokenrelay.producer_sdk import signatures
+from tokenrelay.producer_sdk.client import Client
+from tokenrelay.producer_sdk.client_core import NET_ERRORS, ClientCore, make_async_redis
+from tokenrelay.producer_sdk.effects import Plan, arun
+from tokenrelay.producer_sdk.errors import RedisUnavailable
+from tokenrelay.producer_sdk.hub import ReadHub
+from tokenrelay.producer_sdk.job import AsyncJob
+from tokenrelay.producer_sdk.payloads import Prepared
+from tokenrelay.producer_sdk.status import JobStatus
+from tokenrelay.producer_sdk.window import MapRun, Window, map_defaults
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.limits import DEFAULT_LIMITS, Limits
+from tokenrelay.protocol.topology import detect_cluster, is_cluster
 
 T = TypeVar("T")
 

@@ -33,17 +33,17 @@ from typing import Any, Iterator, Optional, TextIO
 
 from pydantic import BaseModel, ConfigDict
 
-from producer_sdk.client import Client
-from producer_sdk.window import progress_bar
-from producer_sdk.errors import InvalidRequest, JobFailed
-from producer_sdk.job import Job
-from producer_sdk.models import ModelCache
-from producer_sdk.batch_lines import (LineTag, error_line, error_line_number, job_id_for,
+from tokenrelay.producer_sdk.client import Client
+from tokenrelay.producer_sdk.window import progress_bar
+from tokenrelay.producer_sdk.errors import InvalidRequest, JobFailed
+from tokenrelay.producer_sdk.job import Job
+from tokenrelay.producer_sdk.models import ModelCache
+from tokenrelay.producer_sdk.batch_lines import (LineTag, error_line, error_line_number, job_id_for,
                                       response_line)
-from producer_sdk.batch_lock import OutputLock
-from producer_sdk.openai_format import LineError, parse_request
-from producer_sdk.structured import fit_tools, rename_error
-from protocol.keys import Keys
+from tokenrelay.producer_sdk.batch_lock import OutputLock
+from tokenrelay.producer_sdk.openai_format import LineError, parse_request
+from tokenrelay.producer_sdk.structured import fit_tools, rename_error
+from tokenrelay.protocol.keys import Keys
 
 class BatchRequest(BaseModel):
     """One input line (OpenAI Batch request object)."""

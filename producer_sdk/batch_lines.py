@@ -9,10 +9,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from producer_sdk.job import CompletionOutput, Result
-from producer_sdk.openai_format import (CHAT_URL, choice_body, completion_body, logprobs_body,
+from tokenrelay.producer_sdk.job import CompletionOutput, Result
+from tokenrelay.producer_sdk.openai_format import (CHAT_URL, choice_body, completion_body, logprobs_body,
                                         token_logprobs_of, usage_body)
-from producer_sdk.tool_calls import whole_choice
+from tokenrelay.producer_sdk.tool_calls import whole_choice
 
 
 @dataclass(frozen=True, slots=True)

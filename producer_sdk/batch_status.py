@@ -1,4 +1,4 @@
-"""``python -m producer_sdk status --batch INPUT``: where every request of a batch stands.
+"""``tokenrelay status --batch INPUT``: where every request of a batch stands.
 
 Job ids are derived from the batch id and each line's custom_id (``batch_lines.job_id_for``),
 so the input file alone finds every job. Each custom_id is counted once (a repeated one is the
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from producer_sdk.batch import load_line, parse_line
-from producer_sdk.errors import LineError
-from protocol.keys import Keys
+from tokenrelay.producer_sdk.batch import load_line, parse_line
+from tokenrelay.producer_sdk.errors import LineError
+from tokenrelay.protocol.keys import Keys
 
 
 @dataclass

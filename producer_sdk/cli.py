@@ -1,4 +1,4 @@
-"""``python -m producer_sdk {submit,batch,stats,cancel,status,result}``: the SDK from a shell.
+"""``tokenrelay {submit,batch,stats,cancel,status,result}``: the SDK from a shell.
 
 Every command takes ``--redis-url`` (one Redis, or any node of a Redis Cluster), ``--cluster``,
 ``--namespace``, ``--queue`` and ``--shards`` (before or after it); each option is also a
@@ -19,17 +19,17 @@ from typing import Any, Optional, Sequence
 
 from pydantic import Field
 
-from protocol.settings import (BackPressureSettings, CliSettings, ConnectionSettings, JsonOutput,
+from tokenrelay.protocol.settings import (BackPressureSettings, CliSettings, ConnectionSettings, JsonOutput,
                                add_settings_flags, parse_settings, unset)
-from producer_sdk.batch_lock import BatchLocked
-from producer_sdk.client import Client
-from producer_sdk.errors import (InvalidRequest, JobFailed, JobNotFound, NotDurable, QueueFull,
+from tokenrelay.producer_sdk.batch_lock import BatchLocked
+from tokenrelay.producer_sdk.client import Client
+from tokenrelay.producer_sdk.errors import (InvalidRequest, JobFailed, JobNotFound, NotDurable, QueueFull,
                                  RedisUnavailable)
-from producer_sdk.stats import discover_queues, queue_stats, stats_table
-from producer_sdk.structured import from_cli, rename_error
-from protocol.keys import Keys
-from protocol.shards import ShardCountMismatch, registered_shards, resolve_shards
-from protocol.topology import cluster_flag
+from tokenrelay.producer_sdk.stats import discover_queues, queue_stats, stats_table
+from tokenrelay.producer_sdk.structured import from_cli, rename_error
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.shards import ShardCountMismatch, registered_shards, resolve_shards
+from tokenrelay.protocol.topology import cluster_flag
 
 EXIT_FAILED, EXIT_INVALID, EXIT_UNAVAILABLE, EXIT_FULL, EXIT_TIMEOUT = 1, 2, 3, 4, 5
 EXIT_UNKNOWN = 6                # status/result/cancel of a job id Redis does not know
@@ -134,7 +134,7 @@ class ResultOptions(ConnectionSettings, JsonOutput, WaitOption):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m producer_sdk",
+    parser = argparse.ArgumentParser(prog="tokenrelay",
                                      description="tokenrelay producer: submit jobs, run OpenAI-"
                                                  "format batch files, inspect queues.")
     add_settings_flags(parser, ConnectionSettings)
@@ -241,7 +241,7 @@ def cmd_submit(client: Client, args: argparse.Namespace, opts: SubmitOptions) ->
         raise rename_error(exc, constraint.param if constraint else None) from None
     if not opts.wait_for_worker and not client.live_workers():
         print(f"error: no live worker serves queue {client.queue!r} (namespace "
-              f"{client.namespace!r}); start one (python -m worker --queue {client.queue} "
+              f"{client.namespace!r}); start one (tokenrelay worker --queue {client.queue} "
               f"--model ...) or pass --wait-for-worker", file=sys.stderr)
         return EXIT_NO_WORKER
     (job,) = client.enqueue([prepared], block=opts.block)
@@ -331,9 +331,9 @@ def cmd_batch_status(client: Client, opts: StatusOptions) -> int:
     custom_id once; the lines that are no request, named; then the counts by state."""
     from pathlib import Path
 
-    from producer_sdk.batch import scan_input
-    from producer_sdk.batch_lines import job_id_for
-    from producer_sdk.batch_status import read_batch_lines, statuses_anywhere
+    from tokenrelay.producer_sdk.batch import scan_input
+    from tokenrelay.producer_sdk.batch_lines import job_id_for
+    from tokenrelay.producer_sdk.batch_status import read_batch_lines, statuses_anywhere
     path = Path(opts.batch)
     batch_id = opts.batch_id or f"batch_{scan_input(path)[1][:24]}"
     lines = read_batch_lines(path)
@@ -358,7 +358,7 @@ def cmd_result(client: Client, args: argparse.Namespace, opts: ResultOptions) ->
 
 
 def cmd_batch(client: Client, args: argparse.Namespace, opts: BatchOptions) -> int:
-    from producer_sdk.batch import BatchRunner
+    from tokenrelay.producer_sdk.batch import BatchRunner
     runner = BatchRunner(client, args.input, args.output, opts.errors, batch_id=opts.batch_id,
                          concurrency=opts.concurrency, priority=opts.priority,
                          progress=opts.progress, durable=opts.durable)
@@ -382,9 +382,9 @@ def cmd_batch(client: Client, args: argparse.Namespace, opts: BatchOptions) -> i
 
 def cmd_stats(opts: StatsOptions) -> int:
     import redis
-    from producer_sdk.client_core import NET_ERRORS, make_redis
-    from producer_sdk.config import ClientConfig
-    from protocol.topology import redact_url
+    from tokenrelay.producer_sdk.client_core import NET_ERRORS, make_redis
+    from tokenrelay.producer_sdk.config import ClientConfig
+    from tokenrelay.protocol.topology import redact_url
     url = opts.redis_url
     try:
         r = make_redis(ClientConfig(redis_url=url, cluster=cluster_flag(opts.cluster)))

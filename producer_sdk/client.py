@@ -12,16 +12,16 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVa
 
 import redis
 
-from producer_sdk import signatures
-from producer_sdk.client_core import NET_ERRORS, ClientCore, make_redis
-from producer_sdk.effects import Plan, run
-from producer_sdk.errors import RedisUnavailable
-from producer_sdk.job import Delta, Job, Result
-from producer_sdk.payloads import Prepared
-from producer_sdk.status import JobStatus
-from producer_sdk.window import MapRun, Window, map_defaults
-from protocol.keys import Keys
-from protocol.limits import DEFAULT_LIMITS, Limits
+from tokenrelay.producer_sdk import signatures
+from tokenrelay.producer_sdk.client_core import NET_ERRORS, ClientCore, make_redis
+from tokenrelay.producer_sdk.effects import Plan, run
+from tokenrelay.producer_sdk.errors import RedisUnavailable
+from tokenrelay.producer_sdk.job import Delta, Job, Result
+from tokenrelay.producer_sdk.payloads import Prepared
+from tokenrelay.producer_sdk.status import JobStatus
+from tokenrelay.producer_sdk.window import MapRun, Window, map_defaults
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.limits import DEFAULT_LIMITS, Limits
 
 T = TypeVar("T")
 

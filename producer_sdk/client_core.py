@@ -21,26 +21,26 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.retry import Retry
 
-from producer_sdk._wire import EnqueuePlan
-from producer_sdk.affinity import AffinityRouter
-from producer_sdk.config import ClientConfig
-from producer_sdk.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, Send, Sleep, pipelined,
+from tokenrelay.producer_sdk._wire import EnqueuePlan
+from tokenrelay.producer_sdk.affinity import AffinityRouter
+from tokenrelay.producer_sdk.config import ClientConfig
+from tokenrelay.producer_sdk.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, Send, Sleep, pipelined,
                                   raise_transient, retrying, run_plan_script)
-from producer_sdk.enqueue import Enqueuer
-from producer_sdk.errors import (ClientClosed, JobNotFound, NotDurable, QueueFull, RedisUnavailable,
+from tokenrelay.producer_sdk.enqueue import Enqueuer
+from tokenrelay.producer_sdk.errors import (ClientClosed, JobNotFound, NotDurable, QueueFull, RedisUnavailable,
                                  SDKError)
-from producer_sdk.job import Deadline, JobHandle, JobState
-from producer_sdk.models import live_workers as queue_workers
-from producer_sdk.payloads import PayloadBuilder, Prepared, gc_paused
-from producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD, QueueBook
-from producer_sdk.reads import Lost, Pumped, ResultReader, rerun_request
-from producer_sdk.signatures import SEND_OPTIONS, bind_submit
-from producer_sdk.status import JobStatus, liveness, read_statuses
-from protocol.keys import Keys
-from protocol.limits import Limits
-from protocol.scripts import CANCEL_KNOWN, FORGET_STALE_RECORD, CancelTarget, cancel_target, pack
-from protocol.topology import Packed, make_async_client, make_client, redact_url
-from protocol.wire import now_ms, validate_job_id
+from tokenrelay.producer_sdk.job import Deadline, JobHandle, JobState
+from tokenrelay.producer_sdk.models import live_workers as queue_workers
+from tokenrelay.producer_sdk.payloads import PayloadBuilder, Prepared, gc_paused
+from tokenrelay.producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD, QueueBook
+from tokenrelay.producer_sdk.reads import Lost, Pumped, ResultReader, rerun_request
+from tokenrelay.producer_sdk.signatures import SEND_OPTIONS, bind_submit
+from tokenrelay.producer_sdk.status import JobStatus, liveness, read_statuses
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.limits import Limits
+from tokenrelay.protocol.scripts import CANCEL_KNOWN, FORGET_STALE_RECORD, CancelTarget, cancel_target, pack
+from tokenrelay.protocol.topology import Packed, make_async_client, make_client, redact_url
+from tokenrelay.protocol.wire import now_ms, validate_job_id
 
 __all__ = ["NET_ERRORS", "SEND_ERRORS", "LIMIT_FIELD", "ClientCore",
            "make_redis", "make_async_redis"]

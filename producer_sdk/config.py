@@ -6,8 +6,8 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from protocol.keys import MAX_SHARDS
-from protocol.settings import default_cluster, default_redis_url, default_shards
+from tokenrelay.protocol.keys import MAX_SHARDS
+from tokenrelay.protocol.settings import default_cluster, default_redis_url, default_shards
 
 
 
@@ -78,7 +78,7 @@ class ClientConfig(BaseModel):
     @field_validator("cluster", mode="before")
     @classmethod
     def _cluster_mode(cls, value: Any) -> Optional[bool]:
-        from protocol.topology import cluster_flag
+        from tokenrelay.protocol.topology import cluster_flag
         return cluster_flag(value)
 
     @model_validator(mode="after")

@@ -27,7 +27,7 @@ from redis.exceptions import (AskError, AuthenticationError, AuthorizationError,
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from protocol.topology import (Packed, async_send_packed_trailed, is_cluster, refresh_any,
+from tokenrelay.protocol.topology import (Packed, async_send_packed_trailed, is_cluster, refresh_any,
                                send_packed_trailed)
 
 T = TypeVar("T")
@@ -166,7 +166,7 @@ def retrying(make: Callable[[], Plan[T]], window_s: float, url: str,
     run a fresh one, pausing 0.05 s doubling to 1 s, for up to ``window_s``; past it raise
     RedisUnavailable. Only for plans that are safe to run again (reads, flags, the enqueue
     script, which dedupes by job id)."""
-    from producer_sdk.errors import RedisUnavailable
+    from tokenrelay.producer_sdk.errors import RedisUnavailable
     give_up = time.monotonic() + window_s
     pause = 0.05
     while True:

@@ -15,16 +15,16 @@ from typing import Any, Optional, Sequence
 
 from redis.exceptions import NoScriptError
 
-from producer_sdk._wire import EnqueuePlan, EnqueueScript, is_oom, is_transient
-from producer_sdk.affinity import AffinityRouter
-from producer_sdk.config import ClientConfig
-from producer_sdk.effects import SEND_ERRORS, Call, Plan, Send, Sleep, cluster
-from producer_sdk.errors import RedisUnavailable
-from producer_sdk.job import Deadline
-from producer_sdk.payloads import Prepared, gc_paused
-from producer_sdk.queues import QueueBook
-from protocol.topology import Packed
-from protocol.scripts import ENQUEUE, pack
+from tokenrelay.producer_sdk._wire import EnqueuePlan, EnqueueScript, is_oom, is_transient
+from tokenrelay.producer_sdk.affinity import AffinityRouter
+from tokenrelay.producer_sdk.config import ClientConfig
+from tokenrelay.producer_sdk.effects import SEND_ERRORS, Call, Plan, Send, Sleep, cluster
+from tokenrelay.producer_sdk.errors import RedisUnavailable
+from tokenrelay.producer_sdk.job import Deadline
+from tokenrelay.producer_sdk.payloads import Prepared, gc_paused
+from tokenrelay.producer_sdk.queues import QueueBook
+from tokenrelay.protocol.topology import Packed
+from tokenrelay.protocol.scripts import ENQUEUE, pack
 
 
 class Retrying:

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Awaitable, Callable, Iterator, Optional
 
-from producer_sdk.effects import Call, Plan
-from producer_sdk.job import JobHandle, JobState
-from producer_sdk.reads import ResultReader
-from protocol.keys import WAKE_TTL_MS, key_slot, wake_key
+from tokenrelay.producer_sdk.effects import Call, Plan
+from tokenrelay.producer_sdk.job import JobHandle, JobState
+from tokenrelay.producer_sdk.reads import ResultReader
+from tokenrelay.protocol.keys import WAKE_TTL_MS, key_slot, wake_key
 
-log = logging.getLogger("producer_sdk.hub")
+log = logging.getLogger("tokenrelay.producer_sdk.hub")
 
 SLICE_MS = 50           # the block of a reader without a wake stream
 ERROR_PAUSE_S = 0.5     # after a read that failed past its retries, before reading again

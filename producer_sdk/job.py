@@ -13,14 +13,14 @@ import threading
 import time
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
-from producer_sdk.effects import Plan
-from producer_sdk.errors import JOB_LOST, LOST, JobFailed
-from producer_sdk.signatures import docs_from
-from protocol.fold import Delta, ResultFold
-from producer_sdk.results import CompletionOutput, Result, job_outputs
-from protocol.events import DoneEvent, ErrorEvent
-from protocol.keys import EVENT_FIELD, Keys
-from protocol.scripts.cancel import CancelTarget, cancel_target
+from tokenrelay.producer_sdk.effects import Plan
+from tokenrelay.producer_sdk.errors import JOB_LOST, LOST, JobFailed
+from tokenrelay.producer_sdk.signatures import docs_from
+from tokenrelay.protocol.fold import Delta, ResultFold
+from tokenrelay.producer_sdk.results import CompletionOutput, Result, job_outputs
+from tokenrelay.protocol.events import DoneEvent, ErrorEvent
+from tokenrelay.protocol.keys import EVENT_FIELD, Keys
+from tokenrelay.protocol.scripts.cancel import CancelTarget, cancel_target
 
 __all__ = ["CompletionOutput", "Result", "job_outputs", "JobState", "JobHandle", "Job",
            "AsyncJob", "Deadline", "StreamCursor", "feed_states", "timeout_error", "Delta"]

@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Optional
 
-from producer_sdk.effects import arun, pipelined, run
-from protocol.heartbeat import FIELDS, Heartbeat
-from protocol.keys import Keys
+from tokenrelay.producer_sdk.effects import arun, pipelined, run
+from tokenrelay.protocol.heartbeat import FIELDS, Heartbeat
+from tokenrelay.protocol.keys import Keys
 
 
 @dataclass(frozen=True)

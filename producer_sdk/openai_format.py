@@ -14,14 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from producer_sdk.errors import LineError  # noqa: F401 (home: errors.py; imported from here too)
+from tokenrelay.producer_sdk.errors import LineError  # noqa: F401 (home: errors.py; imported from here too)
 # The logprobs objects live beside these shapes (openai_logprobs.py) and are re-exported here.
-from producer_sdk.openai_logprobs import (TOKEN_ID_PREFIX, chat_logprobs,  # noqa: F401
+from tokenrelay.producer_sdk.openai_logprobs import (TOKEN_ID_PREFIX, chat_logprobs,  # noqa: F401
                                           completion_logprobs, logprobs_body,
                                           token_logprobs_from_ids, token_logprobs_of)
-from producer_sdk.structured import pop_openai
-from protocol.tools import template_tool_calls
-from protocol.wire import MAX_ROUTING_KEY_LEN
+from tokenrelay.producer_sdk.structured import pop_openai
+from tokenrelay.protocol.tools import template_tool_calls
+from tokenrelay.protocol.wire import MAX_ROUTING_KEY_LEN
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-from protocol.logprobs import TokenLogprob, TopLogprob
+from tokenrelay.protocol.logprobs import TokenLogprob, TopLogprob
 
 # The token text of a logprob entry when the worker sent only token ids: vLLM's spelling for
 # ``--return-tokens-as-token-ids``, so a client can still tell tokens apart.

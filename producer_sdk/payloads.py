@@ -19,13 +19,13 @@ from typing import Any, Iterable, Iterator, Mapping, Optional
 import msgpack
 from pydantic import ValidationError
 
-from producer_sdk.errors import InvalidRequest
-from protocol.budget import DEFAULT_CONTEXT_TOKENS, completion_tokens, job_cost, text_tokens
-from protocol.errors import ProtocolError
-from protocol.keys import Keys
-from protocol.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check_job_limits
-from protocol.sampling_params import SAMPLING_FIELDS, SamplingParams
-from protocol.wire import INPUT_FIELDS, PROTOCOL_VERSION, JobRequest, now_ms, validate_job
+from tokenrelay.producer_sdk.errors import InvalidRequest
+from tokenrelay.protocol.budget import DEFAULT_CONTEXT_TOKENS, completion_tokens, job_cost, text_tokens
+from tokenrelay.protocol.errors import ProtocolError
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.limits import DEFAULT_LIMITS, LimitExceeded, Limits, check_job_limits
+from tokenrelay.protocol.sampling_params import SAMPLING_FIELDS, SamplingParams
+from tokenrelay.protocol.wire import INPUT_FIELDS, PROTOCOL_VERSION, JobRequest, now_ms, validate_job
 
 # The job fields, read from the model: JobRequest's fields in its order, with the model's
 # defaults. The SDK fills in the version, the validated sampling ``params``, the submit time and

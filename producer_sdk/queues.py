@@ -17,10 +17,10 @@ from typing import Any, Optional
 
 from redis.exceptions import ResponseError
 
-from producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS, QueueState, is_oom
-from producer_sdk.effects import Call, Plan
-from protocol.keys import Keys
-from protocol.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards, resolve_shards
+from tokenrelay.producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS, QueueState, is_oom
+from tokenrelay.producer_sdk.effects import Call, Plan
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards, resolve_shards
 
 LIMIT_FIELD = "max_queued_jobs"
 TOKENS_FIELD = "max_queued_tokens"    # the token budget (protocol/budget.py); absent: none

@@ -26,14 +26,14 @@ from typing import Any, Iterable, Optional, Sequence
 
 import msgpack
 
-from producer_sdk._wire import (fields_dict, merge_reads, merge_xreads, normalize_xread,
+from tokenrelay.producer_sdk._wire import (fields_dict, merge_reads, merge_xreads, normalize_xread,
                                 parse_raw_xread, sliced_xread, slot_groups)
-from producer_sdk.effects import Call, Plan, Send, cluster, raise_transient, retrying
-from producer_sdk.job import Delta, JobState, feed_states
-from protocol.errors import ProtocolError
-from protocol.keys import EVENT_FIELD, parse_dedupe_record
-from protocol.topology import node_name
-from protocol.wire import decode_event
+from tokenrelay.producer_sdk.effects import Call, Plan, Send, cluster, raise_transient, retrying
+from tokenrelay.producer_sdk.job import Delta, JobState, feed_states
+from tokenrelay.protocol.errors import ProtocolError
+from tokenrelay.protocol.keys import EVENT_FIELD, parse_dedupe_record
+from tokenrelay.protocol.topology import node_name
+from tokenrelay.protocol.wire import decode_event
 
 XREAD_COUNT = 512
 

@@ -8,9 +8,9 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from protocol.events import DoneEvent, Timings, Usage
-from protocol.fold import ResultFold
-from protocol.logprobs import TokenLogprob
+from tokenrelay.protocol.events import DoneEvent, Timings, Usage
+from tokenrelay.protocol.fold import ResultFold
+from tokenrelay.protocol.logprobs import TokenLogprob
 
 
 class CompletionOutput(BaseModel):

@@ -15,7 +15,7 @@ import inspect
 import textwrap
 from typing import Any, Callable, Optional, ParamSpec, TypeVar
 
-from protocol.sampling_params import SamplingParams
+from tokenrelay.protocol.sampling_params import SamplingParams
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -1,4 +1,4 @@
-"""``python -m producer_sdk stats``: each queue's depth, lag, pending jobs by lane, workers, dead
+"""``tokenrelay stats``: each queue's depth, lag, pending jobs by lane, workers, dead
 letters, token budget and the job streams no worker reads (``protocol.lanes``), read from what
 Redis holds (the CLI prints it; ``demos.service`` shows it live)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS
-from producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD
-from protocol.keys import GROUP, Keys
-from protocol.lanes import queue_of_key, unread_lanes
+from tokenrelay.producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS
+from tokenrelay.producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD
+from tokenrelay.protocol.keys import GROUP, Keys
+from tokenrelay.protocol.lanes import queue_of_key, unread_lanes
 
 
 def discover_queues(r: Any, namespace: str) -> list[str]:

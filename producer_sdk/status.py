@@ -21,14 +21,14 @@ from typing import Any, Callable, Generator, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from producer_sdk._wire import fields_dict, record_location
-from producer_sdk.affinity import is_affinity_stream
-from producer_sdk.effects import Call, Plan, cluster
-from protocol.errors import ProtocolError
-from protocol.events import ErrorEvent
-from protocol.keys import EVENT_FIELD, GROUP, Keys, PARKING_CONSUMER, key_slot
-from protocol.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards
-from protocol.wire import decode_event
+from tokenrelay.producer_sdk._wire import fields_dict, record_location
+from tokenrelay.producer_sdk.affinity import is_affinity_stream
+from tokenrelay.producer_sdk.effects import Call, Plan, cluster
+from tokenrelay.protocol.errors import ProtocolError
+from tokenrelay.protocol.events import ErrorEvent
+from tokenrelay.protocol.keys import EVENT_FIELD, GROUP, Keys, PARKING_CONSUMER, key_slot
+from tokenrelay.protocol.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards
+from tokenrelay.protocol.wire import decode_event
 
 State = Literal["queued", "stranded", "running", "done", "cancelled", "failed", "expired",
                 "unknown"]

@@ -29,8 +29,8 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from producer_sdk.errors import InvalidRequest, LineError
-from protocol.tools import HERMES, UNPARSED, Tool, call_schema, check_unique_names
+from tokenrelay.producer_sdk.errors import InvalidRequest, LineError
+from tokenrelay.protocol.tools import HERMES, UNPARSED, Tool, call_schema, check_unique_names
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

@@ -16,3 +16,7 @@ One home for each concept that crosses a process boundary:
 It imports nothing of ``engine``, ``worker`` or ``producer_sdk``, and no torch or FastAPI
 (tests/protocol/test_boundaries.py): the engine and the SDK stand side by side on it.
 """
+
+if not __name__.startswith("tokenrelay."):   # the bare folder, imported from the repository root
+    raise ImportError(f"import tokenrelay.{__name__} (commands: `tokenrelay ...`), not {__name__!r}: "
+                      "our packages live under the tokenrelay namespace")

@@ -38,9 +38,9 @@ from typing import Any, Mapping, Optional, Union
 import msgpack
 from pydantic import ValidationError
 
-from protocol.logprobs import TokenLogprob, TopLogprob
-from protocol.errors import ProtocolError, describe_validation_error
-from protocol.events import DoneEvent, ErrorEvent
+from tokenrelay.protocol.logprobs import TokenLogprob, TopLogprob
+from tokenrelay.protocol.errors import ProtocolError, describe_validation_error
+from tokenrelay.protocol.events import DoneEvent, ErrorEvent
 
 
 def token_logprobs(token_ids: list[int], logprobs: Any,

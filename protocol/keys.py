@@ -11,7 +11,7 @@ import functools
 import zlib
 from typing import Optional, Union
 
-from protocol.errors import ProtocolError
+from tokenrelay.protocol.errors import ProtocolError
 
 # The consumer group every worker of a queue reads its job streams in.
 GROUP = "workers"

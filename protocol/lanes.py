@@ -1,5 +1,5 @@
 """Job streams no worker reads, found from what Redis holds: for ``producer_sdk stats``,
-``python -m worker admin unread`` and a job's status.
+``tokenrelay admin unread`` and a job's status.
 
 Why: a job stream a queue's workers do not read holds its jobs forever, silently (issue #25:
 jobs sent with a guessed shard count sat in a lane no worker reads, with a depth of 0 in stats).
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.keys import GROUP, Keys
+from tokenrelay.protocol.keys import GROUP, Keys
 
 OUTSIDE_LAYOUT = "outside_layout"
 NO_GROUP = "no_group"

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from protocol.structured_outputs import StructuredOutputsParams
+from tokenrelay.protocol.structured_outputs import StructuredOutputsParams
 
 
 # The schema's own ceiling on ``n`` and ``beam_width``; engines and workers set lower bounds of

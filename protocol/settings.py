@@ -1,8 +1,8 @@
 """What every tokenrelay command line shares: one settings -> command-line layer, the connection
 settings, and how a command ends when its reader goes away (``... | head``).
 
-Used by ``python -m worker`` (and its ``health`` and ``admin`` subcommands) and by
-``python -m producer_sdk``. Each command's options are a pydantic-settings model; its flags are
+Used by ``tokenrelay worker`` (and its ``health`` and ``admin`` subcommands) and by
+``tokenrelay``. Each command's options are a pydantic-settings model; its flags are
 generated from the model's fields, so a flag, its environment variable and its default cannot
 drift apart: field ``foo_bar`` is ``--foo-bar`` and ``TOKENRELAY_FOO_BAR``. Flags win over
 environment variables, environment variables over defaults. Flags default to SUPPRESS, so a
@@ -25,7 +25,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from protocol.keys import MAX_SHARDS
+from tokenrelay.protocol.keys import MAX_SHARDS
 
 EXIT_SIGPIPE = 141      # what a shell reports for a process ended by SIGPIPE (128 + 13)
 EXIT_USAGE = 2          # argparse's exit code for a bad command line
@@ -221,7 +221,7 @@ def describe_settings_error(exc: ValidationError) -> str:
 def parse_settings(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None,
                    ) -> tuple[argparse.Namespace, CliSettings]:
     """Parse ``argv`` and build the chosen (sub)command's settings. A bad value, or a flag of
-    another command (``python -m worker --max-num-seqs 3 health``), ends with usage and exit 2."""
+    another command (``tokenrelay worker --max-num-seqs 3 health``), ends with usage and exit 2."""
     args = parser.parse_args(argv)
     model: type[CliSettings] = getattr(args, _MODEL)
     stray = sorted(set(given_settings(args)) - set(model.model_fields))

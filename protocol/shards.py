@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from protocol.keys import Keys, MAX_SHARDS
+from tokenrelay.protocol.keys import Keys, MAX_SHARDS
 
 SHARDS_FIELD = "shards"
 

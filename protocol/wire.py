@@ -19,12 +19,12 @@ from typing import Any, Literal, Optional
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from protocol.errors import ProtocolError, describe_validation_error, first_field
-from protocol.events import EVENT_TYPES, Event
-from protocol.limits import (DEFAULT_LIMITS, LimitExceeded, Limits, check_job_limits,
+from tokenrelay.protocol.errors import ProtocolError, describe_validation_error, first_field
+from tokenrelay.protocol.events import EVENT_TYPES, Event
+from tokenrelay.protocol.limits import (DEFAULT_LIMITS, LimitExceeded, Limits, check_job_limits,
                              check_payload_size, readable_metadata, scan_job_id)
-from protocol.sampling_params import SamplingParams
-from protocol.tools import Tool, check_unique_names
+from tokenrelay.protocol.sampling_params import SamplingParams
+from tokenrelay.protocol.tools import Tool, check_unique_names
 
 PROTOCOL_VERSION = 1
 MAX_JOB_ID_LEN = 128

@@ -120,7 +120,7 @@ def kill_at(point: str, nth: int) -> Callable[[str], None]:
     """An outbox fault point (worker/outbox.py, FAULT_POINTS) that SIGKILLs the worker the
     ``nth`` time its flush reaches ``point``: a kill at an exact point of the pipeline, with
     no timing involved. It says so on stderr first (the test checks the line)."""
-    from worker.outbox import FAULT_POINTS
+    from tokenrelay.worker.outbox import FAULT_POINTS
     if point not in FAULT_POINTS or nth < 1:
         raise ValueError(f"{FAULT_POINT_ENV}: expected '<{'|'.join(FAULT_POINTS)}>:<n >= 1>', "
                          f"got {point!r}:{nth}")
@@ -154,8 +154,8 @@ def submit(client: Any, keys: Any, job: Any, raw: Optional[bytes] = None,
            lane: Optional[str] = None) -> str:
     """XADD a job (JobRequest, dict, or ``raw`` payload bytes) onto its priority lane, as a raw
     producer does: no dedupe record (the worker binds the job id to the entry)."""
-    from protocol.keys import PAYLOAD_FIELD
-    from protocol.wire import JobRequest, encode_job
+    from tokenrelay.protocol.keys import PAYLOAD_FIELD
+    from tokenrelay.protocol.wire import JobRequest, encode_job
     if raw is None:
         job = job if isinstance(job, JobRequest) else JobRequest.model_validate(job)
         raw = encode_job(job)
@@ -169,8 +169,8 @@ def enqueue(client: Any, keys: Any, job: Any, dedupe_ttl_s: int = 86_400) -> tup
     priority lane of the shard its job id maps to (``keys.shard_of``), and the job's dedupe
     record in that shard, naming the entry. Works on a plain client and on a cluster client
     (both keys share the shard's slot). Returns (lane key, entry id)."""
-    from protocol.keys import PAYLOAD_FIELD, dedupe_record
-    from protocol.wire import JobRequest, encode_job
+    from tokenrelay.protocol.keys import PAYLOAD_FIELD, dedupe_record
+    from tokenrelay.protocol.wire import JobRequest, encode_job
     job = job if isinstance(job, JobRequest) else JobRequest.model_validate(job)
     shard = keys.shard_of(job.job_id)
     lane = keys.jobs_stream(job.priority, shard)
@@ -192,8 +192,8 @@ def ids_on_shard(keys: Any, shard: int, prefix: str, n: int) -> list[str]:
 
 
 def read_events(client: Any, keys: Any, job_id: str) -> list:
-    from protocol.keys import EVENT_FIELD
-    from protocol.wire import decode_event
+    from tokenrelay.protocol.keys import EVENT_FIELD
+    from tokenrelay.protocol.wire import decode_event
     return [decode_event(f[EVENT_FIELD]) for _, f in client.xrange(keys.results(job_id))]
 
 
@@ -258,8 +258,8 @@ def check_stream(r: redis.Redis, keys, job_id: str) -> StreamReport:
     """Decode a result stream and list every duplicate, gap, misplaced position, token after
     its choice finished, or extra terminal. Each choice is checked on its own: positions
     contiguous from 0 within it; seq is contiguous across the whole job."""
-    from protocol.keys import EVENT_FIELD
-    from protocol.wire import decode_event
+    from tokenrelay.protocol.keys import EVENT_FIELD
+    from tokenrelay.protocol.wire import decode_event
     rep = StreamReport(job_id)
     for entry_id, fields in r.xrange(keys.results(job_id)):
         ev = decode_event(fields[EVENT_FIELD])
@@ -360,7 +360,7 @@ class FaultEnv:
     """One test's world: a redis-server (or a Redis Cluster the caller owns), worker
     subprocesses, a producer client.
 
-    Workers are ``python -m worker`` children (tests/fixtures_redis.WorkerProcess, each in its
+    Workers are ``tokenrelay worker`` children (tests/fixtures_redis.WorkerProcess, each in its
     own process group); ``close`` SIGKILLs every one of them and the server, whatever happened.
     ``shards`` > 1 runs the workers with ``--shards``; ``cluster`` (a started
     ``worker.redis_server.RedisCluster``) replaces the private server: ``r`` is then a cluster
@@ -369,8 +369,8 @@ class FaultEnv:
 
     def __init__(self, tmp_path: Path, namespace: str = "ft", queue: str = "q",
                  redis_args: Sequence[str] = (), shards: int = 1, cluster: Any = None) -> None:
-        from protocol.keys import Keys
-        from protocol.topology import make_client
+        from tokenrelay.protocol.keys import Keys
+        from tokenrelay.protocol.topology import make_client
         from tests.fixtures_redis import start_redis_server
         self.tmp_path = tmp_path
         self.keys = Keys(namespace, queue, shards)
@@ -388,7 +388,7 @@ class FaultEnv:
     # -- workers
     def worker(self, worker_id: str, model: Optional[str] = None, delay: float = 0.02,
                env: Optional[dict[str, str]] = None, wait: bool = True, **flags: object):
-        """Start ``python -m worker``; ``flags`` override FAST_FLAGS (underscores -> dashes)."""
+        """Start ``tokenrelay worker``; ``flags`` override FAST_FLAGS (underscores -> dashes)."""
         from tests.fixtures_redis import WorkerProcess
         merged = {**FAST_FLAGS, **{k.replace("_", "-"): v for k, v in flags.items()}}
         args = ["--model", model or FAKE_MODEL.format(delay=delay), "--redis-url", self.url,
@@ -414,7 +414,7 @@ class FaultEnv:
 
     # -- producer side
     def client(self, **settings: object):
-        from producer_sdk.client import Client
+        from tokenrelay.producer_sdk.client import Client
         c = Client(self.url, queue=self.keys.queue, namespace=self.keys.namespace,
                    **settings)
         self._clients.append(c)

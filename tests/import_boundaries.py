@@ -16,6 +16,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The design's folders, installed as tokenrelay.<folder> (pyproject.toml's package-dir).
+OURS = ("protocol", "engine", "kernels", "worker", "producer_sdk")
+
+
+def package_of(name: str) -> str:
+    """The package a module name belongs to, in the terms the boundary tests use: one of ours
+    (``tokenrelay.engine.llm`` -> ``engine``) or a distribution's top-level name (``redis``)."""
+    parts = name.split(".")
+    if parts[0] == "tokenrelay" and len(parts) > 1 and parts[1] in OURS:
+        return parts[1]
+    return parts[0]
 
 
 def package_files(package: str) -> list[Path]:
@@ -28,6 +39,8 @@ def package_files(package: str) -> list[Path]:
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[0] in OURS:
+        parts = ("tokenrelay", *parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -53,7 +66,7 @@ def forbidden_imports(package: str, forbidden: set[str]) -> list[str]:
     found = []
     for path in package_files(package):
         for name in sorted(imported_names(path)):
-            if name.split(".")[0] in forbidden:
+            if package_of(name) in forbidden:
                 found.append(f"{path.relative_to(ROOT)} imports {name}")
     return found
 
@@ -62,12 +75,12 @@ def loaded_packages(modules: list[str], timeout: float = 120) -> set[str]:
     """Top-level packages loaded after a fresh interpreter imports ``modules``."""
     code = ("import importlib, json, sys\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
-            "print(json.dumps(sorted({n.split('.')[0] for n in sys.modules})))")
+            "print(json.dumps(sorted(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"importing {modules} failed:\n{done.stderr[-2000:]}")
-    return set(json.loads(done.stdout.strip().splitlines()[-1]))
+    return {package_of(n) for n in json.loads(done.stdout.strip().splitlines()[-1])}
 
 
 def _resolve(name: str, imported: list[str], modules: set[str]) -> list[str]:

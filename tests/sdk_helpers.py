@@ -23,9 +23,9 @@ import msgpack
 import pytest
 import redis
 
-from protocol.keys import EVENT_FIELD, GROUP, Keys, PAYLOAD_FIELD
-from protocol.wire import decode_job
-from protocol.topology import make_client
+from tokenrelay.protocol.keys import EVENT_FIELD, GROUP, Keys, PAYLOAD_FIELD
+from tokenrelay.protocol.wire import decode_job
+from tokenrelay.protocol.topology import make_client
 from tests.fixtures_redis import RedisServer, free_port, start_redis_server
 
 __all__ = ["RedisServer", "free_port", "start_redis_server", "sdk_redis", "sdk_url", "FakeWorker",
@@ -223,8 +223,8 @@ class RealWorker:
 
     def __init__(self, url: str, engine: Any, worker_id: str = "sdk-real", *,
                  model: str = "unused", served_model_name: Optional[str] = None) -> None:
-        from worker.config import WorkerSettings
-        from worker.service import Worker
+        from tokenrelay.worker.config import WorkerSettings
+        from tokenrelay.worker.service import Worker
         settings = WorkerSettings(redis_url=url, worker_id=worker_id, model=model,
                                   served_model_name=served_model_name,
                                   block_ms=50, heartbeat_ms=200, drain_timeout=0.0)

@@ -1,5 +1,5 @@
-"""``python -m worker [--flags]`` runs a worker; ``python -m worker health`` probes one;
-``python -m worker admin ...`` inspects and repairs the queue (worker/admin.py).
+"""``tokenrelay worker [--flags]`` runs a worker; ``tokenrelay health`` probes one;
+``tokenrelay admin ...`` inspects and repairs the queue (worker/admin.py).
 
 SIGTERM/SIGINT start the drain (stop reading, let running jobs finish until --drain-timeout,
 hand the rest back); a second signal hands back at once.
@@ -19,15 +19,15 @@ def main(argv: Optional[list[str]] = None,
     """The CLI; ``engine_factory`` (default worker.engine_api.load_engine) lets a test-only
     entry wrap the engine, ``fault_point`` stop the worker at a point of a flush
     (tests/fault_worker.py; worker/outbox.py, FAULT_POINTS)."""
-    from protocol.settings import parse_settings
-    from worker.config import build_parser
+    from tokenrelay.protocol.settings import parse_settings
+    from tokenrelay.worker.config import build_parser
     parser = build_parser()
     args, settings = parse_settings(parser, sys.argv[1:] if argv is None else argv)
     if args.command == "health":
-        from worker.health import run as run_health
+        from tokenrelay.worker.health import run as run_health
         return run_health(settings)
     if args.command == "admin":
-        from worker.admin import run as run_admin
+        from tokenrelay.worker.admin import run as run_admin
         return run_admin(args, settings)
     if not settings.model:
         parser.error("--model (or TOKENRELAY_MODEL) is required")
@@ -39,13 +39,13 @@ def main(argv: Optional[list[str]] = None,
     # 2 cores). Must be set before torch loads its OpenMP runtime; explicit settings win.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("GOMP_SPINCOUNT", "20000")
-    from worker.logs import configure_logging, get_logger
+    from tokenrelay.worker.logs import configure_logging, get_logger
     configure_logging(settings.log_level)
-    from worker.preflight import check_redis
+    from tokenrelay.worker.preflight import check_redis
     refused = check_redis(settings, get_logger(queue=settings.queue))
     if refused is not None:
         return refused
-    from worker.service import Worker
+    from tokenrelay.worker.service import Worker
     seams: dict = {}
     if engine_factory is not None:
         seams["engine_factory"] = engine_factory
@@ -62,5 +62,5 @@ def main(argv: Optional[list[str]] = None,
 
 
 if __name__ == "__main__":
-    from protocol.settings import run_cli
+    from tokenrelay.protocol.settings import run_cli
     sys.exit(run_cli(main))

@@ -1,4 +1,4 @@
-"""``python -m worker admin``: look into the queue and repair it by hand.
+"""``tokenrelay admin``: look into the queue and repair it by hand.
 
 Operators need four things when something goes wrong: which jobs are held by whom and for how
 long (a stuck or crash-looping worker shows as growing idle times and delivery counts), which jobs
@@ -27,19 +27,19 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import redis as redis_lib
 from pydantic import Field
 
-from protocol.topology import ClusterModeError, redact_url
-from protocol.settings import (ConnectionSettings, JsonOutput, add_settings_flags, parse_settings,
+from tokenrelay.protocol.topology import ClusterModeError, redact_url
+from tokenrelay.protocol.settings import (ConnectionSettings, JsonOutput, add_settings_flags, parse_settings,
                                unset)
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.events import is_terminal
-from protocol.keys import EVENT_FIELD, GROUP, Keys, PAYLOAD_FIELD
-from protocol.lanes import unread_lanes
-from protocol.scripts import RECOUNT_BUDGET, REPLAY, run_script
-from protocol.wire import DeadLetter, decode_event, decode_job
-from protocol.shards import ShardCountMismatch, registered_shards, resolve_shards
-from worker.connection import (EXIT_CONFIG, REDIS_ERRORS, ErrorKind, classify, client_for,
+from tokenrelay.protocol.errors import ErrorCode, ProtocolError
+from tokenrelay.protocol.events import is_terminal
+from tokenrelay.protocol.keys import EVENT_FIELD, GROUP, Keys, PAYLOAD_FIELD
+from tokenrelay.protocol.lanes import unread_lanes
+from tokenrelay.protocol.scripts import RECOUNT_BUDGET, REPLAY, run_script
+from tokenrelay.protocol.wire import DeadLetter, decode_event, decode_job
+from tokenrelay.protocol.shards import ShardCountMismatch, registered_shards, resolve_shards
+from tokenrelay.worker.connection import (EXIT_CONFIG, REDIS_ERRORS, ErrorKind, classify, client_for,
                                describe_permanent)
-from worker.deadletters import payload_job_id
+from tokenrelay.worker.deadletters import payload_job_id
 
 # A drain flag (Keys.drain) expires, so a flag for a worker that never came back cannot drain
 # the next process started under that id an hour later.
@@ -337,7 +337,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m worker admin",
+    p = argparse.ArgumentParser(prog="tokenrelay admin",
                                 description="Inspect pending jobs and workers, manage dead "
                                             "letters, drain a worker, recount token budgets.")
     configure_parser(p)
@@ -370,11 +370,11 @@ def _dead_row(eid: str, letter: DeadLetter) -> dict:
             "payload_bytes": len(letter.data)}
 
 
-EXIT_UNREACHABLE = 3     # as python -m producer_sdk
+EXIT_UNREACHABLE = 3     # as tokenrelay
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m worker admin`` on its own (``python -m worker`` parses the same tree)."""
+    """``tokenrelay admin`` on its own (``tokenrelay worker`` parses the same tree)."""
     args, settings = parse_settings(build_parser(), argv)
     return run(args, settings)
 

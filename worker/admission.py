@@ -16,25 +16,25 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
-from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.outputs import ResumeState
-from protocol.errors import ErrorCode, FinishReason, ProtocolError, describe_validation_error
-from protocol.keys import Keys, PAYLOAD_FIELD
-from protocol.limits import Limits
-from protocol.scripts import ScriptPipeline, text
-from protocol.wire import JobRequest, decode_job, now_ms
-from worker.config import WorkerSettings
-from worker.connection import ErrorKind, classify
-from worker.deadletters import Rejection, payload_job_id
-from worker.engine_api import EngineAPI
-from worker.entries import Entry, EntryKey, entry_fields
-from worker.fencing import Fence, bound, entry_lost, new_owner_value
-from worker.jobs import Choice, Job, JobTable
-from worker.metrics import WorkerMetrics
-from worker.outbox import Outbox
-from worker.pending import PendingList
-from worker.recovery import JobProgress, progress_from_entries
-from worker.token_text import TokenTexts
+from tokenrelay.engine.errors import InvalidRequestError, PromptTooLongError
+from tokenrelay.engine.outputs import ResumeState
+from tokenrelay.protocol.errors import ErrorCode, FinishReason, ProtocolError, describe_validation_error
+from tokenrelay.protocol.keys import Keys, PAYLOAD_FIELD
+from tokenrelay.protocol.limits import Limits
+from tokenrelay.protocol.scripts import ScriptPipeline, text
+from tokenrelay.protocol.wire import JobRequest, decode_job, now_ms
+from tokenrelay.worker.config import WorkerSettings
+from tokenrelay.worker.connection import ErrorKind, classify
+from tokenrelay.worker.deadletters import Rejection, payload_job_id
+from tokenrelay.worker.engine_api import EngineAPI
+from tokenrelay.worker.entries import Entry, EntryKey, entry_fields
+from tokenrelay.worker.fencing import Fence, bound, entry_lost, new_owner_value
+from tokenrelay.worker.jobs import Choice, Job, JobTable
+from tokenrelay.worker.metrics import WorkerMetrics
+from tokenrelay.worker.outbox import Outbox
+from tokenrelay.worker.pending import PendingList
+from tokenrelay.worker.recovery import JobProgress, progress_from_entries
+from tokenrelay.worker.token_text import TokenTexts
 
 
 class StartDeferred(Exception):

@@ -33,15 +33,15 @@ from typing import Any, Optional
 
 import redis
 
-from protocol.errors import ProtocolError
-from protocol.heartbeat import Heartbeat
-from protocol.keys import GROUP, Keys, PARKING_CONSUMER, PAYLOAD_FIELD
-from protocol.limits import Limits
-from protocol.scripts import MOVE_UNREAD, ScriptPipeline, run_script, text
-from protocol.wire import decode_job
-from worker.entries import Entry, entry_fields, is_nogroup, own_streams
-from worker.logs import RateLimitedLog
-from worker.pending import PendingList
+from tokenrelay.protocol.errors import ProtocolError
+from tokenrelay.protocol.heartbeat import Heartbeat
+from tokenrelay.protocol.keys import GROUP, Keys, PARKING_CONSUMER, PAYLOAD_FIELD
+from tokenrelay.protocol.limits import Limits
+from tokenrelay.protocol.scripts import MOVE_UNREAD, ScriptPipeline, run_script, text
+from tokenrelay.protocol.wire import decode_job
+from tokenrelay.worker.entries import Entry, entry_fields, is_nogroup, own_streams
+from tokenrelay.worker.logs import RateLimitedLog
+from tokenrelay.worker.pending import PendingList
 
 PAGE = 500          # entries per move script call (Lua's unpack limit is far above)
 

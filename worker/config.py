@@ -1,6 +1,6 @@
 """Worker settings: pydantic-settings models, filled from CLI flags over ``TOKENRELAY_<NAME>`` env
 vars over defaults. The flags are generated from the fields by the one settings layer
-(protocol/settings.py), shared with ``python -m producer_sdk``.
+(protocol/settings.py), shared with ``tokenrelay``.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from typing import Any, Optional
 
 from pydantic import ByteSize, Field, field_validator
 
-from protocol.settings import ConnectionSettings, add_settings_flags, unset
-from protocol.keys import Keys, PARKING_CONSUMER
-from protocol.limits import Limits
+from tokenrelay.protocol.settings import ConnectionSettings, add_settings_flags, unset
+from tokenrelay.protocol.keys import Keys, PARKING_CONSUMER
+from tokenrelay.protocol.limits import Limits
 
 ENGINE_DEFAULT = unset("the engine's")
 
 
 class WorkerIdentity(ConnectionSettings):
     """Which worker's heartbeat: where (the connection), who (worker id, from the device when
-    unset) and how often it beats. ``python -m worker health`` needs exactly this."""
+    unset) and how often it beats. ``tokenrelay health`` needs exactly this."""
 
     worker_id: Optional[str] = Field(
         None, description="Consumer name; must be stable across restarts.",
@@ -51,7 +51,7 @@ class WorkerIdentity(ConnectionSettings):
 
 
 class WorkerSettings(WorkerIdentity):
-    """Every knob of ``python -m worker``. ``None`` engine options mean "the engine's default"."""
+    """Every knob of ``tokenrelay worker``. ``None`` engine options mean "the engine's default"."""
 
     model: Optional[str] = Field(None, description="Hugging Face checkpoint folder to serve.",
                                  json_schema_extra=unset("none, required"))
@@ -215,15 +215,15 @@ def default_worker_id(device: Optional[str] = None) -> str:
 # --------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    """``python -m worker [flags]`` runs a worker; ``health`` and ``admin`` are subcommands of the
+    """``tokenrelay worker [flags]`` runs a worker; ``health`` and ``admin`` are subcommands of the
     same tree, so the connection flags may come before or after them."""
-    from worker.admin import configure_parser as configure_admin
+    from tokenrelay.worker.admin import configure_parser as configure_admin
     parser = argparse.ArgumentParser(
-        prog="python -m worker",
+        prog="tokenrelay worker",
         description="tokenrelay worker: pulls jobs from Redis Streams, runs them on the engine, "
                     "streams tokens back.",
-        epilog="subcommands: 'python -m worker health' (exit 0 when the worker is alive), "
-               "'python -m worker admin {pending,workers,dead,drain}' (inspect and repair the "
+        epilog="subcommands: 'tokenrelay health' (exit 0 when the worker is alive), "
+               "'tokenrelay admin {pending,workers,dead,drain}' (inspect and repair the "
                "queue); each takes --help.")
     add_settings_flags(parser, WorkerSettings)
     sub = parser.add_subparsers(dest="command", metavar="{health,admin}")

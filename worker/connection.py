@@ -27,8 +27,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from protocol import topology
-from protocol.topology import redact_url
+from tokenrelay.protocol import topology
+from tokenrelay.protocol.topology import redact_url
 
 EXIT_CONFIG = 78
 _TRANSIENT_PREFIXES = ("OOM", "LOADING", "BUSY", "READONLY", "TRYAGAIN", "MASTERDOWN",

@@ -13,23 +13,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from protocol.keys import Keys
-from worker.admission import Admission
-from worker.affinity import Affinity
-from worker.config import WorkerSettings
-from worker.deadletters import DeadLetterWriter
-from worker.drain import Drain
-from worker.engine_api import EngineAPI
-from worker.entries import EntryKey
-from worker.fencing import Fence
-from worker.intake import Intake
-from worker.jobs import JobTable
-from worker.liveness import Liveness, WorkerStatus
-from worker.logs import RateLimitedLog
-from worker.metrics import WorkerMetrics
-from worker.outbox import Outbox, no_fault
-from worker.pending import PendingList
-from worker.steps import Stepper
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.worker.admission import Admission
+from tokenrelay.worker.affinity import Affinity
+from tokenrelay.worker.config import WorkerSettings
+from tokenrelay.worker.deadletters import DeadLetterWriter
+from tokenrelay.worker.drain import Drain
+from tokenrelay.worker.engine_api import EngineAPI
+from tokenrelay.worker.entries import EntryKey
+from tokenrelay.worker.fencing import Fence
+from tokenrelay.worker.intake import Intake
+from tokenrelay.worker.jobs import JobTable
+from tokenrelay.worker.liveness import Liveness, WorkerStatus
+from tokenrelay.worker.logs import RateLimitedLog
+from tokenrelay.worker.metrics import WorkerMetrics
+from tokenrelay.worker.outbox import Outbox, no_fault
+from tokenrelay.worker.pending import PendingList
+from tokenrelay.worker.steps import Stepper
 
 
 @dataclass(frozen=True)

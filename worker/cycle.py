@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from worker.intake import Intake
-from worker.jobs import JobTable
-from worker.outbox import FlushReport, Outbox, Rider
-from worker.steps import EngineFailure, Stepper, StepOutcome
-from worker.writer import Writer
+from tokenrelay.worker.intake import Intake
+from tokenrelay.worker.jobs import JobTable
+from tokenrelay.worker.outbox import FlushReport, Outbox, Rider
+from tokenrelay.worker.steps import EngineFailure, Stepper, StepOutcome
+from tokenrelay.worker.writer import Writer
 
 
 class StepCycle:

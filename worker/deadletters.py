@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from protocol.errors import ProtocolError
-from protocol.events import ErrorEvent, encode_event
-from protocol.keys import Keys, dedupe_record
-from protocol.wire import DeadLetter, decode_job
-from protocol.scripts import DEAD_LETTER, ScriptPipeline, text
-from worker.entries import Entry
+from tokenrelay.protocol.errors import ProtocolError
+from tokenrelay.protocol.events import ErrorEvent, encode_event
+from tokenrelay.protocol.keys import Keys, dedupe_record
+from tokenrelay.protocol.wire import DeadLetter, decode_job
+from tokenrelay.protocol.scripts import DEAD_LETTER, ScriptPipeline, text
+from tokenrelay.worker.entries import Entry
 
 
 @dataclass

@@ -13,15 +13,15 @@ from typing import Any, Callable, Optional
 
 import redis
 
-from protocol.scripts import ScriptPipeline
-from worker.affinity import Affinity
-from worker.engine_api import EngineAPI
-from worker.entries import CHUNK, by_lane
-from worker.fencing import Fence
-from worker.intake import Intake
-from worker.jobs import Job, JobTable
-from worker.outbox import Outbox
-from worker.pending import PendingList
+from tokenrelay.protocol.scripts import ScriptPipeline
+from tokenrelay.worker.affinity import Affinity
+from tokenrelay.worker.engine_api import EngineAPI
+from tokenrelay.worker.entries import CHUNK, by_lane
+from tokenrelay.worker.fencing import Fence
+from tokenrelay.worker.intake import Intake
+from tokenrelay.worker.jobs import Job, JobTable
+from tokenrelay.worker.outbox import Outbox
+from tokenrelay.worker.pending import PendingList
 
 
 class Drain:

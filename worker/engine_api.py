@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
 
-from engine.outputs import RequestDelta, ResumeState
-from engine.sampling_params import SamplingParams
-from protocol.tools import HERMES, TOOL_FORMATS
-from worker.config import WorkerSettings
+from tokenrelay.engine.outputs import RequestDelta, ResumeState
+from tokenrelay.engine.sampling_params import SamplingParams
+from tokenrelay.protocol.tools import HERMES, TOOL_FORMATS
+from tokenrelay.worker.config import WorkerSettings
 
 __all__ = ["EngineAPI", "Tokenizer", "RequestDelta", "ResumeState", "load_engine"]
 
@@ -81,15 +81,15 @@ def load_engine(settings: WorkerSettings) -> EngineAPI:
     if not settings.model:
         raise ValueError("--model (or TOKENRELAY_MODEL) is required")
     if settings.model.startswith("fake:"):
-        from worker.fake_engine import FakeEngine  # no torch: a fake worker starts in a second
+        from tokenrelay.worker.fake_engine import FakeEngine  # no torch: a fake worker starts in a second
         kw = dict(p.split("=", 1) for p in settings.model[5:].split(",") if p)
         return FakeEngine(max_num_seqs=int(kw.get("max_num_seqs", settings.max_num_seqs or 8)),
                           step_delay=float(kw.get("step_delay", 0.0)),
                           max_model_len=int(kw.get("max_model_len", settings.max_model_len or 4096)),
                           max_n=settings.max_n, max_beam_width=settings.max_beam_width,
                           tool_format=_tool_format(kw.get("tools", HERMES)))
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from tokenrelay.engine.config import EngineConfig
+    from tokenrelay.engine.llm_engine import LLMEngine
     worker_id = settings.resolved_worker_id()
     return LLMEngine(EngineConfig(**settings.engine_kwargs()),
                      on_parallel_failure=lambda message: exit_on_parallel_failure(
@@ -104,7 +104,7 @@ def exit_on_parallel_failure(message: str, worker_id: str) -> None:
     import os
     import sys
 
-    from worker.logs import get_logger
+    from tokenrelay.worker.logs import get_logger
     get_logger(worker_id=worker_id).error("tensor-parallel engine failed; worker exiting so other workers "
                        "reclaim its jobs", cause=message, exit_code=EXIT_PARALLEL_FAILURE)
     sys.stderr.flush()

@@ -17,8 +17,8 @@ from typing import Any, Iterable, Optional
 
 import redis
 
-from protocol.budget import entry_cost
-from protocol.keys import COST_FIELD, Keys, PAYLOAD_FIELD
+from tokenrelay.protocol.budget import entry_cost
+from tokenrelay.protocol.keys import COST_FIELD, Keys, PAYLOAD_FIELD
 
 # (lane key, entry id): how an entry is named in every hold-changing call.
 EntryKey = tuple[str, str]

@@ -34,12 +34,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
-from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.outputs import RequestDelta, RequestError, ResumeState
-from engine.prompts import check_tools
-from engine.sampling_params import SamplingParams
-from protocol.tools import HERMES
-from worker.fake_structured import EOS, FakeConstraint
+from tokenrelay.engine.errors import InvalidRequestError, PromptTooLongError
+from tokenrelay.engine.outputs import RequestDelta, RequestError, ResumeState
+from tokenrelay.engine.prompts import check_tools
+from tokenrelay.engine.sampling_params import SamplingParams
+from tokenrelay.protocol.tools import HERMES
+from tokenrelay.worker.fake_structured import EOS, FakeConstraint
 
 
 class FakeTokenizer:
@@ -112,7 +112,7 @@ def fake_constrained(prompt: str, structured_outputs: Any, max_tokens: int, seed
                      greedy: bool = True, choice: int = 0) -> tuple[str, str]:
     """What FakeEngine answers for ``prompt`` under a constraint (a ``structured_outputs``
     map or StructuredOutputsParams): (text, finish_reason), for assertions."""
-    from protocol.structured_outputs import StructuredOutputsParams
+    from tokenrelay.protocol.structured_outputs import StructuredOutputsParams
     spec = StructuredOutputsParams.model_validate(structured_outputs)
     ids = [ord(c) for c in prompt]
     out = _walk(FakeConstraint.compile(spec), lambda i: fake_hash(ids, seed, i, greedy, choice),

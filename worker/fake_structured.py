@@ -29,8 +29,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Sequence
 
-from engine.errors import InvalidRequestError
-from protocol.structured_outputs import StructuredOutputsParams, parser_limits
+from tokenrelay.engine.errors import InvalidRequestError
+from tokenrelay.protocol.structured_outputs import StructuredOutputsParams, parser_limits
 
 EOS = 0
 VOCAB = 128

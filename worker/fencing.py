@@ -19,8 +19,8 @@ from typing import Any, Optional, Sequence
 
 import msgpack
 
-from protocol.keys import Keys, dedupe_record
-from protocol.scripts import BIND_AND_OWN, RELEASE_OWNER, WRITE_STEP, ScriptPipeline, text
+from tokenrelay.protocol.keys import Keys, dedupe_record
+from tokenrelay.protocol.scripts import BIND_AND_OWN, RELEASE_OWNER, WRITE_STEP, ScriptPipeline, text
 
 
 class WriteStatus(str, Enum):

@@ -1,4 +1,4 @@
-"""``python -m worker health``: is this worker alive and serving?
+"""``tokenrelay health``: is this worker alive and serving?
 
 Alive means its heartbeat hash exists (it carries a TTL), its last beat is recent (within three
 heartbeat intervals) and it reports its engine loaded. Exit code 0 only then, so it can be used
@@ -14,12 +14,12 @@ from typing import Any
 
 import redis
 
-from protocol.heartbeat import Heartbeat
-from protocol.keys import Keys
-from protocol.wire import now_ms
-from worker.config import WorkerIdentity
-from protocol.topology import ClusterModeError
-from worker.connection import (REDIS_ERRORS, ErrorKind, classify, client_for, describe_permanent,
+from tokenrelay.protocol.heartbeat import Heartbeat
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.wire import now_ms
+from tokenrelay.worker.config import WorkerIdentity
+from tokenrelay.protocol.topology import ClusterModeError
+from tokenrelay.worker.connection import (REDIS_ERRORS, ErrorKind, classify, client_for, describe_permanent,
                                redact_url)
 
 
@@ -43,7 +43,7 @@ def check_health(client: Any, keys: Keys, worker_id: str,
 
 
 def run(settings: WorkerIdentity) -> int:
-    """Probe the worker ``settings`` name (``python -m worker health`` parses them)."""
+    """Probe the worker ``settings`` name (``tokenrelay health`` parses them)."""
     worker_id = settings.resolved_worker_id()
     try:
         client = client_for(settings.redis_url, settings.cluster, socket_timeout=3,

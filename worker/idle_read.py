@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import redis
 
-from protocol.topology import node_client
+from tokenrelay.protocol.topology import node_client
 
 # (lane key, entry id, flat fields) of one entry a blocking read brought
 Arrival = tuple[str, str, list]

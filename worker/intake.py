@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from protocol.scripts import ScriptPipeline
-from worker.affinity import Affinity
-from worker.engine_api import EngineAPI
-from worker.entries import CHUNK, Entry, EntryKey, by_lane
-from worker.liveness import Cadence
-from worker.logs import RateLimitedLog
-from worker.pending import PendingList
+from tokenrelay.protocol.scripts import ScriptPipeline
+from tokenrelay.worker.affinity import Affinity
+from tokenrelay.worker.engine_api import EngineAPI
+from tokenrelay.worker.entries import CHUNK, Entry, EntryKey, by_lane
+from tokenrelay.worker.liveness import Cadence
+from tokenrelay.worker.logs import RateLimitedLog
+from tokenrelay.worker.pending import PendingList
 
 
 class Intake:

@@ -17,12 +17,12 @@ from typing import Any, Iterator, Optional
 
 import msgpack
 
-from protocol.events import (DoneChoice, DoneEvent, ErrorEvent, LogprobTokens, StartedEvent,
+from tokenrelay.protocol.events import (DoneChoice, DoneEvent, ErrorEvent, LogprobTokens, StartedEvent,
                              Timings, Usage, encode_event)
-from protocol.errors import ErrorCode, FinishReason
-from protocol.wire import JobRequest
-from worker.entries import Entry
-from worker.token_text import TokenTexts
+from tokenrelay.protocol.errors import ErrorCode, FinishReason
+from tokenrelay.protocol.wire import JobRequest
+from tokenrelay.worker.entries import Entry
+from tokenrelay.worker.token_text import TokenTexts
 
 
 def encode_token_event(seq: int, choice: int, position: int, text: str, token_ids: list[int],

@@ -18,16 +18,16 @@ from typing import Any, Callable, Optional
 
 import redis
 
-from protocol.heartbeat import Heartbeat
-from protocol.keys import Keys
-from protocol.scripts import ID_CLAIM, ID_RELEASE, run_script, text
-from protocol.wire import now_ms
-from worker.affinity import Affinity
-from worker.config import WorkerSettings
-from worker.connection import ServerRestarts
-from worker.entries import EntryKey
-from worker.metrics import WorkerMetrics
-from worker.pending import PendingList
+from tokenrelay.protocol.heartbeat import Heartbeat
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.scripts import ID_CLAIM, ID_RELEASE, run_script, text
+from tokenrelay.protocol.wire import now_ms
+from tokenrelay.worker.affinity import Affinity
+from tokenrelay.worker.config import WorkerSettings
+from tokenrelay.worker.connection import ServerRestarts
+from tokenrelay.worker.entries import EntryKey
+from tokenrelay.worker.metrics import WorkerMetrics
+from tokenrelay.worker.pending import PendingList
 
 
 class WorkerIdInUse(RuntimeError):

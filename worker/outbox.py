@@ -21,16 +21,16 @@ from typing import Any, Callable, Optional
 
 import redis
 
-from protocol.errors import ErrorCode
-from protocol.scripts import ScriptPipeline
-from worker.connection import ErrorKind, classify, classify_text
-from worker.deadletters import DeadLetterWriter, Rejection, outcome
-from worker.entries import Entry, EntryKey, by_lane
-from worker.fencing import Fence, WriteStatus, parse_step_reply
-from worker.jobs import Job, JobTable
-from worker.logs import RateLimitedLog
-from worker.metrics import WorkerMetrics
-from worker.pending import AckStatus, PendingList
+from tokenrelay.protocol.errors import ErrorCode
+from tokenrelay.protocol.scripts import ScriptPipeline
+from tokenrelay.worker.connection import ErrorKind, classify, classify_text
+from tokenrelay.worker.deadletters import DeadLetterWriter, Rejection, outcome
+from tokenrelay.worker.entries import Entry, EntryKey, by_lane
+from tokenrelay.worker.fencing import Fence, WriteStatus, parse_step_reply
+from tokenrelay.worker.jobs import Job, JobTable
+from tokenrelay.worker.logs import RateLimitedLog
+from tokenrelay.worker.metrics import WorkerMetrics
+from tokenrelay.worker.pending import AckStatus, PendingList
 
 MAX_WRITE_FAILURES = 3   # non-transient failures of one job's write before it is dead-lettered
 STEP_WRITE_CHUNK = 128   # jobs per write_step call: bounds how long one script holds Redis

@@ -21,12 +21,12 @@ from typing import Any, Callable, Iterable, Optional
 
 import redis
 
-from protocol.keys import GROUP, Keys, PARKED_IDLE_MS, PARKING_CONSUMER
-from protocol.scripts import (ACK, DROP_CONSUMER, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM,
+from tokenrelay.protocol.keys import GROUP, Keys, PARKED_IDLE_MS, PARKING_CONSUMER
+from tokenrelay.protocol.scripts import (ACK, DROP_CONSUMER, MOVE_MINE, READ_NEW, READ_OWN_PENDING, RECLAIM,
                               ScriptPipeline, text)
-from protocol.topology import is_cluster
-from worker.entries import CHUNK, Entry, EntryKey, Lanes, by_lane, is_nogroup
-from worker.idle_read import IdleRead
+from tokenrelay.protocol.topology import is_cluster
+from tokenrelay.worker.entries import CHUNK, Entry, EntryKey, Lanes, by_lane, is_nogroup
+from tokenrelay.worker.idle_read import IdleRead
 
 
 class AckStatus(IntEnum):

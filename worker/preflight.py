@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from protocol import topology
-from protocol.topology import redact_url
-from worker.config import WorkerSettings
-from worker.connection import (EXIT_CONFIG, REDIS_ERRORS, ErrorKind, classify, connect,
+from tokenrelay.protocol import topology
+from tokenrelay.protocol.topology import redact_url
+from tokenrelay.worker.config import WorkerSettings
+from tokenrelay.worker.connection import (EXIT_CONFIG, REDIS_ERRORS, ErrorKind, classify, connect,
                                describe_permanent)
 
 _URL_HELP = ("expected redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or "

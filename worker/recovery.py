@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-from protocol.fold import ChoiceFold, ResultFold
-from protocol.errors import ProtocolError
-from protocol.events import Event
-from protocol.keys import EVENT_FIELD
+from tokenrelay.protocol.fold import ChoiceFold, ResultFold
+from tokenrelay.protocol.errors import ProtocolError
+from tokenrelay.protocol.events import Event
+from tokenrelay.protocol.keys import EVENT_FIELD
 
 
 @dataclass

@@ -35,26 +35,26 @@ from typing import Any, Callable, Optional
 
 import redis
 
-from engine.errors import UnsupportedModelError
-from protocol import topology
-from protocol.keys import Keys
-from protocol.lanes import OUTSIDE_LAYOUT, unread_lanes
-from protocol.shards import ShardCountMismatch, register_shards
-from worker.admission import StartDeferred
-from worker.config import WorkerSettings
-from worker.connection import (EXIT_CONFIG, REDIS_ERRORS, Backoff, ErrorKind,
+from tokenrelay.engine.errors import UnsupportedModelError
+from tokenrelay.protocol import topology
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.lanes import OUTSIDE_LAYOUT, unread_lanes
+from tokenrelay.protocol.shards import ShardCountMismatch, register_shards
+from tokenrelay.worker.admission import StartDeferred
+from tokenrelay.worker.config import WorkerSettings
+from tokenrelay.worker.connection import (EXIT_CONFIG, REDIS_ERRORS, Backoff, ErrorKind,
                                PermanentRedisError, classify, connect, describe_permanent)
-from worker.crew import Crew
-from worker.engine_api import EngineAPI, describe_engine, load_engine
-from worker.entries import Entry, EntryKey, own_streams
-from worker.jobs import JobTable
-from worker.liveness import Tick, WorkerStatus
-from worker.logs import RateLimitedLog, get_logger
-from worker.metrics import WorkerMetrics
-from worker.cycle import StepCycle
-from worker.outbox import FlushReport, no_fault
-from worker.steps import EngineFailure
-from worker.writer import Writer
+from tokenrelay.worker.crew import Crew
+from tokenrelay.worker.engine_api import EngineAPI, describe_engine, load_engine
+from tokenrelay.worker.entries import Entry, EntryKey, own_streams
+from tokenrelay.worker.jobs import JobTable
+from tokenrelay.worker.liveness import Tick, WorkerStatus
+from tokenrelay.worker.logs import RateLimitedLog, get_logger
+from tokenrelay.worker.metrics import WorkerMetrics
+from tokenrelay.worker.cycle import StepCycle
+from tokenrelay.worker.outbox import FlushReport, no_fault
+from tokenrelay.worker.steps import EngineFailure
+from tokenrelay.worker.writer import Writer
 
 EXIT_ID_IN_USE = 3
 EXIT_ENGINE_FAILED = 1

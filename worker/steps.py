@@ -17,13 +17,13 @@ from typing import Any, Optional, Sequence
 
 import redis
 
-from protocol.errors import ErrorCode
-from worker.deadletters import Rejection
-from worker.engine_api import EngineAPI
-from worker.jobs import Job, JobTable
-from worker.metrics import WorkerMetrics, observe_many
-from worker.outbox import Outbox
-from worker.pending import PendingList
+from tokenrelay.protocol.errors import ErrorCode
+from tokenrelay.worker.deadletters import Rejection
+from tokenrelay.worker.engine_api import EngineAPI
+from tokenrelay.worker.jobs import Job, JobTable
+from tokenrelay.worker.metrics import WorkerMetrics, observe_many
+from tokenrelay.worker.outbox import Outbox
+from tokenrelay.worker.pending import PendingList
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import compiled_rope, cpu_gemm
-from engine.attention import AttentionMetadata
-from engine.layers import build_cos_sin_cache
-from engine.model_config import ModelConfig
-from engine.linear import Linear, param
-from engine.models.ops import Ops, get_ops
-from engine.parallel.group import ParallelGroup
-from engine.parallel.layers import row_parallel, vocab_embedding
-from engine.parallel.partition import Partition
+from tokenrelay.engine import compiled_rope, cpu_gemm
+from tokenrelay.engine.attention import AttentionMetadata
+from tokenrelay.engine.layers import build_cos_sin_cache
+from tokenrelay.engine.model_config import ModelConfig
+from tokenrelay.engine.linear import Linear, param
+from tokenrelay.engine.models.ops import Ops, get_ops
+from tokenrelay.engine.parallel.group import ParallelGroup
+from tokenrelay.engine.parallel.layers import row_parallel, vocab_embedding
+from tokenrelay.engine.parallel.partition import Partition
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

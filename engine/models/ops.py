@@ -1,8 +1,9 @@
 """The seven ops the decoder calls, chosen by backend name so Triton kernels can be swapped in.
 
 Signatures are fixed by docs/contracts.md; ``"torch"`` uses ``engine.layers``/``engine.attention``,
-``"triton"`` imports ``kernels`` lazily (so a CPU-only install never needs Triton), ``"auto"``
-picks Triton only when CUDA is available and ``kernels`` provides every op.
+``"triton"`` imports ``tokenrelay.kernels`` lazily (so a CPU-only install never needs Triton),
+``"auto"`` is Triton when CUDA is available (an error naming the cause when the kernels cannot
+load: never a silent torch path on a GPU) and the torch ops elsewhere.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from engine import attention, layers
-from engine.attention import AttentionMetadata
-from engine.attention_plan import AttentionPlan
+from tokenrelay.engine import attention, layers
+from tokenrelay.engine.attention import AttentionMetadata
+from tokenrelay.engine.attention_plan import AttentionPlan
 
 OP_NAMES = ("store_kv", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
             "fused_add_rms_norm", "rotary", "silu_and_mul")
@@ -74,17 +75,13 @@ def _torch_ops() -> Ops:
 
 def _triton_ops() -> Ops:
     try:
-        kernels = importlib.import_module("kernels")
-    except ImportError as exc:
+        kernels = importlib.import_module("tokenrelay.kernels.ops")
+        found = {n: getattr(kernels, n) for n in OP_NAMES}
+    except (ImportError, AttributeError) as exc:
         raise BackendUnavailableError(
-            f"backend 'triton' needs the `kernels` package and Triton ({exc}); "
-            "install the worker extra or use backend='torch'") from exc
-    missing = [n for n in OP_NAMES if not callable(getattr(kernels, n, None))]
-    if missing:
-        raise BackendUnavailableError(
-            f"`kernels` does not export {', '.join(missing)} yet; use backend='torch' "
-            "(or 'auto', which falls back) until they exist")
-    return Ops(name="triton", **{n: getattr(kernels, n) for n in OP_NAMES})
+            f"backend 'triton' cannot load tokenrelay's Triton kernels ({type(exc).__name__}: "
+            f"{exc}); install the gpu extra (triton), or run attention_backend='torch'") from exc
+    return Ops(name="triton", **found)
 
 
 def _compiled_torch_ops() -> Ops:
@@ -107,11 +104,11 @@ def get_ops(backend: str = "torch", compiled: bool = False) -> Ops:
     if backend == "triton":
         return _triton_ops()
     if backend == "auto":
+        # On a GPU "auto" means the Triton kernels: a GPU quietly running the torch path is
+        # several times slower with nothing said, so a kernel that cannot load is an error that
+        # names the cause (BackendUnavailableError); attention_backend='torch' opts out.
         if torch.cuda.is_available():
-            try:
-                return _triton_ops()
-            except BackendUnavailableError:
-                pass
+            return _triton_ops()
         return _compiled_torch_ops() if compiled else _torch_ops()
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 

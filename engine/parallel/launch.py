@@ -1,7 +1,7 @@
 """Rank 0's side of a tensor-parallel engine: start ranks 1..N-1, watch them, stop them.
 
 Start: a TCPStore on a port the OS picks (so several engines and workers on one host never
-collide), then one fresh interpreter per rank, ``python -m engine.parallel.rank`` (spawned: no
+collide), then one fresh interpreter per rank, ``python -m tokenrelay.engine.parallel.rank`` (spawned: no
 fork of a process holding threads and a model, and no re-import of the caller's main module),
 whose stdin carries its pickled :class:`RankSpec` and then stays open as its *lifeline*: only
 this process holds the write end. Rank 0 waits for every rank to check in, with the timeout,
@@ -34,14 +34,14 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import TensorParallelError
-from engine.model_runner import StepInputs
-from engine.parallel import step as step_wire
-from engine.parallel.group import ParallelGroup, open_store, rank_devices, start_timeout
-from engine.parallel.rank import RankSpec, hello_key
+from tokenrelay.engine.config import EngineConfig
+from tokenrelay.engine.errors import TensorParallelError
+from tokenrelay.engine.model_runner import StepInputs
+from tokenrelay.engine.parallel import step as step_wire
+from tokenrelay.engine.parallel.group import ParallelGroup, open_store, rank_devices, start_timeout
+from tokenrelay.engine.parallel.rank import RankSpec, hello_key
 
-log = logging.getLogger("engine.parallel")
+log = logging.getLogger("tokenrelay.engine.parallel")
 
 # How long a rank whose connection just dropped gets to finish exiting before its failure is
 # described (so the message says how it ended).
@@ -208,11 +208,11 @@ class RankSet:
 
 
 def _spawn(spec: RankSpec) -> subprocess.Popen:
-    """``python -m engine.parallel.rank`` with this interpreter and this process's import
+    """``python -m tokenrelay.engine.parallel.rank`` with this interpreter and this process's import
     path, ``spec`` written to its stdin (which stays open: the lifeline)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.rank", str(spec.rank)],
+    proc = subprocess.Popen([sys.executable, "-m", "tokenrelay.engine.parallel.rank", str(spec.rank)],
                             stdin=subprocess.PIPE, env=env)
     proc.stdin.write(pickle.dumps(spec))
     proc.stdin.flush()

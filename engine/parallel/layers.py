@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.linear import Linear
-from engine.parallel.group import ParallelGroup
-from engine.parallel.partition import Partition
+from tokenrelay.engine.linear import Linear
+from tokenrelay.engine.parallel.group import ParallelGroup
+from tokenrelay.engine.parallel.partition import Partition
 
 
 class RowParallelLinear(Linear):

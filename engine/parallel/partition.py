@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import UnsupportedModelError
-from engine.model_config import ModelConfig
+from tokenrelay.engine.errors import UnsupportedModelError
+from tokenrelay.engine.model_config import ModelConfig
 
 # Sizes listed in an error message as "sizes that fit this model" are at most this large.
 _LISTED_SIZES = 64

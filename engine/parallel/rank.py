@@ -1,4 +1,4 @@
-"""Ranks 1..N-1 of a tensor-parallel engine: ``python -m engine.parallel.rank``, one small loop.
+"""Ranks 1..N-1 of a tensor-parallel engine: ``python -m tokenrelay.engine.parallel.rank``, one small loop.
 
 Started by engine/parallel/launch.py: read the pickled :class:`RankSpec` from stdin and keep
 watching stdin (the lifeline: end of file means rank 0's process is gone), check in to the
@@ -25,8 +25,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from engine.config import EngineConfig
-from engine.parallel.group import ParallelGroup, Rendezvous, open_store
+from tokenrelay.engine.config import EngineConfig
+from tokenrelay.engine.parallel.group import ParallelGroup, Rendezvous, open_store
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def _watch_lifeline(lifeline: Any) -> None:
 
 def serve(runner: Any, group: ParallelGroup) -> NoReturn:
     """Run rank 0's steps, for as long as rank 0 lives (the lifeline ends the process)."""
-    from engine.parallel.step import receive_step
+    from tokenrelay.engine.parallel.step import receive_step
     while True:
         runner.run(receive_step(group))
 
@@ -79,7 +79,7 @@ def rank_main(spec: RankSpec, lifeline: Any) -> NoReturn:
         store, _ = open_store(spec.rendezvous, size, spec.rendezvous.timeout_s)
         store.set(hello_key(spec.rank), str(os.getpid()))
         group = ParallelGroup(store, spec.rank, size, device, config.tensor_parallel_timeout)
-        from engine.model_runner import ModelRunner
+        from tokenrelay.engine.model_runner import ModelRunner
         runner = ModelRunner(config, group=group)
         serve(runner, group)
     except BaseException as exc:     # one line, then the details, then exit 1

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.model_runner import StepInputs
-from engine.parallel.group import ParallelGroup
+from tokenrelay.engine.model_runner import StepInputs
+from tokenrelay.engine.parallel.group import ParallelGroup
 
 STEP = 1          # the header's kind: a step (the only kind so far)
 # Header layout: one int64 each.

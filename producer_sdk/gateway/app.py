@@ -24,19 +24,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from producer_sdk.errors import RedisUnavailable
-from producer_sdk.gateway.backend import Gateway
-from producer_sdk.gateway.errors import APIError, api_error
-from producer_sdk.gateway.guard import Guard
-from producer_sdk.gateway.metrics import GatewayMetrics
-from producer_sdk.gateway.models import ModelDirectory
-from producer_sdk.gateway.responses import (Answer, JobFeed, event_stream, first_item,
+from tokenrelay.producer_sdk.errors import RedisUnavailable
+from tokenrelay.producer_sdk.gateway.backend import Gateway
+from tokenrelay.producer_sdk.gateway.errors import APIError, api_error
+from tokenrelay.producer_sdk.gateway.guard import Guard
+from tokenrelay.producer_sdk.gateway.metrics import GatewayMetrics
+from tokenrelay.producer_sdk.gateway.models import ModelDirectory
+from tokenrelay.producer_sdk.gateway.responses import (Answer, JobFeed, event_stream, first_item,
                                             whole_response)
-from producer_sdk.gateway.settings import GatewaySettings
-from producer_sdk.openai_format import (CHAT_URL, COMPLETIONS_URL, LineError, model_body,
+from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
+from tokenrelay.producer_sdk.openai_format import (CHAT_URL, COMPLETIONS_URL, LineError, model_body,
                                         parse_request)
 
-log = logging.getLogger("producer_sdk.gateway")
+log = logging.getLogger("tokenrelay.producer_sdk.gateway")
 
 
 def _body(raw: bytes) -> Any:

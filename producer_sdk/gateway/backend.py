@@ -18,21 +18,21 @@ from typing import Any, Optional
 from fastapi import Request
 from redis.exceptions import RedisError
 
-from producer_sdk.aio import AsyncClient
-from producer_sdk.client_core import make_async_redis
-from producer_sdk.config import ClientConfig
-from producer_sdk.errors import RedisUnavailable
-from producer_sdk.gateway.auth import KeyRing, bearer_token, load_keys
-from producer_sdk.gateway.cancels import Cancels
-from producer_sdk.gateway.errors import (APIError, api_error, model_not_found, no_live_worker,
+from tokenrelay.producer_sdk.aio import AsyncClient
+from tokenrelay.producer_sdk.client_core import make_async_redis
+from tokenrelay.producer_sdk.config import ClientConfig
+from tokenrelay.producer_sdk.errors import RedisUnavailable
+from tokenrelay.producer_sdk.gateway.auth import KeyRing, bearer_token, load_keys
+from tokenrelay.producer_sdk.gateway.cancels import Cancels
+from tokenrelay.producer_sdk.gateway.errors import (APIError, api_error, model_not_found, no_live_worker,
                                          unauthorized)
-from producer_sdk.gateway.metrics import GatewayMetrics
-from producer_sdk.gateway.models import HeartbeatDirectory, ModelDirectory, parse_routes
-from producer_sdk.gateway.settings import GatewaySettings
-from producer_sdk.hub import ReadHub
-from producer_sdk.openai_format import OpenAIRequest
-from producer_sdk.structured import fit_tools, rename_error
-from protocol.topology import cluster_flag, detect_cluster, redact_url
+from tokenrelay.producer_sdk.gateway.metrics import GatewayMetrics
+from tokenrelay.producer_sdk.gateway.models import HeartbeatDirectory, ModelDirectory, parse_routes
+from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
+from tokenrelay.producer_sdk.hub import ReadHub
+from tokenrelay.producer_sdk.openai_format import OpenAIRequest
+from tokenrelay.producer_sdk.structured import fit_tools, rename_error
+from tokenrelay.protocol.topology import cluster_flag, detect_cluster, redact_url
 
 TIMEOUT_HEADER = "x-request-timeout"
 WAIT_HEADER = "x-wait-for-worker"

@@ -18,9 +18,9 @@ import contextlib
 import logging
 from typing import Any, Optional
 
-from protocol.scripts.cancel import CancelTarget
+from tokenrelay.protocol.scripts.cancel import CancelTarget
 
-log = logging.getLogger("producer_sdk.gateway")
+log = logging.getLogger("tokenrelay.producer_sdk.gateway")
 
 BATCH = 1000            # flags per pipeline
 MAX_PAUSE_S = 5.0

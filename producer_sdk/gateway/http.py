@@ -16,9 +16,9 @@ from typing import Any, Optional
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from producer_sdk.gateway.settings import GatewaySettings
+from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
 
-log = logging.getLogger("producer_sdk.gateway")
+log = logging.getLogger("tokenrelay.producer_sdk.gateway")
 
 
 class HeaderDeadline(H11Protocol):

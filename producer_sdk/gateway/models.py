@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol, Sequence
 
-from producer_sdk.models import AsyncModelCache, ServedModel
-from protocol.keys import Keys
+from tokenrelay.producer_sdk.models import AsyncModelCache, ServedModel
+from tokenrelay.protocol.keys import Keys
 
 
 class ModelDirectory(Protocol):

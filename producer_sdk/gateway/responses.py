@@ -17,18 +17,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 
-from producer_sdk.aio import AsyncJob
-from producer_sdk.gateway.backend import Submitted
-from producer_sdk.gateway.cancels import Cancels
-from protocol.fold import Delta
-from producer_sdk.job import Result, StreamCursor
-from protocol.logprobs import TokenLogprob
-from producer_sdk.openai_format import (OpenAIRequest, choice_body, chunk_body, chunk_choice,
+from tokenrelay.producer_sdk.aio import AsyncJob
+from tokenrelay.producer_sdk.gateway.backend import Submitted
+from tokenrelay.producer_sdk.gateway.cancels import Cancels
+from tokenrelay.protocol.fold import Delta
+from tokenrelay.producer_sdk.job import Result, StreamCursor
+from tokenrelay.protocol.logprobs import TokenLogprob
+from tokenrelay.producer_sdk.openai_format import (OpenAIRequest, choice_body, chunk_body, chunk_choice,
                                         completion_body, logprobs_body, token_logprobs_of,
                                         usage_body)
-from producer_sdk.gateway.errors import APIError, api_error, cancelled, timed_out
-from producer_sdk.gateway.metrics import GatewayMetrics
-from producer_sdk.tool_calls import CallReader, finish_reason, relay, whole_choice
+from tokenrelay.producer_sdk.gateway.errors import APIError, api_error, cancelled, timed_out
+from tokenrelay.producer_sdk.gateway.metrics import GatewayMetrics
+from tokenrelay.producer_sdk.tool_calls import CallReader, finish_reason, relay, whole_choice
 
 KEEPALIVE = ": keep-alive\n\n"
 DONE = "data: [DONE]\n\n"

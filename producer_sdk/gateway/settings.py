@@ -1,6 +1,6 @@
 """The gateway's settings: one pydantic-settings model, so every flag is also a variable.
 
-``python -m producer_sdk.gateway --port 8000`` and ``TOKENRELAY_PORT=8000`` are the same setting
+``tokenrelay gateway --port 8000`` and ``TOKENRELAY_PORT=8000`` are the same setting
 (``protocol/settings.py`` generates the flags from these fields, as for every tokenrelay
 command). The connection fields are ConnectionSettings' own, not copies, so
 ``TOKENRELAY_REDIS_URL`` and ``TOKENRELAY_NAMESPACE`` mean what they mean for the worker. There
@@ -13,14 +13,14 @@ from typing import Literal, Optional
 
 from pydantic import Field, field_validator
 
-from protocol.settings import BackPressureSettings, ConnectionSettings, key_part, unset
-from protocol.keys import MAX_SHARDS
+from tokenrelay.protocol.settings import BackPressureSettings, ConnectionSettings, key_part, unset
+from tokenrelay.protocol.keys import MAX_SHARDS
 
 _CONN = ConnectionSettings.model_fields
 
 
 class GatewaySettings(BackPressureSettings):
-    """Options of ``python -m producer_sdk.gateway`` (``--max-queued-jobs`` and
+    """Options of ``tokenrelay gateway`` (``--max-queued-jobs`` and
     ``--max-queued-tokens`` bound every queue it sends to, over the queues' own)."""
 
     redis_url: str = _CONN["redis_url"]

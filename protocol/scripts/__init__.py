@@ -24,19 +24,19 @@ Every script's keys share one hash slot (one queue shard's tag, see ``Keys``), a
 Cluster requires.
 """
 
-from protocol.scripts.affinity import MOVE_UNREAD
-from protocol.scripts.budget import RECOUNT_BUDGET
-from protocol.scripts.cancel import CANCEL_KNOWN, CancelTarget, cancel_target
-from protocol.scripts.enqueue import ENQUEUE
-from protocol.scripts.lua import CONTRACT_NAMES, LuaScript, lua
-from protocol.scripts.pending import (ACK, DROP_CONSUMER, MOVE_MINE, READ_NEW, READ_OWN_PENDING,
+from tokenrelay.protocol.scripts.affinity import MOVE_UNREAD
+from tokenrelay.protocol.scripts.budget import RECOUNT_BUDGET
+from tokenrelay.protocol.scripts.cancel import CANCEL_KNOWN, CancelTarget, cancel_target
+from tokenrelay.protocol.scripts.enqueue import ENQUEUE
+from tokenrelay.protocol.scripts.lua import CONTRACT_NAMES, LuaScript, lua
+from tokenrelay.protocol.scripts.pending import (ACK, DROP_CONSUMER, MOVE_MINE, READ_NEW, READ_OWN_PENDING,
                                       RECLAIM)
-from protocol.scripts.pipeline import ScriptPipeline, run_script
-from protocol.scripts.readers import FORGET_STALE_RECORD
-from protocol.scripts.resp import pack, text
-from protocol.scripts.results import (BIND_AND_OWN, DEAD_LETTER, RELEASE_OWNER, REPLAY,
+from tokenrelay.protocol.scripts.pipeline import ScriptPipeline, run_script
+from tokenrelay.protocol.scripts.readers import FORGET_STALE_RECORD
+from tokenrelay.protocol.scripts.resp import pack, text
+from tokenrelay.protocol.scripts.results import (BIND_AND_OWN, DEAD_LETTER, RELEASE_OWNER, REPLAY,
                                       WRITE_STEP)
-from protocol.scripts.worker_id import ID_CLAIM, ID_RELEASE
+from tokenrelay.protocol.scripts.worker_id import ID_CLAIM, ID_RELEASE
 
 ALL_SCRIPTS: tuple[LuaScript, ...] = (
     ENQUEUE, READ_NEW, READ_OWN_PENDING, RECLAIM, MOVE_MINE, ACK, WRITE_STEP, BIND_AND_OWN,

@@ -4,7 +4,7 @@ to the shared lanes (worker/affinity.py says when and why).
 
 from __future__ import annotations
 
-from protocol.scripts.lua import lua
+from tokenrelay.protocol.scripts.lua import lua
 
 # KEYS: the affinity stream, the urgent, default and bulk lanes of its shard, then one key per
 # entry: the job's dedupe record (the stream key again when the job id is unreadable).

@@ -11,7 +11,7 @@ them; one script computes that and sets it, atomically with respect to enqueues 
 
 from __future__ import annotations
 
-from protocol.scripts.lua import lua
+from tokenrelay.protocol.scripts.lua import lua
 
 # KEYS: the shard's budget counter, then the streams of the shard that hold its jobs (its three
 # lanes and the affinity streams of the queue's workers on that shard). ARGV: entries to leave

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from protocol.keys import Keys
-from protocol.scripts.lua import lua
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.scripts.lua import lua
 
 
 class CancelTarget(NamedTuple):

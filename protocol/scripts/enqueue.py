@@ -4,7 +4,7 @@ its calls; the sync and async clients send them).
 
 from __future__ import annotations
 
-from protocol.scripts.lua import lua
+from tokenrelay.protocol.scripts.lua import lua
 
 # One script call enqueues a chunk of jobs of one lane of one queue shard: per job, SET-if-absent
 # of the dedupe record and XADD happen atomically, so a retried call (redis-py retries on

@@ -15,8 +15,8 @@ import hashlib
 from dataclasses import dataclass, field
 from string import Template
 
-from protocol.heartbeat import INSTANCE_FIELD
-from protocol.keys import BATCH_FIELD, COST_FIELD, DEDUPE_SEPARATOR, EVENT_FIELD, PAYLOAD_FIELD
+from tokenrelay.protocol.heartbeat import INSTANCE_FIELD
+from tokenrelay.protocol.keys import BATCH_FIELD, COST_FIELD, DEDUPE_SEPARATOR, EVENT_FIELD, PAYLOAD_FIELD
 
 # What a script's ``$name`` stands for.
 CONTRACT_NAMES: dict[str, str] = {

@@ -8,7 +8,7 @@ queue shard (one slot).
 
 from __future__ import annotations
 
-from protocol.scripts.lua import lua
+from tokenrelay.protocol.scripts.lua import lua
 
 # KEYS: one queue shard's lanes, most urgent first. ARGV: group, consumer, count, parking
 # consumer. Up to count entries in all, lane by lane, urgent first; in each lane first the

@@ -11,9 +11,9 @@ from typing import Any, Optional, Sequence
 
 import redis
 
-from protocol.scripts.lua import LuaScript
-from protocol.scripts.resp import pack
-from protocol.topology import send_packed
+from tokenrelay.protocol.scripts.lua import LuaScript
+from tokenrelay.protocol.scripts.resp import pack
+from tokenrelay.protocol.topology import send_packed
 
 
 class ScriptPipeline:

@@ -10,7 +10,7 @@ nothing anyone will run, and only blocks the id.
 
 from __future__ import annotations
 
-from protocol.scripts.lua import lua
+from tokenrelay.protocol.scripts.lua import lua
 
 # KEYS: the job's dedupe record, the lane (or affinity stream) the record names.
 # ARGV: the record's value as the reader read it, the entry id it names.

@@ -9,7 +9,7 @@ hash tag, see ``Keys``).
 
 from __future__ import annotations
 
-from protocol.scripts.lua import lua
+from tokenrelay.protocol.scripts.lua import lua
 
 # The fenced append; ``cur`` is the owner record's value as read by the caller (false when
 # absent). Each event entry gets field $batch = "<batch id>:<k>" (k = 1..n). ``known`` is how

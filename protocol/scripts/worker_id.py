@@ -5,7 +5,7 @@ says why).
 
 from __future__ import annotations
 
-from protocol.scripts.lua import lua
+from tokenrelay.protocol.scripts.lua import lua
 
 # KEYS: heartbeat hash; ARGV: instance, ttl ms, force -> the instance holding the id now.
 ID_CLAIM = lua("id_claim", """

@@ -18,7 +18,7 @@ DOWN = "redis://127.0.0.1:1/0"          # nothing listens on port 1
 
 def run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
-    return subprocess.run([sys.executable, "-m", *argv], cwd=str(REPO_ROOT), text=True,
+    return subprocess.run([sys.executable, "-m", "tokenrelay", *argv], cwd=str(REPO_ROOT), text=True,
                           capture_output=True, timeout=90, env={**os.environ, **(env or {})})
 
 
@@ -31,11 +31,11 @@ def assert_clean(out: subprocess.CompletedProcess, code: int, *words: str) -> No
 
 
 @pytest.mark.parametrize("argv, code, words", [
-    (("worker", "admin", "--redis-url", DOWN, "workers"), 3, ("cannot reach Redis",)),
-    (("worker", "admin", "--redis-url", DOWN, "dead", "list"), 3, ("cannot reach Redis",)),
-    (("worker", "health", "--redis-url", DOWN, "--worker-id", "w"), 1, ("unreachable",)),
-    (("producer_sdk", "stats", "--redis-url", DOWN), 3, ("cannot reach Redis",)),
-    (("producer_sdk", "status", "j1", "--redis-url", DOWN), 3, ("cannot reach Redis",)),
+    (("admin", "--redis-url", DOWN, "workers"), 3, ("cannot reach Redis",)),
+    (("admin", "--redis-url", DOWN, "dead", "list"), 3, ("cannot reach Redis",)),
+    (("health", "--redis-url", DOWN, "--worker-id", "w"), 1, ("unreachable",)),
+    (("stats", "--redis-url", DOWN), 3, ("cannot reach Redis",)),
+    (("status", "j1", "--redis-url", DOWN), 3, ("cannot reach Redis",)),
 ], ids=lambda v: " ".join(v) if isinstance(v, tuple) and len(v) > 2 else None)
 def test_redis_unreachable(argv, code, words):
     assert_clean(run(*argv), code, *words)
@@ -44,7 +44,7 @@ def test_redis_unreachable(argv, code, words):
 def test_wrong_password_for_admin_is_a_configuration_error(redis_server):
     redis_server.client().config_set("requirepass", "right")
     url = f"redis://:wrong@127.0.0.1:{redis_server.port}/0"
-    out = run("worker", "admin", "--redis-url", url, "pending")
+    out = run("admin", "--redis-url", url, "pending")
     assert_clean(out, 78, "redis configuration error")
     assert "wrong" not in out.stderr                     # the password is never printed
 
@@ -70,35 +70,35 @@ def test_a_mistyped_setting_names_the_flag_and_its_variable():
 
 def test_batch_files(tmp_path, redis_server):
     url = ("--redis-url", redis_server.url)
-    assert_clean(run("producer_sdk", "batch", str(tmp_path / "missing.jsonl"),
+    assert_clean(run("batch", str(tmp_path / "missing.jsonl"),
                      str(tmp_path / "out.jsonl"), *url), 2, "does not exist")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"custom_id": "a"}\nnot json\n')
-    assert_clean(run("producer_sdk", "batch", str(bad), str(tmp_path / "no" / "out.jsonl"),
+    assert_clean(run("batch", str(bad), str(tmp_path / "no" / "out.jsonl"),
                      *url), 2, "create it first")
-    assert_clean(run("producer_sdk", "batch", str(bad), str(tmp_path / "out.jsonl"),
+    assert_clean(run("batch", str(bad), str(tmp_path / "out.jsonl"),
                      "--no-progress", *url), 2, "no line of")
 
 
 def test_the_producer_cli_honours_tokenrelay_namespace(redis_server):
-    out = run("producer_sdk", "status", "nobody", "--redis-url", redis_server.url, "--json",
+    out = run("status", "nobody", "--redis-url", redis_server.url, "--json",
               env={"TOKENRELAY_NAMESPACE": "tenant-x"})
     assert out.returncode == 6 and json.loads(out.stdout)["state"] == "unknown"
-    from producer_sdk import Client
+    from tokenrelay.producer_sdk import Client
     with Client(redis_server.url, namespace="tenant-x") as c:
         c.submit("hi", job_id="in-x")
-    out = run("producer_sdk", "status", "in-x", "--redis-url", redis_server.url,
+    out = run("status", "in-x", "--redis-url", redis_server.url,
               env={"TOKENRELAY_NAMESPACE": "tenant-x"})
     assert out.returncode == 0 and out.stdout.split()[:2] == ["in-x", "queued"], out
 
 
 @pytest.mark.parametrize("argv", [
-    ("worker", "admin", "--redis-url", "URL", "--json", "workers"),
-    ("worker", "admin", "workers", "--redis-url", "URL", "--json"),
-    ("worker", "admin", "--redis-url", "redis://127.0.0.1:1/0", "workers", "--redis-url", "URL",
+    ("admin", "--redis-url", "URL", "--json", "workers"),
+    ("admin", "workers", "--redis-url", "URL", "--json"),
+    ("admin", "--redis-url", "redis://127.0.0.1:1/0", "workers", "--redis-url", "URL",
      "--json"),
-    ("producer_sdk", "--redis-url", "URL", "status", "x", "--json"),
-    ("producer_sdk", "status", "x", "--redis-url", "URL", "--json"),
+    ("--redis-url", "URL", "status", "x", "--json"),
+    ("status", "x", "--redis-url", "URL", "--json"),
 ])
 def test_connection_flags_go_before_or_after_the_subcommand(redis_server, argv):
     """The value nearest the end wins, as with any flag given twice."""
@@ -109,7 +109,7 @@ def test_connection_flags_go_before_or_after_the_subcommand(redis_server, argv):
 
 def test_worker_help_lists_admin_and_says_what_each_default_is():
     out = run("worker", "--help")
-    assert out.returncode == 0 and "python -m worker admin" in out.stdout
+    assert out.returncode == 0 and "tokenrelay admin" in out.stdout
     assert "default None" not in out.stdout and "default: none, required" in out.stdout
 
 

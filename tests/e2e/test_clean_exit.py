@@ -17,9 +17,9 @@ from tests.fixtures_redis import REPO_ROOT
 
 SCRIPT = textwrap.dedent("""
     import sys, threading
-    from engine import LLM
-    from worker.config import WorkerSettings
-    from worker.service import Worker
+    from tokenrelay.engine import LLM
+    from tokenrelay.worker.config import WorkerSettings
+    from tokenrelay.worker.service import Worker
     llm = LLM(sys.argv[1], num_kv_blocks=32, max_model_len=256)
     w = Worker(WorkerSettings(redis_url=sys.argv[2], worker_id="clean-exit", model="fake:",
                               block_ms=50, heartbeat_ms=200), engine=llm.engine)

@@ -13,17 +13,17 @@ from tests.fixtures_redis import REPO_ROOT
 pytestmark = pytest.mark.timeout(60)
 
 COMMANDS = [     # URL stands for the test's redis-server
-    ("worker", "admin", "--redis-url", "URL", "workers"),
-    ("worker", "admin", "--redis-url", "URL", "dead", "list"),
-    ("worker", "admin", "--redis-url", "URL", "--json", "pending"),
-    ("producer_sdk", "stats", "--redis-url", "URL"),
+    ("admin", "--redis-url", "URL", "workers"),
+    ("admin", "--redis-url", "URL", "dead", "list"),
+    ("admin", "--redis-url", "URL", "--json", "pending"),
+    ("stats", "--redis-url", "URL"),
 ]
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
 def test_a_closed_stdout_ends_the_command_quietly(redis_server, argv):
     argv = [redis_server.url if a == "URL" else a for a in argv]
-    proc = subprocess.Popen([sys.executable, "-m", *argv], cwd=str(REPO_ROOT),
+    proc = subprocess.Popen([sys.executable, "-m", "tokenrelay", *argv], cwd=str(REPO_ROOT),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()                     # the reader is gone before the first line
     _, err = proc.communicate(timeout=50)
@@ -33,7 +33,7 @@ def test_a_closed_stdout_ends_the_command_quietly(redis_server, argv):
 
 
 def test_output_that_fits_still_exits_zero(redis_server):
-    out = subprocess.run([sys.executable, "-m", "worker", "admin", "--redis-url",
+    out = subprocess.run([sys.executable, "-m", "tokenrelay", "admin", "--redis-url",
                           redis_server.url, "workers"], cwd=str(REPO_ROOT), capture_output=True,
                          timeout=50)
     assert out.returncode == 0 and out.stdout.startswith(b"worker_id"), out

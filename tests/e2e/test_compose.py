@@ -122,9 +122,9 @@ TOKENRELAY_SERVICES = {"worker-gpu0": "worker", "worker-cpu": "worker", "gateway
 
 
 def settings_fields(reader: str) -> set[str]:
-    from producer_sdk.cli import BatchOptions
-    from producer_sdk.gateway.settings import GatewaySettings
-    from worker.config import WorkerSettings
+    from tokenrelay.producer_sdk.cli import BatchOptions
+    from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
+    from tokenrelay.worker.config import WorkerSettings
     model = {"worker": WorkerSettings, "gateway": GatewaySettings, "producer": BatchOptions}[reader]
     return set(model.model_fields)
 
@@ -152,7 +152,7 @@ def test_profiles_cpu_starts_no_gpu_service_and_gpu_no_cpu_worker():
         assert SERVICES[name].get("build", {}).get("target") != "worker-cuda", name
     # the CPU worker serves SmolLM2 from the volume the one-shot model service fills
     cpu, model = SERVICES["worker-cpu"], SERVICES["model"]
-    assert model["entrypoint"] == ["python", "-m", "engine.fetch"]
+    assert model["entrypoint"] == ["tokenrelay", "fetch"]
     assert model["command"] == ["smollm2", "/models/smollm2"] and model["restart"] == "no"
     assert service_env("worker-cpu")["TOKENRELAY_MODEL"] == "/models/smollm2"
     assert cpu["depends_on"]["model"]["condition"] == "service_completed_successfully"
@@ -195,7 +195,7 @@ def test_tensor_parallel_worker_spans_its_gpus_with_room_for_nccl():
     size = int(re.sub(r"\$\{TP_SIZE:-(\d+)\}", r"\1", tp["environment"]["TOKENRELAY_TENSOR_PARALLEL_SIZE"]))
     assert len(devices["device_ids"]) == size == 2 and "count" not in devices
     assert tp["shm_size"] == "8gb"
-    from worker.config import WorkerSettings
+    from tokenrelay.worker.config import WorkerSettings
     assert "tensor_parallel_size" in WorkerSettings.model_fields
 
 
@@ -228,7 +228,7 @@ def test_every_tokenrelay_variable_reaches_the_services_that_read_it():
 
 
 def test_every_worker_flag_in_the_readme_is_a_setting_compose_can_pass():
-    from worker.config import WorkerSettings
+    from tokenrelay.worker.config import WorkerSettings
     readme = (REPO / "README.md").read_text()
     table = readme[readme.index("### Worker options"):readme.index("## OpenAI-compatible")]
     variables = re.findall(r"`(TOKENRELAY_[A-Z_]+)`", table)
@@ -240,7 +240,7 @@ def test_every_worker_flag_in_the_readme_is_a_setting_compose_can_pass():
 
 def test_empty_variables_in_env_keep_the_defaults():
     """.env.example leaves some settings empty (the default): they must parse as unset."""
-    from worker.config import WorkerSettings
+    from tokenrelay.worker.config import WorkerSettings
     empty = {k: v for k, v in env_example().items() if k.startswith("TOKENRELAY_") and v == ""}
     assert empty, ".env.example shows optional settings as empty lines"
     env = {k: v for k, v in service_env("worker-gpu0").items() if k.startswith("TOKENRELAY_")}
@@ -277,7 +277,7 @@ def test_a_full_compose_redis_is_back_pressure_not_a_crash(tmp_path):
     is full a producer gets QueueFull (reason oom), and submits again once memory frees."""
     import redis as redis_py
 
-    from producer_sdk import Client, QueueFull
+    from tokenrelay.producer_sdk import Client, QueueFull
     from tests.fixtures_redis import start_redis_server
     args = interpolate(SERVICES["redis"]["command"], {**env_example(), "REDIS_MAXMEMORY": "2mb"})
     server = start_redis_server(tmp_path, *args[1:])
@@ -325,7 +325,7 @@ def test_worker_service_shape():
     for name in ("worker-gpu0", "worker-cpu"):
         worker = SERVICES[name]
         assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
-        assert worker["healthcheck"]["test"][-3:] == ["-m", "worker", "health"]
+        assert worker["healthcheck"]["test"] == ["CMD", "tokenrelay", "health"]
         assert "container_name" not in worker and "ports" not in worker
         grace = int(worker["stop_grace_period"].rstrip("s"))
         assert grace > float(service_env(name)["TOKENRELAY_DRAIN_TIMEOUT"])
@@ -351,7 +351,14 @@ def test_dockerfile_targets_copies_and_pins():
             assert svc["build"]["target"] in stages, svc["build"]
     for target in ("producer", "worker-cpu", "worker-cuda"):
         assert re.search(r"^USER (?!root)\S+", stages[target], flags=re.M), target
-    assert 'ENTRYPOINT ["python", "-m", "worker"]' in stages["worker-cuda"]
+    for target in ("worker-cpu", "worker-cuda"):
+        assert 'ENTRYPOINT ["tokenrelay", "worker"]' in stages[target], target
+    assert 'ENTRYPOINT ["tokenrelay"]' in stages["producer"]
+    # every image installs the project's wheel (the tokenrelay namespace, its console script) and
+    # takes its dependencies at the lock's versions; none puts a folder of ours on a path
+    for target in ("producer", "worker-cpu", "worker-cuda"):
+        assert "--from=project-wheel" in stages[target] and "PYTHONPATH" not in stages[target]
+    assert "PIP_CONSTRAINT=/tmp/project/requirements.lock" in stages["deps"]
     # CUDA: a compiler for Triton's launchers, checked at build; torch and triton pinned
     assert "gcc" in stages["worker-cuda"] and "compile_check --launcher" in stages["worker-cuda"]
     assert '"/tmp/project[worker,gpu,fetch]"' in stages["deps-cuda"]
@@ -375,7 +382,7 @@ def test_gateway_and_batch_run_the_producer_image_without_torch():
 
 
 def test_worker_help_accepts_every_flag_the_docs_name():
-    help_text = subprocess.run([sys.executable, "-m", "worker", "--help"], capture_output=True,
+    help_text = subprocess.run([sys.executable, "-m", "tokenrelay.worker", "--help"], capture_output=True,
                                text=True, timeout=60, cwd=REPO).stdout
     for flag in ("--model", "--redis-url", "--namespace", "--queue", "--worker-id", "--device",
                  "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
@@ -396,17 +403,24 @@ def _service_command(name: str) -> list[str]:
     return list(entry) + list(svc.get("command") or [])
 
 
+def _local(cmd: list[str]) -> list[str]:
+    """A container's command as this interpreter runs it: the images' ``tokenrelay`` console
+    script is ``python -m tokenrelay`` (the same entry point)."""
+    assert cmd[0] == "tokenrelay", cmd
+    return [sys.executable, "-m", "tokenrelay", *cmd[1:]]
+
+
 @pytest.mark.timeout(420)
 def test_cpu_and_batch_profiles_run_as_plain_processes(tmp_path):
     """The cpu profile's services in order, as processes: the one-shot model service fetches
     SmolLM2 (reused when .models/smollm2 is complete), the worker serves it with the service's
     environment (.env included), and the batch service runs a file through it."""
-    from worker.redis_server import RedisServer
+    from tokenrelay.worker.redis_server import RedisServer
 
     models = REPO / ".models"
     fetch = [a.replace("/models", str(models)) for a in _service_command("model")]
-    assert fetch[:3] == ["python", "-m", "engine.fetch"]
-    done = subprocess.run([sys.executable, *fetch[1:]], cwd=REPO, capture_output=True,
+    assert fetch[:2] == ["tokenrelay", "fetch"]
+    done = subprocess.run(_local(fetch), cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     with RedisServer(SERVICES["redis"]["command"][1:3]) as server:
@@ -417,8 +431,8 @@ def test_cpu_and_batch_profiles_run_as_plain_processes(tmp_path):
                    TOKENRELAY_MODEL=env["TOKENRELAY_MODEL"].replace("/models", str(models)),
                    HF_HOME=str(tmp_path / "hf"))
         cmd = _service_command("worker-cpu")
-        assert cmd == ["python", "-m", "worker"]
-        worker = subprocess.Popen([sys.executable, *cmd[1:]], env=env, cwd=REPO,
+        assert cmd == ["tokenrelay", "worker"]
+        worker = subprocess.Popen(_local(cmd), env=env, cwd=REPO,
                                   start_new_session=True, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
         try:
@@ -432,10 +446,10 @@ def test_cpu_and_batch_profiles_run_as_plain_processes(tmp_path):
                                         "body": {"model": "smollm2", "prompt": f"hello {i}",
                                                  "max_tokens": 4}}) + "\n")
             batch_cmd = [a.replace("/batch", str(batch_dir)) for a in _service_command("batch")]
-            assert batch_cmd[:4] == ["python", "-m", "producer_sdk", "batch"]
+            assert batch_cmd[:2] == ["tokenrelay", "batch"]
             benv = {**os.environ, **service_env("batch"), "TOKENRELAY_REDIS_URL": url,
                     "TOKENRELAY_NAMESPACE": "composesmoke"}
-            done = subprocess.run([sys.executable, *batch_cmd[1:]], env=benv, cwd=REPO,
+            done = subprocess.run(_local(batch_cmd), env=benv, cwd=REPO,
                                   capture_output=True, text=True, timeout=240)
             assert done.returncode == 0, done.stderr[-2000:]
             lines = [json.loads(x) for x in (batch_dir / "output.jsonl").read_text().splitlines()]
@@ -447,15 +461,15 @@ def test_cpu_and_batch_profiles_run_as_plain_processes(tmp_path):
 
 def _wait_healthy(env: dict[str, str], timeout: float = 240.0) -> None:
     def healthy() -> bool:
-        return subprocess.run([sys.executable, "-m", "worker", "health"], env=env, cwd=REPO,
+        return subprocess.run(_local(SERVICES["worker-cpu"]["healthcheck"]["test"][1:]), env=env, cwd=REPO,
                               capture_output=True, timeout=30).returncode == 0
     wait_for(healthy, timeout, interval=1.0, what="the cpu worker healthy")
 
 
 def test_gateway_service_shape_and_settings():
-    from producer_sdk.gateway.settings import GatewaySettings
+    from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
     gw = SERVICES["gateway"]
-    assert gw["entrypoint"] == ["python", "-m", "producer_sdk.gateway"]
+    assert gw["entrypoint"] == ["tokenrelay", "gateway"]
     assert gw["depends_on"]["redis"]["condition"] == "service_healthy"
     env = interpolate(gw["environment"], env_example())
     assert env["TOKENRELAY_PORT"] == "8000" and env["TOKENRELAY_HOST"] == "0.0.0.0"
@@ -481,7 +495,7 @@ def test_gateway_service_runs_as_a_plain_process_and_passes_its_healthcheck(redi
     cmd = _service_command("gateway")
     check = [sys.executable if a == "python" else a.replace(":8000/", f":{port}/")
              for a in SERVICES["gateway"]["healthcheck"]["test"][1:]]
-    proc = subprocess.Popen([sys.executable, *cmd[1:]], env=env, cwd=REPO,
+    proc = subprocess.Popen(_local(cmd), env=env, cwd=REPO,
                             start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:

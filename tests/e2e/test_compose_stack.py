@@ -194,8 +194,8 @@ def test_a_chat_through_the_gateway_with_the_openai_client(stack):
 
 
 def test_a_worker_stopped_mid_job_hands_it_back_and_the_other_finishes_it(stack):
-    from producer_sdk import Client
-    from protocol.keys import Keys
+    from tokenrelay.producer_sdk import Client
+    from tokenrelay.protocol.keys import Keys
     import redis
     tokens = 160
     with Client(stack.redis_url, namespace=NAMESPACE) as client:
@@ -229,8 +229,8 @@ def test_a_worker_stopped_mid_job_hands_it_back_and_the_other_finishes_it(stack)
 def test_restarting_the_redis_container_keeps_the_queue(stack):
     """Jobs queued while the workers are frozen survive a restart of the Redis container (AOF);
     thawed, the workers reconnect to the restarted Redis and finish them."""
-    from producer_sdk import Client
-    from protocol.keys import Keys
+    from tokenrelay.producer_sdk import Client
+    from tokenrelay.protocol.keys import Keys
     import redis
     stack.wait_healthy("worker-cpu", 2)        # the one stopped by the test before is back
     stack.compose("--profile", "cpu", "pause", "worker-cpu")
@@ -287,11 +287,11 @@ def test_the_cuda_worker_image_builds_and_its_kernels_compile_without_a_gpu(stac
     assert versions[0].startswith("2.13.0+cu") and versions[1] != "None", versions
     t0 = time.monotonic()
     out = stack.docker.run("run", "--rm", "--entrypoint", "python", image, "-m",
-                           "kernels.compile_check", "--arch", "90", timeout=1200).stdout
+                           "tokenrelay.kernels.compile_check", "--arch", "90", timeout=1200).stdout
     TIMINGS["compile every kernel to sm_90 in the CUDA image"] = time.monotonic() - t0
     assert out.count("sm_90 bf16:") >= 8, out
     launcher = stack.docker.run("run", "--rm", "--entrypoint", "python", image, "-m",
-                                "kernels.compile_check", "--launcher").stdout
+                                "tokenrelay.kernels.compile_check", "--launcher").stdout
     assert "compiles with" in launcher
 
 

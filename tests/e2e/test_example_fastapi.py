@@ -12,7 +12,7 @@ import redis
 import uvicorn
 
 from examples.fastapi_app import create_app
-from protocol.keys import EVENT_FIELD, Keys
+from tokenrelay.protocol.keys import EVENT_FIELD, Keys
 from tests.fault_harness import wait_for
 from tests.sdk_helpers import FakeWorker, free_port, sdk_redis, sdk_url  # noqa: F401
 
@@ -87,8 +87,8 @@ def test_disconnect_while_queued_cancels_before_start(base_url: str, sdk_url: st
                                                       start_worker):
     """A client that leaves while its job waits cancels it: the worker that reads it later
     ends it cancelled without ever giving it to the engine."""
-    from protocol.wire import decode_event
-    from worker.fake_engine import FakeEngine
+    from tokenrelay.protocol.wire import decode_event
+    from tokenrelay.worker.fake_engine import FakeEngine
     r = redis.Redis.from_url(sdk_url)
     with httpx.stream("POST", f"{base_url}/v1/generate", timeout=20,
                       json={"prompt": "nobody is serving", "max_tokens": 4}) as resp:

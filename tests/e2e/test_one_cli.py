@@ -1,6 +1,6 @@
 """One settings and CLI layer (#18, protocol/settings.py) for the four commands:
-``python -m worker``, ``python -m worker health``, ``python -m worker admin`` and
-``python -m producer_sdk``. Every option is a field of a pydantic-settings model, a flag and a
+``tokenrelay worker``, ``tokenrelay health``, ``tokenrelay admin`` and
+``tokenrelay``. Every option is a field of a pydantic-settings model, a flag and a
 ``TOKENRELAY_<NAME>`` variable; flags beat env vars beat defaults; --help shows every default;
 connection flags go before or after the subcommand."""
 
@@ -16,14 +16,14 @@ from typing import Callable, Iterator
 import pytest
 from pydantic import Field
 
-from producer_sdk import cli as producer_cli
-from protocol import settings as cli_common
-from protocol.settings import CliSettings, env_of, flag_of, parse_settings, unset
-from protocol.keys import Keys
-from protocol.wire import now_ms
+from tokenrelay.producer_sdk import cli as producer_cli
+from tokenrelay.protocol import settings as cli_common
+from tokenrelay.protocol.settings import CliSettings, env_of, flag_of, parse_settings, unset
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.wire import now_ms
 from tests.fixtures_redis import REPO_ROOT
-from worker import admin
-from worker import config as worker_config
+from tokenrelay.worker import admin
+from tokenrelay.worker import config as worker_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,9 +32,9 @@ pytestmark = pytest.mark.timeout(120)
 NOT_SETTINGS = {"--help", "--all"}
 
 PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
-    "python -m worker": worker_config.build_parser,
-    "python -m worker admin": admin.build_parser,
-    "python -m producer_sdk": producer_cli.build_parser,
+    "tokenrelay worker": worker_config.build_parser,
+    "tokenrelay admin": admin.build_parser,
+    "tokenrelay": producer_cli.build_parser,
 }
 
 # Per command: argv with a subcommand (flags appended after it), the settings field that a
@@ -181,13 +181,13 @@ def test_repeatable_options_take_a_json_list_from_the_environment(monkeypatch):
 
 def run(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(cli_common.ENV_PREFIX)}
-    return subprocess.run([sys.executable, "-m", *argv], cwd=str(REPO_ROOT), text=True,
+    return subprocess.run([sys.executable, "-m", "tokenrelay", *argv], cwd=str(REPO_ROOT), text=True,
                           capture_output=True, timeout=90, env={**clean, **(env or {})})
 
 
-@pytest.mark.parametrize("argv", [("worker",), ("worker", "health"), ("worker", "admin"),
-                                  ("worker", "admin", "dead", "list"), ("producer_sdk",),
-                                  ("producer_sdk", "submit")], ids=" ".join)
+@pytest.mark.parametrize("argv", [("worker",), ("health",), ("admin",),
+                                  ("admin", "dead", "list"), ("stats",),
+                                  ("submit",)], ids=" ".join)
 def test_help_of_each_command(argv):
     out = run(*argv, "--help")
     assert out.returncode == 0, out.stderr
@@ -205,24 +205,24 @@ def test_health_and_admin_read_tokenrelay_variables_and_flags_win(redis_server):
     beat(r, keys, "w-h")
     env = {"TOKENRELAY_REDIS_URL": redis_server.url, "TOKENRELAY_NAMESPACE": "tenant-h",
            "TOKENRELAY_WORKER_ID": "w-h", "TOKENRELAY_HEARTBEAT_MS": "60000"}
-    assert run("worker", "health", env=env).returncode == 0
+    assert run("health", env=env).returncode == 0
     other = {**env, "TOKENRELAY_NAMESPACE": "elsewhere"}
-    assert run("worker", "health", env=other).returncode == 1
-    assert run("worker", "health", "--namespace", "tenant-h", env=other).returncode == 0
+    assert run("health", env=other).returncode == 1
+    assert run("health", "--namespace", "tenant-h", env=other).returncode == 0
     assert run("worker", "--namespace", "tenant-h", "health", env=other).returncode == 0
-    listed = run("worker", "admin", "workers", env={**env, "TOKENRELAY_JSON": "true"})
+    listed = run("admin", "workers", env={**env, "TOKENRELAY_JSON": "true"})
     assert [w["worker_id"] for w in json.loads(listed.stdout)] == ["w-h"], listed.stderr
-    table = run("worker", "admin", "workers", "--no-json", env={**env, "TOKENRELAY_JSON": "1"})
+    table = run("admin", "workers", "--no-json", env={**env, "TOKENRELAY_JSON": "1"})
     assert table.stdout.startswith("worker_id"), table.stderr
-    after = run("worker", "admin", "workers", "--namespace", "tenant-h", "--json", env=other)
+    after = run("admin", "workers", "--namespace", "tenant-h", "--json", env=other)
     assert [w["worker_id"] for w in json.loads(after.stdout)] == ["w-h"], after.stderr
 
 
 def test_the_producer_cli_reads_its_options_from_the_environment(redis_server):
     env = {"TOKENRELAY_REDIS_URL": redis_server.url, "TOKENRELAY_JSON": "true"}
-    out = run("producer_sdk", "status", "nobody", env=env)
+    out = run("status", "nobody", env=env)
     assert out.returncode == 6 and json.loads(out.stdout)["state"] == "unknown", out.stderr
-    line = run("producer_sdk", "status", "nobody", "--no-json", env=env)
+    line = run("status", "nobody", "--no-json", env=env)
     assert line.returncode == 6 and line.stdout.split()[:2] == ["nobody", "unknown"]
 
 

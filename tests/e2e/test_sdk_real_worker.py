@@ -20,17 +20,17 @@ import httpx
 import pytest
 import uvicorn
 
-from producer_sdk import AsyncClient, Client, QueueFull
-from producer_sdk.batch import BatchRunner
-from protocol.keys import Keys
+from tokenrelay.producer_sdk import AsyncClient, Client, QueueFull
+from tokenrelay.producer_sdk.batch import BatchRunner
+from tokenrelay.protocol.keys import Keys
 from tests.fault_harness import wait_for
 from tests.sdk_helpers import RealWorker, free_port, sdk_redis, sdk_url  # noqa: F401
 from tests.sdk.test_batch_runner import read_jsonl, run_cli_batch, write_input
 from tests.e2e.test_example_fastapi import parse_sse
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("engine.llm_engine") is None
-    or importlib.util.find_spec("worker.service") is None,
+    importlib.util.find_spec("tokenrelay.engine.llm_engine") is None
+    or importlib.util.find_spec("tokenrelay.worker.service") is None,
     reason="the real engine/worker are not available")
 
 KEYS = Keys()
@@ -39,7 +39,7 @@ ENGINE_KW = dict(kv_cache_memory_bytes=64 * 2**20, max_num_seqs=32, max_model_le
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
-    from engine.llm import LLM
+    from tokenrelay.engine.llm import LLM
     return LLM(str(tiny_checkpoint("llama")), **ENGINE_KW)
 
 
@@ -53,7 +53,7 @@ def worker(sdk_url: str, llm) -> Iterator[RealWorker]:
 
 
 def test_sync_submit_stream_result_cancel_reattach(sdk_url: str, llm, worker: RealWorker):
-    from engine.sampling_params import SamplingParams
+    from tokenrelay.engine.sampling_params import SamplingParams
     with Client(sdk_url) as c:
         job = c.submit("Hello there, how are you", job_id="real-1", max_tokens=8, temperature=0)
         streamed = "".join(d.text for d in job.stream(timeout=60))
@@ -81,8 +81,8 @@ def test_choices_and_beams_through_the_queue_equal_the_offline_engine(sdk_url: s
                                                                        worker: RealWorker):
     """An n = 3 job streams three choices, each equal to the offline engine's; a beam search
     job delivers the offline beams, best first, when the search ends."""
-    from engine.beam_search import BeamSearchParams
-    from engine.sampling_params import SamplingParams
+    from tokenrelay.engine.beam_search import BeamSearchParams
+    from tokenrelay.engine.sampling_params import SamplingParams
     prompt = "Several choices of one prompt"
     with Client(sdk_url) as c:
         job = c.submit(prompt, n=3, seed=4, temperature=1.0, max_tokens=10, ignore_eos=True)

@@ -7,8 +7,8 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from engine import LLM, InvalidRequestError, PromptTooLongError, SamplingParams
-from engine.llm_engine import LLMEngine
+from tokenrelay.engine import LLM, InvalidRequestError, PromptTooLongError, SamplingParams
+from tokenrelay.engine.llm_engine import LLMEngine
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -190,7 +190,7 @@ def test_vllm_prompt_dicts_are_prompts_not_lists_of_keys(llm):
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     text, ids = "a dict prompt", [1, 40, 41, 42]
     plain = llm.generate([text, ids], greedy)
-    from engine import TextPrompt, TokensPrompt
+    from tokenrelay.engine import TextPrompt, TokensPrompt
     as_dicts = llm.generate([TextPrompt(prompt=text), TokensPrompt(prompt_token_ids=ids)], greedy)
     assert [o.outputs[0].token_ids for o in as_dicts] == [o.outputs[0].token_ids for o in plain]
     assert as_dicts[0].prompt == text and as_dicts[1].prompt_token_ids == ids

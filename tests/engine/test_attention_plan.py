@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, attention
-from engine.attention_plan import AttentionPlan
+from tokenrelay.engine import LLM, SamplingParams, attention
+from tokenrelay.engine.attention_plan import AttentionPlan
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

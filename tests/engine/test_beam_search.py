@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.beam_search import BeamSearchParams
+from tokenrelay.engine.beam_search import BeamSearchParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -76,7 +76,7 @@ def assert_same_beams(ours, theirs) -> None:
 def test_beams_match_transformers(checkpoints, name, k):
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM
+    from tokenrelay.engine import LLM
 
     path = checkpoints[name]
     llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_model_len=256)
@@ -102,7 +102,7 @@ def test_beams_match_transformers(checkpoints, name, k):
 def test_length_penalty_and_min_tokens_match_transformers(checkpoints):
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM
+    from tokenrelay.engine import LLM
 
     path = checkpoints["llama-eos"]
     llm = LLM(str(path), num_kv_blocks=256, block_size=4, max_model_len=256)
@@ -127,7 +127,7 @@ def test_length_penalty_and_min_tokens_match_transformers(checkpoints):
 def test_beams_are_the_same_under_preemption_chunking_and_company(checkpoints):
     """A pool so small that beams are preempted and recomputed, a token budget that chunks
     the prompt, and other requests in the batch: the beams do not change."""
-    from engine import LLM, SamplingParams
+    from tokenrelay.engine import LLM, SamplingParams
 
     path = str(checkpoints["llama-eos"])
     prompt = {"prompt_token_ids": list(range(40, 70))}
@@ -154,8 +154,8 @@ def test_beam_blocks_are_shared_and_all_come_back(checkpoints):
     """While the search runs, the blocks in use are exactly the union of the beams' block
     tables (a beam that dies frees what only it held), fewer than the beams would hold apart;
     afterwards every reference count is zero."""
-    from engine import SamplingParams
-    from engine.llm_engine import LLMEngine
+    from tokenrelay.engine import SamplingParams
+    from tokenrelay.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_kwargs(model=str(checkpoints["llama"]), num_kv_blocks=128,
                                    block_size=4)
@@ -181,8 +181,8 @@ def test_beam_blocks_are_shared_and_all_come_back(checkpoints):
 
 
 def test_beam_search_refuses_what_it_cannot_honour(checkpoints):
-    from engine import InvalidRequestError, PromptTooLongError, SamplingParams
-    from engine.llm_engine import LLMEngine
+    from tokenrelay.engine import InvalidRequestError, PromptTooLongError, SamplingParams
+    from tokenrelay.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_kwargs(model=str(checkpoints["llama"]), num_kv_blocks=16,
                                    block_size=4, max_beam_width=4, max_num_seqs=8)
@@ -193,7 +193,7 @@ def test_beam_search_refuses_what_it_cannot_honour(checkpoints):
     with pytest.raises(ValueError, match="stop"):
         SamplingParams(beam_width=2, stop=["x"])
     with pytest.raises(InvalidRequestError, match="resume"):
-        from engine.outputs import ResumeState
+        from tokenrelay.engine.outputs import ResumeState
         engine.add_request("c", [5, 6], SamplingParams(beam_width=2, max_tokens=4),
                            resume=ResumeState([7], "x"))
     assert not engine.requests
@@ -203,7 +203,7 @@ def test_beam_search_refuses_what_it_cannot_honour(checkpoints):
 def test_generate_with_beam_width_returns_every_beam_as_beam_search_does(checkpoints):
     """``LLM.generate(SamplingParams(beam_width=k))`` (vLLM's spelling through the sampling
     params) returns the k beams, best first, the same as ``LLM.beam_search``."""
-    from engine import LLM, SamplingParams
+    from tokenrelay.engine import LLM, SamplingParams
 
     llm = LLM(str(checkpoints["llama-eos"]), num_kv_blocks=256, block_size=4)
     prompt = {"prompt_token_ids": list(range(40, 60))}

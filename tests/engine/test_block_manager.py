@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from engine.block_manager import BlockManager, NoFreeBlocksError
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from tokenrelay.engine.block_manager import BlockManager, NoFreeBlocksError
+from tokenrelay.engine.sampling_params import SamplingParams
+from tokenrelay.engine.sequence import Sequence
 
 _ids = itertools.count()
 

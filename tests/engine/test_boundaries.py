@@ -19,16 +19,16 @@ def test_engine_source_imports_no_redis_or_worker():
 @pytest.mark.timeout(180)
 def test_importing_every_engine_module_loads_no_redis_or_worker():
     modules = [module_name(p) for p in package_files("engine")]
-    assert "engine.llm_engine" in modules
+    assert "tokenrelay.engine.llm_engine" in modules
     assert loaded_packages(modules) & NOT_FOR_ENGINE == set()
 
 
 def test_public_names_as_vllm_users_import_them():
-    """``from engine import LLM, SamplingParams, BeamSearchParams`` (vLLM's spelling), and the
+    """``from tokenrelay.engine import LLM, SamplingParams, BeamSearchParams`` (vLLM's spelling), and the
     engine's SamplingParams is the contract's own schema, not a copy."""
-    import engine
-    from engine.beam_search import BeamSearchParams
-    from protocol.sampling_params import SamplingParams
+    from tokenrelay import engine
+    from tokenrelay.engine.beam_search import BeamSearchParams
+    from tokenrelay.protocol.sampling_params import SamplingParams
 
     assert engine.BeamSearchParams is BeamSearchParams
     assert engine.SamplingParams is SamplingParams

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import InvalidRequestError, PromptTooLongError, SamplingParams
-from engine.forks import branch_seed
-from engine.outputs import ResumeState
+from tokenrelay.engine import InvalidRequestError, PromptTooLongError, SamplingParams
+from tokenrelay.engine.forks import branch_seed
+from tokenrelay.engine.outputs import ResumeState
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -24,7 +24,7 @@ def path(tiny_checkpoint):
 
 
 def make_llm(path, **kw):
-    from engine import LLM
+    from tokenrelay.engine import LLM
     kw.setdefault("num_kv_blocks", 128)
     kw.setdefault("block_size", 4)
     return LLM(path, **kw)
@@ -63,7 +63,7 @@ def test_choices_do_not_depend_on_batching_or_chunking(path):
 
 
 def test_blocks_in_use_are_the_prompt_once_plus_each_choices_own(path):
-    from engine.llm_engine import LLMEngine
+    from tokenrelay.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_kwargs(model=path, num_kv_blocks=128, block_size=4)
     bm = engine.block_manager
@@ -104,7 +104,7 @@ def test_preempted_group_recomputes_to_the_same_choices(path):
 
 
 def test_abort_frees_every_choice(path):
-    from engine.llm_engine import LLMEngine
+    from tokenrelay.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_kwargs(model=path, num_kv_blocks=64, block_size=4)
     engine.add_request("r", PROMPT, sampled(3, max_tokens=30))
@@ -123,7 +123,7 @@ def test_prefix_cache_still_serves_a_second_request(path):
 
 
 def test_step_deltas_are_per_choice_and_each_choice_ends_once(path):
-    from engine.llm_engine import LLMEngine
+    from tokenrelay.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_kwargs(model=path, num_kv_blocks=64, block_size=4)
     engine.add_request("r", PROMPT, SamplingParams(n=3, seed=5, temperature=1.0, max_tokens=6,
@@ -145,7 +145,7 @@ def test_step_deltas_are_per_choice_and_each_choice_ends_once(path):
 def test_resume_continues_each_choice_from_what_was_delivered(path):
     """A worker that takes over gives each choice what the client already has; a finished
     choice is not run again, and the others continue exactly."""
-    from engine.llm_engine import LLMEngine
+    from tokenrelay.engine.llm_engine import LLMEngine
 
     def run(resume=None, params=None):
         engine = LLMEngine.from_kwargs(model=path, num_kv_blocks=64, block_size=4)
@@ -175,7 +175,7 @@ def test_resume_continues_each_choice_from_what_was_delivered(path):
 
 
 def test_bounds_and_pool_errors_name_the_field(path):
-    from engine.llm_engine import LLMEngine
+    from tokenrelay.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_kwargs(model=path, num_kv_blocks=16, block_size=4, max_n=4,
                                    max_num_seqs=8)

@@ -10,11 +10,11 @@ import shutil
 import pytest
 import torch
 
-from engine import attention, compiled_decode, compiled_rope
-from engine.compiled import LazyCompiled
-from engine.llm import LLM
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from tokenrelay.engine import attention, compiled_decode, compiled_rope
+from tokenrelay.engine.compiled import LazyCompiled
+from tokenrelay.engine.llm import LLM
+from tokenrelay.engine.loader import load_model
+from tokenrelay.engine.sampling_params import SamplingParams
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                     reason="inductor needs a C++ compiler")
@@ -85,7 +85,7 @@ def test_a_failed_compile_falls_back_to_the_eager_path_for_good(monkeypatch, cap
     monkeypatch.setattr(state, "_get", broken)
     monkeypatch.setattr(compiled_decode, "_KERNEL", state)
     q, k_cache, v_cache, tables, seq_lens = _paged_batch([20, 3, 41], 8, 4, 32, 16, 3)
-    with torch.inference_mode(), caplog.at_level(logging.WARNING, "engine.compiled"):
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, "tokenrelay.engine.compiled"):
         eager = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.2)
         got = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.2,
                                                compiled=True)

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_gemm
-from engine.llm import LLM
-from engine.loader import load_model
-from engine.models.decoder import Linear
-from engine.sampling_params import SamplingParams
+from tokenrelay.engine import cpu_gemm
+from tokenrelay.engine.llm import LLM
+from tokenrelay.engine.loader import load_model
+from tokenrelay.engine.models.decoder import Linear
+from tokenrelay.engine.sampling_params import SamplingParams
 
 needs_packed_gemm = pytest.mark.skipif(not cpu_gemm.available(),
                                        reason="torch built without MKL or oneDNN")

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer, StopMatcher, detokenize_step
-from engine.loader import load_tokenizer
-from engine.sampling_params import SamplingParams
+from tokenrelay.engine.detokenizer import IncrementalDetokenizer, StopMatcher, detokenize_step
+from tokenrelay.engine.loader import load_tokenizer
+from tokenrelay.engine.sampling_params import SamplingParams
 
 TEXTS = [
     "Hello world, this is a test of the incremental detokenizer.",

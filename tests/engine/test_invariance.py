@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.outputs import ResumeState
+from tokenrelay.engine import LLM, SamplingParams
+from tokenrelay.engine.llm_engine import LLMEngine
+from tokenrelay.engine.outputs import ResumeState
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import (CPU_DEFAULT_KV_CACHE_BYTES, CudaMemory, EngineConfig,
+from tokenrelay.engine.config import (CPU_DEFAULT_KV_CACHE_BYTES, CudaMemory, EngineConfig,
                            gpu_kv_budget)
 
 GiB = 1024**3
@@ -54,7 +54,7 @@ def test_cpu_pool_defaults_to_a_laptop_budget_and_the_byte_setting_wins(tiny_lla
 
 
 def test_the_worker_passes_gpu_memory_utilization_to_the_engine(monkeypatch):
-    from worker.config import WorkerSettings
+    from tokenrelay.worker.config import WorkerSettings
     monkeypatch.setenv("TOKENRELAY_GPU_MEMORY_UTILIZATION", "0.45")
     kw = WorkerSettings(model="m").engine_kwargs()
     assert kw["gpu_memory_utilization"] == 0.45

@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from engine.errors import UnsupportedModelError
-from engine.loader import load_model, load_tokenizer
-from engine.model_config import ModelConfig, RopeScaling
+from tokenrelay.engine.errors import UnsupportedModelError
+from tokenrelay.engine.loader import load_model, load_tokenizer
+from tokenrelay.engine.model_config import ModelConfig, RopeScaling
 
 
 def _copy(src, tmp_path, edit=None):

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
+from tokenrelay.engine.block_manager import BlockManager
+from tokenrelay.engine.sampling_params import SamplingParams
+from tokenrelay.engine.scheduler import Scheduler, SchedulerOutput
+from tokenrelay.engine.sequence import Sequence, SequenceStatus
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -169,7 +169,7 @@ def _fits(bm: BlockManager, plen: int, max_tokens: int, width: int, num_blocks: 
 def test_engine_never_leaks_blocks(engine_path, ops):
     """Adds (with parallel samples and beams), steps, aborts and the preemptions a 12-block
     pool forces: the block invariants hold after every operation, and every block comes back."""
-    from engine.llm_engine import LLMEngine
+    from tokenrelay.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_kwargs(model=engine_path, num_kv_blocks=12, block_size=4,
                                    max_num_batched_tokens=24, max_num_seqs=4)
@@ -215,7 +215,7 @@ def test_engine_never_leaks_blocks(engine_path, ops):
 def test_peak_kv_utilization_on_the_bench_workload(engine_path):
     """The bench's workload shape and KV settings, on the tiny model: scheduling and block
     accounting do not depend on the model's size, so the figure is the bench's own."""
-    from engine import LLM
+    from tokenrelay.engine import LLM
     from benchmarks.engine import make_workload
 
     work = make_workload(48, (16, 384), (16, 192), vocab=1024, seed=0)

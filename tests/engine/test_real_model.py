@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct, a real pretrained model (``python -m engine.fetch smollm2``), against
+"""SmolLM2-135M-Instruct, a real pretrained model (``tokenrelay fetch smollm2``), against
 transformers on the same checkpoint: greedy tokens identical and logprobs close for plain
 prompts, chat-templated prompts and a prompt long enough for chunked prefill, then the same model
 streamed by a worker through Redis.
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.fetch import MARKER, fetch
+from tokenrelay.engine import LLM, SamplingParams
+from tokenrelay.engine.fetch import MARKER, fetch
 from tests.fixtures_models import smollm2_checkpoint
 from tests.fixtures_redis import REPO_ROOT
 
@@ -117,7 +117,7 @@ def test_a_prompt_prefilled_in_chunks_matches_transformers(llm, hf):
 
 def test_a_worker_streams_the_real_model_through_redis(llm, start_worker, redis_server):
     """The offline engine's chat reply, token for token, as a client of the queue sees it."""
-    from producer_sdk import Client
+    from tokenrelay.producer_sdk import Client
     (offline,) = llm.chat(CHATS[:1], SamplingParams(temperature=0.0, max_tokens=NEW))
     assert not llm.engine.has_unfinished_requests()
     start_worker(engine=llm.engine)
@@ -134,7 +134,7 @@ def test_a_worker_streams_the_real_model_through_redis(llm, start_worker, redis_
 def test_beam_search_matches_transformers(llm, hf, k):
     """``LLM.beam_search`` and transformers' ``generate(num_beams=k, early_stopping=True)``: the
     same beams in the same order, scores within 1e-4, on plain and chat-templated prompts."""
-    from engine.beam_search import BeamSearchParams
+    from tokenrelay.engine.beam_search import BeamSearchParams
     from tests.engine.test_beam_search import assert_same_beams, hf_beams
 
     tok, model = hf

@@ -7,9 +7,9 @@ import math
 
 import torch
 
-from engine.sampler import Sampler, mix_seed
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from tokenrelay.engine.sampler import Sampler, mix_seed
+from tokenrelay.engine.sampling_params import SamplingParams
+from tokenrelay.engine.sequence import Sequence
 
 V = 50
 _ids = itertools.count()

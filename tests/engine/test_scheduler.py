@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import itertools
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
+from tokenrelay.engine.block_manager import BlockManager
+from tokenrelay.engine.sampling_params import SamplingParams
+from tokenrelay.engine.scheduler import Scheduler, SchedulerOutput
+from tokenrelay.engine.sequence import Sequence, SequenceStatus
 
 _arrivals = itertools.count()
 

@@ -14,9 +14,9 @@ import re
 import jsonschema
 import pytest
 
-from engine import InvalidRequestError, SamplingParams, StructuredOutputsParams
-from engine.forks import branch_seed
-from engine.outputs import ResumeState
+from tokenrelay.engine import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from tokenrelay.engine.forks import branch_seed
+from tokenrelay.engine.outputs import ResumeState
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -51,7 +51,7 @@ def path(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def llm(path):
-    from engine import LLM
+    from tokenrelay.engine import LLM
     return LLM(path, num_kv_blocks=512, block_size=8, max_num_seqs=64)
 
 
@@ -131,7 +131,7 @@ def _tokens(llm, params, prompt=PROMPT):
 
 
 def test_batch_invariance_and_preemption(llm, path):
-    from engine import LLM
+    from tokenrelay.engine import LLM
     params = constrained(7, json=SCHEMAS["array"], max_tokens=48)
     alone = _tokens(llm, params)
     crowd = [SamplingParams(seed=100 + i, temperature=1.0, max_tokens=48) for i in range(40)]
@@ -174,7 +174,7 @@ def test_beam_search_returns_only_allowed_strings(llm):
 
 
 def test_resume_replays_delivered_tokens_into_a_fresh_matcher(llm, path):
-    from engine import LLM
+    from tokenrelay.engine import LLM
     params = constrained(5, json=SCHEMAS["array"], max_tokens=48)
     first = _run(llm.engine, "whole", PROMPT, params)
     ids = [t for d in first for t in d.new_token_ids]
@@ -230,7 +230,7 @@ def test_conflicts_and_bad_grammars_are_refused(llm):
 
 @pytest.mark.timeout(120)
 def test_hostile_regex_times_out_alone_while_another_request_decodes(path):
-    from engine import LLM
+    from tokenrelay.engine import LLM
     engine = LLM(path, num_kv_blocks=128, block_size=8,
                  grammar_compile_timeout_s=0.05).engine
     engine.add_request("hostile", PROMPT, SamplingParams(
@@ -261,7 +261,7 @@ def test_padding_ids_past_the_tokenizer_are_never_allowed(path):
     import torch
     from transformers import AutoTokenizer
 
-    from engine.structured import StructuredOutputs
+    from tokenrelay.engine.structured import StructuredOutputs
 
     tok = AutoTokenizer.from_pretrained(path)
     padded = len(tok) + 40                       # a model whose embedding rows are padded
@@ -292,7 +292,7 @@ def test_mask_time_is_in_the_stats(llm):
 def test_smollm2_extracts_a_record_in_the_schema():
     """A real model answers a real extraction prompt inside the schema (greedy). Uses the
     checkpoint fetched into .models/smollm2 (tests/fixtures_models.py)."""
-    from engine import LLM
+    from tokenrelay.engine import LLM
     from tests.fixtures_models import smollm2_checkpoint
 
     folder = smollm2_checkpoint()

@@ -27,9 +27,9 @@ import time
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.beam_search import BeamSearchParams
-from engine.sequence import Sequence
+from tokenrelay.engine import LLM, SamplingParams
+from tokenrelay.engine.beam_search import BeamSearchParams
+from tokenrelay.engine.sequence import Sequence
 
 pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.timeout(240)]
 
@@ -223,9 +223,9 @@ def test_two_size_2_engines_start_at_once_and_shut_down_clean(tiny_checkpoint):
 def test_a_dead_rank_is_reported_once_and_fails_every_later_step(tiny_checkpoint):
     """Rank 1 killed while the engine idles: ``on_parallel_failure`` hears it at once (the
     worker exits there), and every later step raises TensorParallelError naming the rank."""
-    from engine.config import EngineConfig
-    from engine.errors import TensorParallelError
-    from engine.llm_engine import LLMEngine
+    from tokenrelay.engine.config import EngineConfig
+    from tokenrelay.engine.errors import TensorParallelError
+    from tokenrelay.engine.llm_engine import LLMEngine
     reports: list[str] = []
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("qwen2")), tensor_parallel_size=2,
                                     **ENGINE), on_parallel_failure=reports.append)
@@ -248,7 +248,7 @@ def test_a_dead_rank_is_reported_once_and_fails_every_later_step(tiny_checkpoint
 def test_a_collective_that_times_out_fails_the_step(tiny_checkpoint):
     """Rank 1 stopped (SIGSTOP): rank 0's next all-reduce gives up after the timeout with a
     TensorParallelError, and shutting down still leaves no rank behind."""
-    from engine.errors import TensorParallelError
+    from tokenrelay.engine.errors import TensorParallelError
     llm = LLM(str(tiny_checkpoint("qwen2")), tensor_parallel_size=2, tensor_parallel_timeout=2,
               **ENGINE)
     rank1 = llm.engine.model_runner.ranks.procs[0]
@@ -272,7 +272,7 @@ def test_ranks_end_with_their_process_however_it_ends(tiny_checkpoint, tmp_path)
     script = tmp_path / "hold.py"
     script.write_text(
         "import sys, time\n"
-        "from engine import LLM\n"
+        "from tokenrelay import LLM\n"
         f"llm = LLM({str(tiny_checkpoint('qwen2'))!r}, tensor_parallel_size=2, "
         "enforce_eager=True, num_kv_blocks=8)\n"
         "print(llm.engine.model_runner.ranks.procs[0].pid, flush=True)\n"

@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import UnsupportedModelError
-from engine.model_config import ModelConfig
-from engine.parallel.layers import SKIP, Slice, checkpoint_slice
-from engine.parallel.partition import Partition, check_size, fitting_sizes
+from tokenrelay.engine.config import EngineConfig
+from tokenrelay.engine.errors import UnsupportedModelError
+from tokenrelay.engine.model_config import ModelConfig
+from tokenrelay.engine.parallel.layers import SKIP, Slice, checkpoint_slice
+from tokenrelay.engine.parallel.partition import Partition, check_size, fitting_sizes
 
 # SmolLM2-135M-Instruct's shapes (engine.fetch builds it): 9 query heads over 3 KV heads.
 SMOLLM2 = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152,
@@ -111,8 +111,8 @@ def test_kv_block_bytes_are_per_rank(tmp_path):
 
 
 def test_a_step_crosses_as_two_tensors_and_comes_back_equal():
-    from engine.model_runner import StepInputs
-    from engine.parallel.step import HEADER_LEN, pack, payload_len, unpack
+    from tokenrelay.engine.model_runner import StepInputs
+    from tokenrelay.engine.parallel.step import HEADER_LEN, pack, payload_len, unpack
     step = StepInputs(
         input_ids=torch.tensor([5, 6, 7, 8]), positions=torch.tensor([0, 1, 2, 9]),
         slot_mapping=torch.tensor([32, 33, 34, 57]),
@@ -134,8 +134,8 @@ def test_a_step_crosses_as_two_tensors_and_comes_back_equal():
 
 
 def test_worker_flag_reaches_the_engine_only_when_set(monkeypatch):
-    from protocol.settings import settings_from_args
-    from worker.config import build_parser
+    from tokenrelay.protocol.settings import settings_from_args
+    from tokenrelay.worker.config import build_parser
 
     monkeypatch.delenv("TOKENRELAY_TENSOR_PARALLEL_SIZE", raising=False)
     base = settings_from_args(build_parser().parse_args(["--model", "m"])).engine_kwargs()

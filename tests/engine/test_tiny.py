@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine import tiny
+from tokenrelay.engine import tiny
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.prompts import render_chat, tool_call_format
+from tokenrelay.engine.errors import InvalidRequestError
+from tokenrelay.engine.prompts import render_chat, tool_call_format
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -24,7 +24,7 @@ TURNS = [{"role": "system", "content": "Be brief."},
 
 @pytest.fixture(scope="module")
 def tokenizers(tiny_checkpoint):
-    from engine.loader import load_tokenizer
+    from tokenrelay.engine.loader import load_tokenizer
     return {"tools": load_tokenizer(tiny_checkpoint("qwen2", chat_template="tools")),
             "chatml": load_tokenizer(tiny_checkpoint("qwen2"))}
 
@@ -35,7 +35,7 @@ def test_the_tool_format_is_found_by_rendering_a_probe(tokenizers):
     assert tool_call_format(tokenizers["chatml"]) == "none"
     smol = REPO_ROOT / ".models" / "smollm2"
     if (smol / "tokenizer.json").is_file():
-        from engine.loader import load_tokenizer
+        from tokenrelay.engine.loader import load_tokenizer
         assert tool_call_format(load_tokenizer(smol)) == "none"
 
 
@@ -60,7 +60,7 @@ def test_a_template_that_ignores_tools_refuses_them(tokenizers):
 
 @pytest.mark.timeout(120)
 def test_llm_chat_takes_tools_as_vllm_does(tiny_checkpoint):
-    from engine import LLM, SamplingParams
+    from tokenrelay.engine import LLM, SamplingParams
     llm = LLM(str(tiny_checkpoint("qwen2", chat_template="tools")), num_kv_blocks=64,
               enforce_eager=True)
     assert llm.engine.tool_call_format == "hermes"

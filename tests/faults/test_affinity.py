@@ -1,4 +1,4 @@
-"""Prefix affinity when the preferred worker dies: ``python -m worker`` processes (FakeEngine),
+"""Prefix affinity when the preferred worker dies: ``tokenrelay worker`` processes (FakeEngine),
 one SIGKILLed mid-conversation. The next turn is served by the other worker, and the jobs that
 were in the dead worker's affinity stream -- running there (read, not acknowledged) and waiting
 (unread) -- each finish exactly once elsewhere (the fault harness's stream oracle). On one
@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from producer_sdk import AsyncClient
-from producer_sdk.affinity import rank
-from protocol.keys import GROUP, PAYLOAD_FIELD, key_slot, parse_dedupe_record
+from tokenrelay.producer_sdk import AsyncClient
+from tokenrelay.producer_sdk.affinity import rank
+from tokenrelay.protocol.keys import GROUP, PAYLOAD_FIELD, key_slot, parse_dedupe_record
 from tests.fault_harness import FaultEnv, ids_on_shard, pending_summary, wait_for
-from worker.connection import connect
-from worker.pending import PendingList
+from tokenrelay.worker.connection import connect
+from tokenrelay.worker.pending import PendingList
 
 pytestmark = pytest.mark.timeout(180)
 

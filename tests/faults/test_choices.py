@@ -1,4 +1,4 @@
-"""Jobs with several choices (n > 1) and beam search through real ``python -m worker --model
+"""Jobs with several choices (n > 1) and beam search through real ``tokenrelay worker --model
 fake:`` processes that are SIGKILLed: each choice of each stream must still hold each token
 exactly once, equal to what the FakeEngine makes offline, and a choice that had finished before
 the kill must not run again."""
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.fault_harness import wait_for
-from worker.fake_engine import fake_beams, fake_token
+from tokenrelay.worker.fake_engine import fake_beams, fake_token
 
 STOP = ord("q")
 

@@ -17,15 +17,15 @@ from typing import Any
 import msgpack
 import pytest
 
-from protocol.keys import Keys, PAYLOAD_FIELD, dedupe_record, key_slot
-from protocol.scripts import WRITE_STEP
-from protocol.scripts import pipeline as script_pipeline
-from protocol.shards import SHARDS_FIELD
+from tokenrelay.protocol.keys import Keys, PAYLOAD_FIELD, dedupe_record, key_slot
+from tokenrelay.protocol.scripts import WRITE_STEP
+from tokenrelay.protocol.scripts import pipeline as script_pipeline
+from tokenrelay.protocol.shards import SHARDS_FIELD
 from tests.fault_harness import FaultEnv, check_stream, enqueue, ids_on_shard, wait_for
 from tests.fixtures_redis import REPO_ROOT
-from worker import admin
-from worker.fake_engine import FakeEngine, fake_completion
-from worker.redis_server import RedisCluster
+from tokenrelay.worker import admin
+from tokenrelay.worker.fake_engine import FakeEngine, fake_completion
+from tokenrelay.worker.redis_server import RedisCluster
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -66,7 +66,7 @@ def test_shards_on_three_masters_stream_exactly_once_and_health_answers(env, clu
     env.assert_exactly_once(reports)
     for j, text in zip(jobs, texts):
         assert reports[j].kind == "done:length" and reports[j].text == fake_completion(text, 12)
-    health = subprocess.run([sys.executable, "-m", "worker", "health", "--worker-id", "w1",
+    health = subprocess.run([sys.executable, "-m", "tokenrelay.worker", "health", "--worker-id", "w1",
                              "--redis-url", env.url, "--namespace", env.keys.namespace,
                              "--queue", env.keys.queue], cwd=str(REPO_ROOT),
                             capture_output=True, text=True, timeout=60)
@@ -200,8 +200,8 @@ def test_one_step_costs_one_round_trip_per_node_not_per_job(cluster, monkeypatch
     """An in-process worker on the FakeEngine with 30 jobs running on three shards: each flush
     sends one WRITE_STEP per shard (one script call per node here), whatever the number of
     jobs, all in one send_packed call (one write and one read per node)."""
-    from worker.config import WorkerSettings
-    from worker.service import Worker
+    from tokenrelay.worker.config import WorkerSettings
+    from tokenrelay.worker.service import Worker
     keys = Keys(f"cl{next(_namespaces)}", "q", 3)
     spy = _Spy(script_pipeline.send_packed)
     monkeypatch.setattr(script_pipeline, "send_packed", spy)
@@ -257,7 +257,7 @@ def test_worker_health_and_admin_run_under_the_documented_acl_rules(cluster, tmp
         env.worker("w1")
         jobs = env.submit(prompts(6, "acl"), max_tokens=4)
         env.assert_exactly_once(env.wait_ended(jobs, timeout=30))
-        health = subprocess.run([sys.executable, "-m", "worker", "health", "--worker-id", "w1",
+        health = subprocess.run([sys.executable, "-m", "tokenrelay.worker", "health", "--worker-id", "w1",
                                  "--redis-url", url["worker"], "--namespace", ns,
                                  "--queue", env.keys.queue], cwd=str(REPO_ROOT),
                                 capture_output=True, text=True, timeout=60)

@@ -17,11 +17,11 @@ import signal
 
 import pytest
 
-from protocol.keys import key_slot
-from protocol.topology import refresh
+from tokenrelay.protocol.keys import key_slot
+from tokenrelay.protocol.topology import refresh
 from tests.fault_harness import FaultEnv, enqueue, ids_on_shard, wait_for
-from worker.fake_engine import fake_completion
-from worker.redis_server import RedisCluster
+from tokenrelay.worker.fake_engine import fake_completion
+from tokenrelay.worker.redis_server import RedisCluster
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of one real worker (``python -m worker --model fake:``) through Redis.
+"""Property-based fuzzing of one real worker (``tokenrelay worker --model fake:``) through Redis.
 
 Random payloads go onto the lanes by raw XADD, as a hostile or buggy producer in any language
 could send them: random msgpack structures, job-shaped maps with a random type in every field
@@ -29,10 +29,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from protocol.keys import PAYLOAD_FIELD
-from protocol.sampling_params import SamplingParams
+from tokenrelay.protocol.keys import PAYLOAD_FIELD
+from tokenrelay.protocol.sampling_params import SamplingParams
 from tests.fault_harness import FaultEnv, pending_summary, wait_for
-from worker.fake_engine import fake_completion
+from tokenrelay.worker.fake_engine import fake_completion
 
 pytestmark = pytest.mark.timeout(240)
 VALID_TOKENS = 4
@@ -112,7 +112,7 @@ JOB_FIELDS = ("v", "prompt", "messages", "prompt_token_ids", "priority", "deadli
 
 def test_every_job_field_is_fuzzed():
     """A field added to the protocol is drawn here too, or this fails."""
-    from protocol.wire import JobRequest
+    from tokenrelay.protocol.wire import JobRequest
     assert set(JOB_FIELDS) | {"job_id", "params"} == set(JobRequest.model_fields)
 
 

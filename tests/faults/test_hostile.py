@@ -1,5 +1,5 @@
 """Issue #13's findings, reproduced black-box: a hostile or careless producer XADDs raw entries
-to a real ``python -m worker --model fake:`` on a real redis-server, and each test checks what
+to a real ``tokenrelay worker --model fake:`` on a real redis-server, and each test checks what
 every client sees.
 
 Finding 2 (Redis out of memory) is tested with the worker's own fault tests; finding 5 (SDK
@@ -16,11 +16,11 @@ from typing import Any
 import msgpack
 import pytest
 
-from protocol.keys import PAYLOAD_FIELD, parse_dedupe_record
-from protocol.wire import DeadLetter
+from tokenrelay.protocol.keys import PAYLOAD_FIELD, parse_dedupe_record
+from tokenrelay.protocol.wire import DeadLetter
 from tests.fault_harness import FaultEnv, check_stream, pending_summary, wait_for
 from tests.fixtures_redis import REPO_ROOT
-from worker.fake_engine import fake_completion
+from tokenrelay.worker.fake_engine import fake_completion
 
 pytestmark = pytest.mark.timeout(120)
 MAX_TOKENS = 6
@@ -53,8 +53,8 @@ def xadd(env: FaultEnv, payload: Any) -> str:
 
 
 def events(env: FaultEnv, job_id: str) -> list:
-    from protocol.keys import EVENT_FIELD
-    from protocol.wire import decode_event
+    from tokenrelay.protocol.keys import EVENT_FIELD
+    from tokenrelay.protocol.wire import decode_event
     return [decode_event(f[EVENT_FIELD]) for _, f in env.r.xrange(env.keys.results(job_id))]
 
 
@@ -204,7 +204,7 @@ def test_raw_producer_without_dedupe_record_gets_its_job_run(env):
 
 
 def test_admin_replay_of_a_dead_letter_runs_the_job(env):
-    """A job dead-lettered as poison, replayed with ``python -m worker admin dead replay`` while
+    """A job dead-lettered as poison, replayed with ``tokenrelay admin dead replay`` while
     an idle worker blocks on the lane, runs under its own id (the record names the new entry
     before any worker can read it: not a duplicate_job_id)."""
     poisoned = env.worker("w0", env={"TOKENRELAY_FAULT_INJECT": "raise_on_prompt:POISON"},
@@ -215,7 +215,7 @@ def test_admin_replay_of_a_dead_letter_runs_the_job(env):
              what="the poison error event")
     env.worker("w1")
     out = subprocess.run(
-        [sys.executable, "-m", "worker", "admin", "--redis-url", env.redis.url, "--namespace",
+        [sys.executable, "-m", "tokenrelay.worker", "admin", "--redis-url", env.redis.url, "--namespace",
          env.keys.namespace, "--queue", env.keys.queue, "dead", "replay", "--all"],
         cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "replayed pill" in out.stdout, out.stdout + out.stderr

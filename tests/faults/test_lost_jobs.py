@@ -21,12 +21,12 @@ from typing import Any
 import httpx
 import pytest
 
-from producer_sdk import AsyncClient
-from producer_sdk.batch import BatchRunner
-from producer_sdk.errors import JobFailed
+from tokenrelay.producer_sdk import AsyncClient
+from tokenrelay.producer_sdk.batch import BatchRunner
+from tokenrelay.producer_sdk.errors import JobFailed
 from tests.fault_harness import FaultEnv, wait_for
 from tests.gateway.helpers import GatewayProcess, sse_events
-from worker.fake_engine import fake_completion
+from tokenrelay.worker.fake_engine import fake_completion
 
 pytestmark = pytest.mark.timeout(180)
 TOKENS = 60

@@ -12,8 +12,8 @@ import signal
 import pytest
 
 from tests.fault_harness import wait_for
-from worker.fake_engine import fake_completion
-from worker.outbox import FAULT_POINTS
+from tokenrelay.worker.fake_engine import fake_completion
+from tokenrelay.worker.outbox import FAULT_POINTS
 
 SHORT, LONG = 8, 40     # tokens: the short jobs end (and are acked) while the long ones run
 

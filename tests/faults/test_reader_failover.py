@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from protocol.keys import key_slot
+from tokenrelay.protocol.keys import key_slot
 from tests.fault_harness import FaultEnv, wait_for
-from worker.fake_engine import fake_completion
-from worker.redis_server import RedisCluster
+from tokenrelay.worker.fake_engine import fake_completion
+from tokenrelay.worker.redis_server import RedisCluster
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -36,7 +36,7 @@ def test_readers_ride_out_a_failover(cluster, tmp_path, request):
 
     import httpx
 
-    from producer_sdk import AsyncClient
+    from tokenrelay.producer_sdk import AsyncClient
     from tests.gateway.helpers import GatewayProcess, sse_events
 
     env = FaultEnv(tmp_path, namespace="rf", shards=3, cluster=cluster)

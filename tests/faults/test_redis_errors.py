@@ -1,4 +1,4 @@
-"""Redis errors against real redis-server processes and ``python -m worker`` children (issue #13
+"""Redis errors against real redis-server processes and ``tokenrelay worker`` children (issue #13
 findings 2 and 7, docs/contracts.md "Redis errors"): a Redis out of memory pauses the worker and
 loses nothing; a configuration error ends it with one clear line and exit 78."""
 
@@ -14,7 +14,7 @@ import redis
 
 from tests.fault_harness import FaultEnv, submit, wait_for
 from tests.fixtures_redis import REPO_ROOT
-from worker.fake_engine import fake_completion
+from tokenrelay.worker.fake_engine import fake_completion
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -88,7 +88,7 @@ def test_redis_out_of_memory_loses_no_job(env):
 
 
 def run_worker(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker", *argv], cwd=str(REPO_ROOT),
+    return subprocess.run([sys.executable, "-m", "tokenrelay.worker", *argv], cwd=str(REPO_ROOT),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.fault_harness import FaultEnv, check_stream, wait_for
-from worker.fake_engine import fake_completion
+from tokenrelay.worker.fake_engine import fake_completion
 
 STEP_S = 0.3          # fake engine step: the quiet window the restart must fit in
 TOKENS = 14
@@ -133,7 +133,7 @@ def test_a_restart_without_data_never_mixes_two_samples(tmp_path, down_s):
     tokens would follow the first run's in the readers' folds); the readers that hold the
     request enqueue it again with the seed they saw, so each ends with exactly the first run's
     sample; a reader that only has the id ends job_lost. Within seconds, each once."""
-    from producer_sdk.errors import JobFailed
+    from tokenrelay.producer_sdk.errors import JobFailed
     from tests.fault_harness import read_events
     env = FaultEnv(tmp_path, namespace="nodata")
     try:

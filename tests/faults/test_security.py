@@ -3,7 +3,7 @@
 Every test starts its own redis-server: with an ACL file whose default user is disabled (only the
 role users below plus a ``root`` user the test itself uses to set up and read ``ACL LOG``), or with
 TLS on a port of its own (``--port 0``) and a CA, server and client certificate generated here
-with the ``openssl`` CLI. The worker (``python -m worker --model fake:``), the SDK, the admin
+with the ``openssl`` CLI. The worker (``tokenrelay worker --model fake:``), the SDK, the admin
 commands and the health probe run as real processes under exactly those users.
 
 The rule sets in ``ROLE_COMMANDS`` are the ones docs/operations.md prints: when a role needs a new
@@ -25,10 +25,10 @@ from typing import Iterator, Optional, Sequence
 import pytest
 import redis
 
-from protocol.keys import Keys, PAYLOAD_FIELD
+from tokenrelay.protocol.keys import Keys, PAYLOAD_FIELD
 from tests.fault_harness import kill_group, wait_for
 from tests.fixtures_redis import REDIS_SERVER_BIN, REPO_ROOT, WorkerProcess, free_port
-from worker.fake_engine import fake_completion
+from tokenrelay.worker.fake_engine import fake_completion
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.timeout(180)
 # --------------------------------------------------------------------------------------------
 
 ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
-    # python -m worker (and python -m worker health, which reads the heartbeat hash);
+    # tokenrelay worker (and tokenrelay health, which reads the heartbeat hash);
     # cluster|info: --cluster auto asks the server; hsetnx: the first worker registers the
     # shard count
     "worker": ("ping", "cluster|info", "evalsha", "eval",
@@ -52,7 +52,7 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
                "zrange", "xlen", "info",
                # the terminal write returns the job's cost to the token budget
                "decrby"),
-    # producer_sdk.Client / AsyncClient / python -m producer_sdk submit|cancel|batch|status
+    # producer_sdk.Client / AsyncClient / tokenrelay submit|cancel|batch|status
     # (status and reattach read the job's pending row, last event and the lanes' groups;
     # producer_sdk.models and the batch runner's routing read the queues, registries and beats)
     "producer": ("ping", "evalsha", "script|load", "xadd", "xlen", "xread", "xrange",
@@ -65,7 +65,7 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
                  "pexpire",
                  # the enqueue script: the token budget's counter; a known job's entry undone
                  "incrby", "xdel"),
-    # python -m worker admin ... and python -m producer_sdk stats --queue Q
+    # tokenrelay admin ... and tokenrelay stats --queue Q
     "admin": ("evalsha", "eval", "xpending", "xrange", "xadd", "xdel", "xlen", "xinfo|groups",
               "get", "set", "exists", "del", "hget", "hset", "zrange", "zcount", "zcard",
               "cluster|info",
@@ -216,8 +216,8 @@ class Procs:
 
     def worker(self, url: str, namespace: str, worker_id: str, *flags: str,
                env: Optional[dict[str, str]] = None, step_delay: float = 0.01,
-               max_deliveries: int = 3, module: str = "worker") -> WorkerProcess:
-        """``python -m worker`` (``module="tests.fault_worker"``: the same with the test-only
+               max_deliveries: int = 3, module: str = "tokenrelay.worker") -> WorkerProcess:
+        """``tokenrelay worker`` (``module="tests.fault_worker"``: the same with the test-only
         fault injection of TOKENRELAY_FAULT_INJECT)."""
         args = ("--model", f"fake:step_delay={step_delay}", "--redis-url", url,
                 "--namespace", namespace, "--queue", "q", "--worker-id", worker_id,
@@ -268,13 +268,13 @@ def acl_redis(tmp_path: Path) -> Iterator[tuple[SecureRedis, dict[str, User], di
 
 
 def sdk_client(url: str, namespace: str):
-    from producer_sdk.client import Client
+    from tokenrelay.producer_sdk.client import Client
     return Client(url, queue="q", namespace=namespace)
 
 
 def results_of(srv: SecureRedis, keys: Keys, job_id: str) -> list:
-    from protocol.keys import EVENT_FIELD
-    from protocol.wire import decode_event
+    from tokenrelay.protocol.keys import EVENT_FIELD
+    from tokenrelay.protocol.wire import decode_event
     return [decode_event(f[EVENT_FIELD]) for _, f in srv.client().xrange(keys.results(job_id))]
 
 
@@ -317,7 +317,7 @@ def test_acl_users_run_worker_sdk_admin_and_health(acl_redis, procs):
     list/replay/purge, drain, stats) and health, each as its own least-privilege user, with the
     default user disabled; paths covered: jobs run, cancel, invalid payload and poison
     dead-letters, drain with hand-back (parking) and reclaim after a SIGKILL."""
-    from producer_sdk.errors import JobFailed
+    from tokenrelay.producer_sdk.errors import JobFailed
     srv, users, _ = acl_redis
     keys = Keys(NS_A, "q")
     w_url, p_url, a_url = (users[r].url(srv.port) for r in ("worker", "producer", "admin"))
@@ -353,35 +353,35 @@ def test_acl_users_run_worker_sdk_admin_and_health(acl_redis, procs):
         srv.client().xadd(keys.lane("default"), {PAYLOAD_FIELD: b"\xc1 not msgpack"})
 
         # health as the worker user; admin commands as the admin user
-        health = procs.run("worker", "health", "--redis-url", w_url, "--namespace", NS_A,
+        health = procs.run("tokenrelay", "health", "--redis-url", w_url, "--namespace", NS_A,
                            "--queue", "q", "--worker-id", "w1", "--heartbeat-ms", "200")
         assert health.returncode == 0, health.stdout + health.stderr
         admin = ("--redis-url", a_url, "--namespace", NS_A, "--queue", "q", "--json")
         wait_for(lambda: len(srv.client().xrange(keys.dead())) >= 2, 30, what="two dead letters")
         for cmd in (("pending",), ("workers",), ("dead", "list"), ("recount-budget",)):
-            out = procs.run("worker", "admin", *admin, *cmd)
+            out = procs.run("tokenrelay", "admin", *admin, *cmd)
             assert out.returncode == 0, (cmd, out.stderr)
-        dead = json.loads(procs.run("worker", "admin", *admin, "dead", "list").stdout)
+        dead = json.loads(procs.run("tokenrelay", "admin", *admin, "dead", "list").stdout)
         assert {d["job_id"] for d in dead} >= {"s4"}
         poison_dead = [d["dead_id"] for d in dead if d["job_id"] == "s4"]
-        replay = procs.run("worker", "admin", *admin, "dead", "replay", *poison_dead)
+        replay = procs.run("tokenrelay", "admin", *admin, "dead", "replay", *poison_dead)
         assert replay.returncode == 0, replay.stderr
         assert "replayed s4" in replay.stdout, replay.stdout   # its outcome: test_hostile
-        purge = procs.run("worker", "admin", *admin, "dead", "purge", "--all")
+        purge = procs.run("tokenrelay", "admin", *admin, "dead", "purge", "--all")
         assert purge.returncode == 0, purge.stderr
-        stats = procs.run("producer_sdk", "stats", "--redis-url", a_url, "--namespace", NS_A,
+        stats = procs.run("tokenrelay", "stats", "--redis-url", a_url, "--namespace", NS_A,
                           "--queue", "q", "--json")
         assert stats.returncode == 0, stats.stdout + stats.stderr
 
         # drain: w1 hands its running job back, w2 takes it over and finishes it
         drained = client.submit("drained acl", max_tokens=300, temperature=0.0, job_id="s5")
         wait_for(lambda: len(results_of(srv, keys, "s5")) > 3, 30, what="s5 running on w1")
-        pending = json.loads(procs.run("worker", "admin", *admin, "pending").stdout)
+        pending = json.loads(procs.run("tokenrelay", "admin", *admin, "pending").stdout)
         assert [(p["job_id"], p["consumer"]) for p in pending] == [("s5", "w1")], pending
         assert pending[0]["owner"].startswith("w1:"), pending
         w2 = procs.worker(w_url, NS_A, "w2")
         w2.wait_for_log("worker ready", timeout=120)
-        out = procs.run("worker", "admin", "--redis-url", a_url, "--namespace", NS_A,
+        out = procs.run("tokenrelay", "admin", "--redis-url", a_url, "--namespace", NS_A,
                         "--queue", "q", "drain", "w1")
         assert out.returncode == 0, out.stderr
         assert w1.wait(60) == 0, w1.log()[-2000:]
@@ -443,7 +443,7 @@ def test_wrong_password_ends_the_worker_with_78_and_health_says_why(acl_redis, p
     bad = User(users["worker"].name, "not-the-password")
     wp = procs.worker(bad.url(srv.port), NS_A, "wbad")
     assert_config_exit(wp, "wrongpass", "password", "auth")
-    health = procs.run("worker", "health", "--redis-url", bad.url(srv.port),
+    health = procs.run("tokenrelay", "health", "--redis-url", bad.url(srv.port),
                        "--namespace", NS_A, "--queue", "q", "--worker-id", "wbad")
     assert health.returncode != 0
     assert any(w in (health.stdout + health.stderr).lower()

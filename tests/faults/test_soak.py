@@ -11,10 +11,10 @@ from collections import defaultdict
 
 import pytest
 
-from protocol.keys import EVENT_FIELD
-from protocol.wire import decode_event
+from tokenrelay.protocol.keys import EVENT_FIELD
+from tokenrelay.protocol.wire import decode_event
 from tests.fault_harness import FaultEnv, pending_summary, wait_for
-from worker.fake_engine import fake_completion
+from tokenrelay.worker.fake_engine import fake_completion
 
 N_JOBS = 2000
 MAX_TOKENS = 8

@@ -1,4 +1,4 @@
-"""Structured outputs through Redis and real ``python -m worker`` processes on the tiny
+"""Structured outputs through Redis and real ``tokenrelay worker`` processes on the tiny
 checkpoint (our engine, CPU): a worker SIGKILLed in the middle of JSON answers, whose jobs the
 other worker resumes, gives each job exactly the answer of an uninterrupted seeded run, and it
 parses; hostile constraints (huge, deeply nested, a pathological regex, sent by a raw producer
@@ -40,8 +40,8 @@ def test_sigkill_in_the_middle_of_json_answers_resumes_them_exactly(env, tiny_ch
     workers[victim].kill()                     # SIGKILL, mid-answer
     reports = env.wait_ended(jobs, timeout=120)
     env.assert_exactly_once(reports)
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from tokenrelay.engine.llm import LLM
+    from tokenrelay.engine.sampling_params import SamplingParams
     llm = LLM(model, device="cpu", dtype="float32", enforce_eager=True)
     offline = llm.generate(prompts, [SamplingParams.model_validate(
         {"temperature": 1.0, "seed": 100 + i, "max_tokens": 120,
@@ -76,7 +76,7 @@ def hostile_jobs() -> dict[str, dict]:
 @pytest.mark.timeout(240)
 def test_hostile_constraints_end_their_own_jobs_while_another_keeps_streaming(env,
                                                                               tiny_checkpoint):
-    from protocol.wire import JobRequest
+    from tokenrelay.protocol.wire import JobRequest
     w = env.worker("w1", model=str(tiny_checkpoint("llama")), env=EAGER, **REAL)
     submit(env.r, env.keys, JobRequest(job_id="steady", prompt="Once upon a time", params={
         "temperature": 0, "max_tokens": 400, "ignore_eos": True}))
@@ -102,8 +102,8 @@ def test_hostile_constraints_end_their_own_jobs_while_another_keeps_streaming(en
 
 def _token_gaps(env, job_id: str) -> list[float]:
     """Seconds between consecutive token events of a job (their ``ts``)."""
-    from protocol.keys import EVENT_FIELD
-    from protocol.wire import decode_event
+    from tokenrelay.protocol.keys import EVENT_FIELD
+    from tokenrelay.protocol.wire import decode_event
     ts = [ev.ts for ev in (decode_event(f[EVENT_FIELD])
                            for _, f in env.r.xrange(env.keys.results(job_id)))
           if ev.type == "token"]

@@ -22,7 +22,7 @@ from tests.fault_harness import wait_for
 
 
 def rank_pids(parent: int) -> list[int]:
-    """Pids of the tensor-parallel ranks (``python -m engine.parallel.rank``) of ``parent``."""
+    """Pids of the tensor-parallel ranks (``python -m tokenrelay.engine.parallel.rank``) of ``parent``."""
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -33,7 +33,7 @@ def rank_pids(parent: int) -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == parent and b"engine.parallel.rank" in cmdline:
+        if ppid == parent and b"tokenrelay.engine.parallel.rank" in cmdline:
             out.append(int(entry.name))
     return out
 
@@ -86,8 +86,8 @@ def test_killed_rank_ends_its_worker_and_another_resumes_its_jobs_exactly_once(
 
     reports = env.wait_ended(jobs, timeout=150)
     env.assert_exactly_once(reports)
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from tokenrelay.engine.llm import LLM
+    from tokenrelay.engine.sampling_params import SamplingParams
     offline = LLM(model, device="cpu", dtype="float32").generate(texts, SamplingParams(**params))
     for job_id, out in zip(jobs, offline):
         rep = reports[job_id]

@@ -1,4 +1,4 @@
-"""Fault tolerance of ``python -m worker`` processes: kills, pauses, restarts, poison, drains.
+"""Fault tolerance of ``tokenrelay worker`` processes: kills, pauses, restarts, poison, drains.
 
 Each scenario runs real worker subprocesses against a real redis-server and checks what a client
 sees: every result stream holds each token exactly once (seq contiguous from 0) and ends exactly
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.fault_harness import FaultEnv, wait_for
-from worker.fake_engine import fake_completion
+from tokenrelay.worker.fake_engine import fake_completion
 
 
 @pytest.fixture
@@ -52,8 +52,8 @@ def test_sigkill_mid_stream_second_worker_resumes_exactly(env, tiny_checkpoint):
     workers[victim].kill()                                # SIGKILL, mid-generation
     reports = env.wait_ended(jobs + n_jobs, timeout=120)
     env.assert_exactly_once(reports)
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from tokenrelay.engine.llm import LLM
+    from tokenrelay.engine.sampling_params import SamplingParams
     llm = LLM(model, device="cpu", dtype="float32")
     offline = llm.generate(texts, SamplingParams(**params))
     for job_id, out in zip(n_jobs, llm.generate(n_texts, SamplingParams(**n_params))):
@@ -76,8 +76,8 @@ def test_sigkill_mid_stream_second_worker_resumes_exactly(env, tiny_checkpoint):
 
 def started_ids(env, job_ids) -> dict[str, list[str]]:
     """Result-stream entry ids (time-ordered) of each job's ``started`` events."""
-    from protocol.keys import EVENT_FIELD
-    from protocol.wire import decode_event
+    from tokenrelay.protocol.keys import EVENT_FIELD
+    from tokenrelay.protocol.wire import decode_event
     out = {}
     for j in job_ids:
         out[j] = [eid.decode() for eid, f in env.r.xrange(env.keys.results(j))
@@ -227,8 +227,8 @@ def test_redis_sigkill_and_restart_with_aof_loses_nothing(aof_env):
 # 8 ---------------------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_connection_killed_during_blocking_read_strands_nothing(env):
-    from protocol.keys import PAYLOAD_FIELD
-    from protocol.wire import JobRequest, encode_job
+    from tokenrelay.protocol.keys import PAYLOAD_FIELD
+    from tokenrelay.protocol.wire import JobRequest, encode_job
     w = env.worker("w1", lease_ms=60_000, block_ms=2000)
     time.sleep(0.5)                            # idle: blocked in XREADGROUP
     # Enqueue three jobs and deliver them to w1's pending list behind its back in one
@@ -263,7 +263,7 @@ def test_sigterm_drain_timeout_hands_back_without_counting_a_delivery(env):
              what="all four streaming")
     w1.terminate()
     assert w1.wait(15) == 0
-    from protocol.keys import PARKING_CONSUMER
+    from tokenrelay.protocol.keys import PARKING_CONSUMER
     from tests.fault_harness import pending_summary
     parked = pending_summary(env.r, env.keys)
     assert len(parked) == 4
@@ -298,7 +298,7 @@ def test_poison_job_is_dead_lettered_after_max_deliveries_others_unaffected(env)
     env.assert_exactly_once(reports)
     assert exits == [1, 1, 1]                   # one crash per allowed delivery, then no more
     assert reports[bad].kind == "error:poison"
-    from worker.admin import list_dead
+    from tokenrelay.worker.admin import list_dead
     (letter,) = [d for _, d in list_dead(env.r, env.keys)]
     assert letter.job_id == bad and letter.code == "poison" and letter.deliveries == 3
     assert_fake_outputs(reports, {j: t for j, t in zip(fine, texts)}, 20)
@@ -317,8 +317,8 @@ def test_second_live_worker_with_the_same_id_is_refused(env):
 
 @pytest.mark.timeout(60)
 def test_admin_drain_stops_a_worker_like_sigterm(env):
-    from protocol.keys import PARKING_CONSUMER
-    from worker import admin
+    from tokenrelay.protocol.keys import PARKING_CONSUMER
+    from tokenrelay.worker import admin
     w1 = env.worker("w1", drain_timeout=0.5, delay=0.05)
     jobs = env.submit(prompts(2, "adm"), prefix="adm", max_tokens=200, temperature=0.0)
     wait_for(lambda: all(len(r.token_ids) >= 2 for r in env.streams(jobs).values()), 30,

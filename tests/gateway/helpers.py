@@ -12,8 +12,8 @@ from typing import Any, Iterator, Optional
 import httpx
 import uvicorn
 
-from producer_sdk.gateway import GatewaySettings, create_app
-from producer_sdk.gateway.http import server_config
+from tokenrelay.producer_sdk.gateway import GatewaySettings, create_app
+from tokenrelay.producer_sdk.gateway.http import server_config
 from tests.fault_harness import FaultEnv, wait_for
 from tests.fixtures_redis import free_port
 
@@ -119,7 +119,7 @@ def finish_reasons(chunks: list[Any]) -> dict[int, str]:
 
 
 class GatewayProcess:
-    """``python -m producer_sdk.gateway`` as a child process (its own process group), its
+    """``tokenrelay gateway`` as a child process (its own process group), its
     output in ``log_path``; ``stop()`` (SIGTERM, then SIGKILL) always ends it."""
 
     def __init__(self, log_path: Any, *args: str, env: Optional[dict] = None) -> None:
@@ -134,7 +134,7 @@ class GatewayProcess:
         self._log = open(log_path, "ab")
         clean = {k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "producer_sdk.gateway", "--port", str(self.port),
+            [sys.executable, "-m", "tokenrelay.producer_sdk.gateway", "--port", str(self.port),
              "--log-level", "warning", *args], cwd=str(REPO_ROOT), stdout=self._log,
             stderr=subprocess.STDOUT, env={**clean, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True)

@@ -25,7 +25,7 @@ def test_gateway_source_imports_no_torch_engine_or_worker():
 @pytest.mark.timeout(120)
 def test_importing_the_gateway_loads_no_torch_engine_or_worker():
     modules = [module_name(p) for p in package_files("producer_sdk/gateway")]
-    assert "producer_sdk.gateway.app" in modules and "producer_sdk.gateway.__main__" in modules
+    assert "tokenrelay.producer_sdk.gateway.app" in modules and "tokenrelay.producer_sdk.gateway.__main__" in modules
     assert loaded_packages(modules) & NOT_FOR_GATEWAY == set()
 
 
@@ -38,7 +38,7 @@ def _env(**extra: str) -> dict[str, str]:
 def test_cli_serves_with_settings_from_flags_and_variables(redis_server):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "producer_sdk.gateway", "--redis-url", redis_server.url,
+        [sys.executable, "-m", "tokenrelay.producer_sdk.gateway", "--redis-url", redis_server.url,
          "--log-level", "warning"], cwd=REPO_ROOT, env=_env(TOKENRELAY_PORT=str(port)),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -71,7 +71,7 @@ def test_cli_serves_with_settings_from_flags_and_variables(redis_server):
     (["--routes", "no-equals-sign"], {}, "route 'no-equals-sign' is not MODEL=QUEUE"),
 ])
 def test_cli_refuses_bad_settings_with_exit_2(args, env, needle):
-    done = subprocess.run([sys.executable, "-m", "producer_sdk.gateway", *args], cwd=REPO_ROOT,
+    done = subprocess.run([sys.executable, "-m", "tokenrelay.producer_sdk.gateway", *args], cwd=REPO_ROOT,
                           env=_env(**env), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert needle in done.stderr

@@ -1,4 +1,4 @@
-"""The gateway under a token budget: one ``python -m producer_sdk.gateway --max-queued-tokens``
+"""The gateway under a token budget: one ``tokenrelay gateway --max-queued-tokens``
 process, a real redis-server and a ``--model fake:`` worker. While a long job holds most of the
 budget, a request whose prompt and max_tokens do not fit is answered 429 ``queue_full`` with
 Retry-After, naming the budget, and a small one still runs."""

@@ -13,12 +13,12 @@ import openai
 import pytest
 import redis
 
-from producer_sdk import Client
-from protocol.keys import Keys
+from tokenrelay.producer_sdk import Client
+from tokenrelay.protocol.keys import Keys
 from tests.fault_harness import wait_for
 from tests.gateway.helpers import (chunk_texts, finish_reasons, sse_events, stream_raw,
                                    strict_chunks)
-from worker.fake_engine import FakeEngine, fake_completion
+from tokenrelay.worker.fake_engine import FakeEngine, fake_completion
 
 pytestmark = pytest.mark.timeout(120)
 KEYS = Keys()
@@ -335,7 +335,7 @@ def test_prompt_cache_key_routes_by_affinity_and_user_does_not(redis_server, sta
                                                                 gateway_factory):
     """Requests with one ``prompt_cache_key`` all run on the worker rendezvous hashing gives
     that key; one ``user`` with two keys homed on different workers runs on both."""
-    from producer_sdk.affinity import rank
+    from tokenrelay.producer_sdk.affinity import rank
     from tests.fault_harness import read_events
     start_worker(worker_id="w1")
     start_worker(worker_id="w2")

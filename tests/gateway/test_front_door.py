@@ -1,4 +1,4 @@
-"""The gateway as a hostile or careless client meets it: one ``python -m producer_sdk.gateway``
+"""The gateway as a hostile or careless client meets it: one ``tokenrelay gateway``
 process for the module (small limits), a real redis-server and a ``--model fake:`` worker
 process. Every refusal is OpenAI's error object; slow clients are cut; the in-flight limit
 answers 429; a request whose model has no live worker fails fast, or, asked to wait, ends on
@@ -15,7 +15,7 @@ import httpx
 import pytest
 import redis
 
-from protocol.keys import Keys
+from tokenrelay.protocol.keys import Keys
 from tests.fault_harness import wait_for
 from tests.gateway.helpers import sse_events, worker_and_gateway
 

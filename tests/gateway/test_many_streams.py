@@ -1,5 +1,5 @@
 """Many clients, few connections: 300 streamed requests that leave after a few chunks and 40
-ordinary requests beside them, through one ``python -m producer_sdk.gateway`` process (a pool
+ordinary requests beside them, through one ``tokenrelay gateway`` process (a pool
 of 16 Redis connections, readers of 64 streams) and a ``--model fake:`` worker process. No
 5xx, every ordinary answer right, every abandoned job cancelled within a few engine steps, and
 the gateway's Redis connections stay a handful (shared readers, a bounded waiting pool)."""
@@ -14,10 +14,10 @@ import httpx
 import pytest
 import redis
 
-from protocol.keys import Keys
+from tokenrelay.protocol.keys import Keys
 from tests.fault_harness import read_events, wait_for
 from tests.gateway.helpers import sse_events, worker_and_gateway
-from worker.fake_engine import fake_completion
+from tokenrelay.worker.fake_engine import fake_completion
 
 pytestmark = pytest.mark.timeout(180)
 STREAMS, ORDINARY, MAX_TOKENS = 300, 40, 2000

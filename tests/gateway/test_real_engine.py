@@ -17,8 +17,8 @@ from tests.gateway.helpers import chunk_texts, finish_reasons, stream_raw, stric
 from tests.sdk_helpers import RealWorker
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(
-    importlib.util.find_spec("engine.llm_engine") is None
-    or importlib.util.find_spec("worker.service") is None,
+    importlib.util.find_spec("tokenrelay.engine.llm_engine") is None
+    or importlib.util.find_spec("tokenrelay.worker.service") is None,
     reason="the real engine/worker are not available")]
 
 ENGINE_KW = dict(kv_cache_memory_bytes=64 * 2**20, max_num_seqs=32, max_model_len=256)
@@ -32,7 +32,7 @@ def checkpoint(tiny_checkpoint) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    from engine.llm import LLM
+    from tokenrelay.engine.llm import LLM
     return LLM(str(checkpoint), **ENGINE_KW)
 
 
@@ -46,7 +46,7 @@ def served(redis_server, llm, checkpoint, gateway_factory) -> Iterator[tuple[Any
 
 
 def test_greedy_completion_and_chat_equal_the_offline_engine(served, llm, checkpoint):
-    from engine.sampling_params import SamplingParams
+    from tokenrelay.engine.sampling_params import SamplingParams
     gw, worker = served
     name = checkpoint.name          # the served model name: the checkpoint folder's
     client = openai.OpenAI(base_url=gw.v1, api_key="none", max_retries=0)

@@ -1,4 +1,4 @@
-"""The gateway and its Redis going away: one ``python -m producer_sdk.gateway`` process started
+"""The gateway and its Redis going away: one ``tokenrelay gateway`` process started
 while its Redis is down (it starts, says unhealthy, no traceback), Redis coming up (healthy,
 serving), restarted (the first request after it answers succeeds: no stale pooled connection
 answers an error), and down again (503 ``redis_unavailable`` with Retry-After on every
@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from protocol.keys import Keys
+from tokenrelay.protocol.keys import Keys
 from tests.fault_harness import FAST_FLAGS, wait_for
 from tests.fixtures_redis import RedisServer, free_port
 from tests.gateway.helpers import GatewayProcess
@@ -80,8 +80,8 @@ def test_a_cancel_owed_while_redis_is_down_lands_when_it_is_back(tmp_path, worke
     """A client leaves while Redis is down (killed; its AOF keeps every write): the cancel its
     disconnect owes is not swallowed; it is retried and lands once Redis is back, and the job
     (resumed by its worker) ends cancelled instead of running to its end for nobody."""
-    from protocol.wire import decode_event
-    from protocol.keys import EVENT_FIELD
+    from tokenrelay.protocol.wire import decode_event
+    from tokenrelay.protocol.keys import EVENT_FIELD
     srv = RedisServer(dir=tmp_path / "redis", port=free_port(),
                       extra_args=("--appendonly", "yes", "--appendfsync", "always")).start()
     gw = GatewayProcess(tmp_path / "gateway.log", "--redis-url", srv.url, "--namespace", "out",

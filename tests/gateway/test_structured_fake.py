@@ -19,7 +19,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.gateway.helpers import finish_reasons, stream_raw, strict_chunks
-from worker.fake_engine import FakeEngine, fake_completion, fake_constrained
+from tokenrelay.worker.fake_engine import FakeEngine, fake_completion, fake_constrained
 
 pytestmark = pytest.mark.timeout(120)
 MODEL = "fake"

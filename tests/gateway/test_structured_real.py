@@ -23,7 +23,7 @@ from tests.gateway.test_structured_fake import streamed_calls
 from tests.sdk_helpers import RealWorker
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_thread"),
-              pytest.mark.skipif(importlib.util.find_spec("engine.llm_engine") is None,
+              pytest.mark.skipif(importlib.util.find_spec("tokenrelay.engine.llm_engine") is None,
                                  reason="the real engine is not available")]
 
 ENGINE_KW = dict(kv_cache_memory_bytes=64 * 2**20, max_num_seqs=16, max_model_len=1024)
@@ -53,7 +53,7 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
-    from engine.llm import LLM
+    from tokenrelay.engine.llm import LLM
     return LLM(str(tiny_checkpoint("qwen2", chat_template="tools")), **ENGINE_KW)
 
 
@@ -127,7 +127,7 @@ def test_auto_renders_the_tools_and_reads_a_hermes_call_back(gw):
 @pytest.mark.timeout(420)
 def test_smollm2_extracts_a_record_through_the_gateway(redis_server, gateway_factory):
     """A real model, a real extraction prompt, a strict schema: the openai client parses it."""
-    from engine.llm import LLM
+    from tokenrelay.engine.llm import LLM
     from tests.fixtures_models import smollm2_checkpoint
 
     folder = smollm2_checkpoint()

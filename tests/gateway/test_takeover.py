@@ -1,5 +1,5 @@
 """A worker SIGKILLed while an HTTP client streams through the gateway: the worker processes
-are ``python -m worker --model fake:`` children (FaultEnv), another worker takes the job over,
+are ``tokenrelay worker --model fake:`` children (FaultEnv), another worker takes the job over,
 and the SSE stream the openai client reads goes on to exactly the full completion of every
 choice -- nothing repeated, nothing missing -- because the SDK's stream resumes across
 takeovers and the gateway relays it as it is."""
@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.fault_harness import FaultEnv
-from worker.fake_engine import fake_completion
+from tokenrelay.worker.fake_engine import fake_completion
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import _validate
-from kernels._testing import make_case, tolerance
+from tokenrelay.kernels import ops as kernels
+from tokenrelay.kernels import _validate
+from tokenrelay.kernels._testing import make_case, tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (Hq, Hkv): GQA ratios 1, 4, 8 and the non-powers-of-two 3 and 6 (few KV heads: few programs).
@@ -97,7 +97,7 @@ def test_decode_page_sizes_and_head_dims(page, head_dim):
 def test_decode_default_splits_on_a_wide_table():
     """As under CUDA graphs: the table has max_model_len / page columns, most of them padding, so
     num_splits=None splits the capacity and some splits find no tokens."""
-    from kernels.decode_attention import choose_num_splits
+    from tokenrelay.kernels.decode_attention import choose_num_splits
 
     case = make_case([300, 7], None, 4, 1, 32, device=DEVICE)
     pad = torch.zeros(2, 64 - case.block_tables.shape[1], dtype=torch.int32, device=DEVICE)
@@ -115,7 +115,7 @@ def test_decode_zero_length_sequence_gives_zeros():
 
 
 def test_choose_num_splits_fills_the_gpu_only_when_needed():
-    from kernels.decode_attention import choose_num_splits
+    from tokenrelay.kernels.decode_attention import choose_num_splits
 
     assert choose_num_splits(64, 8, 4096, 64, 132) == 1      # 512 programs already
     assert choose_num_splits(1, 8, 4096, 64, 132) == 16      # context cut to fill 132 SMs

@@ -17,8 +17,8 @@ def test_the_source_scan_sees_lazy_and_importlib_imports(tmp_path):
     """The scan itself: imports inside functions and importlib.import_module("...") count."""
     src = tmp_path / "mod.py"
     src.write_text("import importlib\n"
-                   "def f():\n    from engine.llm_engine import LLMEngine\n"
-                   "def g():\n    return importlib.import_module('worker.service')\n"
+                   "def f():\n    from tokenrelay.engine.llm_engine import LLMEngine\n"
+                   "def g():\n    return importlib.import_module('tokenrelay.worker.service')\n"
                    "from . import sibling\n")
-    assert imported_names(src) == {"importlib", "engine.llm_engine", "worker.service"}
+    assert imported_names(src) == {"importlib", "tokenrelay.engine.llm_engine", "tokenrelay.worker.service"}
     assert len(package_files("kernels")) > 5

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from tokenrelay.engine import LLM, SamplingParams
 
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog, then naps in the warm sun."]
 NEW_TOKENS = 8
@@ -47,7 +47,7 @@ def test_triton_backend_greedy_matches_transformers(tiny_checkpoint, arch):
 def test_decode_graph_runner_padding_matches_eager(tiny_checkpoint):
     """The CUDA-graph path's static buffers and padding (batch 3 -> 4, then 2, then 1 as requests
     finish), with replay standing in for an eager forward since CUDA graphs need a GPU."""
-    from engine.cuda_graphs import DecodeGraphRunner, capture_sizes
+    from tokenrelay.engine.cuda_graphs import DecodeGraphRunner, capture_sizes
 
     class EagerReplay(DecodeGraphRunner):
         replays = 0

@@ -1,4 +1,4 @@
-"""``python -m kernels.compile_check --launcher``: the worker image's build runs it, so an image
+"""``python -m tokenrelay.kernels.compile_check --launcher``: the worker image's build runs it, so an image
 in which Triton could not build its launchers (no C compiler, no Python headers) fails to build
 instead of failing at its first request on a GPU."""
 
@@ -18,7 +18,7 @@ def run(env_cc: str | None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "CC"}
     if env_cc is not None:
         env["CC"] = env_cc
-    return subprocess.run([sys.executable, "-m", "kernels.compile_check", "--launcher"],
+    return subprocess.run([sys.executable, "-m", "tokenrelay.kernels.compile_check", "--launcher"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
 
 

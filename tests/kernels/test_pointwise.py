@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import _validate
-from kernels._testing import tolerance
+from tokenrelay.kernels import ops as kernels
+from tokenrelay.kernels import _validate
+from tokenrelay.kernels._testing import tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

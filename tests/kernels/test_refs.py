@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels._testing import random_block_tables
+from tokenrelay.kernels import ops as kernels
+from tokenrelay.kernels._testing import random_block_tables
 
 
 

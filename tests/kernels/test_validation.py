@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels._testing import make_case
+from tokenrelay.kernels import ops as kernels
+from tokenrelay.kernels._testing import make_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -20,7 +20,7 @@ def test_protocol_source_imports_nothing_above_it():
 @pytest.mark.timeout(120)
 def test_importing_every_protocol_module_loads_nothing_above_it():
     modules = [module_name(p) for p in package_files("protocol")]
-    assert {"protocol.wire", "protocol.keys", "protocol.fold"} <= set(modules)
+    assert {"tokenrelay.protocol.wire", "tokenrelay.protocol.keys", "tokenrelay.protocol.fold"} <= set(modules)
     assert loaded_packages(modules) & NOT_FOR_PROTOCOL == set()
 
 

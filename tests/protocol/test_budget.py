@@ -6,10 +6,10 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from producer_sdk.payloads import PayloadBuilder
-from protocol.budget import (BYTES_PER_TOKEN, DEFAULT_MAX_TOKENS, entry_cost, job_cost,
+from tokenrelay.producer_sdk.payloads import PayloadBuilder
+from tokenrelay.protocol.budget import (BYTES_PER_TOKEN, DEFAULT_MAX_TOKENS, entry_cost, job_cost,
                              prompt_tokens, text_tokens)
-from protocol.keys import Keys
+from tokenrelay.protocol.keys import Keys
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,10 +14,10 @@ import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producer_sdk.job import JobState
-from protocol.fold import ResultFold
-from protocol.keys import EVENT_FIELD
-from worker.recovery import progress_from_entries
+from tokenrelay.producer_sdk.job import JobState
+from tokenrelay.protocol.fold import ResultFold
+from tokenrelay.protocol.keys import EVENT_FIELD
+from tokenrelay.worker.recovery import progress_from_entries
 
 _text = st.text(alphabet="abcé ", max_size=3)
 _ids = st.lists(st.integers(0, 50), max_size=3)
@@ -298,7 +298,7 @@ def test_an_older_writers_index_is_read_as_the_position():
 def test_logprob_tokens_fold_into_token_logprobs_and_malformed_ones_are_refused():
     import pytest
 
-    from protocol.errors import ProtocolError
+    from tokenrelay.protocol.errors import ProtocolError
     ev = {"type": "token", "seq": 0, "position": 0, "text": "é", "token_ids": [5],
           "logprobs": [{7: -0.1, 5: -0.7}], "logprob_tokens": {5: ["é", b"\xc3\xa9"],
                                                                7: ["\ufffd", b"\xc3"]}}

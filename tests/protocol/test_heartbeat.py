@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.heartbeat import FIELDS, INSTANCE_FIELD, Heartbeat
+from tokenrelay.protocol.heartbeat import FIELDS, INSTANCE_FIELD, Heartbeat
 from tests.import_boundaries import ROOT, package_files
 
 pytestmark = pytest.mark.timeout(60)

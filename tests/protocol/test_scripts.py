@@ -13,8 +13,8 @@ import pytest
 import redis
 from redis.connection import Connection
 
-import protocol.scripts as scripts
-from protocol.scripts import (ALL_SCRIPTS, CONTRACT_NAMES, LuaScript, ScriptPipeline, lua, pack,
+import tokenrelay.protocol.scripts as scripts
+from tokenrelay.protocol.scripts import (ALL_SCRIPTS, CONTRACT_NAMES, LuaScript, ScriptPipeline, lua, pack,
                               run_script)
 from tests.import_boundaries import ROOT, package_files
 

@@ -12,12 +12,12 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from producer_sdk import Client, InvalidRequest
-from producer_sdk.payloads import PayloadBuilder
-from protocol.errors import ProtocolError
-from protocol.keys import Keys
-from protocol.limits import Limits
-from protocol.wire import decode_job, validate_job
+from tokenrelay.producer_sdk import Client, InvalidRequest
+from tokenrelay.producer_sdk.payloads import PayloadBuilder
+from tokenrelay.protocol.errors import ProtocolError
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.limits import Limits
+from tokenrelay.protocol.wire import decode_job, validate_job
 from tests.sdk_helpers import env_with_repo, sdk_redis, sdk_url  # noqa: F401
 
 KEYS = Keys()
@@ -120,23 +120,24 @@ def test_sdk_and_worker_report_the_same_field():
 
 
 def test_sampling_params_schema_imports_without_redis_or_engine():
-    code = ("import sys; import protocol.sampling_params, protocol.wire, protocol.fold, protocol.events; "
-            "bad = [m for m in ('redis', 'engine', 'torch') if m in sys.modules]; "
+    code = ("import sys; import tokenrelay.protocol.sampling_params, tokenrelay.protocol.wire, "
+            "tokenrelay.protocol.fold, tokenrelay.protocol.events; "
+            "bad = [m for m in ('redis', 'tokenrelay.engine', 'torch') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, env=env_with_repo(), timeout=60)
 
 
 def test_engine_reexports_the_same_schema():
-    from engine import SamplingParams as EngineParams
-    from engine.sampling_params import SamplingParams as ModuleParams
-    from protocol.sampling_params import SamplingParams
+    from tokenrelay.engine import SamplingParams as EngineParams
+    from tokenrelay.engine.sampling_params import SamplingParams as ModuleParams
+    from tokenrelay.protocol.sampling_params import SamplingParams
     assert EngineParams is SamplingParams and ModuleParams is SamplingParams
 
 
 def test_submitting_imports_neither_engine_nor_torch(sdk_url: str):
-    code = ("import sys; from producer_sdk import Client; "
+    code = ("import sys; from tokenrelay.producer_sdk import Client; "
             f"c = Client({sdk_url!r}); c.submit('hi', max_tokens=3, stop='x'); "
             "c.submit_many(['a', 'b'], temperature=0); c.close(); "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('engine', 'torch')]; "
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('tokenrelay.engine')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, env=env_with_repo(), timeout=60)

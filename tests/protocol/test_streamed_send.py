@@ -9,8 +9,8 @@ import asyncio
 import pytest
 import redis.asyncio
 
-from protocol.scripts import pack
-from protocol.topology import (STREAM_AHEAD, async_send_packed_trailed, send_packed_trailed)
+from tokenrelay.protocol.scripts import pack
+from tokenrelay.protocol.topology import (STREAM_AHEAD, async_send_packed_trailed, send_packed_trailed)
 
 pytestmark = pytest.mark.timeout(30)
 N = 3 * STREAM_AHEAD + 5

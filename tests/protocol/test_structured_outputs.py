@@ -8,12 +8,12 @@ import json
 import msgpack
 import pytest
 
-from protocol.errors import ProtocolError
-from protocol.limits import Limits
-from protocol.sampling_params import SamplingParams
-from protocol.structured_outputs import (JSON_WHITESPACE, StructuredOutputsParams, close_objects,
+from tokenrelay.protocol.errors import ProtocolError
+from tokenrelay.protocol.limits import Limits
+from tokenrelay.protocol.sampling_params import SamplingParams
+from tokenrelay.protocol.structured_outputs import (JSON_WHITESPACE, StructuredOutputsParams, close_objects,
                                          grammar_problem)
-from protocol.wire import decode_job, encode_job, validate_job
+from tokenrelay.protocol.wire import decode_job, encode_job, validate_job
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}},
           "required": ["a"]}

@@ -9,11 +9,11 @@ import jsonschema
 import msgpack
 import pytest
 
-from protocol.errors import ProtocolError
-from protocol.limits import Limits
-from protocol.structured_outputs import StructuredOutputsParams
-from protocol.tools import Tool, call_schema, template_tool_calls
-from protocol.wire import decode_job
+from tokenrelay.protocol.errors import ProtocolError
+from tokenrelay.protocol.limits import Limits
+from tokenrelay.protocol.structured_outputs import StructuredOutputsParams
+from tokenrelay.protocol.tools import Tool, call_schema, template_tool_calls
+from tokenrelay.protocol.wire import decode_job
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "weather", "parameters": {

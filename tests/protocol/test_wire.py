@@ -10,12 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.errors import ErrorCode, ProtocolError
-from protocol.events import (DoneEvent, ErrorEvent, StartedEvent, TokenEvent, encode_event,
+from tokenrelay.protocol.errors import ErrorCode, ProtocolError
+from tokenrelay.protocol.events import (DoneEvent, ErrorEvent, StartedEvent, TokenEvent, encode_event,
                              is_terminal)
-from protocol.keys import DEDUPE_SEPARATOR, Keys, dedupe_record, key_slot, parse_dedupe_record
-from protocol.limits import DEFAULT_LIMITS, Limits
-from protocol.wire import (DeadLetter, JobRequest, PROTOCOL_VERSION, decode_event, decode_job,
+from tokenrelay.protocol.keys import DEDUPE_SEPARATOR, Keys, dedupe_record, key_slot, parse_dedupe_record
+from tokenrelay.protocol.limits import DEFAULT_LIMITS, Limits
+from tokenrelay.protocol.wire import (DeadLetter, JobRequest, PROTOCOL_VERSION, decode_event, decode_job,
                            encode_job)
 
 

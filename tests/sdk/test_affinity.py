@@ -15,16 +15,16 @@ import msgpack
 import pytest
 import redis
 
-from producer_sdk import AsyncClient, Client
-from producer_sdk.affinity import AffinityRouter, LiveWorker, live_worker, rank
-from producer_sdk.effects import run
-from producer_sdk.errors import InvalidRequest, QueueFull
-from producer_sdk.openai_format import CHAT_URL, LineError, body_to_request, parse_request
-from producer_sdk.payloads import Prepared
-from protocol.errors import ProtocolError
-from protocol.heartbeat import FIELDS, Heartbeat
-from protocol.keys import GROUP, Keys, parse_dedupe_record
-from protocol.wire import JobRequest, MAX_ROUTING_KEY_LEN, decode_job, encode_job
+from tokenrelay.producer_sdk import AsyncClient, Client
+from tokenrelay.producer_sdk.affinity import AffinityRouter, LiveWorker, live_worker, rank
+from tokenrelay.producer_sdk.effects import run
+from tokenrelay.producer_sdk.errors import InvalidRequest, QueueFull
+from tokenrelay.producer_sdk.openai_format import CHAT_URL, LineError, body_to_request, parse_request
+from tokenrelay.producer_sdk.payloads import Prepared
+from tokenrelay.protocol.errors import ProtocolError
+from tokenrelay.protocol.heartbeat import FIELDS, Heartbeat
+from tokenrelay.protocol.keys import GROUP, Keys, parse_dedupe_record
+from tokenrelay.protocol.wire import JobRequest, MAX_ROUTING_KEY_LEN, decode_job, encode_job
 from tests.sdk_helpers import env_with_repo, sdk_redis, sdk_url  # noqa: F401  (fixtures)
 
 KEYS = Keys()
@@ -279,7 +279,7 @@ def test_a_batch_lines_prompt_cache_key_routes_its_job(sdk_url):
 def test_cli_submit_routing_key(sdk_url):
     r = redis.Redis.from_url(sdk_url)
     fake_worker(r, "wa")                    # advertised, never answers: the CLI times out
-    res = subprocess.run([sys.executable, "-m", "producer_sdk", "submit", "hi", "--redis-url",
+    res = subprocess.run([sys.executable, "-m", "tokenrelay.producer_sdk", "submit", "hi", "--redis-url",
                           sdk_url, "--routing-key", "conv-1", "--job-id", "cli-1", "--timeout",
                           "0.2"], capture_output=True, text=True, timeout=60, env=env_with_repo())
     assert "job cli-1" in res.stderr and res.returncode != 0

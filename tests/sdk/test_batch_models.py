@@ -1,5 +1,5 @@
 """The batch runner routes each line by ``body.model`` to the queue of the live workers serving
-it (two ``python -m worker --model fake:`` processes on two queues), writes the served model
+it (two ``tokenrelay worker --model fake:`` processes on two queues), writes the served model
 name, sends unknown models to the errors file (OpenAI's 404 ``model_not_found``), and its
 logprobs output validates with the openai package's own types."""
 
@@ -15,9 +15,9 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from producer_sdk import Client
-from producer_sdk.batch import BatchRunner
-from protocol.keys import EVENT_FIELD, Keys
+from tokenrelay.producer_sdk import Client
+from tokenrelay.producer_sdk.batch import BatchRunner
+from tokenrelay.protocol.keys import EVENT_FIELD, Keys
 from tests.sdk.test_batch_runner import read_jsonl
 from tests.sdk_helpers import env_with_repo
 
@@ -77,7 +77,7 @@ def test_lines_are_routed_by_model_and_unknown_models_are_404(two_models, tmp_pa
         "param": "model", "code": "model_not_found"}
     assert "alpha, beta" in error["error"]["message"]
     status = subprocess.run(           # each job is found on the queue its line was routed to
-        [sys.executable, "-m", "producer_sdk", "status", "--batch", str(inp), "--batch-id",
+        [sys.executable, "-m", "tokenrelay.producer_sdk", "status", "--batch", str(inp), "--batch-id",
          "route", "--queue", "qa", "--redis-url", two_models.url, "--json"],
         capture_output=True, text=True, timeout=60, env=env_with_repo())
     rows = [json.loads(x) for x in status.stdout.splitlines()]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from producer_sdk import Client
-from producer_sdk.batch import BatchRunner, DoneIndex, LineError, job_id_for
-from producer_sdk.openai_format import body_to_request
+from tokenrelay.producer_sdk import Client
+from tokenrelay.producer_sdk.batch import BatchRunner, DoneIndex, LineError, job_id_for
+from tokenrelay.producer_sdk.openai_format import body_to_request
 from tests.sdk_helpers import FakeWorker, env_with_repo, sdk_redis, sdk_url  # noqa: F401
 
 
@@ -143,7 +143,7 @@ def test_duplicate_custom_id_is_an_error_line_and_answered_once(sdk_url: str, tm
 
 def run_cli_batch(sdk_url: str, inp: Path, out: Path, err: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "producer_sdk", "batch", str(inp), str(out), "--errors", str(err),
+        [sys.executable, "-m", "tokenrelay.producer_sdk", "batch", str(inp), str(out), "--errors", str(err),
          "--concurrency", "16", "--batch-id", "killme", "--redis-url", sdk_url, "--no-progress"],
         env=env_with_repo(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -184,10 +184,10 @@ def test_batch_killed_halfway_then_resumed(sdk_url: str, tmp_path: Path):
 
 
 def test_chat_template_kwargs_are_validated_before_enqueue():
-    from producer_sdk.errors import InvalidRequest
-    from producer_sdk.payloads import PayloadBuilder
-    from protocol.keys import Keys
-    from protocol.wire import decode_job
+    from tokenrelay.producer_sdk.errors import InvalidRequest
+    from tokenrelay.producer_sdk.payloads import PayloadBuilder
+    from tokenrelay.protocol.keys import Keys
+    from tokenrelay.protocol.wire import decode_job
     builder = PayloadBuilder(Keys())
     msgs = [{"role": "user", "content": "hi"}]
     job = decode_job(builder.build(messages=msgs, chat_template_kwargs={"enable_thinking": False},

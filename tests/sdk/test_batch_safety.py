@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from producer_sdk import Client
-from producer_sdk.batch import BatchRunner
-from producer_sdk.batch_lock import BatchLocked, OutputLock
+from tokenrelay.producer_sdk import Client
+from tokenrelay.producer_sdk.batch import BatchRunner
+from tokenrelay.producer_sdk.batch_lock import BatchLocked, OutputLock
 from tests.fault_harness import wait_for
 from tests.sdk.test_batch_runner import chat_line, completion_line, read_jsonl, write_input
 from tests.sdk_helpers import FakeWorker, env_with_repo, sdk_redis, sdk_url  # noqa: F401
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def batch_cli(sdk_url: str, inp: Path, out: Path, err: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "producer_sdk", "batch", str(inp), str(out), "--errors", str(err),
+        [sys.executable, "-m", "tokenrelay.producer_sdk", "batch", str(inp), str(out), "--errors", str(err),
          "--concurrency", "8", "--batch-id", "twice", "--redis-url", sdk_url, "--no-progress"],
         env=env_with_repo(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -61,7 +61,7 @@ def test_two_runs_at_once_one_refuses_and_each_request_has_one_line(sdk_url, tmp
 def test_a_lock_left_by_a_dead_holder_does_not_block(tmp_path):
     out = tmp_path / "out.jsonl"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from producer_sdk.batch_lock import "
+        "import sys, time; from pathlib import Path; from tokenrelay.producer_sdk.batch_lock import "
         f"OutputLock; l = OutputLock(Path({str(out)!r})).__enter__(); print('held', flush=True);"
         " time.sleep(60)")], env=env_with_repo(), stdout=subprocess.PIPE, text=True)
     try:
@@ -107,7 +107,7 @@ def test_status_of_a_batch_counts_each_custom_id_once_and_names_malformed_lines(
                               "not json", json.dumps({"custom_id": "m", "method": "POST",
                                                       "url": "/v1/completions",
                                                       "body": {"prompt": "p"}})]) + "\n")
-    done = subprocess.run([sys.executable, "-m", "producer_sdk", "status", "--batch", str(inp),
+    done = subprocess.run([sys.executable, "-m", "tokenrelay.producer_sdk", "status", "--batch", str(inp),
                            "--batch-id", "st", "--redis-url", sdk_url, "--json"],
                           capture_output=True, text=True, timeout=60, env=env_with_repo())
     assert done.returncode == 0, done.stderr

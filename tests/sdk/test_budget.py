@@ -13,12 +13,12 @@ import msgpack
 import pytest
 import redis
 
-from producer_sdk import AsyncClient, Client, QueueFull
-from protocol.budget import job_cost
-from protocol.keys import COST_FIELD, GROUP, PAYLOAD_FIELD, Keys
+from tokenrelay.producer_sdk import AsyncClient, Client, QueueFull
+from tokenrelay.protocol.budget import job_cost
+from tokenrelay.protocol.keys import COST_FIELD, GROUP, PAYLOAD_FIELD, Keys
 from tests.sdk_helpers import sdk_redis, sdk_url  # noqa: F401
-from worker.admin import main as admin_main
-from worker.admin import recount_budget
+from tokenrelay.worker.admin import main as admin_main
+from tokenrelay.worker.admin import recount_budget
 
 pytestmark = pytest.mark.timeout(60)
 HUGE = "x" * 2400           # 800 prompt tokens: with max_tokens 200, a cost of 1000

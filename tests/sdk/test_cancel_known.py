@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
-from producer_sdk import AsyncClient, Client
-from producer_sdk.errors import JobNotFound
-from protocol.keys import Keys
-from protocol.scripts import CANCEL_KNOWN, cancel_target
+from tokenrelay.producer_sdk import AsyncClient, Client
+from tokenrelay.producer_sdk.errors import JobNotFound
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.scripts import CANCEL_KNOWN, cancel_target
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from producer_sdk import AsyncClient, Client
-from producer_sdk.batch import BatchRunner
+from tokenrelay.producer_sdk import AsyncClient, Client
+from tokenrelay.producer_sdk.batch import BatchRunner
 from tests.sdk.test_cli import cli
-from worker.fake_engine import FakeEngine, fake_beam_logprob, fake_beams, fake_completion
+from tokenrelay.worker.fake_engine import FakeEngine, fake_beam_logprob, fake_beams, fake_completion
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""``python -m producer_sdk`` submit / stats / cancel as subprocesses."""
+"""``tokenrelay`` submit / stats / cancel as subprocesses."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import time
 
 import redis
 
-from producer_sdk import Client
-from protocol.keys import Keys
+from tokenrelay.producer_sdk import Client
+from tokenrelay.protocol.keys import Keys
 from tests.sdk_helpers import FakeWorker, env_with_repo, free_port, sdk_redis, sdk_url  # noqa: F401
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "producer_sdk", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tokenrelay.producer_sdk", *args], capture_output=True,
                           text=True, timeout=timeout, env=env_with_repo(env))
 
 

@@ -10,10 +10,10 @@ import time
 import pytest
 import redis
 
-from producer_sdk import Client, JobFailed, JobNotFound, QueueFull, RedisUnavailable
-from protocol.scripts import ENQUEUE
-from protocol.keys import Keys
-from protocol.wire import decode_job
+from tokenrelay.producer_sdk import Client, JobFailed, JobNotFound, QueueFull, RedisUnavailable
+from tokenrelay.protocol.scripts import ENQUEUE
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.wire import decode_job
 from tests.fault_harness import wait_for
 from tests.sdk_helpers import (FakeWorker, env_with_repo, free_port, sdk_redis,  # noqa: F401
                                sdk_url, start_redis_server)
@@ -37,8 +37,9 @@ def client(sdk_url: str):
 
 
 def test_sdk_never_imports_torch():
-    code = ("import sys; import producer_sdk, producer_sdk.batch, producer_sdk.cli, "
-            "producer_sdk.aio, producer_sdk.__main__; "
+    code = ("import sys; import tokenrelay, tokenrelay.producer_sdk, tokenrelay.producer_sdk.batch, "
+            "tokenrelay.producer_sdk.cli, tokenrelay.producer_sdk.aio, tokenrelay.producer_sdk.__main__, "
+            "tokenrelay.cli; from tokenrelay import Client; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env=env_with_repo(), timeout=60)
 
@@ -285,7 +286,7 @@ def test_bulk_fast_path_payloads_match_general_path(client: Client):
 
 def test_oom_is_recognised_from_redis_7_and_from_6_2_scripts():
     from redis.exceptions import OutOfMemoryError, ResponseError
-    from producer_sdk._wire import is_oom
+    from tokenrelay.producer_sdk._wire import is_oom
     assert is_oom(OutOfMemoryError("command not allowed when used memory > 'maxmemory'."))
     assert is_oom(ResponseError("Error running script (call to f_2f7b): @user_script:20: "
                                 "@user_script: 20: -OOM command not allowed when used memory "

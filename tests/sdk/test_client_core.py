@@ -14,9 +14,9 @@ import msgpack
 import pytest
 import redis
 
-from producer_sdk import (AsyncClient, Client, ClientClosed, JobFailed, JobNotFound, QueueFull,
+from tokenrelay.producer_sdk import (AsyncClient, Client, ClientClosed, JobFailed, JobNotFound, QueueFull,
                           RedisUnavailable)
-from protocol.keys import EVENT_FIELD, Keys
+from tokenrelay.protocol.keys import EVENT_FIELD, Keys
 from tests.sdk_helpers import FakeWorker, free_port, sdk_redis, sdk_url  # noqa: F401
 
 KEYS = Keys()

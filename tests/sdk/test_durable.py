@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer_sdk import AsyncClient, Client, NotDurable
-from producer_sdk.batch import BatchRunner
-from protocol.keys import Keys
+from tokenrelay.producer_sdk import AsyncClient, Client, NotDurable
+from tokenrelay.producer_sdk.batch import BatchRunner
+from tokenrelay.protocol.keys import Keys
 from tests.fixtures_redis import RedisServer, start_redis_server
 from tests.sdk_helpers import FakeWorker, env_with_repo
 
@@ -136,7 +136,7 @@ def test_a_server_without_replicas_is_not_durable(tmp_path: Path):
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "producer_sdk", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tokenrelay.producer_sdk", *args], capture_output=True,
                           text=True, timeout=60, env=env_with_repo())
 
 
@@ -167,8 +167,8 @@ def test_durable_jobs_survive_a_master_killed_right_after_the_submit():
     acknowledged; SIGKILL the master of one shard at once, its replica is promoted, every job
     is still there (the only replica acknowledged, so it is the one promoted), and the next
     submit goes through once the cluster failed over, without the caller retrying."""
-    from protocol.keys import key_slot
-    from worker.redis_server import RedisCluster
+    from tokenrelay.protocol.keys import key_slot
+    from tokenrelay.worker.redis_server import RedisCluster
     keys = Keys("tokenrelay", "dq", 3)
     with RedisCluster(masters=3, replicas=1) as cluster, \
             Client(cluster.url, queue="dq", shards=3, durable=True) as c:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from producer_sdk.effects import Call, Plan, Sleep, arun, pipelined, run
+from tokenrelay.producer_sdk.effects import Call, Plan, Sleep, arun, pipelined, run
 
 
 class FakeRedis:

@@ -13,8 +13,8 @@ import pytest
 import redis
 from redis.exceptions import NoScriptError, OutOfMemoryError, TryAgainError
 
-from producer_sdk import AsyncClient, Client, QueueFull, RedisUnavailable
-from producer_sdk import effects
+from tokenrelay.producer_sdk import AsyncClient, Client, QueueFull, RedisUnavailable
+from tokenrelay.producer_sdk import effects
 
 Reply = Any     # one packed send's answer: (replies, trailer replies), or an exception to raise
 

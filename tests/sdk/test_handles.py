@@ -8,9 +8,9 @@ import threading
 import pytest
 import redis
 
-from producer_sdk import AsyncClient, Client
-from producer_sdk.errors import ClientClosed
-from protocol.keys import EVENT_FIELD, Keys
+from tokenrelay.producer_sdk import AsyncClient, Client
+from tokenrelay.producer_sdk.errors import ClientClosed
+from tokenrelay.protocol.keys import EVENT_FIELD, Keys
 from tests.fault_harness import wait_for
 from tests.sdk_helpers import FakeWorker, sdk_redis, sdk_url  # noqa: F401
 

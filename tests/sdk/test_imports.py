@@ -18,7 +18,7 @@ def test_the_cycle_check_finds_a_circle_through_a_lazy_import():
 
 def test_no_module_of_the_sdk_or_the_contract_imports_itself_back():
     graph = import_graph(PACKAGES)
-    assert {"producer_sdk.client", "producer_sdk.aio", "protocol.fold"} <= set(graph)
+    assert {"tokenrelay.producer_sdk.client", "tokenrelay.producer_sdk.aio", "tokenrelay.protocol.fold"} <= set(graph)
     assert import_cycles(graph) == []
 
 

@@ -10,10 +10,10 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from producer_sdk.models import AsyncModelCache, ModelCache, alist_models, list_models
-from protocol.heartbeat import Heartbeat
-from protocol.keys import Keys
-from worker.config import WorkerSettings, default_served_model_name
+from tokenrelay.producer_sdk.models import AsyncModelCache, ModelCache, alist_models, list_models
+from tokenrelay.protocol.heartbeat import Heartbeat
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.worker.config import WorkerSettings, default_served_model_name
 
 
 def test_default_served_model_name_is_the_checkpoint_folder():
@@ -54,7 +54,7 @@ def _wait(pred, timeout: float = 20.0) -> None:
 
 @pytest.mark.timeout(120)
 def test_live_models_across_queues_and_a_killed_worker_drops_out(redis_server, worker_process):
-    """Three `python -m worker --model fake:` processes: two serve alpha on q1 and q2's beta;
+    """Three `tokenrelay worker --model fake:` processes: two serve alpha on q1 and q2's beta;
     after SIGKILL (no clean exit) the dead worker's heartbeat expires and it leaves the listing."""
     url = redis_server.url
     procs = {}
@@ -88,7 +88,7 @@ def test_live_models_across_queues_and_a_killed_worker_drops_out(redis_server, w
 
 
 def test_served_model_queue_prefers_the_queue_with_most_workers():
-    from producer_sdk.models import ServedModel
+    from tokenrelay.producer_sdk.models import ServedModel
     m = ServedModel("m", ("a", "b"), (("a", "w1"), ("b", "w2"), ("b", "w3")), 0)
     assert m.queue == "b"
     assert ServedModel("m", ("b", "a"), (("a", "w1"), ("b", "w2")), 0).queue == "a"
@@ -128,7 +128,7 @@ def test_model_caches_read_redis_once_per_ttl(redis_server):
 
 
 def test_only_loaded_undrained_workers_of_the_queue_count():
-    from producer_sdk.models import _models
+    from tokenrelay.producer_sdk.models import _models
     pairs = [("q", "ok"), ("q", "broken"), ("q", "draining"), ("q", "moved"), ("q", "gone"),
              ("q", "old")]
     beats = [Heartbeat(served_model_name="m", queue="q", engine_loaded=True, started_ms=5000,
@@ -143,7 +143,7 @@ def test_only_loaded_undrained_workers_of_the_queue_count():
 
 
 def test_a_model_has_a_tool_format_only_when_every_live_worker_says_the_same():
-    from producer_sdk.models import _models
+    from tokenrelay.producer_sdk.models import _models
     pairs = [("q", "a"), ("q", "b")]
 
     def beat(fmt: str) -> Heartbeat:
@@ -156,8 +156,8 @@ def test_a_model_has_a_tool_format_only_when_every_live_worker_says_the_same():
 
 def test_submit_to_another_queue_of_the_namespace(redis_server):
     """How a router sends a request for a model to its queue with one client: ``queue=``."""
-    from producer_sdk import AsyncClient, Client
-    from producer_sdk.errors import InvalidRequest
+    from tokenrelay.producer_sdk import AsyncClient, Client
+    from tokenrelay.producer_sdk.errors import InvalidRequest
     with Client(redis_server.url, queue="qa") as client:
         job = client.submit("x", queue="qb", job_id="to-qb", priority=1)
         client.submit("x", job_id="to-qa")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS
-from producer_sdk.effects import run
-from producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD, QueueBook
-from protocol.shards import SHARDS_FIELD, ShardCountMismatch
+from tokenrelay.producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS
+from tokenrelay.producer_sdk.effects import run
+from tokenrelay.producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD, QueueBook
+from tokenrelay.protocol.shards import SHARDS_FIELD, ShardCountMismatch
 
 
 class ConfigHash:

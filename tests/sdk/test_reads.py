@@ -6,14 +6,14 @@ from __future__ import annotations
 import threading
 import time
 
-from producer_sdk import Client
-from protocol.keys import Keys
+from tokenrelay.producer_sdk import Client
+from tokenrelay.protocol.keys import Keys
 
 
 def test_merge_xreads_keeps_the_longer_read_per_stream():
     """The follow-up read behind a blocking XREAD (RESP2 list or RESP3 map) fills in streams
     the blocking answer left out; per stream the longer entry list wins."""
-    from producer_sdk._wire import merge_xreads
+    from tokenrelay.producer_sdk._wire import merge_xreads
     e1, e2 = (b"1-0", {b"data": b"a"}), (b"2-0", {b"data": b"b"})
     blocking = [[b"s1", [e1]]]
     follow_up = {b"s1": [[e1, e2]], b"s2": [[e1]]}

@@ -1,7 +1,7 @@
 """The shard count is never guessed (issue #25): a producer registers its count, or learns the
 registered one, before its first enqueue, so jobs sent before any worker started land where the
 workers will read. On a real redis-server with in-process workers (FakeEngine); the refusal of
-a worker whose ``--shards`` differs runs ``python -m worker``."""
+a worker whose ``--shards`` differs runs ``tokenrelay worker``."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from producer_sdk import AsyncClient, Client, ShardCountMismatch
-from protocol.keys import Keys
-from protocol.shards import SHARDS_FIELD
+from tokenrelay.producer_sdk import AsyncClient, Client, ShardCountMismatch
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.shards import SHARDS_FIELD
 from tests.fixtures_redis import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,7 +61,7 @@ def test_a_worker_started_after_producers_registered_another_count_exits_78(redi
     with Client(redis_server.url, namespace=NS, queue=Q, shards=2) as producer:
         producer.submit("x", max_tokens=1)
     done = subprocess.run(
-        [sys.executable, "-m", "worker", "--model", "fake:", "--device", "cpu",
+        [sys.executable, "-m", "tokenrelay.worker", "--model", "fake:", "--device", "cpu",
          "--worker-id", "w3", "--shards", "3", "--redis-url", redis_server.url,
          "--namespace", NS, "--queue", Q],
         cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=90)

@@ -17,12 +17,12 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from producer_sdk import AsyncClient, Client, NotDurable, QueueFull, ShardCountMismatch
-from protocol.scripts import ENQUEUE
-from producer_sdk.batch import BatchRunner
-from producer_sdk.models import list_models
-from protocol.keys import EVENT_FIELD, GROUP, Keys, key_slot
-from protocol.topology import is_cluster, make_client
+from tokenrelay.producer_sdk import AsyncClient, Client, NotDurable, QueueFull, ShardCountMismatch
+from tokenrelay.protocol.scripts import ENQUEUE
+from tokenrelay.producer_sdk.batch import BatchRunner
+from tokenrelay.producer_sdk.models import list_models
+from tokenrelay.protocol.keys import EVENT_FIELD, GROUP, Keys, key_slot
+from tokenrelay.protocol.topology import is_cluster, make_client
 from tests.sdk_helpers import FakeWorker, env_with_repo, sdk_redis  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
@@ -256,12 +256,12 @@ def test_a_durable_submit_without_replicas_is_not_durable(url):
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "producer_sdk", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tokenrelay.producer_sdk", *args], capture_output=True,
                           text=True, timeout=60, env=env_with_repo())
 
 
 def beat(r, keys: Keys, worker_id: str, model: str) -> None:
-    """A live worker's heartbeat as the listing reads it (what ``python -m worker`` writes)."""
+    """A live worker's heartbeat as the listing reads it (what ``tokenrelay worker`` writes)."""
     r.hset(keys.heartbeat(worker_id), mapping={"served_model_name": model, "queue": keys.queue,
                                                "engine_loaded": 1, "draining": 0,
                                                "started_ms": int(time.time() * 1000)})
@@ -320,7 +320,7 @@ def test_gateway_on_a_cluster(cluster):
 
 
 def test_cluster_and_shards_settings_come_from_the_environment_too(monkeypatch):
-    from producer_sdk.config import ClientConfig
+    from tokenrelay.producer_sdk.config import ClientConfig
     assert (ClientConfig().cluster, ClientConfig().shards) == (None, None)
     monkeypatch.setenv("TOKENRELAY_CLUSTER", "off")
     monkeypatch.setenv("TOKENRELAY_SHARDS", "3")

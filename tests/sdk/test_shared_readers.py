@@ -13,12 +13,12 @@ import msgpack
 import pytest
 import redis
 
-from producer_sdk import AsyncClient, Client
-from producer_sdk.errors import JobFailed
-from producer_sdk.job import AsyncJob
-from protocol.keys import EVENT_FIELD, Keys
+from tokenrelay.producer_sdk import AsyncClient, Client
+from tokenrelay.producer_sdk.errors import JobFailed
+from tokenrelay.producer_sdk.job import AsyncJob
+from tokenrelay.protocol.keys import EVENT_FIELD, Keys
 from tests.fault_harness import FaultEnv
-from worker.fake_engine import fake_completion
+from tokenrelay.worker.fake_engine import fake_completion
 
 pytestmark = pytest.mark.timeout(120)
 JOBS = 1000
@@ -137,10 +137,10 @@ def test_a_rerun_carries_the_seed_of_the_tokens_the_reader_holds():
     """A lost job put back in its queue must make the tokens its reader already has: its
     request gets the seed of the run that made the reader's first token (not a later run's,
     whose repeats the fold skipped), unless it named one itself; beam search takes none."""
-    from producer_sdk.job import JobState
-    from producer_sdk.payloads import PayloadBuilder
-    from producer_sdk.reads import rerun_request
-    from protocol.wire import decode_job
+    from tokenrelay.producer_sdk.job import JobState
+    from tokenrelay.producer_sdk.payloads import PayloadBuilder
+    from tokenrelay.producer_sdk.reads import rerun_request
+    from tokenrelay.protocol.wire import decode_job
     builder = PayloadBuilder(Keys())
     state = JobState("j", "k")
     state.feed([(b"1-0", {EVENT_FIELD: msgpack.packb({"type": "started", "ts": 1.0,

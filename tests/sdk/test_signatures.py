@@ -9,12 +9,12 @@ import pydoc
 
 import pytest
 
-from producer_sdk import AsyncClient, Client
-from producer_sdk.job import AsyncJob, Job
-from producer_sdk.payloads import JOB_FIELDS, MODEL_DEFAULTS
-from producer_sdk.signatures import SEND_OPTIONS, bind_submit, submit
-from protocol.sampling_params import SamplingParams
-from protocol.wire import JobRequest
+from tokenrelay.producer_sdk import AsyncClient, Client
+from tokenrelay.producer_sdk.job import AsyncJob, Job
+from tokenrelay.producer_sdk.payloads import JOB_FIELDS, MODEL_DEFAULTS
+from tokenrelay.producer_sdk.signatures import SEND_OPTIONS, bind_submit, submit
+from tokenrelay.protocol.sampling_params import SamplingParams
+from tokenrelay.protocol.wire import JobRequest
 
 
 def test_the_job_fields_of_submit_are_the_models():

@@ -8,12 +8,12 @@ import asyncio
 import msgpack
 import pytest
 
-from producer_sdk import AsyncClient, Client
-from producer_sdk.errors import JobFailed
-from protocol.keys import Keys, PAYLOAD_FIELD
-from protocol.wire import now_ms
+from tokenrelay.producer_sdk import AsyncClient, Client
+from tokenrelay.producer_sdk.errors import JobFailed
+from tokenrelay.protocol.keys import Keys, PAYLOAD_FIELD
+from tokenrelay.protocol.wire import now_ms
 from tests.fault_harness import wait_for
-from worker.fake_engine import FakeEngine
+from tokenrelay.worker.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,7 +97,7 @@ def test_many_statuses_in_the_round_trips_of_one(client, monkeypatch):
 def test_many_statuses_are_read_in_bounded_chunks(client, redis_server):
     """No round's MULTI holds Redis for more than STATUS_CHUNK jobs (#25): 50,000 ids in one
     stalled every other client; the answers are the same as one by one, in order."""
-    from producer_sdk.status import STATUS_CHUNK
+    from tokenrelay.producer_sdk.status import STATUS_CHUNK
     n = 2 * STATUS_CHUNK + 5
     jobs = client.submit_many([{"prompt": f"c{i}", "job_id": f"c{i}"} for i in range(n)],
                               max_tokens=2)
@@ -118,7 +118,7 @@ def test_batch_status_lists_every_line(tmp_path, redis_server):
     import subprocess
     import sys
 
-    from producer_sdk.batch_lines import job_id_for
+    from tokenrelay.producer_sdk.batch_lines import job_id_for
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST",
                                        "url": "/v1/completions",
@@ -127,7 +127,7 @@ def test_batch_status_lists_every_line(tmp_path, redis_server):
                            for i in range(3)))
     with Client(redis_server.url) as c:
         c.submit("p0", max_tokens=2, job_id=job_id_for("my-batch", "c0"))
-    out = subprocess.run([sys.executable, "-m", "producer_sdk", "status", "--batch", str(src),
+    out = subprocess.run([sys.executable, "-m", "tokenrelay.producer_sdk", "status", "--batch", str(src),
                           "--batch-id", "my-batch", "--redis-url", redis_server.url, "--json"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -18,14 +18,14 @@ import jsonschema
 import msgpack
 import pytest
 
-from producer_sdk import AsyncClient, Client, InvalidRequest
-from producer_sdk.batch import BatchRunner
-from producer_sdk.payloads import ParamsCache, PayloadBuilder
-from protocol.keys import Keys
-from protocol.limits import Limits
-from protocol.structured_outputs import StructuredOutputsParams
+from tokenrelay.producer_sdk import AsyncClient, Client, InvalidRequest
+from tokenrelay.producer_sdk.batch import BatchRunner
+from tokenrelay.producer_sdk.payloads import ParamsCache, PayloadBuilder
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.limits import Limits
+from tokenrelay.protocol.structured_outputs import StructuredOutputsParams
 from tests.sdk_helpers import env_with_repo
-from worker.fake_engine import FakeEngine, fake_constrained
+from tokenrelay.worker.fake_engine import FakeEngine, fake_constrained
 
 pytestmark = pytest.mark.timeout(120)
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -130,7 +130,7 @@ def test_clients_get_constrained_answers_from_a_fake_worker(fake):
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "producer_sdk", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tokenrelay.producer_sdk", *args], capture_output=True,
                           text=True, timeout=60, env=env_with_repo())
 
 

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from producer_sdk import AsyncClient, Client
+from tokenrelay.producer_sdk import AsyncClient, Client
 
 
 def check(token_logprobs, token_ids, top: int) -> None:

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producer_sdk.errors import LineError
-from producer_sdk.openai_format import CHAT_URL, COMPLETIONS_URL, parse_request
-from producer_sdk.structured import ToolPlan, fit_tools
-from producer_sdk.tool_calls import CallReader, call_id, relay, whole_choice
-from protocol.structured_outputs import StructuredOutputsParams
+from tokenrelay.producer_sdk.errors import LineError
+from tokenrelay.producer_sdk.openai_format import CHAT_URL, COMPLETIONS_URL, parse_request
+from tokenrelay.producer_sdk.structured import ToolPlan, fit_tools
+from tokenrelay.producer_sdk.tool_calls import CallReader, call_id, relay, whole_choice
+from tokenrelay.protocol.structured_outputs import StructuredOutputsParams
 
 AUTO = ToolPlan("auto", ("get_weather", "f"))
 REQUIRED = ToolPlan("required", ("get_weather", "f"))

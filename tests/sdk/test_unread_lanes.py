@@ -1,5 +1,5 @@
 """Job streams no worker reads are listed, with their depth, by ``producer_sdk stats`` and
-``python -m worker admin unread``, and a job sitting in one has the status ``stranded``
+``tokenrelay admin unread``, and a job sitting in one has the status ``stranded``
 (issue #25). The stray layout is made as an operator would make it: jobs enqueued while the
 queue was registered with 1 shard, then the count changed to 3 without draining."""
 
@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from producer_sdk import Client
-from producer_sdk.cli import main as sdk_main
-from protocol.keys import Keys
-from protocol.lanes import NO_GROUP, OUTSIDE_LAYOUT, unread_lanes
-from protocol.shards import SHARDS_FIELD
-from worker import admin
+from tokenrelay.producer_sdk import Client
+from tokenrelay.producer_sdk.cli import main as sdk_main
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.lanes import NO_GROUP, OUTSIDE_LAYOUT, unread_lanes
+from tokenrelay.protocol.shards import SHARDS_FIELD
+from tokenrelay.worker import admin
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,11 +9,11 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from protocol.keys import Keys
+from tokenrelay.protocol.keys import Keys
 from tests.fixtures_redis import FAST
-from worker.config import WorkerSettings
-from worker.fake_engine import FakeEngine
-from worker.service import Worker
+from tokenrelay.worker.config import WorkerSettings
+from tokenrelay.worker.fake_engine import FakeEngine
+from tokenrelay.worker.service import Worker
 
 KEYS = Keys()
 

@@ -12,14 +12,14 @@ import os
 
 import pytest
 
-from protocol.keys import GROUP, Keys, PAYLOAD_FIELD
-from protocol.scripts import ScriptPipeline
-from protocol.wire import JobRequest, encode_job
+from tokenrelay.protocol.keys import GROUP, Keys, PAYLOAD_FIELD
+from tokenrelay.protocol.scripts import ScriptPipeline
+from tokenrelay.protocol.wire import JobRequest, encode_job
 from tests.fault_harness import REDIS_7, REDIS_62
 from tests.fixtures_redis import RedisServer
-from worker.deadletters import DeadLetterWriter, Rejection, outcome, payload_job_id
-from worker.entries import Entry
-from worker.pending import PendingList
+from tokenrelay.worker.deadletters import DeadLetterWriter, Rejection, outcome, payload_job_id
+from tokenrelay.worker.entries import Entry
+from tokenrelay.worker.pending import PendingList
 
 LEASE_MS = 1000
 

@@ -1,4 +1,4 @@
-"""``python -m worker admin`` (worker/admin.py) against a real redis-server (no worker process
+"""``tokenrelay admin`` (worker/admin.py) against a real redis-server (no worker process
 needed)."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from protocol.keys import GROUP, Keys, PAYLOAD_FIELD
-from protocol.wire import JobRequest, decode_job, encode_job
+from tokenrelay.protocol.keys import GROUP, Keys, PAYLOAD_FIELD
+from tokenrelay.protocol.wire import JobRequest, decode_job, encode_job
 from tests.fault_harness import REDIS_7
 from tests.fixtures_redis import RedisServer
 from tests.worker.redis_layer import dead_letter
-from worker import admin
-from worker.pending import PendingList
+from tokenrelay.worker import admin
+from tokenrelay.worker.pending import PendingList
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,12 +12,12 @@ import msgpack
 import pytest
 import redis
 
-from protocol.keys import GROUP, Keys, dedupe_record
-from protocol.wire import DeadLetter
+from tokenrelay.protocol.keys import GROUP, Keys, dedupe_record
+from tokenrelay.protocol.wire import DeadLetter
 from tests.fault_harness import check_stream, read_events, submit, wait_for, wait_for_terminal
 from tests.worker.hand_driven import hand_worker, iterate_until  # noqa: F401
-from worker.admission import StartDeferred
-from worker.fake_engine import FakeEngine, fake_completion
+from tokenrelay.worker.admission import StartDeferred
+from tokenrelay.worker.fake_engine import FakeEngine, fake_completion
 
 pytestmark = pytest.mark.timeout(60)
 KEYS = Keys()

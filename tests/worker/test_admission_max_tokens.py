@@ -7,11 +7,11 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from producer_sdk import Client
-from producer_sdk.openai_format import body_to_request
-from protocol.keys import Keys
+from tokenrelay.producer_sdk import Client
+from tokenrelay.producer_sdk.openai_format import body_to_request
+from tokenrelay.protocol.keys import Keys
 from tests.fault_harness import submit, wait_for_terminal
-from worker.fake_engine import FakeEngine, FakeTokenizer
+from tokenrelay.worker.fake_engine import FakeEngine, FakeTokenizer
 
 KEYS = Keys()
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -11,17 +11,17 @@ from typing import Any
 
 import pytest
 
-from producer_sdk import Client
-from producer_sdk.affinity import rank
-from protocol.keys import (GROUP, Keys, PARKED_IDLE_MS, PARKING_CONSUMER, PAYLOAD_FIELD,
+from tokenrelay.producer_sdk import Client
+from tokenrelay.producer_sdk.affinity import rank
+from tokenrelay.protocol.keys import (GROUP, Keys, PARKED_IDLE_MS, PARKING_CONSUMER, PAYLOAD_FIELD,
                            dedupe_record, parse_dedupe_record)
-from protocol.wire import JobRequest, encode_job
+from tokenrelay.protocol.wire import JobRequest, encode_job
 from tests.fault_harness import check_stream, read_events, wait_all_ended, wait_for
-from protocol.limits import Limits
-from worker.affinity import Affinity
-from worker.fake_engine import FakeEngine
-from worker.logs import RateLimitedLog, get_logger
-from worker.pending import PendingList
+from tokenrelay.protocol.limits import Limits
+from tokenrelay.worker.affinity import Affinity
+from tokenrelay.worker.fake_engine import FakeEngine
+from tokenrelay.worker.logs import RateLimitedLog, get_logger
+from tokenrelay.worker.pending import PendingList
 
 pytestmark = pytest.mark.timeout(120)
 

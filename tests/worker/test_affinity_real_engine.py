@@ -9,14 +9,14 @@ import importlib.util
 
 import pytest
 
-from producer_sdk import Client
-from producer_sdk.affinity import rank
-from protocol.keys import Keys
+from tokenrelay.producer_sdk import Client
+from tokenrelay.producer_sdk.affinity import rank
+from tokenrelay.protocol.keys import Keys
 from tests.fault_harness import read_events
 from tests.sdk_helpers import RealWorker
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_thread"),
-              pytest.mark.skipif(importlib.util.find_spec("engine.llm_engine") is None,
+              pytest.mark.skipif(importlib.util.find_spec("tokenrelay.engine.llm_engine") is None,
                                  reason="engine.llm_engine not available")]
 
 ENGINE_KW = dict(kv_cache_memory_bytes=32 * 2**20, max_num_seqs=8, max_model_len=512)
@@ -24,7 +24,7 @@ ENGINE_KW = dict(kv_cache_memory_bytes=32 * 2**20, max_num_seqs=8, max_model_len
 
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoint):
-    from engine.llm import LLM
+    from tokenrelay.engine.llm import LLM
     path = str(tiny_checkpoint("llama"))
     return {w: LLM(path, **ENGINE_KW).engine for w in ("ra", "rb")}
 

@@ -43,6 +43,6 @@ def test_the_cycle_check_finds_a_circle():
 
 def test_no_import_circle_in_the_worker():
     graph = import_graph("worker")
-    assert "worker.entries" in graph["worker.pending"] and "worker.pending" in graph[
-        "worker.affinity"]
+    assert "tokenrelay.worker.entries" in graph["tokenrelay.worker.pending"] and "tokenrelay.worker.pending" in graph[
+        "tokenrelay.worker.affinity"]
     assert cycles(graph) == []

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.budget import job_cost
-from protocol.events import DoneEvent, encode_event
-from protocol.keys import COST_FIELD, PAYLOAD_FIELD
-from protocol.scripts import ScriptPipeline
-from protocol.wire import JobRequest, encode_job
+from tokenrelay.protocol.budget import job_cost
+from tokenrelay.protocol.events import DoneEvent, encode_event
+from tokenrelay.protocol.keys import COST_FIELD, PAYLOAD_FIELD
+from tokenrelay.protocol.scripts import ScriptPipeline
+from tokenrelay.protocol.wire import JobRequest, encode_job
 from tests.worker.redis_layer import dead_letter, keeper, keys, r, read_as  # noqa: F401
-from worker.fencing import Fence, WriteStatus, parse_step_reply
+from tokenrelay.worker.fencing import Fence, WriteStatus, parse_step_reply
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,7 +110,7 @@ def test_a_counter_that_is_no_integer_never_fails_a_write(r, keys):
 
 def test_a_user_without_decrby_gets_noperm_not_a_budget_that_never_empties(r, keys):
     import redis as redis_lib
-    from worker.connection import ErrorKind, classify, classify_text
+    from tokenrelay.worker.connection import ErrorKind, classify, classify_text
     enqueue_costed(r, keys, "j", 9)
     r.set(keys.owner("j"), "w1:a")
     r.acl_setuser("old-rules", enabled=True, passwords=["+pw"], keys=["*"],

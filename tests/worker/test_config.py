@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.keys import PARKING_CONSUMER
-from protocol.settings import settings_from_args
-from worker.config import WorkerSettings, build_parser
+from tokenrelay.protocol.keys import PARKING_CONSUMER
+from tokenrelay.protocol.settings import settings_from_args
+from tokenrelay.worker.config import WorkerSettings, build_parser
 
 
 def test_parking_consumer_is_not_a_valid_worker_id():

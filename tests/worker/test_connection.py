@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from protocol.topology import ClusterModeError
-from worker.connection import Backoff, ErrorKind, classify, classify_text, describe_permanent
+from tokenrelay.protocol.topology import ClusterModeError
+from tokenrelay.worker.connection import Backoff, ErrorKind, classify, classify_text, describe_permanent
 
 
 @pytest.mark.parametrize("exc,kind", [
@@ -71,7 +71,7 @@ class _Log:
 
 def test_a_restart_is_noticed_by_the_run_id_without_an_error(redis_server):
     """The pooled client reconnects silently after the restart; only the run id tells."""
-    from worker.connection import ServerRestarts
+    from tokenrelay.worker.connection import ServerRestarts
     client = redis_server.client()
     restarts = ServerRestarts(client, _Log())
     assert restarts.restarted() is False               # the first read sets the baseline
@@ -83,7 +83,7 @@ def test_a_restart_is_noticed_by_the_run_id_without_an_error(redis_server):
 
 
 def test_a_user_without_info_turns_the_check_off_once(redis_server):
-    from worker.connection import ServerRestarts
+    from tokenrelay.worker.connection import ServerRestarts
     admin = redis_server.client()
     admin.acl_setuser("noinfo", enabled=True, passwords=["+pw"], keys=["*"],
                       commands=["+@all", "-info"])

@@ -11,16 +11,16 @@ import pytest
 
 from tests.import_boundaries import ROOT
 from tests.worker.hand_driven import hand_worker  # noqa: F401
-from worker.admission import Admission
-from worker.affinity import Affinity
-from worker.crew import Crew
-from worker.drain import Drain
-from worker.intake import Intake
-from worker.liveness import Liveness
-from worker.outbox import Outbox
-from worker.pending import PendingList
-from worker.service import Worker
-from worker.steps import Stepper
+from tokenrelay.worker.admission import Admission
+from tokenrelay.worker.affinity import Affinity
+from tokenrelay.worker.crew import Crew
+from tokenrelay.worker.drain import Drain
+from tokenrelay.worker.intake import Intake
+from tokenrelay.worker.liveness import Liveness
+from tokenrelay.worker.outbox import Outbox
+from tokenrelay.worker.pending import PendingList
+from tokenrelay.worker.service import Worker
+from tokenrelay.worker.steps import Stepper
 
 pytestmark = pytest.mark.timeout(60)
 COLLABORATORS = (Admission, Affinity, Drain, Intake, Liveness, Outbox, Stepper)

@@ -15,10 +15,10 @@ import redis
 
 from tests.fault_harness import check_stream, submit, wait_for
 from tests.worker.hand_driven import KEYS, hand_worker, iterate_until, start_job  # noqa: F401
-from worker.fake_engine import FakeEngine, fake_completion
-from worker.jobs import JobTable
-from worker.metrics import WorkerMetrics
-from worker.writer import Writer, WriterBusy
+from tokenrelay.worker.fake_engine import FakeEngine, fake_completion
+from tokenrelay.worker.jobs import JobTable
+from tokenrelay.worker.metrics import WorkerMetrics
+from tokenrelay.worker.writer import Writer, WriterBusy
 from tests.worker.test_steps import held
 
 pytestmark = pytest.mark.timeout(60)
@@ -142,8 +142,8 @@ def test_a_job_resumed_under_the_overlap_never_takes_its_old_runs_deltas(hand_wo
 def test_the_overlap_is_on_unless_the_engine_steps_on_the_cpu(flag, device, expected):
     from types import SimpleNamespace
 
-    from worker.config import WorkerSettings
-    from worker.service import overlaps
+    from tokenrelay.worker.config import WorkerSettings
+    from tokenrelay.worker.service import overlaps
     settings = WorkerSettings(model="fake:", overlap_steps=flag)
     engine = FakeEngine() if device is None else SimpleNamespace(
         config=SimpleNamespace(device=device))

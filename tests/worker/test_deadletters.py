@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.keys import PAYLOAD_FIELD
-from protocol.wire import JobRequest, decode_event, encode_job
+from tokenrelay.protocol.keys import PAYLOAD_FIELD
+from tokenrelay.protocol.wire import JobRequest, decode_event, encode_job
 from tests.worker.redis_layer import (dead_letter, enqueue, keeper, keys, pending,  # noqa: F401
                                       r, read_as)
-from worker.pending import AckStatus
+from tokenrelay.worker.pending import AckStatus
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,7 +36,7 @@ def test_dead_letter_writes_the_letter_and_the_poison_error_then_ack(r, keys):
 
 
 def test_poison_error_is_not_written_after_a_terminal_event(r, keys):
-    from protocol.events import DoneEvent, encode_event
+    from tokenrelay.protocol.events import DoneEvent, encode_event
     enqueue(r, keys, "finished")
     r.xadd(keys.results("finished"), {PAYLOAD_FIELD: encode_event(DoneEvent(finish_reason="stop"))})
     read_as(r, keys, "b")

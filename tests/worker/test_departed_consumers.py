@@ -2,16 +2,16 @@
 are reclaimed and its heartbeat is gone, a survivor removes it (XGROUP DELCONSUMER, in a script
 that checks its pending list in the same step); a consumer that still holds entries, or whose
 heartbeat is live, is never removed. On real redis-servers: the scripted check in-process, the
-SIGKILL with ``python -m worker`` subprocesses."""
+SIGKILL with ``tokenrelay worker`` subprocesses."""
 
 from __future__ import annotations
 
 import pytest
 
-from protocol.keys import GROUP, Keys
-from protocol.scripts import text
+from tokenrelay.protocol.keys import GROUP, Keys
+from tokenrelay.protocol.scripts import text
 from tests.fault_harness import FaultEnv, wait_for
-from worker.pending import PendingList
+from tokenrelay.worker.pending import PendingList
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.keys import GROUP, PARKING_CONSUMER
+from tokenrelay.protocol.keys import GROUP, PARKING_CONSUMER
 from tests.fault_harness import check_stream, submit
 from tests.worker.hand_driven import KEYS, hand_worker, iterate_until  # noqa: F401
-from worker.fake_engine import FakeEngine
+from tokenrelay.worker.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)
 

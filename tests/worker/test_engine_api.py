@@ -11,11 +11,11 @@ from typing import Any, Optional
 
 import pytest
 
-from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.outputs import RequestDelta, ResumeState
-from engine.sampling_params import SamplingParams
-from worker.engine_api import EngineAPI
-from worker.fake_engine import FakeEngine
+from tokenrelay.engine.errors import InvalidRequestError, PromptTooLongError
+from tokenrelay.engine.outputs import RequestDelta, ResumeState
+from tokenrelay.engine.sampling_params import SamplingParams
+from tokenrelay.worker.engine_api import EngineAPI
+from tokenrelay.worker.fake_engine import FakeEngine
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_thread")]
 
@@ -24,8 +24,8 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_thread")
 def engine(request, tiny_checkpoint) -> Any:
     if request.param == "fake":
         return FakeEngine(max_num_seqs=4, max_model_len=256)
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from tokenrelay.engine.config import EngineConfig
+    from tokenrelay.engine.llm_engine import LLMEngine
     return LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), device="cpu",
                                   dtype="float32", max_num_seqs=4, max_model_len=256,
                                   num_kv_blocks=64, enforce_eager=True))

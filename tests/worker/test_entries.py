@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import redis
 
-from protocol.keys import Keys
-from worker.entries import (AFFINITY_LANE, Entry, Lanes, by_lane, entry_fields, is_nogroup,
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.worker.entries import (AFFINITY_LANE, Entry, Lanes, by_lane, entry_fields, is_nogroup,
                             own_streams)
 
 

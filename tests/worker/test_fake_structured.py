@@ -12,10 +12,10 @@ import re
 import jsonschema
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.outputs import ResumeState
-from engine.sampling_params import SamplingParams
-from worker.fake_engine import FakeEngine, fake_constrained
+from tokenrelay.engine.errors import InvalidRequestError
+from tokenrelay.engine.outputs import ResumeState
+from tokenrelay.engine.sampling_params import SamplingParams
+from tokenrelay.worker.fake_engine import FakeEngine, fake_constrained
 
 SCHEMAS = [
     {"type": "object", "required": ["name", "age"], "additionalProperties": False,

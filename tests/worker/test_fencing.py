@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.keys import GROUP, Keys, dedupe_record
-from protocol.scripts import ScriptPipeline
-from worker.fencing import Fence, WriteStatus, bound, entry_lost, parse_step_reply
+from tokenrelay.protocol.keys import GROUP, Keys, dedupe_record
+from tokenrelay.protocol.scripts import ScriptPipeline
+from tokenrelay.worker.fencing import Fence, WriteStatus, bound, entry_lost, parse_step_reply
 
 K = Keys()
 LANE = K.lane("default")
@@ -195,7 +195,7 @@ def test_scripts_survive_a_script_cache_flush(r):
 
 
 def test_step_keys_are_the_keys_of_the_job_and_bounded(monkeypatch):
-    import worker.fencing as fencing
+    import tokenrelay.worker.fencing as fencing
     keys = Keys(namespace="t-stepkeys", shards=4)
     f = Fence(keys)
     assert f.step_keys("job-1", 2) == (keys.owner("job-1", 2).encode(),

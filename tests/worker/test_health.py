@@ -1,4 +1,4 @@
-"""``python -m worker health`` (worker/health.py): reads the heartbeat through its schema
+"""``tokenrelay health`` (worker/health.py): reads the heartbeat through its schema
 (protocol/heartbeat.py) and exits 0 only for a fresh beat with the engine loaded."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import sys
 
 import fakeredis
 
-from protocol.heartbeat import Heartbeat
-from protocol.keys import Keys
-from protocol.wire import now_ms
-from worker.health import check_health
+from tokenrelay.protocol.heartbeat import Heartbeat
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.wire import now_ms
+from tokenrelay.worker.health import check_health
 
 
 def test_health_check_against_fakeredis():
@@ -30,7 +30,7 @@ def test_health_check_against_fakeredis():
 
 
 def test_health_cli_exit_code_without_redis():
-    out = subprocess.run([sys.executable, "-m", "worker", "health", "--worker-id", "x",
+    out = subprocess.run([sys.executable, "-m", "tokenrelay.worker", "health", "--worker-id", "x",
                           "--redis-url", "redis://127.0.0.1:1/0"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 1 and "unreachable" in out.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.keys import GROUP, PARKING_CONSUMER
+from tokenrelay.protocol.keys import GROUP, PARKING_CONSUMER
 from tests.fault_harness import submit
 from tests.worker.hand_driven import KEYS, hand_worker  # noqa: F401
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.events import TokenEvent, encode_event
-from protocol.wire import JobRequest, decode_event
-from worker.entries import Entry
-from worker.jobs import Job
-from engine.outputs import RequestDelta
+from tokenrelay.protocol.events import TokenEvent, encode_event
+from tokenrelay.protocol.wire import JobRequest, decode_event
+from tokenrelay.worker.entries import Entry
+from tokenrelay.worker.jobs import Job
+from tokenrelay.engine.outputs import RequestDelta
 
 
 # ------------------------------------------------------------------------------------------
@@ -57,7 +57,7 @@ def test_non_streaming_job_carries_text_only_in_done():
                                  {"finish_reason": "stop", "stop_reason": 7}])
 @pytest.mark.parametrize("choice", [0, 2])
 def test_fast_token_encoding_is_byte_equal_to_the_model(lp, names, end, choice):
-    from worker.jobs import encode_token_event
+    from tokenrelay.worker.jobs import encode_token_event
     fast = encode_token_event(3, choice, 9, "é", [5], lp, 12.5, end.get("finish_reason"),
                               end.get("stop_reason"), end.get("cumulative_logprob"), names)
     slow = encode_event(TokenEvent(seq=3, choice=choice, position=9, text="é", token_ids=[5],
@@ -76,7 +76,7 @@ def test_batch_id_is_unique_per_owner_and_batch():
 def test_usage_total_tokens_is_on_the_wire_and_derived_for_older_writers():
     import msgpack
 
-    from protocol.events import DoneEvent, Usage
+    from tokenrelay.protocol.events import DoneEvent, Usage
     wire = msgpack.unpackb(encode_event(DoneEvent(finish_reason="stop",
                                                   usage=Usage(prompt_tokens=5,
                                                               completion_tokens=2))))

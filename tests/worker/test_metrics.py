@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from worker.metrics import observe_many
+from tokenrelay.worker.metrics import observe_many
 
 BUCKETS = (0.001, 0.005, 0.01, 0.1)
 

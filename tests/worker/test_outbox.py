@@ -9,7 +9,7 @@ import pytest
 
 from tests.fault_harness import check_stream
 from tests.worker.hand_driven import KEYS, hand_worker, iterate_until, start_job  # noqa: F401
-from worker.fake_engine import FakeEngine, fake_completion
+from tokenrelay.worker.fake_engine import FakeEngine, fake_completion
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from protocol.keys import GROUP, PARKING_CONSUMER
+from tokenrelay.protocol.keys import GROUP, PARKING_CONSUMER
 from tests.worker.redis_layer import age, enqueue, keeper, keys, pending, r, read_as  # noqa: F401
-from worker.pending import AckStatus, PendingList
+from tokenrelay.worker.pending import AckStatus, PendingList
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,7 +65,7 @@ def test_reclaim_takes_only_expired_leases_most_urgent_first(r, keys):
 
 
 def test_parked_entries_come_first_and_keep_their_delivery_count(r, keys):
-    from protocol.keys import PARKED_IDLE_MS, PARKING_CONSUMER
+    from tokenrelay.protocol.keys import PARKED_IDLE_MS, PARKING_CONSUMER
     lane = keys.lane("default")
     stale, parked = enqueue(r, keys, "stale"), enqueue(r, keys, "parked")
     read_as(r, keys, "dead")

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from protocol.keys import Keys
-from worker.config import WorkerSettings
-from worker.service import Worker
+from tokenrelay.protocol.keys import Keys
+from tokenrelay.worker.config import WorkerSettings
+from tokenrelay.worker.service import Worker
 from tests.fault_harness import read_events, submit, wait_for_terminal
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("engine.llm_engine") is None,
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("tokenrelay.engine.llm_engine") is None,
                                 reason="engine.llm_engine not available yet")
 
 KEYS = Keys()
@@ -27,7 +27,7 @@ ENGINE_KW = dict(kv_cache_memory_bytes=64 * 2**20, max_num_seqs=16, max_model_le
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
-    from engine.llm import LLM
+    from tokenrelay.engine.llm import LLM
     return LLM(str(tiny_checkpoint("llama")), **ENGINE_KW)
 
 
@@ -59,7 +59,7 @@ PROMPTS = ["Hello there, how are you", "The quick brown fox", "a", "Once upon a 
 
 
 def test_streamed_text_equals_offline_generate(redis_server, llm, engine):
-    from engine.sampling_params import SamplingParams
+    from tokenrelay.engine.sampling_params import SamplingParams
     lens = [12, 5, 20, 9]
     expected = [llm.generate(p, SamplingParams(temperature=0, max_tokens=n))[0].outputs[0]
                 for p, n in zip(PROMPTS, lens)]
@@ -89,7 +89,7 @@ def test_streamed_text_equals_offline_generate(redis_server, llm, engine):
 def test_takeover_resumes_sampled_job_exactly(redis_server, llm, engine):
     """Stop a sampled job half way (hand-back), resume it on another worker: the client's
     text equals an uninterrupted run with the recorded seed."""
-    from engine.sampling_params import SamplingParams
+    from tokenrelay.engine.sampling_params import SamplingParams
     r = redis_server.client()
     w1, t1 = start(redis_server, engine, worker_id="first", drain_timeout=0.0)
     # min_tokens: a random seed must not end the job on EOS before the hand-back (a run

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.events import DoneEvent, StartedEvent, TokenEvent, encode_event
-from protocol.keys import BATCH_FIELD, EVENT_FIELD, Keys
-from protocol.scripts import ScriptPipeline
-from worker.admission import stream_entries
-from worker.recovery import JobProgress, progress_from_entries
+from tokenrelay.protocol.events import DoneEvent, StartedEvent, TokenEvent, encode_event
+from tokenrelay.protocol.keys import BATCH_FIELD, EVENT_FIELD, Keys
+from tokenrelay.protocol.scripts import ScriptPipeline
+from tokenrelay.worker.admission import stream_entries
+from tokenrelay.worker.recovery import JobProgress, progress_from_entries
 
 pytestmark = pytest.mark.timeout(60)
 KEY = Keys().results("j")

@@ -14,11 +14,11 @@ from typing import Any
 import msgpack
 import pytest
 
-from protocol.keys import GROUP, Keys, PARKING_CONSUMER
-from protocol.wire import DeadLetter, now_ms
+from tokenrelay.protocol.keys import GROUP, Keys, PARKING_CONSUMER
+from tokenrelay.protocol.wire import DeadLetter, now_ms
 from tests.fault_harness import read_events, submit, wait_for, wait_for_terminal
 from tests.fixtures_redis import REPO_ROOT
-from worker.fake_engine import FakeEngine, fake_completion
+from tokenrelay.worker.fake_engine import FakeEngine, fake_completion
 
 @pytest.fixture
 def r(redis_server):
@@ -463,7 +463,7 @@ def test_nogroup_recreates_group(start_worker, r):
 # ------------------------------------------------------------------------------------------
 
 def test_heartbeat_and_health_check(start_worker, r):
-    from worker.health import check_health
+    from tokenrelay.worker.health import check_health
     w = start_worker(worker_id="hb1")
     wait_for(lambda: r.exists(KEYS.heartbeat("hb1")))
     beat = r.hgetall(KEYS.heartbeat("hb1"))

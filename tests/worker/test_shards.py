@@ -1,7 +1,7 @@
 """A sharded queue (``--shards 3``) on one redis-server: the worker reads every shard, keeps
 priorities across them, never starts more than it has room for, and keeps each job's keys, dead
 letters and replays on the shard its entry came from. In-process workers on the FakeEngine; the
-SIGKILL scenario and the refusals run ``python -m worker`` subprocesses."""
+SIGKILL scenario and the refusals run ``tokenrelay worker`` subprocesses."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from typing import Any
 import msgpack
 import pytest
 
-from protocol.keys import GROUP, Keys, PAYLOAD_FIELD, dedupe_record
-from protocol.wire import DeadLetter
-from protocol.shards import SHARDS_FIELD
+from tokenrelay.protocol.keys import GROUP, Keys, PAYLOAD_FIELD, dedupe_record
+from tokenrelay.protocol.wire import DeadLetter
+from tokenrelay.protocol.shards import SHARDS_FIELD
 from tests.fault_harness import (REDIS_7, REDIS_62, FaultEnv, check_stream, enqueue, ids_on_shard, pending_summary,
                                  read_events, wait_all_ended, wait_for, wait_for_terminal)
 from tests.fixtures_redis import REPO_ROOT, RedisServer
-from worker import admin
-from worker.pending import PendingList
-from worker.fake_engine import FakeEngine, fake_completion
+from tokenrelay.worker import admin
+from tokenrelay.worker.pending import PendingList
+from tokenrelay.worker.fake_engine import FakeEngine, fake_completion
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -237,7 +237,7 @@ def test_sigkilled_workers_jobs_are_reclaimed_on_every_shard_exactly_once(tmp_pa
 
 
 def run_worker_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker", *argv], cwd=str(REPO_ROOT),
+    return subprocess.run([sys.executable, "-m", "tokenrelay.worker", *argv], cwd=str(REPO_ROOT),
                           capture_output=True, text=True, timeout=timeout)
 
 

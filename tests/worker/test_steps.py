@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.heartbeat import Heartbeat
-from protocol.keys import GROUP, PARKING_CONSUMER
-from protocol.wire import DeadLetter, JobRequest
+from tokenrelay.protocol.heartbeat import Heartbeat
+from tokenrelay.protocol.keys import GROUP, PARKING_CONSUMER
+from tokenrelay.protocol.wire import DeadLetter, JobRequest
 from tests.fault_harness import FaultInjectingEngine, InjectedEngineFault, read_events, submit
 from tests.worker.hand_driven import KEYS, hand_worker, iterate_until  # noqa: F401
-from worker.entries import Entry
-from worker.fake_engine import FakeEngine
-from worker.jobs import Job, JobTable
-from worker.logs import get_logger
-from worker.metrics import WorkerMetrics
-from worker.steps import EngineFailure, Stepper
+from tokenrelay.worker.entries import Entry
+from tokenrelay.worker.fake_engine import FakeEngine
+from tokenrelay.worker.jobs import Job, JobTable
+from tokenrelay.worker.logs import get_logger
+from tokenrelay.worker.metrics import WorkerMetrics
+from tokenrelay.worker.steps import EngineFailure, Stepper
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,7 @@ import time
 import jsonschema
 import pytest
 
-from protocol.keys import Keys
+from tokenrelay.protocol.keys import Keys
 from tests.fault_harness import read_events, submit, wait_for_terminal
 from tests.worker.test_real_engine import ENGINE_KW, start, stop
 
@@ -24,7 +24,7 @@ LONG = {"type": "object", "additionalProperties": False, "required": ["items"],
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
-    from engine.llm import LLM
+    from tokenrelay.engine.llm import LLM
     return LLM(str(tiny_checkpoint("llama")), **ENGINE_KW)
 
 
@@ -38,7 +38,7 @@ def engine(llm):
 def test_a_failing_constraint_ends_its_job_alone(redis_server, llm, engine):
     import msgpack
 
-    from engine.sampling_params import SamplingParams
+    from tokenrelay.engine.sampling_params import SamplingParams
     good = {"temperature": 1.0, "seed": 4, "max_tokens": 60,
             "structured_outputs": {"json": LONG}}
     ref = llm.generate("List:", SamplingParams.model_validate(good))[0].outputs[0]
@@ -68,7 +68,7 @@ def test_a_failing_constraint_ends_its_job_alone(redis_server, llm, engine):
 
 
 def test_takeover_resumes_a_json_answer_exactly(redis_server, llm, engine):
-    from engine.sampling_params import SamplingParams
+    from tokenrelay.engine.sampling_params import SamplingParams
     params = {"temperature": 1.0, "max_tokens": 80, "structured_outputs": {"json": LONG}}
     r = redis_server.client()
     w1, t1 = start(redis_server, engine, worker_id="first", drain_timeout=0.0)

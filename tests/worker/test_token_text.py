@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.fake_engine import FakeTokenizer
-from worker.token_text import TokenTexts, byte_decoder, piece_bytes
+from tokenrelay.worker.fake_engine import FakeTokenizer
+from tokenrelay.worker.token_text import TokenTexts, byte_decoder, piece_bytes
 
 
 def test_byte_alphabet_is_gpt2s():
@@ -53,7 +53,7 @@ def test_fake_tokenizer_names_its_characters():
 
 @pytest.mark.parametrize("top", [0, 1, 3])
 def test_fake_engine_logprobs_are_top_n_with_the_chosen_first(top):
-    from worker.fake_engine import fake_logprobs
+    from tokenrelay.worker.fake_engine import fake_logprobs
     lp = fake_logprobs(ord("y"), top)
     assert list(lp)[0] == ord("y") and lp[ord("y")] == max(lp.values())
     assert len(lp) == max(1, top) and list(lp)[1:] == [ord("z"), ord("a")][:max(0, top - 1)]

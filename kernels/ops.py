@@ -23,14 +23,14 @@ OPS = (
 )
 
 _HOME = {
-    "store_kv": "kernels.store_kv",
-    "paged_decode_attention": "kernels.decode_attention",
-    "paged_prefill_attention": "kernels.prefill_attention",
-    "rms_norm": "kernels.norm",
-    "fused_add_rms_norm": "kernels.norm",
-    "rotary": "kernels.rotary",
-    "silu_and_mul": "kernels.activation",
-    **{f"{name}_ref": "kernels.reference" for name in OPS},
+    "store_kv": "tokenrelay.kernels.store_kv",
+    "paged_decode_attention": "tokenrelay.kernels.decode_attention",
+    "paged_prefill_attention": "tokenrelay.kernels.prefill_attention",
+    "rms_norm": "tokenrelay.kernels.norm",
+    "fused_add_rms_norm": "tokenrelay.kernels.norm",
+    "rotary": "tokenrelay.kernels.rotary",
+    "silu_and_mul": "tokenrelay.kernels.activation",
+    **{f"{name}_ref": "tokenrelay.kernels.reference" for name in OPS},
 }
 
 __all__ = [*OPS, *(f"{name}_ref" for name in OPS), "OPS"]
@@ -38,7 +38,7 @@ __all__ = [*OPS, *(f"{name}_ref" for name in OPS), "OPS"]
 
 def __getattr__(name: str) -> Any:
     if name not in _HOME:
-        raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+        raise AttributeError(f"module 'tokenrelay.kernels.ops' has no attribute {name!r}")
     value = getattr(importlib.import_module(_HOME[name]), name)
     globals()[name] = value
     return value
