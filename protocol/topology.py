@@ -26,6 +26,8 @@ import redis.asyncio
 from redis.cluster import RedisCluster
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
+from tokenrelay.protocol.slot_routing import AsyncSlotRoutedCluster, SlotRoutedCluster
+
 Key = Union[str, bytes]
 # (routing key, one or more RESP-packed commands whose keys all hash to that key's slot,
 #  how many commands the bytes hold). The bytes may come as a function that packs them: such a
@@ -103,7 +105,7 @@ def make_client(url: str, cluster: Optional[bool] = None, **kwargs: Any) -> Any:
         cluster = detect_cluster(url, float(kwargs.get("socket_connect_timeout") or 2.0))
     if not cluster:
         return redis.Redis.from_url(url, **kwargs)
-    return RedisCluster.from_url(url, **_cluster_kwargs(kwargs))
+    return SlotRoutedCluster.from_url(url, **_cluster_kwargs(kwargs))
 
 
 def make_async_client(url: str, cluster: Optional[bool] = None,
@@ -126,7 +128,7 @@ def make_async_client(url: str, cluster: Optional[bool] = None,
         return client
     if max_connections is not None:
         kwargs["max_connections"] = max_connections
-    return AsyncRedisCluster.from_url(url, **_cluster_kwargs(kwargs))
+    return AsyncSlotRoutedCluster.from_url(url, **_cluster_kwargs(kwargs))
 
 
 def node_name(client: Any, key: Key) -> Optional[str]:
