@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "NVIDIA GPU found: torch $(TORCH_VERSION) with CUDA from the default index, and triton"; \
 		$(if $(LOCK),grep -v '^triton==' $(LOCK) > $(VENV)/gpu.lock &&,) \
-		$(PY) -m pip install -q "torch==$(TORCH_VERSION)" && \
+		$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(LOCK),-c $(VENV)/gpu.lock) && \
 		$(PY) -m pip install -q -e '.[$(EXTRAS),gpu]' $(if $(LOCK),-c $(VENV)/gpu.lock); \
 	else \
 		echo "no NVIDIA GPU: the CPU build of torch $(TORCH_VERSION)"; \

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def script_modules() -> list:
-    return [importlib.import_module(f"protocol.scripts.{m.name}")
+    return [importlib.import_module(f"tokenrelay.protocol.scripts.{m.name}")
             for m in pkgutil.iter_modules(scripts.__path__)]
 
 
