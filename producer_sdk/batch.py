@@ -35,9 +35,9 @@ from pydantic import BaseModel, ConfigDict
 
 from tokenrelay.producer_sdk.client import Client
 from tokenrelay.producer_sdk.window import progress_bar
-from tokenrelay.producer_sdk.errors import InvalidRequest, JobFailed
+from tokenrelay.producer_sdk.errors import InvalidRequest, JobFailed, ModelNotFound
 from tokenrelay.producer_sdk.job import Job
-from tokenrelay.producer_sdk.models import ModelCache
+from tokenrelay.producer_sdk.models import ModelCache, resolve_model
 from tokenrelay.producer_sdk.batch_lines import (LineTag, error_line, error_line_number, job_id_for,
                                       response_line)
 from tokenrelay.producer_sdk.batch_lock import OutputLock
@@ -281,7 +281,7 @@ class BatchRunner:
                 kwargs = fit_tools(kwargs, tag.tools, *self.router.tool_format(served))
             # stream=False: the done event carries the output, logprobs and their tokens too
             prepared = self.client.prepare(kwargs, job_id=job_id, priority=self.priority,
-                                           stream=False, queue=queue)
+                                           stream=False, queue=queue, model=served)
         except (InvalidRequest, LineError) as exc:
             msg = exc.message if isinstance(exc, LineError) else str(
                 rename_error(exc, tag.constraint_param))
@@ -362,14 +362,13 @@ class ModelRouter:
         """(queue for ``prepare``, None for the runner's; the output's model); LineError
         ``model_not_found`` when no live worker serves ``model``."""
         models = self.models.get()
-        found = models.get(model)
-        if found is not None:
-            return (None if found.queue == self.queue else found.queue), model
         if not models and self._single_queue():
             return None, model
-        served = ", ".join(sorted(models)) or "none"
-        raise LineError("model_not_found", f"The model `{model}` does not exist: no live worker "
-                        f"serves it (served now: {served})")
+        try:
+            found = resolve_model(models, model)
+        except ModelNotFound as exc:
+            raise LineError("model_not_found", str(exc), "model") from None
+        return (None if found.queue == self.queue else found.queue), model
 
     def tool_format(self, model: str) -> tuple[Optional[str], str, bool]:
         """(what the model's chat template does with tools, the model, whether a live worker

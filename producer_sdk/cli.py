@@ -6,7 +6,7 @@ Every command takes ``--redis-url`` (one Redis, or any node of a Redis Cluster),
 2 bad request, 3 Redis unreachable, 4 queue full, 5 timeout, 6 unknown job id (``status``,
 ``result``, ``cancel``: nothing is written), 7 a --durable
 submit's jobs are enqueued but fewer replicas than asked acknowledged them, 8 ``submit`` to a
-queue no live worker serves (``--wait-for-worker`` submits anyway and waits), 9 ``batch`` whose
+queue or ``--model`` no live worker serves (``--wait-for-worker`` submits anyway and waits), 9 ``batch`` whose
 output file another run is writing now.
 """
 
@@ -23,8 +23,8 @@ from tokenrelay.protocol.settings import (BackPressureSettings, CliSettings, Con
                                add_settings_flags, parse_settings, unset)
 from tokenrelay.producer_sdk.batch_lock import BatchLocked
 from tokenrelay.producer_sdk.client import Client
-from tokenrelay.producer_sdk.errors import (InvalidRequest, JobFailed, JobNotFound, NotDurable, QueueFull,
-                                 RedisUnavailable)
+from tokenrelay.producer_sdk.errors import (InvalidRequest, JobFailed, JobNotFound, ModelNotFound,
+                                            NotDurable, QueueFull, RedisUnavailable)
 from tokenrelay.producer_sdk.stats import discover_queues, queue_stats, stats_table
 from tokenrelay.producer_sdk.structured import from_cli, rename_error
 from tokenrelay.protocol.keys import Keys
@@ -64,6 +64,10 @@ class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption, DurableOptions,
                     BackPressureSettings):
     """``submit``: sampling parameters the CLI passes on (unset: the server's defaults)."""
 
+    model: Optional[str] = Field(None, description="The served model to ask (as the gateway's "
+                                 "and batch's model): the job goes to the queue live workers "
+                                 "serve it on (none: exit 8).",
+                                 json_schema_extra=unset("whichever model serves --queue"))
     chat: bool = Field(False, description="Send the prompt as one user chat message.")
     stream: bool = Field(False, description="Print tokens as they arrive.")
     max_tokens: Optional[int] = Field(None, description="Most tokens to generate.",
@@ -172,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 EXITS: tuple[tuple[type[BaseException], int], ...] = (
     (RedisUnavailable, EXIT_UNAVAILABLE), (InvalidRequest, EXIT_INVALID), (QueueFull, EXIT_FULL),
     (JobFailed, EXIT_FAILED), (TimeoutError, EXIT_TIMEOUT), (JobNotFound, EXIT_UNKNOWN),
+    (ModelNotFound, EXIT_NO_WORKER),
     (NotDurable, EXIT_NOT_DURABLE), (ShardCountMismatch, EXIT_INVALID),
     (BatchLocked, EXIT_LOCKED), (OSError, EXIT_INVALID),
     (ValueError, EXIT_INVALID))
@@ -233,15 +238,17 @@ def cmd_submit(client: Client, args: argparse.Namespace, opts: SubmitOptions) ->
         sampling["structured_outputs"] = constraint.spec
     source = {"messages": [{"role": "user", "content": args.prompt}]} if opts.chat else {
         "prompt": args.prompt}
+    queue = model_queue(client, opts)
     try:
         prepared = client.prepare({**source, **sampling, "job_id": opts.job_id,
                                    "priority": opts.priority, "stream": opts.stream,
-                                   "routing_key": opts.routing_key})
+                                   "routing_key": opts.routing_key, "model": opts.model,
+                                   "queue": None if queue == client.queue else queue})
     except InvalidRequest as exc:       # named as the flag that asked for the constraint
         raise rename_error(exc, constraint.param if constraint else None) from None
-    if not opts.wait_for_worker and not client.live_workers():
-        print(f"error: no live worker serves queue {client.queue!r} (namespace "
-              f"{client.namespace!r}); start one (tokenrelay worker --queue {client.queue} "
+    if not opts.wait_for_worker and not client.live_workers(queue):
+        print(f"error: no live worker serves queue {queue!r} (namespace "
+              f"{client.namespace!r}); start one (tokenrelay worker --queue {queue} "
               f"--model ...) or pass --wait-for-worker", file=sys.stderr)
         return EXIT_NO_WORKER
     (job,) = client.enqueue([prepared], block=opts.block)
@@ -278,6 +285,20 @@ def cmd_submit(client: Client, args: argparse.Namespace, opts: SubmitOptions) ->
     print(f"finish_reason={result.finish_reason} tokens={result.usage.completion_tokens}",
           file=sys.stderr)
     return 0
+
+
+def model_queue(client: Client, opts: SubmitOptions) -> str:
+    """The queue a submit goes to: the one live workers serve ``--model`` on (ModelNotFound,
+    exit 8, when none does: with ``--wait-for-worker``, ``--queue``, where the worker that
+    comes checks the model), else ``--queue``."""
+    if opts.model is None:
+        return client.queue
+    try:
+        return client.queue_of_model(opts.model)
+    except ModelNotFound:
+        if opts.wait_for_worker:
+            return client.queue
+        raise
 
 
 class ChoiceLines:

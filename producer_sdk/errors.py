@@ -36,6 +36,20 @@ class LineError(Exception):
         self.param = param
 
 
+class ModelNotFound(SDKError, LookupError):
+    """No live worker serves the model a request names (its ``model``): nothing was sent.
+    The one wording of it, for the SDK, the CLI, the batch runner's errors file and the
+    gateway's 404."""
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        listed = ", ".join(served) if served else "none (no worker is live)"
+        super().__init__(f"no live worker serves the model {model!r}; served now: {listed}. "
+                         f"Ask for a served model, or start a worker with --served-model-name "
+                         f"{model} on a queue of its own")
+        self.model = model
+        self.served = served
+
+
 class RedisUnavailable(ConnectionError):
     """Redis could not be reached (refused, DNS, timeout). Subclasses the builtin ConnectionError."""
 

@@ -209,6 +209,9 @@ class Admission:
             job.terminal = progress.terminal.type
             self.outbox.owe_ack(job.entry, job.job_id, "already finished")
             return
+        if req.model is not None and req.model != self.s.served_model():
+            self.jobs.fail(job, ErrorCode.INVALID_REQUEST, wrong_model(req.model, self.s))
+            return
         job.attempt = progress.attempts + 1
         if req.stream and progress.choices:
             resume_choices(job, progress)
@@ -318,6 +321,15 @@ class Admission:
             self.log.exception(unexpected, **job.log_fields())
             self.jobs.fail(job, ErrorCode.INTERNAL,
                            f"{unexpected}: {type(exc).__name__}: {exc}")
+
+
+def wrong_model(asked: str, settings: WorkerSettings) -> str:
+    """Why a worker refuses a job for another model: answering it would label one model's
+    text with another's name (a queue's workers serve one model; a worker restarted with
+    another model finds its predecessor's jobs)."""
+    return (f"model: the job asks for {asked!r} but the workers of queue {settings.queue!r} "
+            f"serve {settings.served_model()!r}; send it to the queue that serves {asked!r} "
+            f"(route by model: submit(model=...), the gateway, the batch runner)")
 
 
 def resolve_max_tokens(params: Any, request: JobRequest, prompt_tokens: int,

@@ -16,6 +16,7 @@ from pydantic import ByteSize, Field, field_validator
 from tokenrelay.protocol.settings import ConnectionSettings, add_settings_flags, unset
 from tokenrelay.protocol.keys import Keys, PARKING_CONSUMER
 from tokenrelay.protocol.limits import Limits
+from tokenrelay.protocol.wire import MODEL_NAME_PATTERN
 
 ENGINE_DEFAULT = unset("the engine's")
 
@@ -180,8 +181,7 @@ class WorkerSettings(WorkerIdentity):
         return out
 
 
-# OpenAI model ids look like "gpt-4o" or "meta-llama/Llama-3.1-8B": any visible characters.
-SERVED_MODEL_NAME_RE = re.compile(r"^[^\s\x00-\x1f\x7f]{1,256}$")
+SERVED_MODEL_NAME_RE = re.compile(MODEL_NAME_PATTERN)
 
 
 def default_served_model_name(model: Optional[str]) -> str:
