@@ -16,6 +16,8 @@ from typing import Any, Generator, Optional, TypeVar
 
 from tokenrelay.protocol.heartbeat import Pipeline, live_beats, queue_model
 from tokenrelay.protocol.keys import Keys
+from tokenrelay.worker.config import WorkerSettings
+from tokenrelay.worker.connection import EXIT_CONFIG, REDIS_ERRORS
 
 T = TypeVar("T")
 
@@ -52,10 +54,25 @@ def check_queue_model(client: Any, keys: Keys, worker_id: str, served: str) -> N
         f"the workers of {model!r} first")
 
 
+def serves_queue(client: Any, keys: Keys, worker_id: str, settings: WorkerSettings,
+                 log: Any) -> bool:
+    """Whether the worker may serve its queue; False after one error line (the worker exits
+    78). A Redis error here skips the check with a warning: jobs still carry their model, and
+    a job for another model ends ``invalid_request`` instead of being answered."""
+    try:
+        check_queue_model(client, keys, worker_id, settings.served_model())
+    except QueueServesAnotherModel as exc:
+        log.error(str(exc), exit_code=EXIT_CONFIG)
+        return False
+    except REDIS_ERRORS as exc:
+        log.warning("could not check which model the queue is served with", error=str(exc))
+    return True
+
+
 def _queue_hint(served: str) -> str:
     """A queue name for ``served`` that keys can hold (no braces, colons or whitespace)."""
     hint = "".join(c if c.isalnum() or c in "-_." else "-" for c in served.split("/")[-1])
     return hint.strip("-") or "other"
 
 
-__all__ = ["QueueServesAnotherModel", "check_queue_model", "run_plan"]
+__all__ = ["QueueServesAnotherModel", "check_queue_model", "serves_queue", "run_plan"]

@@ -51,7 +51,7 @@ from tokenrelay.worker.jobs import JobTable
 from tokenrelay.worker.liveness import Tick, WorkerStatus
 from tokenrelay.worker.logs import RateLimitedLog, get_logger
 from tokenrelay.worker.metrics import WorkerMetrics
-from tokenrelay.worker.model_guard import QueueServesAnotherModel, check_queue_model
+from tokenrelay.worker.model_guard import serves_queue
 from tokenrelay.worker.cycle import StepCycle
 from tokenrelay.worker.outbox import FlushReport, no_fault
 from tokenrelay.worker.steps import EngineFailure
@@ -151,7 +151,7 @@ class Worker:
             if self.engine is None and not self._load_engine():
                 return self.exit_code
             self.log.info("engine loaded", model=self.s.model, **describe_engine(self.engine))
-            if not self._connect() or not self._claim_worker_id() or not self._one_model():
+            if not self._connect() or not self._claim_worker_id():
                 return self.exit_code
             self.metrics.serve(self.s.metrics_port, self.s.metrics_host)
             freeze_heap()
@@ -191,26 +191,12 @@ class Worker:
         return True
 
     def _claim_worker_id(self) -> bool:
-        if self._crew().liveness.claim_worker_id():
-            return True
-        self.exit_code = EXIT_ID_IN_USE
-        return False
-
-    def _one_model(self) -> bool:
-        """One model per queue (worker/model_guard.py): False, after one line naming both
-        models and the fix, when the queue is served with another model (exit 78). A Redis
-        error here skips the check with a warning: jobs still carry their model, and a job
-        for another model ends ``invalid_request`` instead of being answered."""
-        try:
-            check_queue_model(self.client, self.keys, self.worker_id, self.s.served_model())
-        except QueueServesAnotherModel as exc:
+        """The worker id (else exit 3), then its queue's model (else 78: model_guard.py)."""
+        if not self._crew().liveness.claim_worker_id():
+            self.exit_code = EXIT_ID_IN_USE
+        elif not serves_queue(self.client, self.keys, self.worker_id, self.s, self.log):
             self.exit_code = EXIT_CONFIG
-            self.log.error(str(exc), exit_code=self.exit_code)
-            return False
-        except REDIS_ERRORS as exc:
-            self.log.warning("could not check which model the queue is served with",
-                             error=str(exc))
-        return True
+        return self.exit_code == 0
 
     def _shutdown(self) -> None:
         self.writer.close()
