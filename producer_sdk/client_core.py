@@ -241,7 +241,7 @@ class ClientCore(ABC, Generic[R]):
         job = self.job_class(self, job_id, keys=(yield from self._queues.keys(queue)),
                              reattached=True)
         if (yield from self._probe([job]))[0] == "unknown":
-            raise JobNotFound(job_id)
+            raise JobNotFound(job_id, job.keys.queue, self.namespace)
         return job
 
     def _probe(self, jobs: Sequence[JobHandle]) -> Plan[list[str]]:
@@ -266,9 +266,9 @@ class ClientCore(ABC, Generic[R]):
         """Cancel one job by id; JobNotFound (nothing written) when Redis holds none of its
         records."""
         validate_job_id(job_id)
-        target = cancel_target((yield from self._queues.keys(queue)), job_id)
-        if not (yield from self._cancel_jobs([target]))[0]:
-            raise JobNotFound(job_id)
+        keys = yield from self._queues.keys(queue)
+        if not (yield from self._cancel_jobs([cancel_target(keys, job_id)]))[0]:
+            raise JobNotFound(job_id, keys.queue, self.namespace)
 
     def _cancel_jobs(self, targets: Sequence[CancelTarget]) -> Plan[list[bool]]:
         """Set each job's cancel flag with ``CANCEL_KNOWN`` (only for a job whose records

@@ -140,10 +140,15 @@ class ClientClosed(SDKError, RuntimeError):
 class JobNotFound(SDKError, LookupError):
     """No job with this id is known to Redis (never submitted, or its records expired)."""
 
-    def __init__(self, job_id: str) -> None:
-        super().__init__(f"no job {job_id!r} in this namespace: it was never submitted here, or its "
-                         f"dedupe record and result stream have expired")
+    def __init__(self, job_id: str, queue: Optional[str] = None,
+                 namespace: Optional[str] = None) -> None:
+        where = (f"on queue {queue!r} of namespace {namespace!r}" if queue is not None
+                 else "in this namespace")
+        super().__init__(f"no job {job_id!r} {where}: it was never submitted to that queue "
+                         f"(a job routed by its model is on its model's queue: pass that "
+                         f"queue), or its dedupe record and result stream have expired")
         self.job_id = job_id
+        self.queue = queue
 
 
 # The SDK's own JobFailed codes (not protocol ErrorCodes): a job whose records vanished (result
