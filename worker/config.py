@@ -60,6 +60,11 @@ class WorkerSettings(WorkerIdentity):
         None, description="Model name this worker advertises in its heartbeat: what a request's "
         "model must say to be routed to its queue (and the metrics' model_name label).",
         json_schema_extra=unset("the checkpoint folder's name; fake for fake: engines"))
+    generation_config: str = Field(
+        "auto", description="Sampling defaults for what a job leaves unset (temperature, top_p, "
+        "top_k, min_p, repetition_penalty, max_new_tokens as max_tokens): auto, the "
+        "checkpoint's generation_config.json; vllm, none (the protocol's defaults); or a "
+        "folder holding a generation_config.json (vLLM's --generation-config).")
     dtype: str = Field("auto", description="auto, float32, float16, bfloat16.")
     # None: the engine's default (EngineConfig), so the worker never restates it.
     max_num_seqs: Optional[int] = Field(None, ge=1, description="Max running sequences.",
@@ -153,6 +158,14 @@ class WorkerSettings(WorkerIdentity):
         if v is not None and not SERVED_MODEL_NAME_RE.match(v):
             raise ValueError(f"served_model_name must be 1-256 printable characters without "
                              f"whitespace; got {v!r}")
+        return v
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config(cls, v: str) -> str:
+        if v not in ("auto", "vllm") and not Path(v).is_dir():
+            raise ValueError(f"generation_config must be auto, vllm (none) or a folder holding "
+                             f"a generation_config.json; {v!r} is no folder")
         return v
 
     def served_model(self) -> str:
