@@ -358,7 +358,11 @@ def cmd_status(client: Client, args: argparse.Namespace, opts: StatusOptions) ->
         raise InvalidRequest("status needs a JOB_ID or --batch INPUT")
     st = client.status(args.job_id)
     print(st.model_dump_json() if opts.json else status_line(st.job_id, st))
-    return EXIT_UNKNOWN if st.state == "unknown" else 0
+    if st.state == "unknown":
+        print(f"error: {JobNotFound(args.job_id, client.queue, client.namespace)}",
+              file=sys.stderr)
+        return EXIT_UNKNOWN
+    return 0
 
 
 def cmd_result(client: Client, args: argparse.Namespace, opts: ResultOptions) -> int:

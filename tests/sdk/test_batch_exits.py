@@ -108,6 +108,8 @@ def test_cancel_of_a_finished_job_and_unknown_ids(sdk_url: str):
         assert "queue 'default'" in unknown.stderr
         with pytest.raises(JobNotFound, match="queue 'other'"):
             client.get(job.id, queue="other")
+        status = cli(sdk_url, "status", job.id, "--queue", "other")
+        assert status.returncode == EXIT_UNKNOWN and "queue 'other'" in status.stderr
 
 
 def test_one_table_of_exit_codes_in_help_and_readme():

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 
+import msgpack
 import pytest
 
-from tests.fault_harness import enqueue, wait_for, wait_for_terminal
+from tests.fault_harness import enqueue, submit, wait_for, wait_for_terminal
 from tokenrelay.producer_sdk.models import list_models
 from tokenrelay.protocol.heartbeat import Heartbeat, queue_model
 from tokenrelay.protocol.keys import Keys
@@ -80,3 +81,17 @@ def test_the_refusal_is_one_line_naming_both_models_and_the_fix(redis_server, st
     assert len(errors) == 1, errors
     message = errors[0]["event"]
     assert "'alpha'" in message and "'beta'" in message and "--queue" in message
+
+
+@pytest.mark.parametrize("model", [5, "two words", "x" * 300, ""])
+def test_a_hostile_model_field_ends_that_job_alone(redis_server, start_worker, model):
+    r = redis_server.client()
+    w = start_worker(worker_id="wa", served_model_name="alpha")
+    raw = msgpack.packb({"v": 1, "job_id": "hostile", "prompt": "hi", "model": model})
+    submit(r, KEYS, None, raw=raw)
+    enqueue(r, KEYS, job("fine", "alpha"))
+    ends = wait_for_terminal(r, KEYS, ["hostile", "fine"])
+    assert ends["hostile"][-1].type == "error" and ends["hostile"][-1].code == "invalid_request"
+    assert "model" in ends["hostile"][-1].message
+    assert ends["fine"][-1].type == "done"
+    assert w.stop() == 0
