@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fault_harness import wait_for
 from tests.sdk.test_batch_runner import read_jsonl, write_input
 from tests.sdk_helpers import FakeWorker, env_with_repo, sdk_redis, sdk_url  # noqa: F401
 from tokenrelay.producer_sdk import Client, JobNotFound
@@ -87,6 +88,7 @@ def test_a_batch_waiting_on_a_queue_without_workers_says_so(sdk_url: str, tmp_pa
 def test_watch_reports_only_queues_without_live_workers(sdk_url: str):
     said: list[str] = []
     with Client(sdk_url) as client, FakeWorker(sdk_url, queue="busy"):
+        wait_for(lambda: client.live_workers("busy"), 10, what="the busy queue's worker")
         watch = WorkerWatch(client, 5.0, say=said.append)
         watch.sent("a", "busy")
         watch.sent("b", "idle")
@@ -117,8 +119,10 @@ def test_one_table_of_exit_codes_in_help_and_readme():
                          env=env_with_repo(), capture_output=True, text=True, timeout=60)
     top = subprocess.run([sys.executable, "-m", "tokenrelay.producer_sdk", "--help"],
                          env=env_with_repo(), capture_output=True, text=True, timeout=60)
+    one = subprocess.run([sys.executable, "-m", "tokenrelay", "--help"], env=env_with_repo(),
+                         capture_output=True, text=True, timeout=60)
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     for code, what in EXIT_CODES:
-        assert f"{code:>2}  {what}" in top.stdout
+        assert f"{code:>2}  {what}" in top.stdout and f"{code:>2}  {what}" in one.stdout
         assert f"| {code} | {what} |" in readme, what
     assert out.returncode == 0 and "exit codes:" in out.stdout
