@@ -343,7 +343,7 @@ class Worker:
                              held=len(self.jobs))
             self._crew().intake.reread_own_pending()
         if tick.drain_requested and not self._stop.is_set():
-            self.log.info("drain requested by admin")
+            self.exit_code = tick.exit_code     # 78: another model serves the queue
             self.stop()
         for lane, entry_id in tick.lost_entries:
             self._lost_entry(lane, entry_id)

@@ -95,3 +95,19 @@ def test_a_hostile_model_field_ends_that_job_alone(redis_server, start_worker, m
     assert "model" in ends["hostile"][-1].message
     assert ends["fine"][-1].type == "done"
     assert w.stop() == 0
+
+
+def test_a_worker_whose_queue_an_older_worker_of_another_model_serves_again_leaves(
+        redis_server, start_worker):
+    """A worker of alpha that was cut off (its beat expired) and comes back finds beta's
+    worker, started meanwhile, on its queue: beta's, the younger, drains and exits 78."""
+    r = redis_server.client()
+    beta = start_worker(worker_id="wb", served_model_name="beta")
+    older = Heartbeat(queue="default", served_model_name="alpha", started_ms=1,
+                      engine_loaded=True, ts=1)
+    r.hset(KEYS.heartbeat("wa"), mapping=older.encode())
+    r.pexpire(KEYS.heartbeat("wa"), 30_000)
+    r.zadd(KEYS.workers, {"wa": 1})
+    beta.thread.join(20)
+    assert beta.result == [EXIT_CONFIG]
+    assert list(list_models(r)) == ["alpha"]
