@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 from pydantic import Field
 
 from tokenrelay.protocol.settings import (BackPressureSettings, CliSettings, ConnectionSettings, JsonOutput,
-                               add_settings_flags, parse_settings, unset)
+                               add_settings_flags, own_env, parse_settings, unset)
 from tokenrelay.producer_sdk.batch_lock import BatchLocked
 from tokenrelay.producer_sdk.cli_batch import cmd_batch, cmd_batch_status, status_line
 from tokenrelay.producer_sdk.client import Client
@@ -85,7 +85,8 @@ class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption, DurableOptions,
                                       json_schema_extra=unset("sampling, no beam search"))
     length_penalty: Optional[float] = Field(None, description="Beam search length penalty.",
                                             json_schema_extra=SERVER_DEFAULT)
-    priority: int = Field(0, description="Below 0: the urgent lane; above 0: the bulk lane.")
+    priority: int = Field(0, description="Below 0: the urgent lane; above 0: the bulk lane.",
+                          **own_env("submit", "priority"))
     job_id: Optional[str] = Field(None, description="The job's id (a resubmission is deduped).",
                                   json_schema_extra=unset("a fresh random id"))
     block: bool = Field(False, description="Wait for room when the queue is full.")
@@ -113,7 +114,8 @@ class BatchOptions(ConnectionSettings, BatchIdOption, DurableOptions, BackPressu
     errors: Optional[str] = Field(None, description="Errors JSONL.",
                                   json_schema_extra=unset("OUTPUT with .errors.jsonl"))
     concurrency: int = Field(256, ge=1, description="Most jobs in flight.")
-    priority: int = Field(1, description="Job priority (1: the bulk lane).")
+    priority: int = Field(1, description="Job priority (1: the bulk lane).",
+                          **own_env("batch", "priority"))
     progress: bool = Field(True, description="Show a progress bar.")
     allow_failures: bool = Field(False, description="Exit 0 even when lines failed or were "
                                  "malformed (else: exit 1 while the errors file holds any).")
