@@ -63,7 +63,8 @@ class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption, DurableOptions,
     model: Optional[str] = Field(None, description="The served model to ask (as the gateway's "
                                  "and batch's model): the job goes to the queue live workers "
                                  "serve it on (none: exit 8).",
-                                 json_schema_extra=unset("whichever model serves --queue"))
+                                 json_schema_extra=unset("whichever model serves --queue"),
+                                 **own_env("submit", "model"))    # a worker's is a path
     chat: bool = Field(False, description="Send the prompt as one user chat message.")
     stream: bool = Field(False, description="Print tokens as they arrive.")
     max_tokens: Optional[int] = Field(None, description="Most tokens to generate.",

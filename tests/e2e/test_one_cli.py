@@ -250,6 +250,10 @@ def test_a_command_own_setting_has_its_own_variable(monkeypatch):
     assert parse(build, ["submit", "hi"]).priority == 0
     assert parse(build, ["batch", "in", "out"]).priority == 5
     assert parse(build, ["batch", "in", "out", "--priority", "2"]).priority == 2
+    monkeypatch.setenv("TOKENRELAY_MODEL", "/models/smollm2")     # the worker's checkpoint
+    assert parse(build, ["submit", "hi"]).model is None
+    monkeypatch.setenv("TOKENRELAY_SUBMIT_MODEL", "smollm2")
+    assert parse(build, ["submit", "hi"]).model == "smollm2"
     monkeypatch.setenv("TOKENRELAY_SUBMIT_PRIORITY", "x")
     with pytest.raises(SystemExit):
         parse(build, ["submit", "hi"])
