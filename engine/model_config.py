@@ -143,6 +143,27 @@ class ModelConfig:
         return cfg
 
 
+# generation_config.json's sampling keys (transformers' names) -> SamplingParams' names: what
+# vLLM's ``--generation-config auto`` applies where a request leaves them unset.
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                           "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                           "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(folder: str | Path) -> dict[str, Any]:
+    """The sampling defaults a checkpoint recommends (``generation_config.json`` in
+    ``folder``), under SamplingParams' names, only those it sets; {} without the file. The
+    values are the file's, unchecked: the caller validates them."""
+    gen_file = Path(folder) / "generation_config.json"
+    if not gen_file.is_file():
+        return {}
+    gen = json.loads(gen_file.read_text())
+    if not isinstance(gen, dict):
+        raise ValueError(f"{gen_file} is not a JSON object")
+    return {ours: gen[theirs] for theirs, ours in GENERATION_DEFAULT_KEYS.items()
+            if gen.get(theirs) is not None}
+
+
 def _as_list(value: Any) -> list[int]:
     if value is None:
         return []

@@ -35,6 +35,7 @@ _LAZY = {
     "InvalidRequest": "tokenrelay.producer_sdk.errors",
     "JobFailed": "tokenrelay.producer_sdk.errors",
     "JobNotFound": "tokenrelay.producer_sdk.errors",
+    "ModelNotFound": "tokenrelay.producer_sdk.errors",
     "QueueFull": "tokenrelay.producer_sdk.errors",
     "NotDurable": "tokenrelay.producer_sdk.errors",
     "ShardCountMismatch": "tokenrelay.protocol.shards",

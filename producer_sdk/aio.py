@@ -116,6 +116,9 @@ class AsyncClient(ClientCore[aioredis.Redis]):
     async def live_workers(self, queue: Optional[str] = None) -> list[str]:
         return await self._run(self._live_workers(queue))
 
+    async def queue_of_model(self, model: str) -> str:
+        return await self._run(self._queue_of_model(model))
+
     # -- queues
     async def keys_of(self, queue: Optional[str] = None) -> Keys:
         return await self._run(self._keys_of(queue))

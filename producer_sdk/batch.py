@@ -35,11 +35,12 @@ from pydantic import BaseModel, ConfigDict
 
 from tokenrelay.producer_sdk.client import Client
 from tokenrelay.producer_sdk.window import progress_bar
-from tokenrelay.producer_sdk.errors import InvalidRequest, JobFailed
+from tokenrelay.producer_sdk.errors import InvalidRequest, JobFailed, ModelNotFound
 from tokenrelay.producer_sdk.job import Job
-from tokenrelay.producer_sdk.models import ModelCache
-from tokenrelay.producer_sdk.batch_lines import (LineTag, error_line, error_line_number, job_id_for,
-                                      response_line)
+from tokenrelay.producer_sdk.models import ModelCache, resolve_model
+from tokenrelay.producer_sdk.batch_watch import DEFAULT_EVERY_S, WorkerWatch
+from tokenrelay.producer_sdk.batch_lines import (LineTag, error_counts, error_line,
+                                                 error_line_number, job_id_for, response_line)
 from tokenrelay.producer_sdk.batch_lock import OutputLock
 from tokenrelay.producer_sdk.openai_format import LineError, parse_request
 from tokenrelay.producer_sdk.structured import fit_tools, rename_error
@@ -65,6 +66,7 @@ class BatchSummary:
     malformed: int = 0
     skipped: int = 0
     elapsed_s: float = 0.0
+    errors_file_lines: int = 0      # every line of the errors file, this run's and earlier ones'
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -177,7 +179,9 @@ class BatchRunner:
                  output_path: os.PathLike | str, errors_path: Optional[os.PathLike | str] = None,
                  *, batch_id: Optional[str] = None, concurrency: int = 256, priority: int = 1,
                  progress: bool = True, flush_every_s: float = 0.2,
-                 durable: Optional[bool] = None) -> None:
+                 durable: Optional[bool] = None, wait_log_s: float = DEFAULT_EVERY_S) -> None:
+        """``wait_log_s``: how often a line says that a queue the batch waits on has no live
+        worker (producer_sdk/batch_watch.py)."""
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.client = client
@@ -192,6 +196,7 @@ class BatchRunner:
         self.flush_every_s = flush_every_s
         self.durable = durable      # None: the client's default (ClientConfig.durable)
         self.router = ModelRouter(client)
+        self.watch = WorkerWatch(client, wait_log_s)
         # Digests of the custom_ids submitted in this run: OpenAI requires them unique, and two
         # lines with one id would map to one job and be answered twice.
         self._seen: set[int] = set()
@@ -214,7 +219,7 @@ class BatchRunner:
         done = DoneIndex.load(self.output, self.errors)
         bar = progress_bar(total, self.progress, f"batch {batch_id[:20]}")
         with open(self.output, "a", encoding="utf-8") as out, \
-                open(self.errors, "a", encoding="utf-8") as err:
+                open(self.errors, "a", encoding="utf-8") as err, self.watch:
             writer = _Writer(out, err, self.flush_every_s)
             try:
                 source = self._source(batch_id, done, writer, summary, bar)
@@ -227,6 +232,7 @@ class BatchRunner:
                 writer.flush()
                 bar.close()
         summary.elapsed_s = time.monotonic() - t0
+        summary.errors_file_lines = sum(error_counts(self.errors).values())
         return summary
 
     def _source(self, batch_id: str, done: DoneIndex, writer: "_Writer", summary: BatchSummary,
@@ -276,12 +282,13 @@ class BatchRunner:
             summary.failed += 1
             return None
         tag = replace(tag, model=served)
+        self.watch.sent(served, queue)
         try:
             if tag.tools is not None:       # tools as the served model's template takes them
                 kwargs = fit_tools(kwargs, tag.tools, *self.router.tool_format(served))
             # stream=False: the done event carries the output, logprobs and their tokens too
             prepared = self.client.prepare(kwargs, job_id=job_id, priority=self.priority,
-                                           stream=False, queue=queue)
+                                           stream=False, queue=queue, model=served)
         except (InvalidRequest, LineError) as exc:
             msg = exc.message if isinstance(exc, LineError) else str(
                 rename_error(exc, tag.constraint_param))
@@ -362,14 +369,13 @@ class ModelRouter:
         """(queue for ``prepare``, None for the runner's; the output's model); LineError
         ``model_not_found`` when no live worker serves ``model``."""
         models = self.models.get()
-        found = models.get(model)
-        if found is not None:
-            return (None if found.queue == self.queue else found.queue), model
         if not models and self._single_queue():
             return None, model
-        served = ", ".join(sorted(models)) or "none"
-        raise LineError("model_not_found", f"The model `{model}` does not exist: no live worker "
-                        f"serves it (served now: {served})")
+        try:
+            found = resolve_model(models, model)
+        except ModelNotFound as exc:
+            raise LineError("model_not_found", str(exc), "model") from None
+        return (None if found.queue == self.queue else found.queue), model
 
     def tool_format(self, model: str) -> tuple[Optional[str], str, bool]:
         """(what the model's chat template does with tools, the model, whether a live worker

@@ -5,6 +5,7 @@ response body built from the OpenAI shapes of ``openai_format.py``, tool calls r
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -66,6 +67,28 @@ def error_line(custom_id: Optional[str], line: int, code: str, message: str,
     return {"id": f"batch_req_{job_id}" if job_id else None, "custom_id": custom_id,
             "response": None,
             "error": {"code": code, "line": line, "message": message, "param": param}}
+
+
+def error_counts(path: Any) -> dict[str, int]:
+    """Lines of an errors file by ``error.code`` (a missing file: none), read without changing
+    it (a last line cut short by a kill is left out): what a batch's exit code and ``status
+    --batch`` count."""
+    counts: dict[str, int] = {}
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return counts
+    with f:
+        for raw in f:
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                continue
+            err = obj.get("error") if isinstance(obj, dict) else None
+            code = err.get("code") if isinstance(err, dict) else None
+            key = code if isinstance(code, str) else "unknown"
+            counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def error_line_number(obj: dict[str, Any]) -> Optional[int]:

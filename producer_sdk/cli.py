@@ -2,12 +2,8 @@
 
 Every command takes ``--redis-url`` (one Redis, or any node of a Redis Cluster), ``--cluster``,
 ``--namespace``, ``--queue`` and ``--shards`` (before or after it); each option is also a
-``TOKENRELAY_<NAME>`` variable (protocol/settings.py). Exit codes: 0 ok, 1 job failed,
-2 bad request, 3 Redis unreachable, 4 queue full, 5 timeout, 6 unknown job id (``status``,
-``result``, ``cancel``: nothing is written), 7 a --durable
-submit's jobs are enqueued but fewer replicas than asked acknowledged them, 8 ``submit`` to a
-queue no live worker serves (``--wait-for-worker`` submits anyway and waits), 9 ``batch`` whose
-output file another run is writing now.
+``TOKENRELAY_<NAME>`` variable (protocol/settings.py). Exit codes: one table,
+``producer_sdk/exit_codes.py`` (shown by ``--help`` and in the README).
 """
 
 from __future__ import annotations
@@ -20,22 +16,22 @@ from typing import Any, Optional, Sequence
 from pydantic import Field
 
 from tokenrelay.protocol.settings import (BackPressureSettings, CliSettings, ConnectionSettings, JsonOutput,
-                               add_settings_flags, parse_settings, unset)
+                               add_settings_flags, own_env, parse_settings, unset)
 from tokenrelay.producer_sdk.batch_lock import BatchLocked
+from tokenrelay.producer_sdk.cli_batch import cmd_batch, cmd_batch_status, status_line
 from tokenrelay.producer_sdk.client import Client
-from tokenrelay.producer_sdk.errors import (InvalidRequest, JobFailed, JobNotFound, NotDurable, QueueFull,
-                                 RedisUnavailable)
+from tokenrelay.producer_sdk.exit_codes import (EXIT_FAILED, EXIT_FINISHED, EXIT_FULL,
+                                                EXIT_INVALID, EXIT_LOCKED, EXIT_NO_WORKER,
+                                                EXIT_NOT_DURABLE, EXIT_TIMEOUT, EXIT_UNAVAILABLE,
+                                                EXIT_UNKNOWN, exit_table)
+from tokenrelay.producer_sdk.errors import (InvalidRequest, JobFailed, JobNotFound, ModelNotFound,
+                                            NotDurable, QueueFull, RedisUnavailable)
 from tokenrelay.producer_sdk.stats import discover_queues, queue_stats, stats_table
 from tokenrelay.producer_sdk.structured import from_cli, rename_error
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.shards import ShardCountMismatch, registered_shards, resolve_shards
 from tokenrelay.protocol.topology import cluster_flag
 
-EXIT_FAILED, EXIT_INVALID, EXIT_UNAVAILABLE, EXIT_FULL, EXIT_TIMEOUT = 1, 2, 3, 4, 5
-EXIT_UNKNOWN = 6                # status/result/cancel of a job id Redis does not know
-EXIT_NOT_DURABLE = 7            # a --durable submit's jobs are enqueued but not on enough replicas
-EXIT_NO_WORKER = 8              # submit: no live worker serves the queue
-EXIT_LOCKED = 9                 # batch: another run is writing the same output file
 SERVER_DEFAULT = unset("the worker's")
 
 
@@ -64,6 +60,11 @@ class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption, DurableOptions,
                     BackPressureSettings):
     """``submit``: sampling parameters the CLI passes on (unset: the server's defaults)."""
 
+    model: Optional[str] = Field(None, description="The served model to ask (as the gateway's "
+                                 "and batch's model): the job goes to the queue live workers "
+                                 "serve it on (none: exit 8).",
+                                 json_schema_extra=unset("whichever model serves --queue"),
+                                 **own_env("submit", "model"))    # a worker's is a path
     chat: bool = Field(False, description="Send the prompt as one user chat message.")
     stream: bool = Field(False, description="Print tokens as they arrive.")
     max_tokens: Optional[int] = Field(None, description="Most tokens to generate.",
@@ -85,7 +86,8 @@ class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption, DurableOptions,
                                       json_schema_extra=unset("sampling, no beam search"))
     length_penalty: Optional[float] = Field(None, description="Beam search length penalty.",
                                             json_schema_extra=SERVER_DEFAULT)
-    priority: int = Field(0, description="Below 0: the urgent lane; above 0: the bulk lane.")
+    priority: int = Field(0, description="Below 0: the urgent lane; above 0: the bulk lane.",
+                          **own_env("submit", "priority"))
     job_id: Optional[str] = Field(None, description="The job's id (a resubmission is deduped).",
                                   json_schema_extra=unset("a fresh random id"))
     block: bool = Field(False, description="Wait for room when the queue is full.")
@@ -113,8 +115,13 @@ class BatchOptions(ConnectionSettings, BatchIdOption, DurableOptions, BackPressu
     errors: Optional[str] = Field(None, description="Errors JSONL.",
                                   json_schema_extra=unset("OUTPUT with .errors.jsonl"))
     concurrency: int = Field(256, ge=1, description="Most jobs in flight.")
-    priority: int = Field(1, description="Job priority (1: the bulk lane).")
+    priority: int = Field(1, description="Job priority (1: the bulk lane).",
+                          **own_env("batch", "priority"))
     progress: bool = Field(True, description="Show a progress bar.")
+    allow_failures: bool = Field(False, description="Exit 0 even when lines failed or were "
+                                 "malformed (else: exit 1 while the errors file holds any).")
+    wait_log_s: float = Field(10.0, gt=0, description="Seconds between the lines that say a "
+                              "queue the batch waits on has no live worker.")
 
 
 class StatsOptions(ConnectionSettings, JsonOutput):
@@ -127,6 +134,12 @@ class StatsOptions(ConnectionSettings, JsonOutput):
 class StatusOptions(ConnectionSettings, JsonOutput, BatchIdOption):
     batch: Optional[str] = Field(None, description="The batch input JSONL: one line per job, "
                                  "then the counts by state.", json_schema_extra=unset("none"))
+    output: Optional[str] = Field(None, description="With --batch: the run's output JSONL, "
+                                  "whose errors file (OUTPUT.errors.jsonl) is counted too.",
+                                  json_schema_extra=unset("none"))
+    errors: Optional[str] = Field(None, description="With --batch: the run's errors JSONL, "
+                                  "counted by error code.",
+                                  json_schema_extra=unset("OUTPUT with .errors.jsonl"))
 
 
 class ResultOptions(ConnectionSettings, JsonOutput, WaitOption):
@@ -136,7 +149,9 @@ class ResultOptions(ConnectionSettings, JsonOutput, WaitOption):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenrelay",
                                      description="tokenrelay producer: submit jobs, run OpenAI-"
-                                                 "format batch files, inspect queues.")
+                                                 "format batch files, inspect queues.",
+                                     epilog=exit_table(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_settings_flags(parser, ConnectionSettings)
     sub = parser.add_subparsers(dest="command", required=True)
     submit = sub.add_parser("submit", help="submit one prompt and print its output")
@@ -163,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     result = sub.add_parser("result", help="wait for a job and print its output")
     result.add_argument("job_id")
     add_settings_flags(result, ResultOptions)
+    for command in sub.choices.values():       # every command's --help ends with the table
+        command.epilog, command.formatter_class = parser.epilog, parser.formatter_class
     return parser
 
 
@@ -172,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 EXITS: tuple[tuple[type[BaseException], int], ...] = (
     (RedisUnavailable, EXIT_UNAVAILABLE), (InvalidRequest, EXIT_INVALID), (QueueFull, EXIT_FULL),
     (JobFailed, EXIT_FAILED), (TimeoutError, EXIT_TIMEOUT), (JobNotFound, EXIT_UNKNOWN),
+    (ModelNotFound, EXIT_NO_WORKER),
     (NotDurable, EXIT_NOT_DURABLE), (ShardCountMismatch, EXIT_INVALID),
     (BatchLocked, EXIT_LOCKED), (OSError, EXIT_INVALID),
     (ValueError, EXIT_INVALID))
@@ -202,9 +220,19 @@ def run_command(args: argparse.Namespace, opts: Any) -> int:
             return cmd_status(client, args, opts)
         if args.command == "result":
             return cmd_result(client, args, opts)
-        client.cancel(args.job_id)
-        print(f"cancel requested for {args.job_id}")
-        return 0
+        return cmd_cancel(client, args.job_id)
+
+
+def cmd_cancel(client: Client, job_id: str) -> int:
+    """Cancel a job: 10 (nothing written) when it had already finished, 6 when unknown."""
+    st = client.status(job_id)
+    if st.finished:
+        print(f"job {job_id} had already finished ({st.state}); nothing to cancel",
+              file=sys.stderr)
+        return EXIT_FINISHED
+    client.cancel(job_id)
+    print(f"cancel requested for {job_id}")
+    return 0
 
 
 def client_settings(opts: ConnectionSettings) -> dict[str, Any]:
@@ -233,15 +261,17 @@ def cmd_submit(client: Client, args: argparse.Namespace, opts: SubmitOptions) ->
         sampling["structured_outputs"] = constraint.spec
     source = {"messages": [{"role": "user", "content": args.prompt}]} if opts.chat else {
         "prompt": args.prompt}
+    queue = model_queue(client, opts)
     try:
         prepared = client.prepare({**source, **sampling, "job_id": opts.job_id,
                                    "priority": opts.priority, "stream": opts.stream,
-                                   "routing_key": opts.routing_key})
+                                   "routing_key": opts.routing_key, "model": opts.model,
+                                   "queue": None if queue == client.queue else queue})
     except InvalidRequest as exc:       # named as the flag that asked for the constraint
         raise rename_error(exc, constraint.param if constraint else None) from None
-    if not opts.wait_for_worker and not client.live_workers():
-        print(f"error: no live worker serves queue {client.queue!r} (namespace "
-              f"{client.namespace!r}); start one (tokenrelay worker --queue {client.queue} "
+    if not opts.wait_for_worker and not client.live_workers(queue):
+        print(f"error: no live worker serves queue {queue!r} (namespace "
+              f"{client.namespace!r}); start one (tokenrelay worker --queue {queue} "
               f"--model ...) or pass --wait-for-worker", file=sys.stderr)
         return EXIT_NO_WORKER
     (job,) = client.enqueue([prepared], block=opts.block)
@@ -280,6 +310,20 @@ def cmd_submit(client: Client, args: argparse.Namespace, opts: SubmitOptions) ->
     return 0
 
 
+def model_queue(client: Client, opts: SubmitOptions) -> str:
+    """The queue a submit goes to: the one live workers serve ``--model`` on (ModelNotFound,
+    exit 8, when none does: with ``--wait-for-worker``, ``--queue``, where the worker that
+    comes checks the model), else ``--queue``."""
+    if opts.model is None:
+        return client.queue
+    try:
+        return client.queue_of_model(opts.model)
+    except ModelNotFound:
+        if opts.wait_for_worker:
+            return client.queue
+        raise
+
+
 class ChoiceLines:
     """Prints several choices as lines that each start with ``[choice] ``: streamed tokens of
     different choices interleave, so each choice's text is held until it completes a line (or
@@ -316,63 +360,17 @@ def cmd_status(client: Client, args: argparse.Namespace, opts: StatusOptions) ->
     if args.job_id is None:
         raise InvalidRequest("status needs a JOB_ID or --batch INPUT")
     st = client.status(args.job_id)
-    print(st.model_dump_json() if opts.json else _status_line(st.job_id, st))
-    return EXIT_UNKNOWN if st.state == "unknown" else 0
-
-
-def _status_line(name: str, st: Any) -> str:
-    shown = {k: v for k, v in st.model_dump(exclude={"job_id", "state"}).items()
-             if v not in (None, False, 0) or (k == "position" and v == 0)}
-    return " ".join([name, st.state, *(f"{k}={v}" for k, v in shown.items())])
-
-
-def cmd_batch_status(client: Client, opts: StatusOptions) -> int:
-    """Every job of a batch, found from its input file (``producer_sdk.batch_status``), each
-    custom_id once; the lines that are no request, named; then the counts by state."""
-    from pathlib import Path
-
-    from tokenrelay.producer_sdk.batch import scan_input
-    from tokenrelay.producer_sdk.batch_lines import job_id_for
-    from tokenrelay.producer_sdk.batch_status import read_batch_lines, statuses_anywhere
-    path = Path(opts.batch)
-    batch_id = opts.batch_id or f"batch_{scan_input(path)[1][:24]}"
-    lines = read_batch_lines(path)
-    statuses = statuses_anywhere(client, [job_id_for(batch_id, c) for c in lines.custom_ids])
-    counts: dict[str, int] = {}
-    for cid, st in zip(lines.custom_ids, statuses):
-        counts[st.state] = counts.get(st.state, 0) + 1
-        print(json.dumps({"custom_id": cid, **st.model_dump()}) if opts.json
-              else _status_line(cid, st))
-    for lineno, why in lines.malformed:
-        print(json.dumps({"line": lineno, "malformed": why}) if opts.json
-              else f"line {lineno} malformed: {why}")
-    print(json.dumps({"batch_id": batch_id, "jobs": len(statuses), **counts,
-                      "malformed_lines": len(lines.malformed)}), file=sys.stderr)
+    print(st.model_dump_json() if opts.json else status_line(st.job_id, st))
+    if st.state == "unknown":
+        print(f"error: {JobNotFound(args.job_id, client.queue, client.namespace)}",
+              file=sys.stderr)
+        return EXIT_UNKNOWN
     return 0
 
 
 def cmd_result(client: Client, args: argparse.Namespace, opts: ResultOptions) -> int:
     result = client.get(args.job_id).result(timeout=opts.timeout)
     print(result.model_dump_json() if opts.json else result.text)
-    return 0
-
-
-def cmd_batch(client: Client, args: argparse.Namespace, opts: BatchOptions) -> int:
-    from tokenrelay.producer_sdk.batch import BatchRunner
-    runner = BatchRunner(client, args.input, args.output, opts.errors, batch_id=opts.batch_id,
-                         concurrency=opts.concurrency, priority=opts.priority,
-                         progress=opts.progress, durable=opts.durable)
-    try:
-        summary = runner.run()
-    except KeyboardInterrupt:
-        print("\ninterrupted: jobs in flight keep running; rerun the same command to resume",
-              file=sys.stderr)
-        return 130
-    print(json.dumps(summary.as_dict()), file=sys.stderr)
-    if summary.total_lines and not (summary.succeeded + summary.failed + summary.skipped):
-        print(f"error: no line of {args.input} is a valid request (see {runner.errors})",
-              file=sys.stderr)
-        return EXIT_INVALID
     return 0
 
 

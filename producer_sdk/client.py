@@ -76,6 +76,11 @@ class Client(ClientCore[redis.Redis]):
         empty means a job submitted now waits until one starts."""
         return self._run(self._live_workers(queue))
 
+    def queue_of_model(self, model: str) -> str:
+        """The queue live workers serve ``model`` on (what ``submit(model=...)`` routes to);
+        ModelNotFound, listing the served models, when no live worker serves it."""
+        return self._run(self._queue_of_model(model))
+
     # -- queues
     def keys_of(self, queue: Optional[str] = None) -> Keys:
         """The keys of ``queue`` (None: the client's), with its shard count: the client's

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from typing import Any, Generic, Iterable, Optional, Sequence, TypeVar
+from typing import Any, Generic, Iterable, Mapping, Optional, Sequence, TypeVar
 
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -27,9 +27,10 @@ from tokenrelay.producer_sdk.config import ClientConfig
 from tokenrelay.producer_sdk.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, Send, Sleep, pipelined,
                                   raise_transient, retrying, run_plan_script)
 from tokenrelay.producer_sdk.enqueue import Enqueuer
-from tokenrelay.producer_sdk.errors import (ClientClosed, JobNotFound, NotDurable, QueueFull, RedisUnavailable,
-                                 SDKError)
+from tokenrelay.producer_sdk.errors import (ClientClosed, InvalidRequest, JobNotFound, NotDurable,
+                                            QueueFull, RedisUnavailable, SDKError)
 from tokenrelay.producer_sdk.job import Deadline, JobHandle, JobState
+from tokenrelay.producer_sdk.models import ServedModel, listing, resolve_model
 from tokenrelay.producer_sdk.models import live_workers as queue_workers
 from tokenrelay.producer_sdk.payloads import PayloadBuilder, Prepared, gc_paused
 from tokenrelay.producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD, QueueBook
@@ -77,6 +78,11 @@ def make_async_redis(cfg: ClientConfig, cluster: Optional[bool] = None) -> Any:
 
 
 R = TypeVar("R")
+
+
+def _needs_route(fields: Mapping[str, Any]) -> bool:
+    """Whether submit() arguments name a ``model`` and leave its queue to be found."""
+    return fields.get("model") is not None and fields.get("queue") is None
 
 
 class ClientCore(ABC, Generic[R]):
@@ -141,16 +147,48 @@ class ClientCore(ABC, Generic[R]):
     def _submit(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan[Any]:
         fields = bind_submit(args, kwargs)
         block, block_timeout, durable = (fields.pop(k) for k in SEND_OPTIONS)
+        if _needs_route(fields):
+            fields = self._routed(fields, (yield from self._models()))
         prepared = self._builder.build(**fields)
         return (yield from self._enqueue([prepared], block=block, block_timeout=block_timeout,
                                          durable=durable))[0]
 
     def _submit_many(self, requests: Iterable[Any], block: bool, block_timeout: Optional[float],
                      durable: Optional[bool], defaults: dict[str, Any]) -> Plan[list[Any]]:
+        requests = requests if type(requests) is list else list(requests)
+        if _needs_route(defaults) or any(isinstance(r, Mapping) and _needs_route(r)
+                                         for r in requests):
+            models = yield from self._models()
+            defaults = self._routed(defaults, models)
+            requests = [self._routed(r, models) if isinstance(r, Mapping) and _needs_route(r)
+                        else r for r in requests]
         with gc_paused():
             prepared = self._builder.build_many(requests, defaults, now_ms())
         return (yield from self._enqueue(prepared, block=block, block_timeout=block_timeout,
                                          durable=durable))
+
+    def _models(self) -> Plan[dict[str, ServedModel]]:
+        """The live models of the namespace (``producer_sdk.models``), read now."""
+        return (yield from self._retrying(lambda: pipelined(listing(self.namespace))))
+
+    def _queue_of_model(self, model: str) -> Plan[str]:
+        return resolve_model((yield from self._models()), model).queue
+
+    def _routed(self, fields: Mapping[str, Any], models: dict[str, ServedModel]
+                ) -> dict[str, Any]:
+        """``fields`` with the queue their ``model`` is served on (as the gateway and the batch
+        runner route): ModelNotFound when no live worker serves it. An explicit ``queue``
+        wins; the worker still checks the model (a job is never answered by another)."""
+        out = dict(fields)
+        if not _needs_route(out):
+            return out
+        model = out["model"]
+        if not isinstance(model, str):
+            raise InvalidRequest(f"model must be a served model's name (a string), got "
+                                 f"{type(model).__name__}", field="model")
+        queue = resolve_model(models, model).queue
+        out["queue"] = None if queue == self.queue else queue
+        return out
 
     def _enqueue(self, prepared: Sequence[Prepared], *, block: bool,
                  block_timeout: Optional[float] = None,
@@ -203,7 +241,7 @@ class ClientCore(ABC, Generic[R]):
         job = self.job_class(self, job_id, keys=(yield from self._queues.keys(queue)),
                              reattached=True)
         if (yield from self._probe([job]))[0] == "unknown":
-            raise JobNotFound(job_id)
+            raise JobNotFound(job_id, job.keys.queue, self.namespace)
         return job
 
     def _probe(self, jobs: Sequence[JobHandle]) -> Plan[list[str]]:
@@ -228,9 +266,9 @@ class ClientCore(ABC, Generic[R]):
         """Cancel one job by id; JobNotFound (nothing written) when Redis holds none of its
         records."""
         validate_job_id(job_id)
-        target = cancel_target((yield from self._queues.keys(queue)), job_id)
-        if not (yield from self._cancel_jobs([target]))[0]:
-            raise JobNotFound(job_id)
+        keys = yield from self._queues.keys(queue)
+        if not (yield from self._cancel_jobs([cancel_target(keys, job_id)]))[0]:
+            raise JobNotFound(job_id, keys.queue, self.namespace)
 
     def _cancel_jobs(self, targets: Sequence[CancelTarget]) -> Plan[list[bool]]:
         """Set each job's cancel flag with ``CANCEL_KNOWN`` (only for a job whose records

@@ -36,6 +36,20 @@ class LineError(Exception):
         self.param = param
 
 
+class ModelNotFound(SDKError, LookupError):
+    """No live worker serves the model a request names (its ``model``): nothing was sent.
+    The one wording of it, for the SDK, the CLI, the batch runner's errors file and the
+    gateway's 404."""
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        listed = ", ".join(served) if served else "none (no worker is live)"
+        super().__init__(f"no live worker serves the model {model!r}; served now: {listed}. "
+                         f"Ask for a served model, or start a worker with --served-model-name "
+                         f"{model} on a queue of its own")
+        self.model = model
+        self.served = served
+
+
 class RedisUnavailable(ConnectionError):
     """Redis could not be reached (refused, DNS, timeout). Subclasses the builtin ConnectionError."""
 
@@ -126,10 +140,15 @@ class ClientClosed(SDKError, RuntimeError):
 class JobNotFound(SDKError, LookupError):
     """No job with this id is known to Redis (never submitted, or its records expired)."""
 
-    def __init__(self, job_id: str) -> None:
-        super().__init__(f"no job {job_id!r} in this namespace: it was never submitted here, or its "
-                         f"dedupe record and result stream have expired")
+    def __init__(self, job_id: str, queue: Optional[str] = None,
+                 namespace: Optional[str] = None) -> None:
+        where = (f"on queue {queue!r} of namespace {namespace!r}" if queue is not None
+                 else "in this namespace")
+        super().__init__(f"no job {job_id!r} {where}: it was never submitted to that queue "
+                         f"(a job routed by its model is on its model's queue: pass that "
+                         f"queue), or its dedupe record and result stream have expired")
         self.job_id = job_id
+        self.queue = queue
 
 
 # The SDK's own JobFailed codes (not protocol ErrorCodes): a job whose records vanished (result

@@ -12,7 +12,7 @@ Live means: the heartbeat hash still exists (a dead or frozen worker's expires w
 its registry entry may linger, which is why the hash decides), its engine is loaded, it is not
 draining (it takes no new jobs), and it names this queue (``Heartbeat.serving``; the hash's
 schema is protocol/heartbeat.py). The sync and async variants share all the logic
-(``_listing``, a generator of pipelines); the SDK's two drivers run it (``producer_sdk.effects``).
+(``listing``, a generator of pipelines); the SDK's two drivers run it (``producer_sdk.effects``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, Optional
 
 from tokenrelay.producer_sdk.effects import arun, pipelined, run
-from tokenrelay.protocol.heartbeat import FIELDS, Heartbeat
+from tokenrelay.producer_sdk.errors import ModelNotFound
+from tokenrelay.protocol.heartbeat import FIELDS, Heartbeat, Pipeline, live_beats, queue_model
 from tokenrelay.protocol.keys import Keys
 
 
@@ -52,14 +53,11 @@ class ServedModel:
         return min(self.queues, key=lambda q: (-count[q], q))
 
 
-Pipeline = list[tuple[Any, ...]]   # Redis commands to send together
-
-
 def _s(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def _listing(namespace: str) -> Generator[Pipeline, list[Any], dict[str, ServedModel]]:
+def listing(namespace: str) -> Generator[Pipeline, list[Any], dict[str, ServedModel]]:
     """The listing as a sans-IO plan: yields each round trip's commands, receives its replies."""
     ns = Keys(namespace)
     (queues,) = yield [("SMEMBERS", ns.queues)]
@@ -76,26 +74,27 @@ def _listing(namespace: str) -> Generator[Pipeline, list[Any], dict[str, ServedM
 
 def live_workers(namespace: str, queue: str) -> Generator[Pipeline, list[Any], list[str]]:
     """The ids of ``queue``'s live workers (``Heartbeat.serving``), as a plan of the same
-    style: its registry, then every registered worker's heartbeat."""
-    keys = Keys(namespace, queue)
-    (ids,) = yield [("ZRANGE", keys.workers, 0, -1)]
-    workers = sorted(_s(w) for w in ids or ())
-    if not workers:
-        return []
-    rows = yield [("HMGET", keys.heartbeat(w), *FIELDS) for w in workers]
-    return [w for w, row in zip(workers, rows)
-            if (beat := Heartbeat.from_row(row)) is not None and beat.serving(queue)]
+    style (``protocol.heartbeat.live_beats``)."""
+    return sorted((yield from live_beats(namespace, queue)))
 
 
 def _models(pairs: list[tuple[str, str]],
             beats: list[Optional[Heartbeat]]) -> dict[str, ServedModel]:
-    """Group live workers' heartbeats (None: the hash is gone) by served model name."""
-    found: dict[str, list[tuple[str, str, int, str]]] = {}
+    """Group live workers' heartbeats (None: the hash is gone) by served model name; a queue
+    lists only the model it is served with (``queue_model``), never a second one."""
+    by_queue: dict[str, dict[str, Heartbeat]] = {}
     for (queue, worker), beat in zip(pairs, beats):
-        if beat is None or not beat.served_model_name or not beat.serving(queue):
+        if beat is not None and beat.served_model_name and beat.serving(queue):
+            by_queue.setdefault(queue, {})[worker] = beat
+    found: dict[str, list[tuple[str, str, int, str]]] = {}
+    for queue, live in by_queue.items():
+        model = queue_model(live)       # a worker of another model there is about to exit
+        if model is None:
             continue
-        found.setdefault(beat.served_model_name, []).append(
-            (queue, worker, max(0, beat.started_ms), beat.tool_format))
+        for worker, beat in live.items():
+            if beat.served_model_name == model:
+                found.setdefault(model, []).append(
+                    (queue, worker, max(0, beat.started_ms), beat.tool_format))
     out = {}
     for name, live in sorted(found.items()):
         formats = {w[3] for w in live}           # "" (an older worker) disagrees with any
@@ -107,17 +106,27 @@ def _models(pairs: list[tuple[str, str]],
     return out
 
 
+def resolve_model(models: dict[str, ServedModel], model: str) -> ServedModel:
+    """The live model a request names; ModelNotFound (listing what is served) when none is.
+    The one resolution of a ``model``: the SDK's ``submit(model=)``, the batch runner and
+    the gateway route through it."""
+    found = models.get(model)
+    if found is None:
+        raise ModelNotFound(model, sorted(models))
+    return found
+
+
 def list_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:
     """Model name -> ``ServedModel`` for every model live workers of ``namespace`` serve, over
     all its queues (a redis-py ``Redis``)."""
-    return run(pipelined(_listing(namespace)), lambda: client)
+    return run(pipelined(listing(namespace)), lambda: client)
 
 
 async def alist_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:
     """``list_models`` on a ``redis.asyncio.Redis``."""
     async def conn() -> Any:
         return client
-    return await arun(pipelined(_listing(namespace)), conn)
+    return await arun(pipelined(listing(namespace)), conn)
 
 
 class _TTL:
@@ -184,4 +193,4 @@ class AsyncModelCache:
         self._ttl.invalidate()
 
 
-__all__ = ["ServedModel", "list_models", "alist_models", "ModelCache", "AsyncModelCache"]
+__all__ = ["ServedModel", "resolve_model", "listing", "list_models", "alist_models", "ModelCache", "AsyncModelCache"]

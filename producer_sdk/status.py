@@ -61,6 +61,13 @@ class JobStatus(BaseModel):
     message: Optional[str] = None
     cancel_requested: bool = False
 
+    @property
+    def finished(self) -> bool:
+        """Whether the job ended (done, cancelled, failed, or expired before it started):
+        nothing is left to cancel. Records that expired are not an end the job reached."""
+        return self.state in ("done", "cancelled", "failed") or (
+            self.state == "expired" and self.error_code is not None)
+
 
 @dataclass(frozen=True)
 class Step:

@@ -15,8 +15,10 @@ field (``response_format.json_schema.schema``, ``guided_regex``, ``--regex``, ..
 gateway's 400 and the batch runner's errors line point at what the caller must fix.
 
 ``strict``: OpenAI's strict schemas are followed exactly, and a keyword llguidance does not
-support is a 400; a non-strict schema is best effort, as OpenAI's is: unsupported keywords are
-ignored (llguidance's ``x-guidance.lenient``).
+support is a 400; their objects, and a forced tool call's arguments (strict or not), take only
+the properties the schema names (``strict_json``: ``disable_additional_properties``). A
+non-strict schema is best effort, as OpenAI's is: unsupported keywords are ignored
+(llguidance's ``x-guidance.lenient``). A schema that is no JSON Schema is a 400 either way.
 """
 
 from __future__ import annotations
@@ -106,11 +108,12 @@ def from_response_format(value: Any) -> Optional[Constraint]:
     if kind != "json_schema":
         raise LineError("unsupported_field", f"response_format type {kind!r} is not supported "
                         f"(text, json_object, json_schema)", "response_format.type")
-    return Constraint({"json": _json_schema(value.get("json_schema"))},
-                      "response_format.json_schema.schema")
+    return Constraint(_json_schema(value.get("json_schema")), "response_format.json_schema.schema")
 
 
-def _json_schema(spec: Any) -> Any:
+def _json_schema(spec: Any) -> dict[str, Any]:
+    """The constraint of a ``json_schema`` response format: a strict schema followed exactly
+    (``strict_json``), any other on a best-effort basis (``lenient``)."""
     where = "response_format.json_schema"
     if not isinstance(spec, dict):
         raise LineError("invalid_request", f"{where} must be an object with name and schema",
@@ -131,7 +134,15 @@ def _json_schema(spec: Any) -> Any:
     if not isinstance(schema, dict):
         raise LineError("invalid_request", f"{where}.schema must be a JSON Schema object",
                         f"{where}.schema")
-    return schema if strict else lenient(schema)
+    return strict_json(schema) if strict else {"json": lenient(schema)}
+
+
+def strict_json(schema: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's strict mode: the schema followed exactly, and every object in it takes only
+    the properties it names (unless it says ``additionalProperties`` itself): a strict
+    schema's answer, or a tool call's arguments, never holds a field the caller did not ask
+    for."""
+    return {"json": schema, "disable_additional_properties": True}
 
 
 def from_vllm_extras(body: dict[str, Any]) -> Optional[Constraint]:
@@ -234,8 +245,10 @@ def _forced_call(plan: ToolPlan, tools: list[Tool]) -> Optional[Constraint]:
         i = next(i for i, t in enumerate(tools) if t.function.name == plan.function)
         used, schema = [tools[i]], tools[i].function.arguments_schema
         param = f"tools[{i}].function.parameters"
-    strict = all(t.function.strict for t in used)
-    return Constraint({"json": schema if strict else lenient(schema)}, param)
+    if all(t.function.strict for t in used):
+        return Constraint(strict_json(schema), param)
+    # Best effort for the keywords, but never an argument the function does not take.
+    return Constraint(strict_json(lenient(schema)), param)
 
 
 def fit_tools(kwargs: dict[str, Any], plan: Optional[ToolPlan], tool_format: Optional[str],

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Generator, Mapping, Optional, Sequence, Union
+
+from tokenrelay.protocol.keys import Keys
 
 INSTANCE_FIELD = "instance"
 
@@ -79,6 +81,38 @@ FIELDS: tuple[str, ...] = tuple(f.name for f in _FIELDS)
 assert INSTANCE_FIELD in FIELDS
 
 
+Pipeline = list[tuple[Any, ...]]   # Redis commands to send together
+
+
+def live_beats(namespace: str, queue: str
+               ) -> Generator[Pipeline, list[Any], dict[str, Heartbeat]]:
+    """Worker id -> heartbeat of ``queue``'s live workers (``Heartbeat.serving``), as a sans-IO
+    plan (yields each round trip's commands, receives its replies): the queue's registry, then
+    every registered worker's heartbeat. Producers run it to route (producer_sdk/models.py); a
+    starting worker runs it to find the model its queue is served with (worker/model_guard.py)."""
+    keys = Keys(namespace, queue)
+    (ids,) = yield [("ZRANGE", keys.workers, 0, -1)]
+    workers = sorted(_text(w) for w in ids or ())
+    if not workers:
+        return {}
+    rows = yield [("HMGET", keys.heartbeat(w), *FIELDS) for w in workers]
+    return {w: beat for w, row in zip(workers, rows)
+            if (beat := Heartbeat.from_row(row)) is not None and beat.serving(queue)}
+
+
+def queue_model(beats: Mapping[str, Heartbeat]) -> Optional[str]:
+    """The model a queue is served with, given its live workers' beats (worker id -> beat):
+    that of its longest-running worker (earliest ``started_ms``, then lowest id). One model per
+    queue: a worker that started later with another model refuses to serve
+    (worker/model_guard.py), and the model listing never routes to a queue for the loser's
+    model in the moment before it exits (producer_sdk/models.py). None: no live worker says."""
+    named = {w: b for w, b in beats.items() if b.served_model_name}
+    if not named:
+        return None
+    first = min(named, key=lambda w: (named[w].started_ms, w))
+    return named[first].served_model_name
+
+
 def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
 
@@ -100,4 +134,4 @@ def _decode(kind: Any, raw: Any) -> Any:
     return "" if raw is None else _text(raw)
 
 
-__all__ = ["Heartbeat", "FIELDS", "INSTANCE_FIELD"]
+__all__ = ["Heartbeat", "FIELDS", "INSTANCE_FIELD", "live_beats", "queue_model"]

@@ -27,7 +27,7 @@ MAX_N = 256
 
 # Beam search is deterministic: it scores every continuation by log-probability. Fields that
 # shape sampling or stopping in ways it cannot honour are refused with it instead of ignored.
-_NOT_WITH_BEAM_SEARCH = ("stop", "stop_token_ids", "logprobs", "repetition_penalty",
+NOT_WITH_BEAM_SEARCH = ("stop", "stop_token_ids", "logprobs", "repetition_penalty",
                          "presence_penalty", "frequency_penalty")
 
 
@@ -118,7 +118,7 @@ class SamplingParams(BaseModel):
                 raise ValueError(f"n ({self.n}) with beam_width ({self.beam_width}): beam search "
                                  f"returns all beam_width beams; leave n at 1")
             defaults = type(self).model_fields
-            bad = [f for f in _NOT_WITH_BEAM_SEARCH
+            bad = [f for f in NOT_WITH_BEAM_SEARCH
                    if getattr(self, f) != defaults[f].get_default(call_default_factory=True)]
             if bad:
                 raise ValueError(f"beam_width: beam search does not take {bad}")

@@ -81,6 +81,14 @@ class CliSettings(BaseSettings):
                                       validate_default=True, env_ignore_empty=True)
 
 
+def own_env(command: str, name: str) -> dict[str, Any]:
+    """``Field`` keywords for a setting whose meaning is its command's own (``priority``:
+    submit's 0, batch's 1): its variable is ``TOKENRELAY_<COMMAND>_<NAME>``, so setting one
+    command's never changes another's. Settings every command means the same way (the
+    connection, back-pressure, durable ones) keep ``TOKENRELAY_<NAME>``."""
+    return {"validation_alias": f"{ENV_PREFIX}{command.upper()}_{name.upper()}"}
+
+
 def unset(meaning: str) -> dict[str, Any]:
     """``json_schema_extra`` for a field whose default is None: what None means, for --help
     (``Field(None, json_schema_extra=unset("every queue"))``); --help never says "None"."""
@@ -152,8 +160,10 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def env_of(name: str) -> str:
-    return ENV_PREFIX + name.upper()
+def env_of(name: str, model: Optional[type[BaseSettings]] = None) -> str:
+    """The environment variable of setting ``name`` (of ``model``: its own, ``own_env``)."""
+    field = model.model_fields.get(name) if model is not None else None
+    return (_alias(field) if field is not None else None) or ENV_PREFIX + name.upper()
 
 
 def _base_type(annotation: Any) -> Any:
@@ -182,7 +192,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, model: type[CliSettings]
     parser.set_defaults(**{_MODEL: model})
     for name, field in model.model_fields.items():
         help_text = (f"{field.description or ''} "
-                     f"[env {env_of(name)}; default: {_default_text(name, field)}]")
+                     f"[env {env_of(name, model)}; default: {_default_text(name, field)}]")
         base = _base_type(field.annotation)
         kwargs: dict[str, Any] = {"dest": _SETTING + name, "default": argparse.SUPPRESS,
                                   "help": help_text}
@@ -205,15 +215,24 @@ def settings_from_args(args: argparse.Namespace) -> CliSettings:
     """The chosen command's settings: flags over env vars over defaults (pydantic-settings gives
     init kwargs precedence). Raises pydantic's ValidationError for a bad value."""
     model: type[CliSettings] = getattr(args, _MODEL)
-    return model(**{k: v for k, v in given_settings(args).items() if k in model.model_fields})
+    fields = model.model_fields     # a setting with its own variable is given by that name
+    return model(**{_alias(fields[k]) or k: v for k, v in given_settings(args).items()
+                    if k in fields})
 
 
-def describe_settings_error(exc: ValidationError) -> str:
+def _alias(field: FieldInfo) -> Optional[str]:
+    return field.validation_alias if isinstance(field.validation_alias, str) else None
+
+
+def describe_settings_error(exc: ValidationError,
+                            model: Optional[type[BaseSettings]] = None) -> str:
     """One line per bad setting, named as the user typed it (flag and environment variable)."""
+    by_alias = {_alias(f): n for n, f in (model.model_fields if model else {}).items()}
     lines = []
     for err in exc.errors():
         name = str(err["loc"][0]) if err.get("loc") else "settings"
-        lines.append(f"{flag_of(name)} / {env_of(name)}: {err['msg']} "
+        name = by_alias.get(name, name)
+        lines.append(f"{flag_of(name)} / {env_of(name, model)}: {err['msg']} "
                      f"(got {err.get('input')!r:.60})")
     return "; ".join(lines)
 
@@ -230,4 +249,4 @@ def parse_settings(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]
     try:
         return args, settings_from_args(args)
     except ValidationError as exc:
-        parser.error(describe_settings_error(exc))
+        parser.error(describe_settings_error(exc, model))

@@ -162,6 +162,11 @@ def grammar_problem(canonical: str) -> str:
     failures included: a producer sending the same bad schema pays once."""
     import llguidance
 
+    spec = jsonlib.loads(canonical)
+    if spec["kind"] == "json":
+        cycle = ref_cycle(spec["value"])
+        if cycle:
+            return cycle
     try:
         grammar = grammar_of(canonical)
     except (ValueError, TypeError, RecursionError) as exc:
@@ -169,6 +174,58 @@ def grammar_problem(canonical: str) -> str:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, None, limits=parser_limits())
     return messages[0].strip() if is_error and messages else ""
+
+
+# Keywords that say something about a schema without constraining values (``x-guidance``:
+# llguidance's options, e.g. the lenient mode of a non-strict schema).
+_ANNOTATIONS = frozenset({"title", "description", "$comment", "default", "examples",
+                          "deprecated", "readOnly", "writeOnly", "$schema", "$id", "$anchor",
+                          "x-guidance"})
+
+
+def ref_cycle(schema: Any) -> str:
+    """Why ``schema`` is not a JSON Schema llguidance would notice ("" when none is found): a
+    ``$ref`` that leads back to itself through schemas that are nothing but a ``$ref`` (``a``
+    is ``b``, ``b`` is ``a``): it has no base case, so no value satisfies it, yet llguidance
+    compiles it. Follows local refs (``#/...``) only; the others llguidance refuses itself.
+    Walks with an explicit stack: the depth is bounded by the limits, not by recursion."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            chain: list[str] = []
+            cur: Any = node
+            while _only_ref(cur):
+                ref = cur["$ref"]
+                if ref in chain:
+                    loop = " -> ".join([*chain[chain.index(ref):], ref])
+                    return (f"$ref cycle with no base: {loop} (each only refers to the next); "
+                            f"no value satisfies it: give the cycle a schema of its own")
+                chain.append(ref)
+                cur = _pointer(schema, ref)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return ""
+
+
+def _only_ref(node: Any) -> bool:
+    return (isinstance(node, dict) and isinstance(node.get("$ref"), str)
+            and node["$ref"].startswith("#") and set(node) - {"$ref"} <= _ANNOTATIONS)
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """The subschema a local ``$ref`` (``#/a/b``, RFC 6901 escapes) points at; None if none."""
+    node = root
+    for part in ref[1:].lstrip("/").split("/") if ref[1:] else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

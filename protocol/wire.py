@@ -53,6 +53,10 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+# A served model name (a worker's ``--served-model-name``, a job's ``model``): OpenAI's model ids
+# look like "gpt-4o" or "meta-llama/Llama-3.1-8B": any visible characters.
+MODEL_NAME_PATTERN = r"^[^\s\x00-\x1f\x7f]{1,256}$"
+
 # W3C Trace Context (https://www.w3.org/TR/trace-context/): version-trace id-parent id-flags.
 TRACEPARENT_PATTERN = r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
 
@@ -103,6 +107,11 @@ class JobRequest(BaseModel):
     # With messages: OpenAI's function tools, given to the chat template as ``tools=``
     # (protocol/tools.py). Added to v1 additively: older workers reject the unknown field.
     tools: Optional[list[Tool]] = Field(default=None, min_length=1)
+    # The served model the job is for (a worker's ``--served-model-name``): a worker serving
+    # another model ends the job ``invalid_request`` naming both, never answers it with the
+    # wrong model (a queue's workers serve one model; this holds also across a worker's
+    # restart with another model). Added to v1 additively: older workers reject the field.
+    model: Optional[str] = Field(default=None, pattern=MODEL_NAME_PATTERN)
 
     @field_validator("job_id")
     @classmethod

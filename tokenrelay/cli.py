@@ -9,7 +9,8 @@
 
 Each subcommand hands the rest of the line to its package's own entry point (the same one
 ``python -m tokenrelay.<package>`` runs), imported only when chosen: a producer's commands load
-no torch. Exit codes are each command's own (``tokenrelay <command> --help``).
+no torch. ``tokenrelay --help`` lists the exit codes (``producer_sdk/exit_codes.py``, the
+worker's).
 """
 
 from __future__ import annotations
@@ -50,11 +51,18 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+WORKER_EXITS = ("worker exit codes: 0 stopped, 1 engine failed, 3 worker id in use, "
+                "78 configuration error (one line says which)")
+
+
 def usage() -> str:
+    from tokenrelay.producer_sdk.exit_codes import exit_table   # no torch, no Redis
+
     width = max(map(len, COMMANDS))
     lines = [f"  {name.ljust(width)}  {cmd.help}" for name, cmd in COMMANDS.items()]
     return ("usage: tokenrelay COMMAND [ARGS...]   (tokenrelay COMMAND --help for its flags)\n\n"
-            "commands:\n" + "\n".join(lines) + "\n")
+            "commands:\n" + "\n".join(lines) + "\n\nsubmit, batch, status, result, cancel, "
+            "stats " + exit_table() + "\n\n" + WORKER_EXITS + "\n")
 
 
 def entry_point(name: str) -> Callable[[list[str]], Optional[int]]:

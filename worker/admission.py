@@ -21,6 +21,7 @@ from tokenrelay.engine.outputs import ResumeState
 from tokenrelay.protocol.errors import ErrorCode, FinishReason, ProtocolError, describe_validation_error
 from tokenrelay.protocol.keys import Keys, PAYLOAD_FIELD
 from tokenrelay.protocol.limits import Limits
+from tokenrelay.protocol.sampling_params import SamplingParams
 from tokenrelay.protocol.scripts import ScriptPipeline, text
 from tokenrelay.protocol.wire import JobRequest, decode_job, now_ms
 from tokenrelay.worker.config import WorkerSettings
@@ -34,6 +35,7 @@ from tokenrelay.worker.metrics import WorkerMetrics
 from tokenrelay.worker.outbox import Outbox
 from tokenrelay.worker.pending import PendingList
 from tokenrelay.worker.recovery import JobProgress, progress_from_entries
+from tokenrelay.worker.sampling_defaults import SamplingDefaults
 from tokenrelay.worker.token_text import TokenTexts
 
 
@@ -78,6 +80,7 @@ class Admission:
         self.metrics = metrics
         self.log = log
         self._token_texts: Optional[TokenTexts] = None
+        self.defaults = SamplingDefaults.load(settings, log)   # --generation-config
 
     def admit(self, entries: list[Entry], held: set[EntryKey]) -> None:
         """Start or settle every entry of ``entries`` that is not among ``held`` (what the
@@ -209,6 +212,9 @@ class Admission:
             job.terminal = progress.terminal.type
             self.outbox.owe_ack(job.entry, job.job_id, "already finished")
             return
+        if req.model is not None and req.model != self.s.served_model():
+            self.jobs.fail(job, ErrorCode.INVALID_REQUEST, wrong_model(req.model, self.s))
+            return
         job.attempt = progress.attempts + 1
         if req.stream and progress.choices:
             resume_choices(job, progress)
@@ -264,7 +270,7 @@ class Admission:
     def _params(self, job: Job) -> Any:
         """The job's SamplingParams, or None after failing the job (the producer's fault)."""
         try:
-            return job.request.sampling_params()
+            return SamplingParams.model_validate(self.defaults.apply(job.request.params))
         except ValidationError as exc:
             msg = _params_message(describe_validation_error(exc))
         except (ValueError, TypeError) as exc:
@@ -288,7 +294,8 @@ class Admission:
         try:
             prompt = self._prompt(job.request)
             resolve_max_tokens(job.params, job.request, len(prompt) if isinstance(prompt, list)
-                               else 0, self.engine.max_model_len)
+                               else 0, self.engine.max_model_len,
+                               self.defaults.max_tokens_for(job.request.params))
             return prompt
         except Exception as exc:
             self._refused(job, exc, "the job's prompt could not be built")
@@ -320,15 +327,28 @@ class Admission:
                            f"{unexpected}: {type(exc).__name__}: {exc}")
 
 
+def wrong_model(asked: str, settings: WorkerSettings) -> str:
+    """Why a worker refuses a job for another model: answering it would label one model's
+    text with another's name (a queue's workers serve one model; a worker restarted with
+    another model finds its predecessor's jobs)."""
+    return (f"model: the job asks for {asked!r} but the workers of queue {settings.queue!r} "
+            f"serve {settings.served_model()!r}; send it to the queue that serves {asked!r} "
+            f"(route by model: submit(model=...), the gateway, the batch runner)")
+
+
 def resolve_max_tokens(params: Any, request: JobRequest, prompt_tokens: int,
-                       max_model_len: int) -> None:
-    """``max_tokens`` of a job that did not set it (docs/protocol.md, Jobs): a chat job runs to
-    the end of the context, ``max_model_len`` minus its prompt, as OpenAI's and vLLM's chat
-    endpoints do; a completion keeps SamplingParams' 16, OpenAI's completions default. Set
-    explicitly either way, so ``min_tokens`` is checked against it (ValidationError)."""
+                       max_model_len: int, default: Optional[int] = None) -> None:
+    """``max_tokens`` of a job that did not set it (docs/protocol.md, Jobs): the model's
+    default (``default``: generation_config.json's max_new_tokens) capped to what the context
+    leaves after the prompt, as vLLM caps it; without one a chat job runs to the end of the
+    context, ``max_model_len`` minus its prompt, as OpenAI's and vLLM's chat endpoints do, and
+    a completion keeps SamplingParams' 16, OpenAI's completions default. Set explicitly either
+    way, so ``min_tokens`` is checked against it (ValidationError)."""
     if "max_tokens" in request.params:
         return
-    if request.messages is not None:
+    if default is not None:
+        params.max_tokens = max(1, min(default, max_model_len - prompt_tokens))
+    elif request.messages is not None:
         params.max_tokens = max(1, max_model_len - prompt_tokens)   # past it: prompt_too_long
     else:
         params.max_tokens = params.max_tokens

@@ -16,6 +16,7 @@ from pydantic import ByteSize, Field, field_validator
 from tokenrelay.protocol.settings import ConnectionSettings, add_settings_flags, unset
 from tokenrelay.protocol.keys import Keys, PARKING_CONSUMER
 from tokenrelay.protocol.limits import Limits
+from tokenrelay.protocol.wire import MODEL_NAME_PATTERN
 
 ENGINE_DEFAULT = unset("the engine's")
 
@@ -59,6 +60,11 @@ class WorkerSettings(WorkerIdentity):
         None, description="Model name this worker advertises in its heartbeat: what a request's "
         "model must say to be routed to its queue (and the metrics' model_name label).",
         json_schema_extra=unset("the checkpoint folder's name; fake for fake: engines"))
+    generation_config: str = Field(
+        "auto", description="Sampling defaults for what a job leaves unset (temperature, top_p, "
+        "top_k, min_p, repetition_penalty, max_new_tokens as max_tokens): auto, the "
+        "checkpoint's generation_config.json; vllm, none (the protocol's defaults); or a "
+        "folder holding a generation_config.json (vLLM's --generation-config).")
     dtype: str = Field("auto", description="auto, float32, float16, bfloat16.")
     # None: the engine's default (EngineConfig), so the worker never restates it.
     max_num_seqs: Optional[int] = Field(None, ge=1, description="Max running sequences.",
@@ -154,6 +160,14 @@ class WorkerSettings(WorkerIdentity):
                              f"whitespace; got {v!r}")
         return v
 
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config(cls, v: str) -> str:
+        if v not in ("auto", "vllm") and not Path(v).is_dir():
+            raise ValueError(f"generation_config must be auto, vllm (none) or a folder holding "
+                             f"a generation_config.json; {v!r} is no folder")
+        return v
+
     def served_model(self) -> str:
         """The name this worker serves under: ``--served-model-name``, else the default."""
         return self.served_model_name or default_served_model_name(self.model)
@@ -180,8 +194,7 @@ class WorkerSettings(WorkerIdentity):
         return out
 
 
-# OpenAI model ids look like "gpt-4o" or "meta-llama/Llama-3.1-8B": any visible characters.
-SERVED_MODEL_NAME_RE = re.compile(r"^[^\s\x00-\x1f\x7f]{1,256}$")
+SERVED_MODEL_NAME_RE = re.compile(MODEL_NAME_PATTERN)
 
 
 def default_served_model_name(model: Optional[str]) -> str:

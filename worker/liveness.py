@@ -24,9 +24,10 @@ from tokenrelay.protocol.scripts import ID_CLAIM, ID_RELEASE, run_script, text
 from tokenrelay.protocol.wire import now_ms
 from tokenrelay.worker.affinity import Affinity
 from tokenrelay.worker.config import WorkerSettings
-from tokenrelay.worker.connection import ServerRestarts
+from tokenrelay.worker.connection import EXIT_CONFIG, ServerRestarts
 from tokenrelay.worker.entries import EntryKey
 from tokenrelay.worker.metrics import WorkerMetrics
+from tokenrelay.worker.model_guard import serves_queue
 from tokenrelay.worker.pending import PendingList
 
 
@@ -145,7 +146,8 @@ class Tick:
     """What one ``Liveness.tick`` found that the loop acts on."""
 
     lost_worker_id: bool = False    # another process serves under our id now: stop at once
-    drain_requested: bool = False   # an admin set our drain flag
+    drain_requested: bool = False   # an admin set our drain flag, or the queue is taken:
+    exit_code: int = 0              # 78 when another model serves our queue (model_guard.py)
     lost_entries: list[EntryKey] = field(default_factory=list)   # reclaimed from us
     redis_restarted: bool = False   # the server's run id changed (worker/connection.py)
 
@@ -198,12 +200,17 @@ class Liveness:
                 out.lost_worker_id = True
                 return out
             out.drain_requested = self.heartbeat()
+            if out.drain_requested and not draining:
+                self.log.info("drain requested by admin")
             out.redis_restarted = self.restarts.restarted()
         if due("affinity", hb):
             self.affinity.sweep()
         if due("renew", self.s.lease_ms / 3000.0):
             held = self._held()
             out.lost_entries = self.pending.renew(held) if held else []
+        if not draining and due("queue_model", 10 * hb) and not serves_queue(
+                self.client, self.keys, self.worker_id, self.s, self.log):
+            out.drain_requested, out.exit_code = True, EXIT_CONFIG  # e.g. back from a partition
         if not draining and due("departed", 10 * hb):
             self.drop_departed()
         if not draining and due("lane_stats", 5 * hb):

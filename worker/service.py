@@ -51,6 +51,7 @@ from tokenrelay.worker.jobs import JobTable
 from tokenrelay.worker.liveness import Tick, WorkerStatus
 from tokenrelay.worker.logs import RateLimitedLog, get_logger
 from tokenrelay.worker.metrics import WorkerMetrics
+from tokenrelay.worker.model_guard import serves_queue
 from tokenrelay.worker.cycle import StepCycle
 from tokenrelay.worker.outbox import FlushReport, no_fault
 from tokenrelay.worker.steps import EngineFailure
@@ -190,10 +191,12 @@ class Worker:
         return True
 
     def _claim_worker_id(self) -> bool:
-        if self._crew().liveness.claim_worker_id():
-            return True
-        self.exit_code = EXIT_ID_IN_USE
-        return False
+        """The worker id (else exit 3), then its queue's model (else 78: model_guard.py)."""
+        if not self._crew().liveness.claim_worker_id():
+            self.exit_code = EXIT_ID_IN_USE
+        elif not serves_queue(self.client, self.keys, self.worker_id, self.s, self.log):
+            self.exit_code = EXIT_CONFIG
+        return self.exit_code == 0
 
     def _shutdown(self) -> None:
         self.writer.close()
@@ -340,7 +343,7 @@ class Worker:
                              held=len(self.jobs))
             self._crew().intake.reread_own_pending()
         if tick.drain_requested and not self._stop.is_set():
-            self.log.info("drain requested by admin")
+            self.exit_code = tick.exit_code     # 78: another model serves the queue
             self.stop()
         for lane, entry_id in tick.lost_entries:
             self._lost_entry(lane, entry_id)

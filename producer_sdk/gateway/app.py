@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenrelay.producer_sdk.errors import RedisUnavailable
+from tokenrelay.producer_sdk.gateway.access_log import AccessLog
 from tokenrelay.producer_sdk.gateway.backend import Gateway
 from tokenrelay.producer_sdk.gateway.errors import APIError, api_error
 from tokenrelay.producer_sdk.gateway.guard import Guard
@@ -121,6 +122,7 @@ def create_app(settings: Optional[GatewaySettings] = None,
                   openapi_url=None)
     app.state.gateway = gw
     app.add_middleware(Guard, settings=settings, metrics=metrics)
+    app.add_middleware(AccessLog)       # outermost: what the guard refuses is logged too
     _register_errors(app, gw)
     metrics.bind(gw)
 
@@ -129,6 +131,7 @@ def create_app(settings: Optional[GatewaySettings] = None,
         endpoint.inc()
         try:
             req = parse_request(url, _body(await request.body()), streaming=True)
+            request.state.model = req.model     # for the access log line
             sub = await gw.submit(request, req)
             try:
                 return await answer(request, req, sub)

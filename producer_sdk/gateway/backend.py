@@ -214,6 +214,7 @@ class Gateway:
         try:
             job = await self.client(queue).submit(
                 **kwargs, job_id=f"gw-{secrets.token_hex(16)}", priority=priority,
+                model=req.model, queue=queue,
                 deadline_s=start_s, stream=True, metadata=meta)
         except Exception as exc:
             raise api_error(rename_error(exc, req.constraint_param),

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from tokenrelay.producer_sdk.effects import is_transient
-from tokenrelay.producer_sdk.errors import (JOB_LOST, InvalidRequest, JobFailed, QueueFull,
+from tokenrelay.producer_sdk.errors import (JOB_LOST, InvalidRequest, JobFailed, ModelNotFound, QueueFull,
                                  RedisUnavailable)
 from tokenrelay.producer_sdk.openai_format import LineError, error_body
 
@@ -97,9 +97,8 @@ def unauthorized() -> APIError:
 
 
 def model_not_found(model: str, served: list[str]) -> APIError:
-    listed = ", ".join(served) if served else "none (no worker is live)"
-    return APIError(404, f"the model {model!r} does not exist here; served models: {listed} "
-                    f"(GET /v1/models)", "invalid_request_error", "model", "model_not_found")
+    return APIError(404, f"{ModelNotFound(model, served)} (GET /v1/models)",
+                    "invalid_request_error", "model", "model_not_found")
 
 
 def no_live_worker(model: str, queue: str, retry_after_s: int = 1) -> APIError:

@@ -70,7 +70,8 @@ def server_config(app: Any, settings: GatewaySettings, **overrides: Any) -> uvic
     options: dict[str, Any] = dict(host=settings.host, port=settings.port,
                                    log_level=settings.log_level, lifespan="on",
                                    http=protocol(settings.header_timeout_s),
-                                   timeout_keep_alive=5, timeout_graceful_shutdown=5)
+                                   timeout_keep_alive=5, timeout_graceful_shutdown=5,
+                                   access_log=False)    # the app's own line: access_log.py
     options.update(overrides)
     return uvicorn.Config(app, **options)
 

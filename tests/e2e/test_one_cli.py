@@ -98,7 +98,7 @@ def test_help_shows_every_default_and_variable_and_never_none():
         text = " ".join(parser.format_help().split())
         assert "None" not in text, prog
         for name in model.model_fields:
-            assert f"[env {env_of(name)}; default: " in text, (prog, name)
+            assert f"[env {env_of(name, model)}; default: " in text, (prog, name)
 
 
 def test_a_field_that_defaults_to_none_must_say_what_that_means():
@@ -237,3 +237,23 @@ def test_the_worker_reads_tokenrelay_variables_and_flags_win(redis_server, worke
     assert not r.keys("not-this:*")
     wp.terminate()
     assert wp.wait(30) == 0
+
+
+def test_a_command_own_setting_has_its_own_variable(monkeypatch):
+    """``priority`` means submit's (0) or batch's (1): TOKENRELAY_PRIORITY, the old shared
+    name, sets neither; each command's own variable sets its own only (#40)."""
+    build = producer_cli.build_parser
+    monkeypatch.setenv("TOKENRELAY_PRIORITY", "3")
+    assert parse(build, ["submit", "hi"]).priority == 0
+    assert parse(build, ["batch", "in", "out"]).priority == 1
+    monkeypatch.setenv("TOKENRELAY_BATCH_PRIORITY", "5")
+    assert parse(build, ["submit", "hi"]).priority == 0
+    assert parse(build, ["batch", "in", "out"]).priority == 5
+    assert parse(build, ["batch", "in", "out", "--priority", "2"]).priority == 2
+    monkeypatch.setenv("TOKENRELAY_MODEL", "/models/smollm2")     # the worker's checkpoint
+    assert parse(build, ["submit", "hi"]).model is None
+    monkeypatch.setenv("TOKENRELAY_SUBMIT_MODEL", "smollm2")
+    assert parse(build, ["submit", "hi"]).model == "smollm2"
+    monkeypatch.setenv("TOKENRELAY_SUBMIT_PRIORITY", "x")
+    with pytest.raises(SystemExit):
+        parse(build, ["submit", "hi"])

@@ -13,6 +13,7 @@ import pytest
 
 from tokenrelay.producer_sdk import Client
 from tokenrelay.producer_sdk.batch import BatchRunner, DoneIndex, LineError, job_id_for
+from tokenrelay.producer_sdk.exit_codes import EXIT_FAILED
 from tokenrelay.producer_sdk.openai_format import body_to_request
 from tests.sdk_helpers import FakeWorker, env_with_repo, sdk_redis, sdk_url  # noqa: F401
 
@@ -166,7 +167,8 @@ def test_batch_killed_halfway_then_resumed(sdk_url: str, tmp_path: Path):
         assert first < 197, "the batch finished before it could be killed"
         proc = run_cli_batch(sdk_url, inp, out, err)
         stdout, stderr = proc.communicate(timeout=120)
-        assert proc.returncode == 0, stderr.decode()[-2000:]
+        # the malformed lines are in the errors file: the run says so with its exit code
+        assert proc.returncode == EXIT_FAILED, stderr.decode()[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -179,7 +181,9 @@ def test_batch_killed_halfway_then_resumed(sdk_url: str, tmp_path: Path):
     assert len(read_jsonl(err)) == 3
     # Jobs in flight at the kill were reattached, not run a second time.
     assert len(worker.processed) == len(set(worker.processed)) == 197
-    summary = json.loads(stderr.decode().strip().splitlines()[-1])
+    summary = json.loads(next(line for line in stderr.decode().splitlines()
+                              if line.startswith("{")))
+    assert summary["errors_file_lines"] == 3
     assert summary["skipped"] >= first
 
 

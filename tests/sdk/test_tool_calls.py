@@ -126,7 +126,8 @@ def test_tool_choice_decides_the_plan_the_tools_sent_and_the_constraint():
         jsonschema.validate([{"name": "g", "arguments": {}}], schema)
     named = chat(tools=[WEATHER, NOARGS],
                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert named.kwargs["structured_outputs"] == {"json": WEATHER["function"]["parameters"]}
+    assert named.kwargs["structured_outputs"] == {"json": WEATHER["function"]["parameters"],
+                                                  "disable_additional_properties": True}
     assert named.constraint_param == "tools[0].function.parameters"
     assert named.tools.function == "get_weather"
 
