@@ -22,7 +22,7 @@ from tokenrelay.producer_sdk.aio import AsyncClient
 from tokenrelay.producer_sdk.client_core import make_async_redis
 from tokenrelay.producer_sdk.config import ClientConfig
 from tokenrelay.producer_sdk.errors import RedisUnavailable
-from tokenrelay.producer_sdk.gateway.auth import KeyRing, bearer_token, load_keys
+from tokenrelay.producer_sdk.gateway.auth import KeyRing, load_keys
 from tokenrelay.producer_sdk.gateway.cancels import Cancels
 from tokenrelay.producer_sdk.gateway.errors import (APIError, api_error, model_not_found, no_live_worker,
                                          unauthorized)
@@ -141,12 +141,13 @@ class Gateway:
 
     # -- per request
     def priority(self, request: Request) -> int:
-        """The caller's lane; APIError 401 when keys are configured and its key is not one."""
-        if not self.keys.enabled:
-            return self.s.default_priority
-        key = self.keys.find(bearer_token(request.headers.get("authorization")))
+        """The caller's lane, from the key the front door authenticated (``guard.py``: before
+        the body was read); 401 on a route it did not authenticate while keys are configured."""
+        key = getattr(request.state, "api_key", None)
         if key is None:
-            raise unauthorized()
+            if self.keys.enabled:
+                raise unauthorized()
+            return self.s.default_priority
         return self.s.default_priority if key.priority is None else key.priority
 
     def timeouts(self, request: Request) -> tuple[float, Optional[float]]:
