@@ -75,6 +75,41 @@ def test_a_lock_left_by_a_dead_holder_does_not_block(tmp_path):
         pass
 
 
+@pytest.mark.parametrize("alias", ["symlink", "hardlink", "relative"])
+def test_the_lock_is_the_files_not_the_names(tmp_path, alias, monkeypatch):
+    """The same output file named another way (a symlink, a hard link, a relative path) meets
+    the lock of a run that holds it (issue #42: two runs through a symlink wrote 60 lines for
+    30 requests); a different file does not."""
+    out = tmp_path / "out.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time; from pathlib import Path; from tokenrelay.producer_sdk.batch_lock import "
+        f"OutputLock; l = OutputLock(Path({str(out)!r})).__enter__(); print('held', flush=True);"
+        " time.sleep(60)")], env=env_with_repo(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        other = tmp_path / "elsewhere"
+        other.mkdir()
+        if alias == "symlink":
+            name = other / "link.jsonl"
+            name.symlink_to(out)
+            expected = f"pid {holder.pid}"
+        elif alias == "hardlink":
+            name = other / "hard.jsonl"
+            name.hardlink_to(out)
+            expected = "another hard link"
+        else:
+            monkeypatch.chdir(other)
+            name = Path("..") / "out.jsonl"
+            expected = f"pid {holder.pid}"
+        with pytest.raises(BatchLocked, match=expected):
+            OutputLock(name).__enter__()
+        with OutputLock(other / "another.jsonl"):
+            pass
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
 def test_bom_missing_model_and_openai_error_shape(sdk_url, tmp_path):
     from openai.types import BatchError
     inp, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
