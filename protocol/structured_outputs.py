@@ -30,6 +30,8 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from tokenrelay.protocol.grammar_probe import lexer_problem
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _JSON_KINDS = ("json", "json_object")
 JSON_WHITESPACE = r"(?:\x0A[\x20\x09]{0,12}|\x20?)"
@@ -158,8 +160,10 @@ def grammar_of(canonical: str) -> str:
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def grammar_problem(canonical: str) -> str:
-    """Why the spec's grammar does not compile ("" when it does), without a tokenizer. Cached,
-    failures included: a producer sending the same bad schema pays once."""
+    """Why the spec's grammar does not compile ("" when it does), without the model's
+    tokenizer: read by llguidance, then run a little against a stand-in vocabulary under the
+    engine's limits (``grammar_probe``). Cached, failures included: a producer sending the same
+    bad schema pays once."""
     import llguidance
 
     try:
@@ -168,7 +172,9 @@ def grammar_problem(canonical: str) -> str:
         return str(exc) or type(exc).__name__
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, None, limits=parser_limits())
-    return messages[0].strip() if is_error and messages else ""
+    if is_error:
+        return messages[0].strip() if messages else "the grammar does not compile"
+    return lexer_problem(grammar, parser_limits())
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
