@@ -32,6 +32,7 @@ from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
 from tokenrelay.producer_sdk.hub import ReadHub
 from tokenrelay.producer_sdk.openai_format import OpenAIRequest
 from tokenrelay.producer_sdk.structured import fit_tools, rename_error
+from tokenrelay.protocol.structured_outputs import StructuredOutputsParams
 from tokenrelay.protocol.topology import cluster_flag, detect_cluster, redact_url
 
 TIMEOUT_HEADER = "x-request-timeout"
@@ -197,6 +198,7 @@ class Gateway:
         """Enqueue the request's job (an unguessable job id) on its model's queue."""
         priority = self.priority(request)
         start_s, total_s = self.timeouts(request)
+        await check_constraint_off_loop(req.kwargs.get("structured_outputs"))
         await self.ready()
         try:
             queue = await self.queue_of(req.model, self.waits_for_worker(request))
@@ -223,4 +225,22 @@ class Gateway:
         return Submitted(job, queue, ends)
 
 
-__all__ = ["Gateway", "Submitted", "TIMEOUT_HEADER", "WAIT_HEADER"]
+async def check_constraint_off_loop(spec: Any) -> None:
+    """Compile-check a request's constraint on a worker thread, not on the event loop: a 64 KiB
+    schema took 145-176 ms there, and 40 of them stalled neighbour streams and ``/health`` for
+    over a second (issue #42). The check's result, a refusal included, is cached by the
+    canonical spec (``protocol.structured_outputs.grammar_problem``), so the job's own
+    validation at submit, the one that answers 400, finds it there at once; nothing is
+    decided here."""
+    if not isinstance(spec, dict):
+        return
+
+    def check() -> None:
+        try:
+            StructuredOutputsParams(**spec)
+        except (ValueError, TypeError):
+            pass            # refused by the job's validation at submit, from the cache
+    await asyncio.to_thread(check)
+
+
+__all__ = ["Gateway", "Submitted", "TIMEOUT_HEADER", "WAIT_HEADER", "check_constraint_off_loop"]
