@@ -31,6 +31,22 @@ PROBE_TEXT = b"hello world this is a long answer "
 PROBE_STEPS = 16
 
 
+_enabled = True
+
+
+def skip_in_this_process() -> None:
+    """The worker's entry point calls this: a worker compiles every constraint against its
+    model's own tokenizer on its compile threads, off the loop that admits jobs, so the
+    stand-in adds nothing there but up to half a second of lexer work per new hostile spec on
+    that loop. Producers (the SDK, the gateway, the batch runner) keep it."""
+    global _enabled
+    _enabled = False
+
+
+def enabled() -> bool:
+    return _enabled
+
+
 class _ProbeVocabulary:
     """The stand-in tokenizer, in the shape ``llguidance.TokenizerWrapper`` reads."""
 
@@ -85,4 +101,5 @@ def _allowed_bytes(mask: bytes) -> list[int]:
     return [i for i in range(256) if mask[i >> 3] >> (i & 7) & 1]
 
 
-__all__ = ["lexer_problem", "probe_tokenizer", "PROBE_STEPS", "PROBE_TEXT"]
+__all__ = ["lexer_problem", "probe_tokenizer", "skip_in_this_process", "enabled", "PROBE_STEPS",
+           "PROBE_TEXT"]

@@ -30,7 +30,7 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from tokenrelay.protocol.grammar_probe import lexer_problem
+from tokenrelay.protocol import grammar_probe
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _JSON_KINDS = ("json", "json_object")
@@ -87,7 +87,7 @@ with warnings.catch_warnings():
             if self.disable_any_whitespace and self.whitespace_pattern is not None:
                 raise ValueError("disable_any_whitespace and whitespace_pattern exclude each "
                                  "other")
-            problem = grammar_problem(self.canonical)
+            problem = grammar_problem(self.canonical, grammar_probe.enabled())
             if problem:
                 raise ValueError(f"{kind}: {problem}")
             return self
@@ -159,10 +159,10 @@ def grammar_of(canonical: str) -> str:
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def grammar_problem(canonical: str) -> str:
+def grammar_problem(canonical: str, probe: bool = True) -> str:
     """Why the spec's grammar does not compile ("" when it does), without the model's
     tokenizer: read by llguidance, then run a little against a stand-in vocabulary under the
-    engine's limits (``grammar_probe``). Cached, failures included: a producer sending the same
+    engine's limits (``grammar_probe``; not with ``probe`` False, in a worker). Cached, failures included: a producer sending the same
     bad schema pays once."""
     import llguidance
 
@@ -174,7 +174,7 @@ def grammar_problem(canonical: str) -> str:
         grammar, None, limits=parser_limits())
     if is_error:
         return messages[0].strip() if messages else "the grammar does not compile"
-    return lexer_problem(grammar, parser_limits())
+    return grammar_probe.lexer_problem(grammar, parser_limits()) if probe else ""
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

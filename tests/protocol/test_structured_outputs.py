@@ -181,3 +181,13 @@ def test_what_a_workers_compiler_refuses_is_refused_at_submit(spec):
 ])
 def test_ordinary_constraints_still_pass_the_probe(spec):
     StructuredOutputsParams(**spec)
+
+
+def test_a_worker_leaves_the_probe_to_its_compile_threads(monkeypatch):
+    """In a worker (``skip_in_this_process``) only llguidance's reading runs at admission; the
+    model's own compile, on the compile threads, refuses the hostile spec there."""
+    from tokenrelay.protocol import grammar_probe
+    monkeypatch.setattr(grammar_probe, "_enabled", False)
+    StructuredOutputsParams(regex="a{1000}{1000}")
+    with pytest.raises(ValueError, match="unclosed"):
+        StructuredOutputsParams(regex="(unclosed")
