@@ -13,7 +13,9 @@ Why llguidance validates here too: a producer (the SDK, the gateway) refuses a s
 unsupported keyword or a regex that does not parse before it reaches a queue, and the worker's
 admission refuses it again for a raw producer, both with ``invalid_request`` naming
 ``params.structured_outputs``. llguidance has no dependencies and needs no tokenizer for this
-check (well under a millisecond for a typical schema), so the torch-free side can afford it.
+check, so the torch-free side can afford it; producers also run the grammar's lexer a little
+against a stand-in vocabulary under the engine's limits (``grammar_probe.py``: a few ms for a
+typical schema, cached), so what explodes at a worker's compile is refused at submit.
 
 JSON is compiled with bounded whitespace (``JSON_WHITESPACE``: between two JSON tokens one
 space, or a newline and up to 12 spaces or tabs of indentation) so a small model cannot pad an
