@@ -23,7 +23,7 @@ def test_a_slow_constraint_check_leaves_the_loop_free(redis_server, gateway_fact
     threads: list[str] = []
 
     @functools.lru_cache(maxsize=16)
-    def slow_problem(canonical: str) -> str:
+    def slow_problem(canonical: str, probe: bool = True) -> str:
         threads.append(threading.current_thread().name)
         time.sleep(SLOW_S)
         return ""
