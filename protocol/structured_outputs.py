@@ -13,7 +13,9 @@ Why llguidance validates here too: a producer (the SDK, the gateway) refuses a s
 unsupported keyword or a regex that does not parse before it reaches a queue, and the worker's
 admission refuses it again for a raw producer, both with ``invalid_request`` naming
 ``params.structured_outputs``. llguidance has no dependencies and needs no tokenizer for this
-check (well under a millisecond for a typical schema), so the torch-free side can afford it.
+check, so the torch-free side can afford it; producers also run the grammar's lexer a little
+against a stand-in vocabulary under the engine's limits (``grammar_probe.py``: a few ms for a
+typical schema, cached), so what explodes at a worker's compile is refused at submit.
 
 JSON is compiled with bounded whitespace (``JSON_WHITESPACE``: between two JSON tokens one
 space, or a newline and up to 12 spaces or tabs of indentation) so a small model cannot pad an
@@ -29,6 +31,8 @@ import warnings
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, model_validator
+
+from tokenrelay.protocol import grammar_probe
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _JSON_KINDS = ("json", "json_object")
@@ -85,7 +89,7 @@ with warnings.catch_warnings():
             if self.disable_any_whitespace and self.whitespace_pattern is not None:
                 raise ValueError("disable_any_whitespace and whitespace_pattern exclude each "
                                  "other")
-            problem = grammar_problem(self.canonical)
+            problem = grammar_problem(self.canonical, grammar_probe.enabled())
             if problem:
                 raise ValueError(f"{kind}: {problem}")
             return self
@@ -157,9 +161,11 @@ def grammar_of(canonical: str) -> str:
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
-def grammar_problem(canonical: str) -> str:
-    """Why the spec's grammar does not compile ("" when it does), without a tokenizer. Cached,
-    failures included: a producer sending the same bad schema pays once."""
+def grammar_problem(canonical: str, probe: bool = True) -> str:
+    """Why the spec's grammar does not compile ("" when it does), without the model's
+    tokenizer: read by llguidance, then run a little against a stand-in vocabulary under the
+    engine's limits (``grammar_probe``; not with ``probe`` False, in a worker). Cached, failures included: a producer sending the same
+    bad schema pays once."""
     import llguidance
 
     spec = jsonlib.loads(canonical)
@@ -173,7 +179,9 @@ def grammar_problem(canonical: str) -> str:
         return str(exc) or type(exc).__name__
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, None, limits=parser_limits())
-    return messages[0].strip() if is_error and messages else ""
+    if is_error:
+        return messages[0].strip() if messages else "the grammar does not compile"
+    return grammar_probe.lexer_problem(grammar, parser_limits()) if probe else ""
 
 
 # Keywords that say something about a schema without constraining values (``x-guidance``:

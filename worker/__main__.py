@@ -31,6 +31,8 @@ def main(argv: Optional[list[str]] = None,
         return run_admin(args, settings)
     if not settings.model:
         parser.error("--model (or TOKENRELAY_MODEL) is required")
+    from tokenrelay.protocol.grammar_probe import skip_in_this_process
+    skip_in_this_process()      # its engine compiles constraints with the model's tokenizer
     # OpenMP threads that spin long after each parallel region starve the Redis flush, the
     # server and readers on small CPU hosts (p99 token delivery 10 ms -> 5 ms on 2 cores); threads
     # that sleep at once pay a wake-up at every barrier of the compiled CPU kernels (throughput

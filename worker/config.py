@@ -98,6 +98,17 @@ class WorkerSettings(WorkerIdentity):
         None, ge=1, description="Split the model over this many ranks: GPUs from --device on "
         "(cuda:0..N-1), or processes on CPU. Its query/KV heads and MLP size must divide by it "
         "(checked at start).", json_schema_extra=ENGINE_DEFAULT)
+    tensor_parallel_timeout_s: Optional[float] = Field(
+        None, gt=0, description="Seconds a tensor-parallel rank may wait in a collective before "
+        "the engine gives up on its group and the worker exits (a frozen rank); start-up gets "
+        "at least 120 s.", json_schema_extra=unset("half the lease (--lease-ms): the wait and the "
+                                                    "exit fit within it"))
+    grammar_compile_threads: Optional[int] = Field(
+        None, ge=1, description="Threads compiling structured-output grammars, off the step "
+        "loop.", json_schema_extra=ENGINE_DEFAULT)
+    grammar_compile_timeout_s: Optional[float] = Field(
+        None, gt=0, description="Seconds a job's grammar may take to be ready (compile and "
+        "wait) before the job ends with invalid_request.", json_schema_extra=ENGINE_DEFAULT)
     result_ttl: float = Field(3600.0, gt=0, description="Seconds a result stream lives after its "
                               "last write.")
     drain_timeout: float = Field(30.0, ge=0, description="Seconds running jobs get to finish on "
@@ -186,9 +197,12 @@ class WorkerSettings(WorkerIdentity):
         names = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
                  "kv_cache_memory_bytes", "gpu_memory_utilization", "num_kv_blocks",
                  "max_model_len", "enable_prefix_caching", "attention_backend", "enforce_eager",
-                 "tensor_parallel_size")
+                 "tensor_parallel_size", "grammar_compile_threads", "grammar_compile_timeout_s")
         out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         out["model"] = self.model
+        out["tensor_parallel_timeout"] = (self.tensor_parallel_timeout_s
+                                          if self.tensor_parallel_timeout_s is not None
+                                          else self.lease_ms / 2000)
         # The job limits bound choices before admission; the engine holds the same bounds.
         out["max_n"], out["max_beam_width"] = self.max_n, self.max_beam_width
         return out

@@ -175,6 +175,10 @@ class RankSet:
             if self.error is not None:
                 return
             self.error = message
+            # The ranks stop before ``on_failure`` may end this process: a frozen rank
+            # (SIGSTOP, a hung host) never reads the end of its lifeline, and only the kill in
+            # shutdown() ends it (issue #42: it outlived its worker).
+            self.shutdown()
             if self.on_failure is not None:
                 self.on_failure(message)
             else:

@@ -121,7 +121,7 @@ def create_app(settings: Optional[GatewaySettings] = None,
     app = FastAPI(title="tokenrelay gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.gateway = gw
-    app.add_middleware(Guard, settings=settings, metrics=metrics)
+    app.add_middleware(Guard, settings=settings, metrics=metrics, keys=gw.keys)
     app.add_middleware(AccessLog)       # outermost: what the guard refuses is logged too
     _register_errors(app, gw)
     metrics.bind(gw)

@@ -22,7 +22,7 @@ from tokenrelay.producer_sdk.aio import AsyncClient
 from tokenrelay.producer_sdk.client_core import make_async_redis
 from tokenrelay.producer_sdk.config import ClientConfig
 from tokenrelay.producer_sdk.errors import RedisUnavailable
-from tokenrelay.producer_sdk.gateway.auth import KeyRing, bearer_token, load_keys
+from tokenrelay.producer_sdk.gateway.auth import KeyRing, load_keys
 from tokenrelay.producer_sdk.gateway.cancels import Cancels
 from tokenrelay.producer_sdk.gateway.errors import (APIError, api_error, model_not_found, no_live_worker,
                                          unauthorized)
@@ -32,6 +32,7 @@ from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
 from tokenrelay.producer_sdk.hub import ReadHub
 from tokenrelay.producer_sdk.openai_format import OpenAIRequest
 from tokenrelay.producer_sdk.structured import fit_tools, rename_error
+from tokenrelay.protocol.structured_outputs import StructuredOutputsParams
 from tokenrelay.protocol.topology import cluster_flag, detect_cluster, redact_url
 
 TIMEOUT_HEADER = "x-request-timeout"
@@ -141,12 +142,13 @@ class Gateway:
 
     # -- per request
     def priority(self, request: Request) -> int:
-        """The caller's lane; APIError 401 when keys are configured and its key is not one."""
-        if not self.keys.enabled:
-            return self.s.default_priority
-        key = self.keys.find(bearer_token(request.headers.get("authorization")))
+        """The caller's lane, from the key the front door authenticated (``guard.py``: before
+        the body was read); 401 on a route it did not authenticate while keys are configured."""
+        key = getattr(request.state, "api_key", None)
         if key is None:
-            raise unauthorized()
+            if self.keys.enabled:
+                raise unauthorized()
+            return self.s.default_priority
         return self.s.default_priority if key.priority is None else key.priority
 
     def timeouts(self, request: Request) -> tuple[float, Optional[float]]:
@@ -196,6 +198,7 @@ class Gateway:
         """Enqueue the request's job (an unguessable job id) on its model's queue."""
         priority = self.priority(request)
         start_s, total_s = self.timeouts(request)
+        await check_constraint_off_loop(req.kwargs.get("structured_outputs"))
         await self.ready()
         try:
             queue = await self.queue_of(req.model, self.waits_for_worker(request))
@@ -223,4 +226,22 @@ class Gateway:
         return Submitted(job, queue, ends)
 
 
-__all__ = ["Gateway", "Submitted", "TIMEOUT_HEADER", "WAIT_HEADER"]
+async def check_constraint_off_loop(spec: Any) -> None:
+    """Compile-check a request's constraint on a worker thread, not on the event loop: a 64 KiB
+    schema took 145-176 ms there, and 40 of them stalled neighbour streams and ``/health`` for
+    over a second (issue #42). The check's result, a refusal included, is cached by the
+    canonical spec (``protocol.structured_outputs.grammar_problem``), so the job's own
+    validation at submit, the one that answers 400, finds it there at once; nothing is
+    decided here."""
+    if not isinstance(spec, dict):
+        return
+
+    def check() -> None:
+        try:
+            StructuredOutputsParams(**spec)
+        except (ValueError, TypeError):
+            pass            # refused by the job's validation at submit, from the cache
+    await asyncio.to_thread(check)
+
+
+__all__ = ["Gateway", "Submitted", "TIMEOUT_HEADER", "WAIT_HEADER", "check_constraint_off_loop"]

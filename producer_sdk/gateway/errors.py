@@ -114,6 +114,13 @@ def too_many_requests(limit: int, retry_after_s: int) -> APIError:
                     "rate_limit_error", None, "too_many_requests", _retry(retry_after_s))
 
 
+def too_many_slow_bodies(limit: int, retry_after_s: int) -> APIError:
+    return APIError(429, f"the gateway is reading {limit} slow request bodies already (its "
+                    f"--max-slow-bodies); send the body with the headers, or retry after "
+                    f"{retry_after_s} s (Retry-After)", "rate_limit_error", None,
+                    "too_many_requests", _retry(retry_after_s))
+
+
 def timed_out(job_id: str, seconds: Optional[float], started: bool) -> APIError:
     """504 for a request whose time (X-Request-Timeout / --request-timeout-s) is up: code
     ``expired`` when its job had not even started (as a worker would say), else ``timeout``."""

@@ -52,15 +52,23 @@ class GatewaySettings(BackPressureSettings):
                                   "no live worker and wait (within the deadline) instead of "
                                   "answering 503 no_live_worker; X-Wait-For-Worker sets it per "
                                   "request.")
-    max_in_flight: int = Field(4096, ge=1, description="Generation requests answered at once; "
-                               "past it 429 with Retry-After.")
+    max_in_flight: int = Field(4096, ge=1, description="Generation requests answered at once, "
+                               "counted once their body arrived; past it 429 with Retry-After.")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body; "
                                 "a bigger one is refused (413) before it is read whole.")
     header_timeout_s: float = Field(10.0, gt=0, description="Seconds a client may take to send "
                                     "a request's headers (a connection idle that long is "
                                     "closed).")
-    body_timeout_s: float = Field(30.0, gt=0, description="Seconds a client may take to send a "
-                                  "request's body (408 after).")
+    body_timeout_s: float = Field(30.0, gt=0, description="Most seconds a client may take to "
+                                  "send a request's body (408 after); also the deadline of a "
+                                  "body of no declared length.")
+    body_grace_s: float = Field(1.0, gt=0, description="Seconds a body may take before it is a "
+                                "slow body (bounded by --max-slow-bodies and --body-min-rate).")
+    max_slow_bodies: int = Field(256, ge=1, description="Slow bodies read at once; past it 429. "
+                                 "They do not count against --max-in-flight.")
+    body_min_rate: int = Field(4096, ge=1, description="Bytes per second a slow body must "
+                               "average: its deadline is --body-grace-s plus its Content-Length "
+                               "at this rate (--body-timeout-s at most).")
     redis_max_connections: int = Field(64, ge=4, description="Redis connections of the pool "
                                        "(per node of a cluster); a command waits for a free one.")
     redis_pool_timeout_s: float = Field(5.0, gt=0, description="Longest wait for a free Redis "

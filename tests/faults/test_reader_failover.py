@@ -56,6 +56,7 @@ def test_readers_ride_out_a_failover(cluster, tmp_path, request):
     errors: list[str] = []
     started = threading.Event()
     killed = threading.Event()
+    live: list[str] = []        # readers whose job was submitted (and, for SSE, streaming)
 
     def guard(name: str, fn: Any) -> threading.Thread:
         def run() -> None:
@@ -76,6 +77,7 @@ def test_readers_ride_out_a_failover(cluster, tmp_path, request):
                                cluster=True) as ac:
             jobs = [await ac.submit(f"async {i}", max_tokens=tokens, temperature=0)
                     for i in range(15)]
+            live.append("async")
 
             async def one(job: Any) -> str:
                 return "".join([d.text async for d in job.stream(timeout=120)])
@@ -91,6 +93,8 @@ def test_readers_ride_out_a_failover(cluster, tmp_path, request):
                 if kind == "data":
                     assert "error" not in obj, obj
                     out.append(obj["choices"][0]["text"] if obj["choices"] else "")
+                    if len(out) == 1:
+                        live.append(f"gw {i}")
         return "".join(out)
 
     cancelled = client.submit("to cancel", max_tokens=3000)
@@ -110,6 +114,9 @@ def test_readers_ride_out_a_failover(cluster, tmp_path, request):
     threads.append(guard("async", lambda: "|".join(asyncio.run(async_all()))))
     threads += [guard(f"gw {i}", lambda i=i: gateway_read(i)) for i in range(4)]
     threads.append(guard("status", poll_status))
+    # Submits are not the readers' promise (a submit while a shard has no master is 503 /
+    # RedisUnavailable): every reader has its job and its tokens flowing before the kill.
+    wait_for(lambda: len(live) == 5 or bool(errors), 60, what="every reader live")
     wait_for(lambda: env.tokens_streamed([j.id for j in sync_jobs]) >= 15 * 10, 60,
              what="tokens flowing")
     started.set()

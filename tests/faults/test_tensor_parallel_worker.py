@@ -63,7 +63,8 @@ def failure_lines(log: str) -> list[dict]:
 def test_killed_rank_ends_its_worker_and_another_resumes_its_jobs_exactly_once(
         env, tiny_checkpoint):
     model = str(tiny_checkpoint("llama"))
-    flags = {"max-num-seqs": 32, "dtype": "float32", "tensor-parallel-size": 2}
+    flags = {"max-num-seqs": 32, "dtype": "float32", "tensor-parallel-size": 2,
+             "tensor-parallel-timeout-s": 60}       # not FAST_FLAGS' 1 s lease on a busy host
     workers = {wid: env.worker(wid, model=model, wait=False, **flags) for wid in ("w1", "w2")}
     for w in workers.values():                      # both size-2 engines start at once
         w.wait_for_log("worker ready", timeout=180)
@@ -107,3 +108,36 @@ def test_killed_rank_ends_its_worker_and_another_resumes_its_jobs_exactly_once(
     os.killpg(workers[survivor].pid, signal.SIGTERM)
     assert workers[survivor].wait(timeout=60) == 0
     wait_for(lambda: gone(survivor_rank), 10, what="the stopped worker's rank to exit")
+
+
+@pytest.mark.timeout(240)
+def test_a_frozen_rank_ends_its_worker_within_the_lease(env, tiny_checkpoint):
+    """Rank 1 SIGSTOPped mid-stream (frozen, not dead: its sockets stay open) fails the
+    group's next collective after half the worker's lease (--tensor-parallel-timeout-s unset),
+    so the worker exits within its lease with one line naming the failure instead of holding its
+    jobs for gloo's 120 s (issue #42: 122 s); its stopped rank does not outlive it."""
+    model = str(tiny_checkpoint("llama"))
+    lease_s = 8
+    worker = env.worker("w1", model=model, wait=False, **{
+        "max-num-seqs": 8, "dtype": "float32", "tensor-parallel-size": 2,
+        "lease-ms": lease_s * 1000})
+    worker.wait_for_log("worker ready", timeout=180)
+    rank = rank_pids(worker.pid)
+    assert len(rank) == 1, rank
+    jobs = env.submit([f"frozen rank job {i}" for i in range(4)], max_tokens=400,
+                      temperature=0.0, ignore_eos=True)
+    try:
+        wait_for(lambda: env.tokens_streamed(jobs) >= 4 * 4, 90, what="tokens flowing")
+        os.kill(rank[0], signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        assert worker.wait(timeout=lease_s + 30) == 1, worker.log()[-3000:]
+        exit_s = time.monotonic() - frozen_at
+        assert exit_s < lease_s, exit_s
+        lines = failure_lines(worker.log())
+        assert len(lines) == 1, worker.log()[-3000:]
+        wait_for(lambda: gone(rank[0]), 15, what="the frozen rank to end with its worker")
+        print(f"\nworker exited {exit_s:.2f} s after its rank 1 froze (lease {lease_s} s): "
+              f"{lines[0]['cause'][:200]}")
+    finally:
+        if not gone(rank[0]):
+            os.kill(rank[0], signal.SIGKILL)

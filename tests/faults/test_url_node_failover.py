@@ -65,6 +65,7 @@ async def _reads_through_the_kill(cluster: RedisCluster) -> None:
         t0 = time.monotonic()
         assert sync.xread({live_key: "0"}, count=5)
         assert await aio.xread({live_key: "0"}, count=5)
+        assert _piped_read(sync, live_key) and await _piped_read_async(aio, live_key)
         assert time.monotonic() - t0 < 5.0, "a read of a live master's stream waited on the dead node"
         deadline = time.monotonic() + 30
         while True:                          # the dead master's slots: back after the failover
@@ -78,3 +79,16 @@ async def _reads_through_the_kill(cluster: RedisCluster) -> None:
     finally:
         sync.close()
         await aio.aclose()
+
+
+def _piped_read(client, key: str) -> list:
+    """An XREAD through a sync pipeline (redis-py builds those apart from the client)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.xread({key: "0"}, count=5)
+    return pipe.execute()[0]
+
+
+async def _piped_read_async(client, key: str) -> list:
+    pipe = client.pipeline(transaction=False)
+    pipe.xread({key: "0"}, count=5)
+    return (await pipe.execute())[0]

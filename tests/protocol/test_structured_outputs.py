@@ -151,3 +151,43 @@ def test_disable_additional_properties_closes_object_schemas_only():
     assert closed["properties"]["open"]["additionalProperties"] is True
     assert closed["properties"]["list"]["items"]["additionalProperties"] is False
     assert "additionalProperties" not in schema                          # a copy
+
+
+_PREFIX = "the quick brown fox jumps over the lazy dog " * 3
+
+
+@pytest.mark.parametrize("spec", [
+    {"regex": "a{1000}{1000}"},
+    {"regex": "a{1000}{900}"},
+    {"choice": [_PREFIX + str(i) for i in range(1024)]},
+    {"json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+              "$ref": "#/$defs/a"}},
+])
+def test_what_a_workers_compiler_refuses_is_refused_at_submit(spec):
+    """Issue #42: these passed the tokenizer-free check and failed only at the worker, after
+    holding its compile threads; compiled and run a little against the stand-in vocabulary
+    under the engine's limits, they are refused where the producer submits them."""
+    err = refused(job(spec))
+    assert str(err).startswith("params.structured_outputs") and "simplify" in str(err)
+
+
+@pytest.mark.parametrize("spec", [
+    {"choice": [_PREFIX + str(i) for i in range(64)]},
+    {"regex": r"[a-z0-9._%+-]+@[a-z0-9.-]+\.[a-z]{2,}"},
+    {"regex": "a{100}{10}"},
+    {"json": {"type": "object", "properties": {"x": {"type": "integer"},
+                                               "name": {"type": "string"}}}},
+    {"json_object": True},
+])
+def test_ordinary_constraints_still_pass_the_probe(spec):
+    StructuredOutputsParams(**spec)
+
+
+def test_a_worker_leaves_the_probe_to_its_compile_threads(monkeypatch):
+    """In a worker (``skip_in_this_process``) only llguidance's reading runs at admission; the
+    model's own compile, on the compile threads, refuses the hostile spec there."""
+    from tokenrelay.protocol import grammar_probe
+    monkeypatch.setattr(grammar_probe, "_enabled", False)
+    StructuredOutputsParams(regex="a{1000}{1000}")
+    with pytest.raises(ValueError, match="unclosed"):
+        StructuredOutputsParams(regex="(unclosed")

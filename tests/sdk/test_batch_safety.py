@@ -7,10 +7,12 @@ subprocesses."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -58,21 +60,55 @@ def test_two_runs_at_once_one_refuses_and_each_request_has_one_line(sdk_url, tmp
     assert sorted(ids) == sorted(f"req-{i}" for i in range(40)) and not read_jsonl(err)
 
 
-def test_a_lock_left_by_a_dead_holder_does_not_block(tmp_path):
-    out = tmp_path / "out.jsonl"
+@contextlib.contextmanager
+def lock_holder(out: Path) -> Iterator[subprocess.Popen]:
+    """Another process holding ``out``'s lock until the block ends (then SIGKILLed)."""
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from tokenrelay.producer_sdk.batch_lock import "
+        "import time; from pathlib import Path; from tokenrelay.producer_sdk.batch_lock import "
         f"OutputLock; l = OutputLock(Path({str(out)!r})).__enter__(); print('held', flush=True);"
         " time.sleep(60)")], env=env_with_repo(), stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(BatchLocked, match=f"pid {holder.pid}"):
-            OutputLock(out).__enter__()
+        yield holder
     finally:
         holder.kill()
         holder.wait(10)
+
+
+def test_a_lock_left_by_a_dead_holder_does_not_block(tmp_path):
+    out = tmp_path / "out.jsonl"
+    with lock_holder(out) as holder:
+        with pytest.raises(BatchLocked, match=f"pid {holder.pid}"):
+            OutputLock(out).__enter__()
     with OutputLock(out):           # the kernel released the killed holder's lock
         pass
+
+
+@pytest.mark.parametrize("alias", ["symlink", "hardlink", "relative"])
+def test_the_lock_is_the_files_not_the_names(tmp_path, alias, monkeypatch):
+    """The same output file named another way (a symlink, a hard link, a relative path) meets
+    the lock of a run that holds it (issue #42: two runs through a symlink wrote 60 lines for
+    30 requests); a different file does not."""
+    out = tmp_path / "out.jsonl"
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    with lock_holder(out) as holder:
+        if alias == "symlink":
+            name = other / "link.jsonl"
+            name.symlink_to(out)
+            expected = f"pid {holder.pid}"
+        elif alias == "hardlink":
+            name = other / "hard.jsonl"
+            name.hardlink_to(out)
+            expected = "another hard link"
+        else:
+            monkeypatch.chdir(other)
+            name = Path("..") / "out.jsonl"
+            expected = f"pid {holder.pid}"
+        with pytest.raises(BatchLocked, match=expected):
+            OutputLock(name).__enter__()
+        with OutputLock(other / "another.jsonl"):
+            pass
 
 
 def test_bom_missing_model_and_openai_error_shape(sdk_url, tmp_path):

@@ -48,3 +48,20 @@ def test_default_worker_id_is_stable():
 
 def test_result_ttl_in_ms_is_the_flag_in_seconds():
     assert WorkerSettings(result_ttl=1.5).result_ttl_ms == 1500
+
+
+def test_engine_time_bounds_are_worker_settings():
+    """A frozen tensor-parallel rank holds the worker no longer than its lease unless told
+    (issue #42: gloo's 120 s); the grammar compiler's threads and time bound are flags too."""
+    kw = settings_from_args(build_parser().parse_args(["--model", "m", "--lease-ms", "8000"])
+                            ).engine_kwargs()
+    assert kw["tensor_parallel_timeout"] == 4.0     # half the lease: wait and exit fit in it
+    assert "grammar_compile_threads" not in kw and "grammar_compile_timeout_s" not in kw
+    kw = settings_from_args(build_parser().parse_args(
+        ["--model", "m", "--tensor-parallel-timeout-s", "45", "--grammar-compile-threads", "3",
+         "--grammar-compile-timeout-s", "2.5"])).engine_kwargs()
+    assert kw["tensor_parallel_timeout"] == 45.0
+    assert kw["grammar_compile_threads"] == 3 and kw["grammar_compile_timeout_s"] == 2.5
+    from tokenrelay.engine.config import EngineConfig
+    assert {"tensor_parallel_timeout", "grammar_compile_threads",
+            "grammar_compile_timeout_s"} <= set(EngineConfig.__dataclass_fields__)
