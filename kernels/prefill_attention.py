@@ -10,7 +10,11 @@ Design (why):
   head r % GP, GP = GROUP rounded up to a power of two), so each K/V tile is loaded once per group.
 - Causality per row: key n is visible to token t iff n <= context_len + t; the key loop stops at
   the tile's last visible key, so the upper triangle beyond it is never read.
-- Query tiles past a sequence's span do no work (their loop is empty, their stores masked).
+- One flat grid of query tiles, sized from shapes alone: sequence b's tiles are numbered from
+  cu[b] // BLOCK_Q + b, so num_tokens // BLOCK_Q + batch programs cover every span and each
+  program finds its sequence by a binary search over cu_seqlens_q. The launcher never reads the
+  longest span on the host (that was a device sync per layer). Tiles past a span do no work.
+- The block table is read once per page of a key tile (kernels/paging.py).
 """
 
 from __future__ import annotations
@@ -22,28 +26,46 @@ import triton.language as tl
 
 from tokenrelay.kernels import _validate as v
 from tokenrelay.kernels.decode_attention import LOG2E
+from tokenrelay.kernels.paging import kv_tile_rows, per_page_lookup
 from tokenrelay.kernels.reference import paged_prefill_attention_ref
 
 __all__ = ["paged_prefill_attention", "paged_prefill_attention_ref"]
 
 
 @triton.jit
+def _sequence_of_tile(cu_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The last sequence b whose first tile, cu[b] // BLOCK_Q + b, is <= tile (binary search)."""
+    lo = tile * 0
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(cu_ptr + mid) // BLOCK_Q + mid
+        right = first <= tile
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    return lo - 1
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_ptr, out_ptr,
-    qk_scale,
+    qk_scale, num_seqs,
     q_stride_t, q_stride_h, bt_stride,
     cache_stride_blk, cache_stride_tok, cache_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PER_PAGE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # BLOCK_M = BLOCK_Q tokens x BLOCK_GP heads
-    b = tl.program_id(0).to(tl.int64)
-    q_tile = tl.program_id(1).to(tl.int64)
-    kvh = tl.program_id(2).to(tl.int64)
-    num_heads = tl.num_programs(2).to(tl.int64) * GROUP
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1).to(tl.int64)
+    num_heads = tl.num_programs(1).to(tl.int64) * GROUP
+    b32 = _sequence_of_tile(cu_ptr, num_seqs, tile, BLOCK_Q)
+    q_start32 = tl.load(cu_ptr + b32)
+    q_tile = (tile - (q_start32 // BLOCK_Q + b32)).to(tl.int64)
+    b = b32.to(tl.int64)
 
-    q_start = tl.load(cu_ptr + b).to(tl.int64)
+    q_start = q_start32.to(tl.int64)
     q_len = tl.load(cu_ptr + b + 1).to(tl.int64) - q_start
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
     context_len = seq_len - q_len
@@ -68,9 +90,9 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(0, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N).to(tl.int64)
-        n_ok = n < kv_end
-        blk = tl.load(block_tables_ptr + b * bt_stride + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        row = blk * cache_stride_blk + (n % PAGE) * cache_stride_tok + kvh * cache_stride_head
+        row, n_ok = kv_tile_rows(block_tables_ptr + b * bt_stride, start, kv_end, cache_stride_blk,
+                                 cache_stride_tok, PAGE, BLOCK_N, PER_PAGE)
+        row = row + kvh * cache_stride_head
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -98,18 +120,8 @@ def _check(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
     if cu_seqlens_q.shape[0] != batch + 1:
         raise ValueError(f"seq_lens {tuple(seq_lens.shape)} and cu_seqlens_q "
                          f"{tuple(cu_seqlens_q.shape)} disagree on the batch (need batch + 1 offsets)")
-    num_tokens = query.shape[0]
-    if not v.value_checks_enabled():
-        return
-    cu = cu_seqlens_q.tolist()
-    if cu[0] != 0 or cu[-1] != num_tokens:
-        raise ValueError(f"cu_seqlens_q must run from 0 to num_tokens = {num_tokens}, got {cu[0]}..{cu[-1]}")
-    q_lens = [hi - lo for lo, hi in zip(cu[:-1], cu[1:])]
-    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens.tolist())):
-        if q_len < 0:
-            raise ValueError(f"cu_seqlens_q decreases at sequence {b} ({cu[b]} -> {cu[b + 1]})")
-        if q_len > seq_len:
-            raise ValueError(f"sequence {b} has {q_len} new tokens but seq_len {seq_len}")
+    if v.value_checks_enabled():
+        v.cu_seqlens_values(cu_seqlens_q, seq_lens, query.shape[0])
 
 
 def paged_prefill_attention(
@@ -134,19 +146,16 @@ def paged_prefill_attention(
     block_d = max(16, v.next_pow2(head_dim))
     block_m = max(64, block_gp)
     block_n = 64 if block_d <= 128 else 32
-    max_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # a sync; prefill is never graph-captured
-    if max_q <= 0:
-        return out
     block_q = block_m // block_gp
-    grid = (batch, triton.cdiv(max_q, block_q), num_kv_heads)
+    grid = (num_tokens // block_q + batch, num_kv_heads)        # see "One flat grid" above
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
-        scale * LOG2E,
+        scale * LOG2E, batch,
         query.stride(0), query.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_GP=block_gp, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        PER_PAGE=per_page_lookup(page), PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )
     return out

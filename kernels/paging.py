@@ -1,0 +1,43 @@
+"""Where a tile of K/V rows lies in the paged cache: the block-table lookup decode and prefill
+attention share.
+
+Why per page: a tile of BLOCK_N tokens spans BLOCK_N / PAGE pages (or lies inside one page), so
+reading one table entry per page, not one per token, cuts the dependent table loads that sit
+in front of every K/V load by PAGE times. That needs tiles aligned to BLOCK_N (both kernels'
+tiles start at multiples of BLOCK_N) and a power-of-two page; other page sizes fall back to
+one entry per token, which any page size allows.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def per_page_lookup(page: int) -> bool:
+    """Whether tiles of a power-of-two BLOCK_N can read the table once per page."""
+    return page > 0 and page & (page - 1) == 0
+
+
+@triton.jit
+def kv_tile_rows(table_row_ptr, start, seq_len, stride_blk, stride_tok,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PER_PAGE: tl.constexpr):
+    """(row offsets [BLOCK_N] int64, valid [BLOCK_N]) of tokens start .. start + BLOCK_N - 1 of
+    one sequence, whose block-table row starts at ``table_row_ptr``. ``start`` is a multiple of
+    BLOCK_N below ``seq_len``; rows at or past ``seq_len`` are invalid (their table entries,
+    padding the engine may leave as garbage, are never read)."""
+    n = start + tl.arange(0, BLOCK_N).to(tl.int64)
+    valid = n < seq_len
+    if PER_PAGE:
+        if PAGE >= BLOCK_N:                    # the whole tile lies in one page
+            blk = tl.load(table_row_ptr + start // PAGE).to(tl.int64)
+            rows = blk * stride_blk + (n % PAGE) * stride_tok
+        else:
+            page = start // PAGE + tl.arange(0, BLOCK_N // PAGE).to(tl.int64)
+            blk = tl.load(table_row_ptr + page, mask=page * PAGE < seq_len, other=0).to(tl.int64)
+            in_page = tl.arange(0, PAGE).to(tl.int64)
+            rows = tl.reshape(blk[:, None] * stride_blk + in_page[None, :] * stride_tok, (BLOCK_N,))
+    else:
+        blk = tl.load(table_row_ptr + n // PAGE, mask=valid, other=0).to(tl.int64)
+        rows = blk * stride_blk + (n % PAGE) * stride_tok
+    return rows, valid
