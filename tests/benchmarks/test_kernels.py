@@ -14,10 +14,29 @@ def test_bench_check_only_small_passes(capsys):
     assert " NO" not in out
 
 
-def test_bench_decode_target_reads_batch_from_the_label(capsys):
-    rows = [dict(kernel="paged_decode_attention", label="batch 8 ctx 4096", ms=1.0, gbs=1.0, pct=0.2, tflops=1.0),
-            dict(kernel="paged_decode_attention", label="batch 64 ctx 4096", ms=1.0, gbs=1.0, pct=0.75, tflops=1.0)]
-    assert bench._print_timings(rows, 4000.0)          # batch 8 is below target but does not count
-    rows[1]["pct"] = 0.5
-    assert not bench._print_timings(rows, 4000.0)
-    assert "NOT met" in capsys.readouterr().out
+def test_roofline_targets_read_the_case():
+    from benchmarks.kernel_roofline import target_of
+
+    assert target_of("paged_decode_attention", "batch 1 ctx 4096", 0.019, 0.05) == ("<= 20 us", True)
+    assert target_of("paged_decode_attention", "batch 1 ctx 4096", 0.069, 0.9)[1] is False
+    assert target_of("paged_decode_attention", "batch 8 ctx 4096", 1.0, 0.86) == (">= 85% of copy", True)
+    assert target_of("paged_decode_attention", "batch 64 ctx 4096", 1.0, 0.68)[1] is False
+    assert target_of("paged_decode_attention", "batch 3 ctx 40", 1.0, 0.1) == ("none", None)
+    assert target_of("paged_prefill_attention", "spans", 1.0, 0.79) == (">= 0.8x SDPA", False)
+    assert target_of("rms_norm", "2048x4096", 1.0, 0.7) == (">= 70% of copy", True)
+
+
+def test_roofline_runs_every_kernel_on_cpu_at_tiny_sizes():
+    """The GPU check's dry run, section alone: one row per case, prefill against SDPA."""
+    from benchmarks.kernel_roofline import run
+
+    result = run(dry=True, device="cpu")
+    kernels = [r["kernel"] for r in result["rows"]]
+    assert sorted(set(kernels)) == sorted(["store_kv", "paged_decode_attention",
+                                           "paged_prefill_attention", "rms_norm",
+                                           "fused_add_rms_norm", "rotary", "silu_and_mul"])
+    prefill = next(r for r in result["rows"] if r["kernel"] == "paged_prefill_attention")
+    assert prefill["unit"] == "TFLOP/s" and prefill["of_roofline"] > 0
+    assert all(r["ms"] > 0 and r["syncs"] == "n/a" for r in result["rows"])
+    assert result["sweep"] and result["notes"]["sdpa_backend"] == "default"
+    assert any("decode sweep" in line for line in result["lines"])

@@ -1,0 +1,205 @@
+"""Every Triton kernel against its roofline, one row per kernel and case (issue #38).
+
+The memory-bound kernels (store_kv, decode attention, the pointwise ops) as GB/s of the minimum
+bytes one call must move, against a device-to-device copy (read + write): the practical roofline.
+Paged prefill attention as TFLOP/s against torch's scaled_dot_product_attention (flash backend on
+CUDA) on the same shapes in the same run. Cases and sizes are benchmarks/kernel_cases.py's
+(Llama-3-8B shapes). Each kernel also runs once under CUDA's sync debug mode: a launcher that
+synchronizes the device shows in the ``syncs`` column. Decode attention is swept over its two
+knobs (split size, programs per SM) so the next GPU run says which constants to keep.
+
+On CPU (the GPU check's dry run) everything runs interpreted at tiny sizes: not a measurement.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+
+DECODE_MIN_BATCH, DECODE_TARGET = 8, 0.85          # of copy bandwidth, 4k context
+DECODE_BATCH1_MS = 0.020
+POINTWISE_TARGET = 0.70                            # store_kv and the pointwise ops, of copy
+PREFILL_TARGET = 0.8                               # of SDPA's TFLOP/s
+SWEEP = {"split_tokens": (128, 256, 512), "programs_per_sm": (2, 4, 8)}
+DRY_SWEEP = {"split_tokens": (64,), "programs_per_sm": (4,)}
+
+
+@dataclass
+class Row:
+    kernel: str
+    case: str
+    ms: float
+    value: float              # GB/s, or TFLOP/s for prefill
+    unit: str
+    of_roofline: float        # value / copy GB/s, or / SDPA's TFLOP/s for prefill
+    target: str
+    met: Optional[bool]       # None: no target for this case
+    syncs: str
+
+    def line(self) -> str:
+        verdict = {None: "", True: "met", False: "NOT met"}[self.met]
+        return (f"{self.kernel:24} {self.case[:30]:30} {self.ms * 1000:9.1f} us "
+                f"{self.value:8.1f} {self.unit:7} {100 * self.of_roofline:5.0f}%  "
+                f"{self.target:22} {verdict:8} syncs: {self.syncs}")
+
+
+def timer(fn: Callable[[], Any], device: str) -> float:
+    """Median milliseconds of ``fn``: triton's do_bench on CUDA, a wall-clock loop on CPU."""
+    if device == "cuda":
+        import triton.testing
+        return triton.testing.do_bench(fn, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return sorted(times)[1]
+
+
+def copy_gbs(device: str, nbytes: int) -> float:
+    """Device-to-device copy bandwidth, counting read + write bytes."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timer(lambda: dst.copy_(src), device) / 1e6
+
+
+def syncs_of(fn: Callable[[], Any], device: str) -> str:
+    """'none' when ``fn`` runs under CUDA's sync debug mode without a synchronizing call, else
+    the error; 'n/a' on CPU (tests/kernels/test_no_sync.py proves it there)."""
+    if device != "cuda":
+        return "n/a"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return "none"
+    except RuntimeError as exc:
+        return f"SYNC ({str(exc).splitlines()[0][:60]})"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+
+
+def target_of(kernel: str, case: str, ms: float, of_roofline: float) -> tuple[str, Optional[bool]]:
+    """(the target's text, met or not, None where the case has none)."""
+    if kernel == "paged_decode_attention":
+        batch = int(case.split()[1])
+        if batch == 1:
+            return f"<= {DECODE_BATCH1_MS * 1000:.0f} us", ms <= DECODE_BATCH1_MS
+        if batch >= DECODE_MIN_BATCH:
+            return f">= {DECODE_TARGET:.0%} of copy", of_roofline >= DECODE_TARGET
+        return "none", None
+    if kernel == "paged_prefill_attention":
+        return f">= {PREFILL_TARGET}x SDPA", of_roofline >= PREFILL_TARGET
+    return f">= {POINTWISE_TARGET:.0%} of copy", of_roofline >= POINTWISE_TARGET
+
+
+def _dense_prefill(case, device: str) -> list[tuple[torch.Tensor, ...]]:
+    """The prefill case as SDPA inputs, one (q, k, v) per sequence: [1, Hq, len, D], K/V
+    gathered from the pool and repeated per query head (outside the timed call)."""
+    query, k_cache, v_cache, table, seq_lens, cu = case.args[:6]
+    page, group = k_cache.shape[1], query.shape[1] // k_cache.shape[2]
+    out = []
+    for b, (lo, hi) in enumerate(zip(cu.tolist()[:-1], cu.tolist()[1:])):
+        n = int(seq_lens[b])
+        pos = torch.arange(n, device=device)
+        slots = table[b].long()[pos // page] * page + pos % page
+        k, v = (c.flatten(0, 1)[slots].repeat_interleave(group, 1).transpose(0, 1)[None]
+                for c in (k_cache, v_cache))
+        out.append((query[lo:hi].transpose(0, 1)[None], k.contiguous(), v.contiguous()))
+    return out
+
+
+def sdpa_prefill(case, device: str) -> tuple[float, str]:
+    """(ms, backend) of SDPA over the prefill case's sequences, each causal to the lower right
+    (a query sees its prefix): flash on CUDA where torch takes it, else torch's default."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    seqs = _dense_prefill(case, device)
+    masks = [causal_lower_right(q.shape[2], k.shape[2]) for q, k, _ in seqs]
+    scale = case.args[6]
+
+    def run() -> None:
+        for (q, k, v), mask in zip(seqs, masks):
+            sdpa(q, k, v, attn_mask=mask, scale=scale)
+
+    if device == "cuda":
+        try:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return timer(run, device), "flash"
+        except RuntimeError as exc:
+            return timer(run, device), f"default (flash refused: {str(exc)[:60]})"
+    return timer(run, device), "default"
+
+
+def measure(cases: list, device: str, copy: float) -> tuple[list[Row], dict[str, str]]:
+    """One row per case; and notes (the SDPA backend that ran)."""
+    rows, notes = [], {}
+    for case in cases:
+        kernel, _ = case.fns()
+        ms = timer(lambda: kernel(*case.args, **case.kwargs), device)
+        syncs = syncs_of(lambda: kernel(*case.args, **case.kwargs), device)
+        if case.kernel == "paged_prefill_attention":
+            ref_ms, notes["sdpa_backend"] = sdpa_prefill(case, device)
+            value, unit, frac = case.flops / ms / 1e9, "TFLOP/s", ref_ms / ms
+            notes["sdpa_tflops"] = f"{case.flops / ref_ms / 1e9:.1f}"
+        else:
+            value, unit = case.nbytes / ms / 1e6, "GB/s"
+            frac = value / copy
+        target, met = target_of(case.kernel, case.label, ms, frac)
+        rows.append(Row(case.kernel, case.label, ms, value, unit, frac, target, met, syncs))
+    return rows, notes
+
+
+def decode_sweep(cases: list, device: str, copy: float, grid: dict) -> list[dict]:
+    """Decode attention at each (split size, programs per SM): which constants to keep."""
+    from tokenrelay.kernels import decode_attention as decode
+
+    out = []
+    kept = decode.PROGRAMS_PER_SM
+    try:
+        for per_sm in grid["programs_per_sm"]:
+            decode.PROGRAMS_PER_SM = per_sm
+            for split in grid["split_tokens"]:
+                for case in cases:
+                    ms = timer(lambda: decode.paged_decode_attention(*case.args, split_tokens=split),
+                               device)
+                    out.append({"split_tokens": split, "programs_per_sm": per_sm,
+                                "case": case.label, "us": ms * 1000,
+                                "of_copy": case.nbytes / ms / 1e6 / copy})
+    finally:
+        decode.PROGRAMS_PER_SM = kept
+    return out
+
+
+def run(dry: bool, device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """Every case's row, the decode sweep and the copy bandwidth, as a JSON-able dict."""
+    from benchmarks.kernel_cases import all_cases
+
+    torch.manual_seed(1)
+    copy = copy_gbs(device, (1 << 20) if dry else (1 << 30))
+    cases = all_cases(dry, dtype, device)
+    rows, notes = measure(cases, device, copy)
+    decode_cases = [c for c in cases if c.kernel == "paged_decode_attention"]
+    sweep = decode_sweep(decode_cases, device, copy, DRY_SWEEP if dry else SWEEP)
+    return {"copy_gbs": copy, "rows": [asdict(r) for r in rows], "notes": notes,
+            "sweep": sweep, "lines": report_lines(rows, copy, notes, sweep)}
+
+
+def report_lines(rows: list[Row], copy: float, notes: dict[str, str],
+                 sweep: list[dict]) -> list[str]:
+    lines = [f"device-to-device copy {copy:.1f} GB/s; prefill against SDPA "
+             f"({notes.get('sdpa_backend', '-')}, {notes.get('sdpa_tflops', '-')} TFLOP/s)"]
+    lines += [r.line() for r in rows]
+    lines.append("decode sweep (split tokens x programs per SM): us, % of copy")
+    for s in sweep:
+        lines.append(f"  split {s['split_tokens']:4} x {s['programs_per_sm']} per SM  "
+                     f"{s['case'][:22]:22} {s['us']:9.1f} us {100 * s['of_copy']:5.0f}%")
+    return lines
