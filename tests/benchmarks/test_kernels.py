@@ -40,3 +40,24 @@ def test_roofline_runs_every_kernel_on_cpu_at_tiny_sizes():
     assert all(r["ms"] > 0 and r["syncs"] == "n/a" for r in result["rows"])
     assert result["sweep"] and result["notes"]["sdpa_backend"] == "default"
     assert any("decode sweep" in line for line in result["lines"])
+
+
+def test_the_sdpa_prefill_baseline_computes_what_the_kernel_does():
+    """The prefill row compares like with like: SDPA on the dense per-sequence inputs, causal to
+    the lower right, gives the kernel's output."""
+    import torch
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from benchmarks.kernel_cases import all_cases
+    from benchmarks.kernel_roofline import _dense_prefill
+
+    torch.manual_seed(0)
+    case = next(c for c in all_cases(True, torch.float32, "cpu")
+                if c.kernel == "paged_prefill_attention")
+    kernel, _ = case.fns()
+    out, cu = kernel(*case.args), case.args[5].tolist()
+    for b, (q, k, v) in enumerate(_dense_prefill(case, "cpu")):
+        dense = sdpa(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                     scale=case.args[6])
+        torch.testing.assert_close(dense[0].transpose(0, 1), out[cu[b]:cu[b + 1]])
