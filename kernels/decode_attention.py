@@ -17,7 +17,7 @@ Design (why):
   than there are splits. From shapes alone: no device sync, stable under CUDA graphs.
 - Direct store. When the table's capacity fits one split, nothing is split and the one program
   writes the output (bit-equal to merging a single split: weight exp2(0) = 1).
-- Paging. The block table is read once per page of a tile (kernels/paging.py); addresses are
+- Paging. The block table is read once per page of a tile (kernels/paged_tile.py); addresses are
   int64 (pools > 2**31 elements).
 - Precision. Loads are upcast to fp32 at once (the interpreter mishandles raw bf16 arithmetic); the
   dots run on fp32 operands as tf32 for 16-bit inputs — exact for values that came from fp16/bf16
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from tokenrelay.kernels import _validate as v
-from tokenrelay.kernels.paging import kv_tile_rows, per_page_lookup
+from tokenrelay.kernels.paged_tile import attend_tile, kv_tile_rows, per_page_lookup
 from tokenrelay.kernels.reference import paged_decode_attention_ref
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "choose_num_splits",
@@ -61,18 +61,8 @@ def _attend_tiles(q, k_cache_ptr, v_cache_ptr, table_row_ptr, seq_len, kv_head_o
     for tile in range(tile_lo, tile_hi):
         rows, n_ok = kv_tile_rows(table_row_ptr, tile * BLOCK_N, seq_len, stride_blk, stride_tok,
                                   PAGE, BLOCK_N, PER_PAGE)
-        rows = rows + kv_head_off
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        val = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, val, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = attend_tile(q, k_cache_ptr, v_cache_ptr, rows + kv_head_off, n_ok,
+                                n_ok[None, :], d, d_ok, m, l, acc, qk_scale, PRECISION)
     return m, l, acc
 
 

@@ -14,7 +14,7 @@ Design (why):
   cu[b] // BLOCK_Q + b, so num_tokens // BLOCK_Q + batch programs cover every span and each
   program finds its sequence by a binary search over cu_seqlens_q. The launcher never reads the
   longest span on the host (that was a device sync per layer). Tiles past a span do no work.
-- The block table is read once per page of a key tile (kernels/paging.py).
+- The block table is read once per page of a key tile (kernels/paged_tile.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import triton.language as tl
 
 from tokenrelay.kernels import _validate as v
 from tokenrelay.kernels.decode_attention import LOG2E
-from tokenrelay.kernels.paging import kv_tile_rows, per_page_lookup
+from tokenrelay.kernels.paged_tile import attend_tile, kv_tile_rows, per_page_lookup
 from tokenrelay.kernels.reference import paged_prefill_attention_ref
 
 __all__ = ["paged_prefill_attention", "paged_prefill_attention_ref"]
@@ -92,19 +92,9 @@ def _prefill_kernel(
         n = start + tl.arange(0, BLOCK_N).to(tl.int64)
         row, n_ok = kv_tile_rows(block_tables_ptr + b * bt_stride, start, kv_end, cache_stride_blk,
                                  cache_stride_tok, PAGE, BLOCK_N, PER_PAGE)
-        row = row + kvh * cache_stride_head
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = n_ok[None, :] & (n[None, :] <= limit[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        val = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, val, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = attend_tile(q, k_cache_ptr, v_cache_ptr, row + kvh * cache_stride_head, n_ok,
+                                visible, d, d_ok, m, l, acc, qk_scale, PRECISION)
 
     o = acc / tl.where(l > 0.0, l, 1.0)[:, None]
     o_rows = (q_start + t) * num_heads + head

@@ -1,5 +1,6 @@
-"""Where a tile of K/V rows lies in the paged cache: the block-table lookup decode and prefill
-attention share.
+"""A tile of K/V rows in the paged cache, as decode and prefill attention both use it: where it
+lies (the block-table lookup, ``kv_tile_rows``) and one online-softmax step over it
+(``attend_tile``).
 
 Why per page: a tile of BLOCK_N tokens spans BLOCK_N / PAGE pages (or lies inside one page), so
 reading one table entry per page, not one per token, cuts the dependent table loads that sit
@@ -41,3 +42,22 @@ def kv_tile_rows(table_row_ptr, start, seq_len, stride_blk, stride_tok,
         blk = tl.load(table_row_ptr + n // PAGE, mask=valid, other=0).to(tl.int64)
         rows = blk * stride_blk + (n % PAGE) * stride_tok
     return rows, valid
+
+
+@triton.jit
+def attend_tile(q, k_cache_ptr, v_cache_ptr, rows, n_ok, visible, d, d_ok, m, l, acc, qk_scale,
+                PRECISION: tl.constexpr):
+    """One online-softmax step of the query rows q [M, BLOCK_D] over the K/V rows at ``rows``
+    (valid where ``n_ok``; scores kept where ``visible``, [M or 1, BLOCK_N]): the updated running
+    max m, sum l and unnormalized output acc, fp32, in log2 units (qk_scale holds log2(e))."""
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    val = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, val, input_precision=PRECISION)
+    return m_new, l, acc
