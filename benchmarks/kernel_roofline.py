@@ -28,8 +28,10 @@ DECODE_MIN_BATCH, DECODE_TARGET = 8, 0.85          # of copy bandwidth, 4k conte
 DECODE_BATCH1_MS = 0.020
 POINTWISE_TARGET = 0.70                            # store_kv and the pointwise ops, of copy
 PREFILL_TARGET = 0.8                               # of SDPA's TFLOP/s
-SWEEP = {"split_tokens": (128, 256, 512), "programs_per_sm": (2, 4, 8)}
-DRY_SWEEP = {"split_tokens": (64,), "programs_per_sm": (4,)}
+# The 16:01 H200 run: programs per SM 2, 4 or 8 changed nothing at batch >= 32 (kept at 2 and 4);
+# the block table read per page or per token is the open question.
+SWEEP = {"split_tokens": (128, 256, 512), "programs_per_sm": (2, 4), "per_page_reads": (False, True)}
+DRY_SWEEP = {"split_tokens": (64,), "programs_per_sm": (4,), "per_page_reads": (False, True)}
 
 
 @dataclass
@@ -194,25 +196,27 @@ def measure(cases: list, device: str, copy: float) -> tuple[list[Row], dict[str,
 
 
 def decode_sweep(cases: list, device: str, copy: float, grid: dict) -> list[dict]:
-    """Decode attention at each (split size, programs per SM): which constants to keep."""
-    from tokenrelay.kernels import decode_attention as decode
+    """Decode attention at each (split size, programs per SM, table reads per page or per
+    token): which constants to keep."""
+    import itertools
+
+    from tokenrelay.kernels import decode_attention as decode, paged_tile
 
     out = []
-    kept = decode.PROGRAMS_PER_SM
+    kept = decode.PROGRAMS_PER_SM, paged_tile.PER_PAGE_READS
     try:
-        for per_sm in grid["programs_per_sm"]:
-            decode.PROGRAMS_PER_SM = per_sm
-            for split in grid["split_tokens"]:
-                for case in cases:
-                    ms = graph_timer(lambda: decode.paged_decode_attention(
-                        *case.args, split_tokens=split), device)
-                    out.append({"split_tokens": split, "programs_per_sm": per_sm,
-                                "case": case.label, "us": ms * 1000,
-                                "of_copy": case.nbytes / ms / 1e6 / copy})
+        for per_sm, per_page, split in itertools.product(
+                grid["programs_per_sm"], grid["per_page_reads"], grid["split_tokens"]):
+            decode.PROGRAMS_PER_SM, paged_tile.PER_PAGE_READS = per_sm, per_page
+            for case in cases:
+                ms = graph_timer(lambda: decode.paged_decode_attention(
+                    *case.args, split_tokens=split), device)
+                out.append({"split_tokens": split, "programs_per_sm": per_sm,
+                            "per_page_reads": per_page, "case": case.label, "us": ms * 1000,
+                            "of_copy": case.nbytes / ms / 1e6 / copy})
     finally:
-        decode.PROGRAMS_PER_SM = kept
+        decode.PROGRAMS_PER_SM, paged_tile.PER_PAGE_READS = kept
     return out
-
 
 def run(dry: bool, device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """Every case's row, the decode sweep and the copy bandwidth, as a JSON-able dict."""
@@ -233,8 +237,9 @@ def report_lines(rows: list[Row], copy: float, notes: dict[str, str],
     lines = [f"device-to-device copy {copy:.1f} GB/s; prefill against SDPA "
              f"({notes.get('sdpa_backend', '-')}, {notes.get('sdpa_tflops', '-')} TFLOP/s)"]
     lines += [r.line() for r in rows]
-    lines.append("decode sweep (split tokens x programs per SM): us, % of copy")
+    lines.append("decode sweep (split tokens, programs per SM, table reads): us, % of copy")
     for s in sweep:
-        lines.append(f"  split {s['split_tokens']:4} x {s['programs_per_sm']} per SM  "
+        reads = "per page" if s["per_page_reads"] else "per token"
+        lines.append(f"  split {s['split_tokens']:4}, {s['programs_per_sm']} per SM, {reads:9}  "
                      f"{s['case'][:22]:22} {s['us']:9.1f} us {100 * s['of_copy']:5.0f}%")
     return lines

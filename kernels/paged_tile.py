@@ -2,8 +2,8 @@
 lies (the block-table lookup, ``kv_tile_rows``) and one online-softmax step over it
 (``attend_tile``).
 
-Why per page: a tile of BLOCK_N tokens spans BLOCK_N / PAGE pages (or lies inside one page), so
-reading one table entry per page, not one per token, cuts the dependent table loads that sit
+Why per page (when PER_PAGE_READS is on): a tile of BLOCK_N tokens spans BLOCK_N / PAGE pages
+(or lies inside one page), so reading one table entry per page, not one per token, cuts the dependent table loads that sit
 in front of every K/V load by PAGE times. That needs tiles aligned to BLOCK_N (both kernels'
 tiles start at multiples of BLOCK_N) and a power-of-two page; other page sizes fall back to
 one entry per token, which any page size allows.
@@ -15,9 +15,16 @@ import triton
 import triton.language as tl
 
 
+# Whether tiles read the table once per page where the page allows. Off: the first H200 run
+# with it on measured decode 2-3x slower than the per-token reads (it was not told apart from
+# the loop structure changed in the same run); the GPU check's decode sweep measures both.
+PER_PAGE_READS = False
+
+
 def per_page_lookup(page: int) -> bool:
-    """Whether tiles of a power-of-two BLOCK_N can read the table once per page."""
-    return page > 0 and page & (page - 1) == 0
+    """Whether tiles of a power-of-two BLOCK_N read the table once per page (PER_PAGE_READS and
+    a power-of-two page) rather than once per token."""
+    return PER_PAGE_READS and page > 0 and page & (page - 1) == 0
 
 
 @triton.jit

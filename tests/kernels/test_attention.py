@@ -91,11 +91,18 @@ def test_decode_more_programs_than_splits(dtype):
     _run_decode(case, 7, 64)  # at most 2 splits of 64 per sequence: programs capped at 2
 
 
+@pytest.fixture(params=[False, True], ids=["per-token", "per-page"])
+def table_reads(request, monkeypatch):
+    """Both ways of reading the block table (kernels/paged_tile.py)."""
+    from tokenrelay.kernels import paged_tile
+    monkeypatch.setattr(paged_tile, "PER_PAGE_READS", request.param)
+
+
 @pytest.mark.parametrize("page,head_dim", [(8, 32), (32, 64), (16, 80), (12, 32), (128, 32),
                                            (64, 160)])
-def test_decode_page_sizes_and_head_dims(page, head_dim):
+def test_decode_page_sizes_and_head_dims(page, head_dim, table_reads):
     # pages below, equal to and above the 64-token tile (32 for head_dim 160), and one that is
-    # not a power of two (the block table read per token instead of per page)
+    # not a power of two (read per token even where per-page reads are on)
     case = make_case([3, 31, 33, 140], None, 8, 2, head_dim, block_size=page, device=DEVICE)
     _run_decode(case, 2, 64)
 
@@ -179,7 +186,7 @@ def test_prefill_matches_ref(dtype, heads):
 
 @pytest.mark.parametrize("page,head_dim,dtype", [(8, 32, torch.bfloat16), (32, 64, torch.float32),
                                                  (16, 80, torch.float16)])
-def test_prefill_page_sizes_and_head_dims(page, head_dim, dtype):
+def test_prefill_page_sizes_and_head_dims(page, head_dim, dtype, table_reads):
     case = make_case([17, 50, 1], [17, 9, 1], 8, 2, head_dim, block_size=page, dtype=dtype, device=DEVICE)
     _run_prefill(case)
 
