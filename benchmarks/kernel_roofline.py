@@ -4,8 +4,10 @@ The memory-bound kernels (store_kv, decode attention, the pointwise ops) as GB/s
 bytes one call must move, against a device-to-device copy (read + write): the practical roofline.
 Two times per case: eager (triton's do_bench: the launcher's Python and Triton's launch included
 where they outlast the GPU work) and replayed from a CUDA graph, as the engine runs decode steps
-(the GPU's time alone, L2 flushed before each replay like do_bench does). Targets are judged on
-the graph time; the eager column shows what launch overhead adds.
+(the GPU's time alone). Before each replay L2 is flushed by *reading* 256 MB: do_bench's flush
+writes them, and the ~50 MB of dirty lines it leaves are written back during the timed kernel
+(the 16:01 H200 run suggests it: a ~6 us floor under every small kernel, store_kv's 16 MB too).
+Targets are judged on the graph time; the eager column shows what launch overhead adds.
 Paged prefill attention as TFLOP/s against torch's scaled_dot_product_attention (flash backend on
 CUDA) on the same shapes in the same run. Cases and sizes are benchmarks/kernel_cases.py's
 (Llama-3-8B shapes). Each kernel also runs once under CUDA's sync debug mode: a launcher that
@@ -32,6 +34,7 @@ PREFILL_TARGET = 0.8                               # of SDPA's TFLOP/s
 # the block table read per page or per token is the open question.
 SWEEP = {"split_tokens": (128, 256, 512), "programs_per_sm": (2, 4), "per_page_reads": (False, True)}
 DRY_SWEEP = {"split_tokens": (64,), "programs_per_sm": (4,), "per_page_reads": (False, True)}
+PREFILL_SWEEP = ((64, 4), (128, 4), (128, 8))         # (query rows per tile, warps)
 
 
 @dataclass
@@ -70,11 +73,12 @@ def timer(fn: Callable[[], Any], device: str) -> float:
 
 
 def graph_timer(fn: Callable[[], Any], device: str, reps: int = 50) -> float:
-    """Median milliseconds of one CUDA-graph replay of ``fn`` (a 256 MB memset flushes L2 before
-    each, outside the timed span); ``timer`` on CPU."""
+    """Median milliseconds of one CUDA-graph replay of ``fn`` (L2 flushed before each by a read
+    of 256 MB, which leaves no dirty line to write back, outside the timed span); ``timer`` on
+    CPU."""
     if device != "cuda":
         return timer(fn, device)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    flush = torch.zeros(64 << 20, dtype=torch.int32, device=device)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -85,7 +89,7 @@ def graph_timer(fn: Callable[[], Any], device: str, reps: int = 50) -> float:
         fn()
     times = []
     for _ in range(reps):
-        flush.zero_()
+        flush.sum()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
@@ -218,6 +222,23 @@ def decode_sweep(cases: list, device: str, copy: float, grid: dict) -> list[dict
         decode.PROGRAMS_PER_SM, paged_tile.PER_PAGE_READS = kept
     return out
 
+def prefill_sweep(case, device: str, configs: tuple) -> list[dict]:
+    """Prefill attention at each (query rows per tile, warps): TFLOP/s, which to keep."""
+    from tokenrelay.kernels import prefill_attention as prefill
+
+    out = []
+    kept = prefill.TILE_ROWS, prefill.NUM_WARPS
+    try:
+        for rows, warps in configs:
+            prefill.TILE_ROWS, prefill.NUM_WARPS = rows, warps
+            ms = graph_timer(lambda: prefill.paged_prefill_attention(*case.args), device)
+            out.append({"tile_rows": rows, "warps": warps, "us": ms * 1000,
+                        "tflops": case.flops / ms / 1e9})
+    finally:
+        prefill.TILE_ROWS, prefill.NUM_WARPS = kept
+    return out
+
+
 def run(dry: bool, device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """Every case's row, the decode sweep and the copy bandwidth, as a JSON-able dict."""
     from benchmarks.kernel_cases import all_cases
@@ -228,12 +249,15 @@ def run(dry: bool, device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str
     rows, notes = measure(cases, device, copy)
     decode_cases = [c for c in cases if c.kernel == "paged_decode_attention"]
     sweep = decode_sweep(decode_cases, device, copy, DRY_SWEEP if dry else SWEEP)
+    prefill = prefill_sweep(next(c for c in cases if c.kernel == "paged_prefill_attention"),
+                            device, PREFILL_SWEEP[:1] if dry else PREFILL_SWEEP)
     return {"copy_gbs": copy, "rows": [asdict(r) for r in rows], "notes": notes,
-            "sweep": sweep, "lines": report_lines(rows, copy, notes, sweep)}
+            "sweep": sweep, "prefill_sweep": prefill,
+            "lines": report_lines(rows, copy, notes, sweep, prefill)}
 
 
 def report_lines(rows: list[Row], copy: float, notes: dict[str, str],
-                 sweep: list[dict]) -> list[str]:
+                 sweep: list[dict], prefill: list[dict]) -> list[str]:
     lines = [f"device-to-device copy {copy:.1f} GB/s; prefill against SDPA "
              f"({notes.get('sdpa_backend', '-')}, {notes.get('sdpa_tflops', '-')} TFLOP/s)"]
     lines += [r.line() for r in rows]
@@ -242,4 +266,7 @@ def report_lines(rows: list[Row], copy: float, notes: dict[str, str],
         reads = "per page" if s["per_page_reads"] else "per token"
         lines.append(f"  split {s['split_tokens']:4}, {s['programs_per_sm']} per SM, {reads:9}  "
                      f"{s['case'][:22]:22} {s['us']:9.1f} us {100 * s['of_copy']:5.0f}%")
+    lines.append("prefill sweep (query rows per tile, warps): us, TFLOP/s")
+    lines += [f"  {p['tile_rows']:4} rows, {p['warps']} warps  {p['us']:9.1f} us "
+              f"{p['tflops']:7.1f} TFLOP/s" for p in prefill]
     return lines

@@ -31,6 +31,10 @@ from tokenrelay.kernels.reference import paged_prefill_attention_ref
 
 __all__ = ["paged_prefill_attention", "paged_prefill_attention_ref"]
 
+# Query rows per tile (tokens x GQA heads) and warps per program. 64 x 4 reached 30% of SDPA
+# flash on the H200 (16:01); the GPU check's kernel_roofline section sweeps bigger tiles.
+TILE_ROWS, NUM_WARPS = 64, 4
+
 
 @triton.jit
 def _sequence_of_tile(cu_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
@@ -134,7 +138,7 @@ def paged_prefill_attention(
         return out
     block_gp = v.next_pow2(group)
     block_d = max(16, v.next_pow2(head_dim))
-    block_m = max(64, block_gp)
+    block_m = max(TILE_ROWS, block_gp)
     block_n = 64 if block_d <= 128 else 32
     block_q = block_m // block_gp
     grid = (num_tokens // block_q + batch, num_kv_heads)        # see "One flat grid" above
@@ -146,6 +150,6 @@ def paged_prefill_attention(
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_GP=block_gp, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n,
         PER_PAGE=per_page_lookup(page), PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=NUM_WARPS, num_stages=2,
     )
     return out

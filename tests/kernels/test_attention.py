@@ -191,6 +191,15 @@ def test_prefill_page_sizes_and_head_dims(page, head_dim, dtype, table_reads):
     _run_prefill(case)
 
 
+def test_prefill_with_bigger_tiles(monkeypatch):
+    """The tile the GPU check's prefill sweep tries: 128 query rows (32 tokens x 4 heads)."""
+    from tokenrelay.kernels import prefill_attention
+
+    monkeypatch.setattr(prefill_attention, "TILE_ROWS", 128)
+    seq_lens = [c + q for c, q in SPANS]
+    _run_prefill(make_case(seq_lens, [q for _, q in SPANS], 8, 2, 32, device=DEVICE))
+
+
 def test_prefill_with_empty_span():
     case = make_case([10, 4, 20], [3, 0, 20], 4, 2, 32, device=DEVICE)
     _run_prefill(case)
