@@ -16,8 +16,9 @@ import triton.language as tl
 
 
 # Whether tiles read the table once per page where the page allows. Off: the first H200 run
-# with it on measured decode 2-3x slower than the per-token reads (it was not told apart from
-# the loop structure changed in the same run); the GPU check's decode sweep measures both.
+# with it on (16:01) measured decode 2-3x slower than the old per-token kernel, but that run
+# changed the loop structure too, so the cause is not known; the GPU check's decode sweep
+# measures both ways.
 PER_PAGE_READS = False
 
 
