@@ -19,8 +19,10 @@ On CPU (the GPU check's dry run) everything runs interpreted at tiny sizes: not 
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -35,6 +37,7 @@ PREFILL_TARGET = 0.8                               # of SDPA's TFLOP/s
 SWEEP = {"split_tokens": (128, 256, 512), "programs_per_sm": (2, 4), "per_page_reads": (False, True)}
 DRY_SWEEP = {"split_tokens": (64,), "programs_per_sm": (4,), "per_page_reads": (False, True)}
 PREFILL_SWEEP = ((64, 4), (128, 4), (128, 8))         # (query rows per tile, warps)
+STORE_KV_SWEEP = (2048, 4096, 8192)                   # elements per program
 
 
 @dataclass
@@ -199,43 +202,61 @@ def measure(cases: list, device: str, copy: float) -> tuple[list[Row], dict[str,
     return rows, notes
 
 
+@contextmanager
+def _constants(module: Any, **values: Any) -> Iterator[None]:
+    """A kernel module's tuning constants set to ``values`` for a sweep, restored after."""
+    kept = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in kept.items():
+            setattr(module, name, value)
+
+
 def decode_sweep(cases: list, device: str, copy: float, grid: dict) -> list[dict]:
     """Decode attention at each (split size, programs per SM, table reads per page or per
     token): which constants to keep."""
-    import itertools
-
     from tokenrelay.kernels import decode_attention as decode, paged_tile
 
     out = []
-    kept = decode.PROGRAMS_PER_SM, paged_tile.PER_PAGE_READS
-    try:
-        for per_sm, per_page, split in itertools.product(
-                grid["programs_per_sm"], grid["per_page_reads"], grid["split_tokens"]):
-            decode.PROGRAMS_PER_SM, paged_tile.PER_PAGE_READS = per_sm, per_page
+    for per_sm, per_page, split in itertools.product(
+            grid["programs_per_sm"], grid["per_page_reads"], grid["split_tokens"]):
+        with _constants(decode, PROGRAMS_PER_SM=per_sm), \
+                _constants(paged_tile, PER_PAGE_READS=per_page):
             for case in cases:
                 ms = graph_timer(lambda: decode.paged_decode_attention(
                     *case.args, split_tokens=split), device)
                 out.append({"split_tokens": split, "programs_per_sm": per_sm,
                             "per_page_reads": per_page, "case": case.label, "us": ms * 1000,
                             "of_copy": case.nbytes / ms / 1e6 / copy})
-    finally:
-        decode.PROGRAMS_PER_SM, paged_tile.PER_PAGE_READS = kept
     return out
+
 
 def prefill_sweep(case, device: str, configs: tuple) -> list[dict]:
     """Prefill attention at each (query rows per tile, warps): TFLOP/s, which to keep."""
     from tokenrelay.kernels import prefill_attention as prefill
 
     out = []
-    kept = prefill.TILE_ROWS, prefill.NUM_WARPS
-    try:
-        for rows, warps in configs:
-            prefill.TILE_ROWS, prefill.NUM_WARPS = rows, warps
+    for rows, warps in configs:
+        with _constants(prefill, TILE_ROWS=rows, NUM_WARPS=warps):
             ms = graph_timer(lambda: prefill.paged_prefill_attention(*case.args), device)
-            out.append({"tile_rows": rows, "warps": warps, "us": ms * 1000,
-                        "tflops": case.flops / ms / 1e9})
-    finally:
-        prefill.TILE_ROWS, prefill.NUM_WARPS = kept
+        out.append({"tile_rows": rows, "warps": warps, "us": ms * 1000,
+                    "tflops": case.flops / ms / 1e9})
+    return out
+
+
+def store_kv_sweep(case, device: str, copy: float, sizes: tuple) -> list[dict]:
+    """store_kv at each number of elements per program: % of copy, which to keep."""
+    from tokenrelay.kernels import store_kv
+
+    out = []
+    for elems in sizes:
+        with _constants(store_kv, ELEMS_PER_PROGRAM=elems):
+            ms = graph_timer(lambda: store_kv.store_kv(*case.args), device)
+        out.append({"elems_per_program": elems, "us": ms * 1000,
+                    "of_copy": case.nbytes / ms / 1e6 / copy})
     return out
 
 
@@ -251,13 +272,15 @@ def run(dry: bool, device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str
     sweep = decode_sweep(decode_cases, device, copy, DRY_SWEEP if dry else SWEEP)
     prefill = prefill_sweep(next(c for c in cases if c.kernel == "paged_prefill_attention"),
                             device, PREFILL_SWEEP[:1] if dry else PREFILL_SWEEP)
+    stores = store_kv_sweep(next(c for c in cases if c.kernel == "store_kv"), device, copy,
+                            STORE_KV_SWEEP[-1:] if dry else STORE_KV_SWEEP)
     return {"copy_gbs": copy, "rows": [asdict(r) for r in rows], "notes": notes,
-            "sweep": sweep, "prefill_sweep": prefill,
-            "lines": report_lines(rows, copy, notes, sweep, prefill)}
+            "sweep": sweep, "prefill_sweep": prefill, "store_kv_sweep": stores,
+            "lines": report_lines(rows, copy, notes, sweep, prefill, stores)}
 
 
 def report_lines(rows: list[Row], copy: float, notes: dict[str, str],
-                 sweep: list[dict], prefill: list[dict]) -> list[str]:
+                 sweep: list[dict], prefill: list[dict], stores: list[dict]) -> list[str]:
     lines = [f"device-to-device copy {copy:.1f} GB/s; prefill against SDPA "
              f"({notes.get('sdpa_backend', '-')}, {notes.get('sdpa_tflops', '-')} TFLOP/s)"]
     lines += [r.line() for r in rows]
@@ -269,4 +292,7 @@ def report_lines(rows: list[Row], copy: float, notes: dict[str, str],
     lines.append("prefill sweep (query rows per tile, warps): us, TFLOP/s")
     lines += [f"  {p['tile_rows']:4} rows, {p['warps']} warps  {p['us']:9.1f} us "
               f"{p['tflops']:7.1f} TFLOP/s" for p in prefill]
+    lines.append("store_kv sweep (elements per program): us, % of copy")
+    lines += [f"  {x['elems_per_program']:5}  {x['us']:9.1f} us {100 * x['of_copy']:5.0f}%"
+              for x in stores]
     return lines

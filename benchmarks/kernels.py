@@ -4,8 +4,8 @@
     python -m benchmarks.kernels --check-only --small  # anywhere (CPU: Triton interpreter), tiny sizes
 
 Timings are benchmarks.kernel_roofline's (the GPU check's kernel_roofline section): each
-kernel against its roofline, with issue #38's targets. Kernels only: the engine's decode tokens/s with CUDA graphs off and on
-is `python -m benchmarks.engine --cuda-graphs` (`kernels` imports nothing of the engine).
+kernel against its roofline, with issue #38's targets. Kernels only: the engine's decode
+tokens/s with CUDA graphs off and on is `python -m benchmarks.engine --cuda-graphs` (`kernels` imports nothing of the engine).
 """
 
 from __future__ import annotations

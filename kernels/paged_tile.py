@@ -3,8 +3,8 @@ lies (the block-table lookup, ``kv_tile_rows``) and one online-softmax step over
 (``attend_tile``).
 
 Why per page (when PER_PAGE_READS is on): a tile of BLOCK_N tokens spans BLOCK_N / PAGE pages
-(or lies inside one page), so reading one table entry per page, not one per token, cuts the dependent table loads that sit
-in front of every K/V load by PAGE times. That needs tiles aligned to BLOCK_N (both kernels'
+(or lies inside one page), so reading one table entry per page, not one per token, cuts the
+dependent table loads that sit in front of every K/V load by PAGE times. That needs tiles aligned to BLOCK_N (both kernels'
 tiles start at multiples of BLOCK_N) and a power-of-two page; other page sizes fall back to
 one entry per token, which any page size allows.
 """

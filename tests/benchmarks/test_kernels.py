@@ -38,7 +38,7 @@ def test_roofline_runs_every_kernel_on_cpu_at_tiny_sizes():
     prefill = next(r for r in result["rows"] if r["kernel"] == "paged_prefill_attention")
     assert prefill["unit"] == "TFLOP/s" and prefill["of_roofline"] > 0
     assert all(r["ms"] > 0 and r["syncs"] == "n/a" for r in result["rows"])
-    assert result["sweep"] and result["prefill_sweep"]
+    assert result["sweep"] and result["prefill_sweep"] and result["store_kv_sweep"]
     assert result["notes"]["sdpa_backend"] == "default"
     assert {s["per_page_reads"] for s in result["sweep"]} == {False, True}
     assert any("decode sweep" in line for line in result["lines"])
