@@ -11,15 +11,14 @@ Targets are judged on the graph time; the eager column shows what launch overhea
 Paged prefill attention as TFLOP/s against torch's scaled_dot_product_attention (flash backend on
 CUDA) on the same shapes in the same run. Cases and sizes are benchmarks/kernel_cases.py's
 (Llama-3-8B shapes). Each kernel also runs once under CUDA's sync debug mode: a launcher that
-synchronizes the device shows in the ``syncs`` column. Decode attention is swept over its two
-knobs (split size, programs per SM) so the next GPU run says which constants to keep.
+synchronizes the device shows in the ``syncs`` column. Decode and prefill attention and store_kv
+are swept over their constants (configs below) so the next GPU run says which to keep.
 
 On CPU (the GPU check's dry run) everything runs interpreted at tiny sizes: not a measurement.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,11 +31,43 @@ DECODE_MIN_BATCH, DECODE_TARGET = 8, 0.85          # of copy bandwidth, 4k conte
 DECODE_BATCH1_MS = 0.020
 POINTWISE_TARGET = 0.70                            # store_kv and the pointwise ops, of copy
 PREFILL_TARGET = 0.8                               # of SDPA's TFLOP/s
-# The 16:01 H200 run: programs per SM 2, 4 or 8 changed nothing at batch >= 32 (kept at 2 and 4);
-# the block table read per page or per token is the open question.
-SWEEP = {"split_tokens": (128, 256, 512), "programs_per_sm": (2, 4), "per_page_reads": (False, True)}
-DRY_SWEEP = {"split_tokens": (64,), "programs_per_sm": (4,), "per_page_reads": (False, True)}
-PREFILL_SWEEP = ((64, 4), (128, 4), (128, 8))         # (query rows per tile, warps)
+# Decode configs: (name, decode_attention constants, paged_tile constants, split tokens). The
+# 16:18 H200 run: split 512 vs 256 and 2 vs 4 programs per SM changed little; per-page table reads
+# were 2-4x slower (dropped). "1618" is the kernel it measured; the rest vary one knob or two
+# from the default (native dots, table prefetch, 64 tokens, 4 warps, 3 stages, 4 per SM).
+_D1618 = dict(BLOCK_N=64, NUM_WARPS=4, NUM_STAGES=2, PREFETCH_ROWS=False, PROGRAMS_PER_SM=4)
+_DDEF = dict(_D1618, NUM_STAGES=3, PREFETCH_ROWS=True)
+SWEEP = (
+    ("1618: tf32, no prefetch, n64 w4 s2", _D1618, False, 256),
+    ("native, no prefetch, n64 w4 s2", _D1618, True, 256),
+    ("native, prefetch, n64 w4 s2", dict(_DDEF, NUM_STAGES=2), True, 256),
+    ("default: native, prefetch, n64 w4 s3", _DDEF, True, 256),
+    ("default, 2 per SM", dict(_DDEF, PROGRAMS_PER_SM=2), True, 256),
+    ("default, s4, 2 per SM", dict(_DDEF, NUM_STAGES=4, PROGRAMS_PER_SM=2), True, 256),
+    ("default, w8", dict(_DDEF, NUM_WARPS=8), True, 256),
+    ("default, n32 s4", dict(_DDEF, BLOCK_N=32, NUM_STAGES=4), True, 256),
+    ("default, n128 s2", dict(_DDEF, BLOCK_N=128, NUM_STAGES=2), True, 256),
+    ("default, n128 s3 w8, 2 per SM", dict(_DDEF, BLOCK_N=128, NUM_WARPS=8, PROGRAMS_PER_SM=2),
+     True, 256),
+    ("default, split 512", _DDEF, True, 512),
+    ("default, split 512, 2 per SM", dict(_DDEF, PROGRAMS_PER_SM=2), True, 512),
+    ("default, split 128", _DDEF, True, 128),
+)
+DRY_SWEEP = tuple((name, consts, native, 64) for name, consts, native, _ in (SWEEP[0], SWEEP[3]))
+# Prefill configs: (name, prefill_attention constants, native dots). 16:18: 128 rows x 8 warps
+# 41.3 TFLOP/s with tf32 dots, 64 x 4 39.4.
+_P1618 = dict(TILE_ROWS=128, NUM_WARPS=8, BLOCK_N=64, NUM_STAGES=2, PREFETCH_ROWS=False)
+_PDEF = dict(_P1618, NUM_STAGES=3, PREFETCH_ROWS=True)
+PREFILL_SWEEP = (
+    ("1618: tf32, m128 w8 n64 s2", _P1618, False),
+    ("native, m128 w8 n64 s2", _P1618, True),
+    ("default: native, prefetch, m128 w8 n64 s3", _PDEF, True),
+    ("default, s4", dict(_PDEF, NUM_STAGES=4), True),
+    ("default, w4", dict(_PDEF, NUM_WARPS=4), True),
+    ("default, n128 s2", dict(_PDEF, BLOCK_N=128, NUM_STAGES=2), True),
+    ("default, n128 s3", dict(_PDEF, BLOCK_N=128), True),
+    ("default, m64 w4", dict(_PDEF, TILE_ROWS=64, NUM_WARPS=4), True),
+)
 STORE_KV_SWEEP = (2048, 4096, 8192)                   # elements per program
 
 
@@ -215,35 +246,42 @@ def _constants(module: Any, **values: Any) -> Iterator[None]:
             setattr(module, name, value)
 
 
-def decode_sweep(cases: list, device: str, copy: float, grid: dict) -> list[dict]:
-    """Decode attention at each (split size, programs per SM, table reads per page or per
-    token): which constants to keep."""
+def _timed(fn: Callable[[], Any], device: str) -> tuple[float, str]:
+    """(graph-replay ms, '') or (nan, why) when the config does not build or launch (a sweep
+    row may ask for more shared memory than an SM has): one bad row never costs the others."""
+    try:
+        return graph_timer(fn, device), ""
+    except Exception as exc:  # noqa: BLE001 - reported in the row
+        return float("nan"), f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
+
+
+def decode_sweep(cases: list, device: str, copy: float, configs: tuple) -> list[dict]:
+    """Decode attention at each config (tile, warps, stages, table prefetch, dots, programs per
+    SM, split size): which constants to keep."""
     from tokenrelay.kernels import decode_attention as decode, paged_tile
 
     out = []
-    for per_sm, per_page, split in itertools.product(
-            grid["programs_per_sm"], grid["per_page_reads"], grid["split_tokens"]):
-        with _constants(decode, PROGRAMS_PER_SM=per_sm), \
-                _constants(paged_tile, PER_PAGE_READS=per_page):
+    for name, consts, native, split in configs:
+        with _constants(decode, **consts), _constants(paged_tile, NATIVE_DOTS=native):
             for case in cases:
-                ms = graph_timer(lambda: decode.paged_decode_attention(
+                ms, error = _timed(lambda: decode.paged_decode_attention(
                     *case.args, split_tokens=split), device)
-                out.append({"split_tokens": split, "programs_per_sm": per_sm,
-                            "per_page_reads": per_page, "case": case.label, "us": ms * 1000,
-                            "of_copy": case.nbytes / ms / 1e6 / copy})
+                out.append({"config": name, "case": case.label, "us": ms * 1000,
+                            "of_copy": case.nbytes / ms / 1e6 / copy, "error": error})
     return out
 
 
 def prefill_sweep(case, device: str, configs: tuple) -> list[dict]:
-    """Prefill attention at each (query rows per tile, warps): TFLOP/s, which to keep."""
-    from tokenrelay.kernels import prefill_attention as prefill
+    """Prefill attention at each config (tile rows, warps, keys per tile, stages, prefetch,
+    dots): TFLOP/s, which to keep."""
+    from tokenrelay.kernels import paged_tile, prefill_attention as prefill
 
     out = []
-    for rows, warps in configs:
-        with _constants(prefill, TILE_ROWS=rows, NUM_WARPS=warps):
-            ms = graph_timer(lambda: prefill.paged_prefill_attention(*case.args), device)
-        out.append({"tile_rows": rows, "warps": warps, "us": ms * 1000,
-                    "tflops": case.flops / ms / 1e9})
+    for name, consts, native in configs:
+        with _constants(prefill, **consts), _constants(paged_tile, NATIVE_DOTS=native):
+            ms, error = _timed(lambda: prefill.paged_prefill_attention(*case.args), device)
+        out.append({"config": name, "us": ms * 1000, "tflops": case.flops / ms / 1e9,
+                    "error": error})
     return out
 
 
@@ -271,7 +309,7 @@ def run(dry: bool, device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str
     decode_cases = [c for c in cases if c.kernel == "paged_decode_attention"]
     sweep = decode_sweep(decode_cases, device, copy, DRY_SWEEP if dry else SWEEP)
     prefill = prefill_sweep(next(c for c in cases if c.kernel == "paged_prefill_attention"),
-                            device, PREFILL_SWEEP[:1] if dry else PREFILL_SWEEP)
+                            device, PREFILL_SWEEP[1:3] if dry else PREFILL_SWEEP)
     stores = store_kv_sweep(next(c for c in cases if c.kernel == "store_kv"), device, copy,
                             STORE_KV_SWEEP[-1:] if dry else STORE_KV_SWEEP)
     return {"copy_gbs": copy, "rows": [asdict(r) for r in rows], "notes": notes,
@@ -284,14 +322,12 @@ def report_lines(rows: list[Row], copy: float, notes: dict[str, str],
     lines = [f"device-to-device copy {copy:.1f} GB/s; prefill against SDPA "
              f"({notes.get('sdpa_backend', '-')}, {notes.get('sdpa_tflops', '-')} TFLOP/s)"]
     lines += [r.line() for r in rows]
-    lines.append("decode sweep (split tokens, programs per SM, table reads): us, % of copy")
-    for s in sweep:
-        reads = "per page" if s["per_page_reads"] else "per token"
-        lines.append(f"  split {s['split_tokens']:4}, {s['programs_per_sm']} per SM, {reads:9}  "
-                     f"{s['case'][:22]:22} {s['us']:9.1f} us {100 * s['of_copy']:5.0f}%")
-    lines.append("prefill sweep (query rows per tile, warps): us, TFLOP/s")
-    lines += [f"  {p['tile_rows']:4} rows, {p['warps']} warps  {p['us']:9.1f} us "
-              f"{p['tflops']:7.1f} TFLOP/s" for p in prefill]
+    lines.append("decode sweep (config; the 16:18 kernel first): us, % of copy")
+    lines += [f"  {x['config'][:40]:40} {x['case'][:18]:18} {x['us']:8.1f} us "
+              f"{100 * x['of_copy']:4.0f}% {x['error']}" for x in sweep]
+    lines.append("prefill sweep (config; the 16:18 kernel first): us, TFLOP/s")
+    lines += [f"  {p['config'][:44]:44} {p['us']:8.1f} us {p['tflops']:6.1f} TFLOP/s "
+              f"{p['error']}" for p in prefill]
     lines.append("store_kv sweep (elements per program): us, % of copy")
     lines += [f"  {x['elems_per_program']:5}  {x['us']:9.1f} us {100 * x['of_copy']:5.0f}%"
               for x in stores]

@@ -44,7 +44,8 @@ def _specs(dt: str) -> list[tuple[str, str, dict, dict]]:
            dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", seq_lens_ptr="*i32",
                 out_ptr=p, part_out_ptr="*fp32", part_lse_ptr="*fp32", qk_scale=f32, max_splits=i32,
                 q_stride_b=i32, q_stride_h=i32, bt_stride=i32, **cache),
-           dict(attn, BLOCK_G=16, SPLIT_TILES=4, PER_PAGE=False, DIRECT=direct))
+           dict(attn, BLOCK_G=16, SPLIT_TILES=4, DIRECT=direct, NATIVE=dt != "fp32",
+                PREFETCH_ROWS=True))
           for direct in (True, False)],
         ("tokenrelay.kernels.decode_attention", "_decode_merge_kernel",
          dict(out_ptr=p, part_out_ptr="*fp32", part_lse_ptr="*fp32", seq_lens_ptr="*i32",
@@ -54,7 +55,8 @@ def _specs(dt: str) -> list[tuple[str, str, dict, dict]]:
          dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", seq_lens_ptr="*i32",
               cu_ptr="*i32", out_ptr=p, qk_scale=f32, num_seqs=i32, q_stride_t=i32,
               q_stride_h=i32, bt_stride=i32, **cache),
-         dict(attn, BLOCK_GP=4, BLOCK_Q=16, BLOCK_M=64, PER_PAGE=False)),
+         dict(attn, BLOCK_GP=4, BLOCK_Q=16, BLOCK_M=128, NATIVE=dt != "fp32",
+              PREFETCH_ROWS=True)),
         ("tokenrelay.kernels.norm", "_rms_norm_kernel",
          dict(x_ptr=p, res_ptr=p, w_ptr=p, out_ptr=p, num_rows=i32, x_stride=i32, res_stride=i32,
               out_stride=i32, eps=f32),

@@ -17,12 +17,11 @@ Design (why):
   than there are splits. From shapes alone: no device sync, stable under CUDA graphs.
 - Direct store. When the table's capacity fits one split, nothing is split and the one program
   writes the output (bit-equal to merging a single split: weight exp2(0) = 1).
-- Paging. The block table is read per token, or once per page of a tile where
-  paged_tile.PER_PAGE_READS says so (kernels/paged_tile.py); addresses are int64 (pools > 2**31
-  elements).
-- Precision. Loads are upcast to fp32 at once (the interpreter mishandles raw bf16 arithmetic); the
-  dots run on fp32 operands as tf32 for 16-bit inputs — exact for values that came from fp16/bf16
-  — and as full ieee fp32 for fp32 inputs. Softmax uses exp2 with scale*log2(e) folded in.
+- Paging. The block table is read per token (kernels/paged_tile.py); addresses are int64
+  (pools > 2**31 elements).
+- Precision. 16-bit K/V go into the dots natively with fp32 accumulation, P rounded to V's dtype
+  (paged_tile.NATIVE_DOTS; bf16 is upcast to tf32 dots under the interpreter, which mishandles
+  bf16 dots); fp32 inputs take ieee fp32 dots. Softmax uses exp2 with scale*log2(e) folded in.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import triton
 import triton.language as tl
 
 from tokenrelay.kernels import _validate as v
-from tokenrelay.kernels.paged_tile import attend_tile, kv_tile_rows, per_page_lookup
+from tokenrelay.kernels.paged_tile import attend_tile, kv_tile_rows, native_dots
 from tokenrelay.kernels.reference import paged_decode_attention_ref
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "choose_num_splits",
@@ -47,6 +46,14 @@ SPLIT_TOKENS = 256
 # Decode programs one SM holds at once (4 warps each, K/V tiles in registers): the occupancy the
 # grid is sized for. The GPU check's kernel_roofline section reports the neighbours.
 PROGRAMS_PER_SM = 4
+# Tokens per K/V tile (head_dim <= 128; half for bigger heads), warps per program and software
+# pipeline stages. The 16:18 H200 run measured 64 / 4 / 2 with tf32 dots and the table read in
+# the tile's own iteration: 71-72% of copy at batch 32-64. Triton's pipeliner then kept one K/V
+# buffer whatever num_stages (a load whose address comes from a load of the same iteration);
+# with PREFETCH_ROWS (the next tile's table entries read one iteration ahead) stages 3 keeps
+# two, 4 three (sm_90 build: 78 KB of shared memory at 64 / 4 / 3). The GPU check's
+# kernel_roofline section sweeps these against the 16:18 kernel.
+BLOCK_N, NUM_WARPS, NUM_STAGES, PREFETCH_ROWS = 64, 4, 3, True
 
 
 @triton.jit
@@ -58,8 +65,8 @@ def _decode_split_kernel(
     cache_stride_blk, cache_stride_tok, cache_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_TILES: tl.constexpr, PER_PAGE: tl.constexpr,
-    DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT_TILES: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    NATIVE: tl.constexpr, PREFETCH_ROWS: tl.constexpr,
 ):
     # One flat, software-pipelined loop over this program's contiguous run of splits: at a
     # split's last tile its partial is stored and the running state restarts, exactly as a
@@ -89,15 +96,26 @@ def _decode_split_kernel(
     o_mask = g_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + b * q_stride_b + head[:, None] * q_stride_h + d[None, :],
                 mask=o_mask, other=0.0).to(tl.float32)
+    if NATIVE:
+        q = q.to(k_cache_ptr.dtype.element_ty)     # exact: q came in that dtype
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    # PREFETCH_ROWS: each iteration reads the next tile's table entries, so this tile's K/V
+    # addresses come from the previous iteration and the pipeliner can buffer them deeper.
+    rows, n_ok = kv_tile_rows(table_row_ptr, tile_lo * BLOCK_N, seq_len, cache_stride_blk,
+                              cache_stride_tok, PAGE, BLOCK_N)
     for tile in range(tile_lo, tile_hi):
-        rows, n_ok = kv_tile_rows(table_row_ptr, tile * BLOCK_N, seq_len, cache_stride_blk,
-                                  cache_stride_tok, PAGE, BLOCK_N, PER_PAGE)
-        m, l, acc = attend_tile(q, k_cache_ptr, v_cache_ptr, rows + kv_head_off, n_ok,
-                                n_ok[None, :], d, d_ok, m, l, acc, qk_scale, PRECISION)
+        if PREFETCH_ROWS:
+            cur_rows, cur_ok = rows, n_ok
+            rows, n_ok = kv_tile_rows(table_row_ptr, (tile + 1) * BLOCK_N, seq_len,
+                                      cache_stride_blk, cache_stride_tok, PAGE, BLOCK_N)
+        else:
+            cur_rows, cur_ok = kv_tile_rows(table_row_ptr, tile * BLOCK_N, seq_len,
+                                            cache_stride_blk, cache_stride_tok, PAGE, BLOCK_N)
+        m, l, acc = attend_tile(q, k_cache_ptr, v_cache_ptr, cur_rows + kv_head_off, cur_ok,
+                                cur_ok[None, :], d, d_ok, m, l, acc, qk_scale, PRECISION, NATIVE)
         if not DIRECT:
             last = ((tile + 1) % SPLIT_TILES == 0) | (tile + 1 == num_tiles)
             if last:                             # a split holds >= 1 token: l > 0
@@ -162,10 +180,14 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: i
     return int(max(1, min(wanted, max_splits)))
 
 
-def _config(head_dim: int) -> tuple[int, int]:
-    """(BLOCK_D, BLOCK_N): one fixed config; 64 tokens x 128 dims keeps K and V tiles in registers."""
+def _config(head_dim: int, split_tokens: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_N): BLOCK_N tokens for heads up to 128 dims, half that for bigger heads
+    (the tile's bytes stay the same), halved until it divides a split (splits end on tiles)."""
     block_d = max(16, v.next_pow2(head_dim))
-    return block_d, (64 if block_d <= 128 else 32)
+    block_n = BLOCK_N if block_d <= 128 else BLOCK_N // 2
+    while split_tokens % block_n:
+        block_n //= 2
+    return block_d, block_n
 
 
 def _check(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, split_tokens) -> None:
@@ -204,7 +226,7 @@ def paged_decode_attention(
     out = v.new_buffer((batch, num_heads, head_dim), query.dtype, query.device)
     if batch == 0:
         return out
-    block_d, block_n = _config(head_dim)
+    block_d, block_n = _config(head_dim, split_tokens)
     max_splits = triton.cdiv(max(block_tables.shape[1] * page, 1), split_tokens)
     direct = max_splits == 1
     programs = 1 if direct else (num_splits or choose_num_splits(
@@ -222,9 +244,10 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_G=max(16, v.next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        SPLIT_TILES=split_tokens // block_n, PER_PAGE=per_page_lookup(page),
-        DIRECT=direct, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        SPLIT_TILES=split_tokens // block_n, DIRECT=direct,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        NATIVE=native_dots(query.dtype), PREFETCH_ROWS=PREFETCH_ROWS,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if not direct:
         _decode_merge_kernel[(batch, num_kv_heads)](

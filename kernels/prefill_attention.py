@@ -14,7 +14,8 @@ Design (why):
   cu[b] // BLOCK_Q + b, so num_tokens // BLOCK_Q + batch programs cover every span and each
   program finds its sequence by a binary search over cu_seqlens_q. The launcher never reads the
   longest span on the host (that was a device sync per layer). Tiles past a span do no work.
-- The block table is read once per page of a key tile (kernels/paged_tile.py).
+- The block table is read per key (kernels/paged_tile.py); 16-bit K/V are dotted natively
+  (paged_tile.NATIVE_DOTS), fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ import triton.language as tl
 
 from tokenrelay.kernels import _validate as v
 from tokenrelay.kernels.decode_attention import LOG2E
-from tokenrelay.kernels.paged_tile import attend_tile, kv_tile_rows, per_page_lookup
+from tokenrelay.kernels.paged_tile import attend_tile, kv_tile_rows, native_dots
 from tokenrelay.kernels.reference import paged_prefill_attention_ref
 
 __all__ = ["paged_prefill_attention", "paged_prefill_attention_ref"]
 
-# Query rows per tile (tokens x GQA heads) and warps per program. 64 x 4 reached 30% of SDPA
-# flash on the H200 (16:01); the GPU check's kernel_roofline section sweeps bigger tiles.
-TILE_ROWS, NUM_WARPS = 64, 4
+# Query rows per tile (tokens x GQA heads), warps per program, keys per tile (head_dim <= 128;
+# half for bigger heads) and pipeline stages. With tf32 dots, 128 rows x 8 warps measured 41.3
+# TFLOP/s on the H200 (16:18), 64 x 4 39.4 (34% of SDPA flash); the GPU check's kernel_roofline
+# section sweeps these, and PREFETCH_ROWS (decode_attention.py says why).
+TILE_ROWS, NUM_WARPS, BLOCK_N, NUM_STAGES, PREFETCH_ROWS = 128, 8, 64, 3, True
 
 
 @triton.jit
@@ -58,7 +61,8 @@ def _prefill_kernel(
     cache_stride_blk, cache_stride_tok, cache_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_GP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PER_PAGE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NATIVE: tl.constexpr,
+    PREFETCH_ROWS: tl.constexpr,
 ):
     # BLOCK_M = BLOCK_Q tokens x BLOCK_GP heads
     tile = tl.program_id(0)
@@ -85,6 +89,8 @@ def _prefill_kernel(
     q_mask = row_ok[:, None] & d_ok[None, :]
     q_rows = (q_start + t) * q_stride_t + head * q_stride_h
     q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    if NATIVE:
+        q = q.to(k_cache_ptr.dtype.element_ty)     # exact: q came in that dtype
     limit = context_len + t                     # last key position each row may see
 
     kv_end = tl.minimum(seq_len, context_len + t0 + BLOCK_Q)
@@ -92,13 +98,23 @@ def _prefill_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_row_ptr = block_tables_ptr + b * bt_stride
+    # PREFETCH_ROWS: the next tile's table entries are read one iteration ahead (as in decode),
+    # so K/V addresses do not hang on a load of the same iteration and can be buffered deeper.
+    nxt_row, nxt_ok = kv_tile_rows(table_row_ptr, 0, kv_end, cache_stride_blk, cache_stride_tok,
+                                   PAGE, BLOCK_N)
     for start in range(0, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N).to(tl.int64)
-        row, n_ok = kv_tile_rows(block_tables_ptr + b * bt_stride, start, kv_end, cache_stride_blk,
-                                 cache_stride_tok, PAGE, BLOCK_N, PER_PAGE)
+        if PREFETCH_ROWS:
+            row, n_ok = nxt_row, nxt_ok
+            nxt_row, nxt_ok = kv_tile_rows(table_row_ptr, start + BLOCK_N, kv_end,
+                                           cache_stride_blk, cache_stride_tok, PAGE, BLOCK_N)
+        else:
+            row, n_ok = kv_tile_rows(table_row_ptr, start, kv_end, cache_stride_blk,
+                                     cache_stride_tok, PAGE, BLOCK_N)
         visible = n_ok[None, :] & (n[None, :] <= limit[:, None])
         m, l, acc = attend_tile(q, k_cache_ptr, v_cache_ptr, row + kvh * cache_stride_head, n_ok,
-                                visible, d, d_ok, m, l, acc, qk_scale, PRECISION)
+                                visible, d, d_ok, m, l, acc, qk_scale, PRECISION, NATIVE)
 
     o = acc / tl.where(l > 0.0, l, 1.0)[:, None]
     o_rows = (q_start + t) * num_heads + head
@@ -139,7 +155,7 @@ def paged_prefill_attention(
     block_gp = v.next_pow2(group)
     block_d = max(16, v.next_pow2(head_dim))
     block_m = max(TILE_ROWS, block_gp)
-    block_n = 64 if block_d <= 128 else 32
+    block_n = BLOCK_N if block_d <= 128 else BLOCK_N // 2
     block_q = block_m // block_gp
     grid = (num_tokens // block_q + batch, num_kv_heads)        # see "One flat grid" above
     _prefill_kernel[grid](
@@ -149,7 +165,8 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_GP=block_gp, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n,
-        PER_PAGE=per_page_lookup(page), PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS, num_stages=2,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        NATIVE=native_dots(query.dtype), PREFETCH_ROWS=PREFETCH_ROWS,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out

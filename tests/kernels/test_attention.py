@@ -91,19 +91,20 @@ def test_decode_more_programs_than_splits(dtype):
     _run_decode(case, 7, 64)  # at most 2 splits of 64 per sequence: programs capped at 2
 
 
-@pytest.fixture(params=[False, True], ids=["per-token", "per-page"])
-def table_reads(request, monkeypatch):
-    """Both ways of reading the block table (kernels/paged_tile.py)."""
+@pytest.fixture(params=[True, False], ids=["native-dots", "upcast-dots"])
+def dots(request, monkeypatch):
+    """Both kinds of dots over 16-bit K/V (kernels/paged_tile.py: NATIVE_DOTS)."""
     from tokenrelay.kernels import paged_tile
-    monkeypatch.setattr(paged_tile, "PER_PAGE_READS", request.param)
+    monkeypatch.setattr(paged_tile, "NATIVE_DOTS", request.param)
 
 
 @pytest.mark.parametrize("page,head_dim", [(8, 32), (32, 64), (16, 80), (12, 32), (128, 32),
                                            (64, 160)])
-def test_decode_page_sizes_and_head_dims(page, head_dim, table_reads):
+def test_decode_page_sizes_and_head_dims(page, head_dim, dots):
     # pages below, equal to and above the 64-token tile (32 for head_dim 160), and one that is
-    # not a power of two (read per token even where per-page reads are on)
-    case = make_case([3, 31, 33, 140], None, 8, 2, head_dim, block_size=page, device=DEVICE)
+    # not a power of two; fp16, so native dots run under the interpreter too
+    case = make_case([3, 31, 33, 140], None, 8, 2, head_dim, block_size=page,
+                     dtype=torch.float16, device=DEVICE)
     _run_decode(case, 2, 64)
 
 
@@ -111,6 +112,17 @@ def test_decode_splits_several_tiles_each():
     """Splits of 128 tokens hold two 64-token tiles; one program loops over three splits."""
     case = make_case([300, 7, 129], None, 4, 1, 32, device=DEVICE)
     _run_decode(case, 1, 128)
+
+
+@pytest.mark.parametrize("split_tokens", [64, 256])
+def test_decode_with_128_token_tiles(monkeypatch, split_tokens):
+    """The tile the GPU check's decode sweep tries: 128 tokens, halved to 64 where a split is
+    only 64 tokens long (a split must end on a tile)."""
+    from tokenrelay.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "BLOCK_N", 128)
+    case = make_case([300, 7, 129, 600], None, 8, 2, 32, dtype=torch.float16, device=DEVICE)
+    _run_decode(case, 2, split_tokens)
 
 
 def test_decode_result_depends_on_nothing_but_the_sequence():
@@ -186,18 +198,22 @@ def test_prefill_matches_ref(dtype, heads):
 
 @pytest.mark.parametrize("page,head_dim,dtype", [(8, 32, torch.bfloat16), (32, 64, torch.float32),
                                                  (16, 80, torch.float16)])
-def test_prefill_page_sizes_and_head_dims(page, head_dim, dtype, table_reads):
+def test_prefill_page_sizes_and_head_dims(page, head_dim, dtype, dots):
     case = make_case([17, 50, 1], [17, 9, 1], 8, 2, head_dim, block_size=page, dtype=dtype, device=DEVICE)
     _run_prefill(case)
 
 
-def test_prefill_with_bigger_tiles(monkeypatch):
-    """The tile the GPU check's prefill sweep tries: 128 query rows (32 tokens x 4 heads)."""
+@pytest.mark.parametrize("rows,keys", [(64, 64), (128, 128)])
+def test_prefill_with_other_tiles(monkeypatch, rows, keys):
+    """Tiles the GPU check's prefill sweep tries: 64 or 128 query rows (16 or 32 tokens x 4
+    heads) by 64 or 128 keys."""
     from tokenrelay.kernels import prefill_attention
 
-    monkeypatch.setattr(prefill_attention, "TILE_ROWS", 128)
+    monkeypatch.setattr(prefill_attention, "TILE_ROWS", rows)
+    monkeypatch.setattr(prefill_attention, "BLOCK_N", keys)
     seq_lens = [c + q for c, q in SPANS]
-    _run_prefill(make_case(seq_lens, [q for _, q in SPANS], 8, 2, 32, device=DEVICE))
+    _run_prefill(make_case(seq_lens, [q for _, q in SPANS], 8, 2, 32, dtype=torch.float16,
+                           device=DEVICE))
 
 
 def test_prefill_with_empty_span():
