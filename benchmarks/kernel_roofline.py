@@ -68,7 +68,16 @@ PREFILL_SWEEP = (
     ("default, n128 s3", dict(_PDEF, BLOCK_N=128), True),
     ("default, m64 w4", dict(_PDEF, TILE_ROWS=64, NUM_WARPS=4), True),
 )
-STORE_KV_SWEEP = (2048, 4096, 8192)                   # elements per program
+# Memory-bound kernels: module -> (the cases it serves, (elements per program, warps) to try;
+# the default first). At 16:18 store_kv did not move with elements (2048-8192) at 4 warps.
+POINTWISE_SWEEP = {
+    "store_kv": (("store_kv",), ((8192, 4), (8192, 8), (16384, 8), (16384, 16), (2048, 1),
+                                 (4096, 2))),
+    "norm": (("rms_norm", "fused_add_rms_norm"), ((4096, 4), (4096, 2), (4096, 8), (4096, 16),
+                                                   (8192, 8), (16384, 16))),
+    "rotary": (("rotary",), ((4096, 4), (2048, 2), (2048, 4), (4096, 8), (8192, 8),
+                             (16384, 16))),
+}
 
 
 @dataclass
@@ -285,16 +294,22 @@ def prefill_sweep(case, device: str, configs: tuple) -> list[dict]:
     return out
 
 
-def store_kv_sweep(case, device: str, copy: float, sizes: tuple) -> list[dict]:
-    """store_kv at each number of elements per program: % of copy, which to keep."""
-    from tokenrelay.kernels import store_kv
+def pointwise_sweep(cases: list, device: str, copy: float, grid: dict) -> list[dict]:
+    """store_kv, the norms and rotary at each (elements per program, warps): % of copy, which
+    constants to keep."""
+    import importlib
 
     out = []
-    for elems in sizes:
-        with _constants(store_kv, ELEMS_PER_PROGRAM=elems):
-            ms = graph_timer(lambda: store_kv.store_kv(*case.args), device)
-        out.append({"elems_per_program": elems, "us": ms * 1000,
-                    "of_copy": case.nbytes / ms / 1e6 / copy})
+    for module_name, (kernels, configs) in grid.items():
+        module = importlib.import_module(f"tokenrelay.kernels.{module_name}")
+        for elems, warps in configs:
+            with _constants(module, ELEMS_PER_PROGRAM=elems, NUM_WARPS=warps):
+                for case in (c for c in cases if c.kernel in kernels):
+                    kernel, _ = case.fns()
+                    ms, error = _timed(lambda: kernel(*case.args, **case.kwargs), device)
+                    out.append({"kernel": case.kernel, "elems_per_program": elems,
+                                "warps": warps, "us": ms * 1000,
+                                "of_copy": case.nbytes / ms / 1e6 / copy, "error": error})
     return out
 
 
@@ -310,10 +325,10 @@ def run(dry: bool, device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str
     sweep = decode_sweep(decode_cases, device, copy, DRY_SWEEP if dry else SWEEP)
     prefill = prefill_sweep(next(c for c in cases if c.kernel == "paged_prefill_attention"),
                             device, PREFILL_SWEEP[1:3] if dry else PREFILL_SWEEP)
-    stores = store_kv_sweep(next(c for c in cases if c.kernel == "store_kv"), device, copy,
-                            STORE_KV_SWEEP[-1:] if dry else STORE_KV_SWEEP)
+    stores = pointwise_sweep(cases, device, copy, {m: (k, (c[0], c[-1]) if dry else c)
+                                                   for m, (k, c) in POINTWISE_SWEEP.items()})
     return {"copy_gbs": copy, "rows": [asdict(r) for r in rows], "notes": notes,
-            "sweep": sweep, "prefill_sweep": prefill, "store_kv_sweep": stores,
+            "sweep": sweep, "prefill_sweep": prefill, "pointwise_sweep": stores,
             "lines": report_lines(rows, copy, notes, sweep, prefill, stores)}
 
 
@@ -328,7 +343,7 @@ def report_lines(rows: list[Row], copy: float, notes: dict[str, str],
     lines.append("prefill sweep (config; the 16:18 kernel first): us, TFLOP/s")
     lines += [f"  {p['config'][:44]:44} {p['us']:8.1f} us {p['tflops']:6.1f} TFLOP/s "
               f"{p['error']}" for p in prefill]
-    lines.append("store_kv sweep (elements per program): us, % of copy")
-    lines += [f"  {x['elems_per_program']:5}  {x['us']:9.1f} us {100 * x['of_copy']:5.0f}%"
-              for x in stores]
+    lines.append("memory-bound sweep (elements per program, warps; the default first): us, % of copy")
+    lines += [f"  {x['kernel']:20} {x['elems_per_program']:6} elems {x['warps']:2} warps "
+              f"{x['us']:8.1f} us {100 * x['of_copy']:4.0f}% {x['error']}" for x in stores]
     return lines

@@ -38,10 +38,13 @@ def test_roofline_runs_every_kernel_on_cpu_at_tiny_sizes():
     prefill = next(r for r in result["rows"] if r["kernel"] == "paged_prefill_attention")
     assert prefill["unit"] == "TFLOP/s" and prefill["of_roofline"] > 0
     assert all(r["ms"] > 0 and r["syncs"] == "n/a" for r in result["rows"])
-    assert result["sweep"] and result["prefill_sweep"] and result["store_kv_sweep"]
+    assert result["sweep"] and result["prefill_sweep"] and result["pointwise_sweep"]
     assert result["notes"]["sdpa_backend"] == "default"
     assert len({s["config"] for s in result["sweep"]}) == 2
-    assert not any(s["error"] for s in result["sweep"] + result["prefill_sweep"])
+    assert {s["kernel"] for s in result["pointwise_sweep"]} == {
+        "store_kv", "rms_norm", "fused_add_rms_norm", "rotary"}
+    assert not any(s["error"] for s in
+                   result["sweep"] + result["prefill_sweep"] + result["pointwise_sweep"])
     assert any("decode sweep" in line for line in result["lines"])
 
 
