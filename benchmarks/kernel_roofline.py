@@ -71,12 +71,10 @@ PREFILL_SWEEP = (
 # Memory-bound kernels: module -> (the cases it serves, (elements per program, warps) to try;
 # the default first). At 16:18 store_kv did not move with elements (2048-8192) at 4 warps.
 POINTWISE_SWEEP = {
-    "store_kv": (("store_kv",), ((8192, 4), (8192, 8), (16384, 8), (16384, 16), (2048, 1),
-                                 (4096, 2))),
-    "norm": (("rms_norm", "fused_add_rms_norm"), ((4096, 4), (4096, 2), (4096, 8), (4096, 16),
-                                                   (8192, 8), (16384, 16))),
-    "rotary": (("rotary",), ((4096, 4), (2048, 2), (2048, 4), (4096, 8), (8192, 8),
-                             (16384, 16))),
+    "store_kv": (("store_kv",), ((8192, 4), (8192, 8), (16384, 8), (16384, 16), (2048, 1))),
+    "norm": (("rms_norm", "fused_add_rms_norm"), ((4096, 4), (4096, 8), (4096, 16), (8192, 8),
+                                                   (16384, 16))),
+    "rotary": (("rotary",), ((4096, 4), (2048, 4), (4096, 8), (8192, 8), (16384, 16))),
 }
 
 
