@@ -9,7 +9,8 @@ Design (why):
   BLOCK_Q tokens x GROUP query heads as the BLOCK_M rows of one tile (row r = token r // GP,
   head r % GP, GP = GROUP rounded up to a power of two), so each K/V tile is loaded once per group.
 - Causality per row: key n is visible to token t iff n <= context_len + t; the key loop stops at
-  the tile's last visible key, so the upper triangle beyond it is never read.
+  the tile's last visible key, so the upper triangle beyond it is never read, and the key tiles
+  every row of the query tile sees skip the mask (only the diagonal's build it).
 - One flat grid of query tiles, sized from shapes alone: sequence b's tiles are numbered from
   cu[b] // BLOCK_Q + b, so num_tokens // BLOCK_Q + batch programs cover every span and each
   program finds its sequence by a binary search over cu_seqlens_q. The launcher never reads the
@@ -51,6 +52,35 @@ def _sequence_of_tile(cu_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
         lo = tl.where(right, mid + 1, lo)
         hi = tl.where(right, hi, mid)
     return lo - 1
+
+
+@triton.jit
+def _attend_keys(q, k_cache_ptr, v_cache_ptr, table_row_ptr, head_off, lo, hi, kv_end, limit,
+                 d, d_ok, m, l, acc, qk_scale, stride_blk, stride_tok,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                 NATIVE: tl.constexpr, PREFETCH_ROWS: tl.constexpr, MASKED: tl.constexpr):
+    """The online-softmax state after keys lo .. hi - 1 (lo a multiple of BLOCK_N; keys from
+    kv_end on are invalid), causally masked by ``limit`` where MASKED. PREFETCH_ROWS: each
+    iteration reads the next tile's table entries (as in decode), so K/V addresses do not hang on
+    a load of the same iteration and the pipeliner can buffer them deeper."""
+    nxt_row, nxt_ok = kv_tile_rows(table_row_ptr, lo, kv_end, stride_blk, stride_tok, PAGE,
+                                   BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        if PREFETCH_ROWS:
+            row, n_ok = nxt_row, nxt_ok
+            nxt_row, nxt_ok = kv_tile_rows(table_row_ptr, start + BLOCK_N, kv_end, stride_blk,
+                                           stride_tok, PAGE, BLOCK_N)
+        else:
+            row, n_ok = kv_tile_rows(table_row_ptr, start, kv_end, stride_blk, stride_tok, PAGE,
+                                     BLOCK_N)
+        if MASKED:
+            n = start + tl.arange(0, BLOCK_N).to(tl.int64)
+            visible = n_ok[None, :] & (n[None, :] <= limit[:, None])
+        else:
+            visible = n_ok[None, :]
+        m, l, acc = attend_tile(q, k_cache_ptr, v_cache_ptr, row + head_off, n_ok, visible, d,
+                                d_ok, m, l, acc, qk_scale, PRECISION, NATIVE)
+    return m, l, acc
 
 
 @triton.jit
@@ -98,23 +128,19 @@ def _prefill_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys up to context_len + t0 are visible to every row of the tile: those whole tiles skip
+    # the causal mask; only the last one or two tiles, on the diagonal, build it.
+    full_end = tl.minimum(kv_end, (context_len + t0 + 1) // BLOCK_N * BLOCK_N)
     table_row_ptr = block_tables_ptr + b * bt_stride
-    # PREFETCH_ROWS: the next tile's table entries are read one iteration ahead (as in decode),
-    # so K/V addresses do not hang on a load of the same iteration and can be buffered deeper.
-    nxt_row, nxt_ok = kv_tile_rows(table_row_ptr, 0, kv_end, cache_stride_blk, cache_stride_tok,
-                                   PAGE, BLOCK_N)
-    for start in range(0, kv_end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N).to(tl.int64)
-        if PREFETCH_ROWS:
-            row, n_ok = nxt_row, nxt_ok
-            nxt_row, nxt_ok = kv_tile_rows(table_row_ptr, start + BLOCK_N, kv_end,
-                                           cache_stride_blk, cache_stride_tok, PAGE, BLOCK_N)
-        else:
-            row, n_ok = kv_tile_rows(table_row_ptr, start, kv_end, cache_stride_blk,
-                                     cache_stride_tok, PAGE, BLOCK_N)
-        visible = n_ok[None, :] & (n[None, :] <= limit[:, None])
-        m, l, acc = attend_tile(q, k_cache_ptr, v_cache_ptr, row + kvh * cache_stride_head, n_ok,
-                                visible, d, d_ok, m, l, acc, qk_scale, PRECISION, NATIVE)
+    head_off = kvh * cache_stride_head
+    m, l, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, table_row_ptr, head_off, 0, full_end,
+                             kv_end, limit, d, d_ok, m, l, acc, qk_scale, cache_stride_blk,
+                             cache_stride_tok, PAGE, BLOCK_N, PRECISION, NATIVE, PREFETCH_ROWS,
+                             False)
+    m, l, acc = _attend_keys(q, k_cache_ptr, v_cache_ptr, table_row_ptr, head_off, full_end,
+                             kv_end, kv_end, limit, d, d_ok, m, l, acc, qk_scale,
+                             cache_stride_blk, cache_stride_tok, PAGE, BLOCK_N, PRECISION,
+                             NATIVE, PREFETCH_ROWS, True)
 
     o = acc / tl.where(l > 0.0, l, 1.0)[:, None]
     o_rows = (q_start + t) * num_heads + head
