@@ -216,6 +216,16 @@ def test_prefill_with_other_tiles(monkeypatch, rows, keys):
                            device=DEVICE))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_prefill_long_context_takes_unmasked_tiles(dtype):
+    """Contexts past a key tile: whole tiles below the diagonal run without the causal mask,
+    the diagonal's with it (a query tile of 100 tokens spans several key tiles)."""
+    spans = [(150, 100), (64, 1), (63, 70)]
+    case = make_case([c + q for c, q in spans], [q for _, q in spans], 4, 1, 32, dtype=dtype,
+                     device=DEVICE)
+    _run_prefill(case)
+
+
 def test_prefill_with_empty_span():
     case = make_case([10, 4, 20], [3, 0, 20], 4, 2, 32, device=DEVICE)
     _run_prefill(case)
