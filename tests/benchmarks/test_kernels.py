@@ -37,6 +37,8 @@ def test_roofline_runs_every_kernel_on_cpu_at_tiny_sizes():
                                            "fused_add_rms_norm", "rotary", "silu_and_mul"])
     prefill = next(r for r in result["rows"] if r["kernel"] == "paged_prefill_attention")
     assert prefill["unit"] == "TFLOP/s" and prefill["of_roofline"] > 0
+    assert prefill["of_same_copy"] is None
+    assert all(r["of_same_copy"] > 0 for r in result["rows"] if r["unit"] == "GB/s")
     assert all(r["ms"] > 0 and r["syncs"] == "n/a" for r in result["rows"])
     assert result["sweep"] and result["prefill_sweep"] and result["pointwise_sweep"]
     assert result["notes"]["sdpa_backend"] == "default"
