@@ -150,8 +150,8 @@ def engine_bench(plan: Plan) -> Outcome:
 def kernel_roofline(plan: Plan) -> Outcome:
     """Every kernel against its roofline (benchmarks.kernel_roofline): GB/s against a copy for
     the memory-bound ones, TFLOP/s against SDPA for prefill, each run once under CUDA's sync
-    debug mode; the attention kernels and the memory-bound ones swept over their constants. Issue #38's
-    targets: decode >= 85% of copy at batch >= 8 and <= 20 us at batch 1 (4k context), the
+    debug mode; the attention kernels and the memory-bound ones swept over their constants.
+    Issue #38's targets: decode >= 85% of copy at batch >= 8 and <= 20 us at batch 1 (4k context), the
     others >= 70% of copy, prefill >= 0.8x SDPA; and no launcher syncs."""
     from benchmarks.kernel_roofline import run
 

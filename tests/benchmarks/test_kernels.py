@@ -69,3 +69,18 @@ def test_the_sdpa_prefill_baseline_computes_what_the_kernel_does():
         dense = sdpa(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
                      scale=case.args[6])
         torch.testing.assert_close(dense[0].transpose(0, 1), out[cu[b]:cu[b + 1]])
+
+
+def test_every_sweep_config_names_constants_the_kernels_have():
+    """The GPU run tries configs the CPU dry run skips: a misspelt constant would only show
+    there (as a new attribute the kernel never reads)."""
+    from benchmarks.kernel_roofline import POINTWISE_SWEEP, PREFILL_SWEEP, SWEEP
+    from tokenrelay.kernels import decode_attention, norm, prefill_attention, rotary, store_kv
+
+    for _, consts, _, split in SWEEP:
+        assert all(hasattr(decode_attention, name) for name in consts) and split % 64 == 0
+    for _, consts, _ in PREFILL_SWEEP:
+        assert all(hasattr(prefill_attention, name) for name in consts)
+    modules = {"store_kv": store_kv, "norm": norm, "rotary": rotary}
+    for name in POINTWISE_SWEEP:
+        assert hasattr(modules[name], "ELEMS_PER_PROGRAM") and hasattr(modules[name], "NUM_WARPS")
