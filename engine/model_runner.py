@@ -234,9 +234,19 @@ class ModelRunner:
             is_decode=is_decode)
         return step, sample_rows
 
+    def _check_step(self, step: StepInputs) -> None:
+        """The step's index values, checked once on the host copies, for ops that never read
+        them on the device (the triton kernels: a sync per layer there)."""
+        check = getattr(getattr(self.model, "ops", None), "check_step", None)
+        if check is not None:
+            check(slot_mapping=step.slot_mapping, block_tables=step.block_tables,
+                  seq_lens=step.seq_lens, cu_seqlens_q=step.cu_seqlens_q,
+                  num_blocks=self.num_blocks, block_size=self.block_size)
+
     def _device_inputs(self, step: StepInputs
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(input_ids, positions, meta with the step's plan, logits indices) on the device."""
+        self._check_step(step)
         dev = self.device
         meta = self._with_plan(AttentionMetadata(
             slot_mapping=step.slot_mapping.to(dev, non_blocking=True),

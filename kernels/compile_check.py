@@ -42,17 +42,21 @@ def _specs(dt: str) -> list[tuple[str, str, dict, dict]]:
          dict(ROW=1024, BLOCK_T=8, BLOCK_ROW=1024)),
         *[("tokenrelay.kernels.decode_attention", "_decode_split_kernel",
            dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                out_ptr=p, part_out_ptr="*fp32", part_lse_ptr="*fp32", qk_scale=f32, num_splits=i32,
+                out_ptr=p, part_out_ptr="*fp32", part_lse_ptr="*fp32", qk_scale=f32, max_splits=i32,
                 q_stride_b=i32, q_stride_h=i32, bt_stride=i32, **cache),
-           dict(attn, BLOCK_G=16, DIRECT=direct)) for direct in (True, False)],
+           dict(attn, BLOCK_G=16, SPLIT_TILES=4, DIRECT=direct, NATIVE=dt != "fp32",
+                PREFETCH_ROWS=True))
+          for direct in (True, False)],
         ("tokenrelay.kernels.decode_attention", "_decode_merge_kernel",
-         dict(out_ptr=p, part_out_ptr="*fp32", part_lse_ptr="*fp32", num_splits=i32),
-         dict(GROUP=4, HEAD_DIM=128, BLOCK_G=4, BLOCK_D=128)),
+         dict(out_ptr=p, part_out_ptr="*fp32", part_lse_ptr="*fp32", seq_lens_ptr="*i32",
+              max_splits=i32),
+         dict(GROUP=4, HEAD_DIM=128, BLOCK_G=4, BLOCK_D=128, SPLIT_TOKENS=256)),
         ("tokenrelay.kernels.prefill_attention", "_prefill_kernel",
          dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", seq_lens_ptr="*i32",
-              cu_ptr="*i32", out_ptr=p, qk_scale=f32, q_stride_t=i32, q_stride_h=i32, bt_stride=i32,
-              **cache),
-         dict(attn, BLOCK_GP=4, BLOCK_Q=16, BLOCK_M=64)),
+              cu_ptr="*i32", out_ptr=p, qk_scale=f32, num_seqs=i32, q_stride_t=i32,
+              q_stride_h=i32, bt_stride=i32, **cache),
+         dict(attn, BLOCK_GP=4, BLOCK_Q=16, BLOCK_M=128, NATIVE=dt != "fp32",
+              PREFETCH_ROWS=True)),
         ("tokenrelay.kernels.norm", "_rms_norm_kernel",
          dict(x_ptr=p, res_ptr=p, w_ptr=p, out_ptr=p, num_rows=i32, x_stride=i32, res_stride=i32,
               out_stride=i32, eps=f32),
@@ -68,8 +72,10 @@ def _specs(dt: str) -> list[tuple[str, str, dict, dict]]:
 
 
 def compile_all(arch: int = 90, dtype: str = "bf16") -> list[tuple[str, float, dict]]:
-    """Compile each kernel to a cubin; returns (name, seconds, PTX instruction counts: 16-byte
-    vector loads, async copies (software pipelining), tensor-core mma). Raises on failure."""
+    """Compile each kernel to a cubin, with its module's NUM_WARPS / NUM_STAGES where it has
+    them (else 4 / 2); returns (name, seconds, PTX instruction counts: 16-byte
+    vector loads, async copies (software pipelining), tensor-core mma) and shared memory. Raises
+    on failure."""
     os.environ.pop("TRITON_INTERPRET", None)
     import importlib
 
@@ -78,7 +84,8 @@ def compile_all(arch: int = 90, dtype: str = "bf16") -> list[tuple[str, float, d
 
     done = []
     for module, name, runtime, constexprs in _specs(dtype):
-        fn = getattr(importlib.import_module(module), name)
+        mod = importlib.import_module(module)
+        fn = getattr(mod, name)
         if not hasattr(fn, "arg_names"):
             raise RuntimeError(f"{module}.{name} is interpreted: run without TRITON_INTERPRET=1")
         missing = set(fn.arg_names) - set(runtime) - set(constexprs)
@@ -92,10 +99,12 @@ def compile_all(arch: int = 90, dtype: str = "bf16") -> list[tuple[str, float, d
         t0 = time.perf_counter()
         compiled = triton_compile(ASTSource(fn, signature, constexprs, attrs),
                                   target=GPUTarget("cuda", arch, 32),
-                                  options=dict(num_warps=4, num_stages=2))
+                                  options=dict(num_warps=getattr(mod, "NUM_WARPS", 4),
+                                               num_stages=getattr(mod, "NUM_STAGES", 2)))
         label = name if "DIRECT" not in constexprs else f"{name}[DIRECT={constexprs['DIRECT']}]"
         ptx = compiled.asm["ptx"]
         notes = {k: ptx.count(k) for k in ("ld.global.v4", "cp.async.cg", "mma.sync", "wgmma.mma_async")}
+        notes["shared KB"] = compiled.metadata.shared // 1024   # what caps programs per SM
         done.append((label, time.perf_counter() - t0, notes))
     return done
 
@@ -144,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     for name, secs, notes in compile_all(args.arch, args.dtype):
-        counts = "  ".join(f"{k} x{v}" for k, v in notes.items())
+        counts = "  ".join(f"{v} KB shared" if k == "shared KB" else f"{k} x{v}"
+                           for k, v in notes.items())
         print(f"sm_{args.arch} {args.dtype}: {name:38} {secs:5.1f} s   {counts}")
     return 0
 

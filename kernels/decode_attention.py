@@ -1,20 +1,27 @@
 """paged_decode_attention: one new query token per sequence over its paged K/V context.
 
 Design (why):
-- GQA packing. One program serves one (sequence, KV head, split) and all GROUP = Hq / Hkv query
-  heads that share that KV head, as the rows of a [BLOCK_G, D] tile. Each K/V tile is then read
-  from memory once per group instead of once per query head, and the score product is a real
+- GQA packing. One program serves one (sequence, KV head) and all GROUP = Hq / Hkv query heads
+  that share that KV head, as the rows of a [BLOCK_G, D] tile. Each K/V tile is then read from
+  memory once per group instead of once per query head, and the score product is a real
   `tl.dot`. Rows are padded to BLOCK_G >= 16 because tensor-core dots need M, K >= 16; padded rows
   compute on zeros and are never stored.
-- Split-K. With few sequences (small batch) there are too few (sequence, KV head) programs to fill
-  the GPU, so the context is cut into num_splits contiguous ranges of BLOCK_N-token tiles, each
-  producing a normalized partial output and its log-sum-exp; a second small kernel merges them
-  (weights exp(lse_s - max lse)). One split writes the output directly and skips stage 2.
-- Paging. Each K/V row's address comes from its own block-table entry (position // block_size),
-  so any block_size works and tiles may straddle pages. Addresses are int64 (pools > 2**31 elements).
-- Precision. Loads are upcast to fp32 at once (the interpreter mishandles raw bf16 arithmetic); the
-  dots run on fp32 operands as tf32 for 16-bit inputs — exact for values that came from fp16/bf16
-  — and as full ieee fp32 for fp32 inputs. Softmax uses exp2 with scale*log2(e) folded in.
+- Fixed-size splits. A sequence's context is cut into splits of ``split_tokens`` tokens (a
+  constant, SPLIT_TOKENS), each producing a normalized partial output and its log-sum-exp; a
+  second small kernel merges a sequence's splits in order (weights exp(lse_s - max lse)). The
+  cut depends only on the sequence's own length, so its result does not depend on what else is
+  in the batch, nor on how many programs run: the ground for a batch-invariant mode.
+- Programs by occupancy. How many programs share a (sequence, KV head)'s splits (``num_splits``,
+  each taking a contiguous run of them in one flat tile loop) is chosen so the SMs hold PROGRAMS_PER_SM each
+  (FlashInfer's rule: fill what the SMs can hold, not one wave of the SM count), never more
+  than there are splits. From shapes alone: no device sync, stable under CUDA graphs.
+- Direct store. When the table's capacity fits one split, nothing is split and the one program
+  writes the output (bit-equal to merging a single split: weight exp2(0) = 1).
+- Paging. The block table is read per token (kernels/paged_tile.py); addresses are int64
+  (pools > 2**31 elements).
+- Precision. 16-bit K/V go into the dots natively with fp32 accumulation, P rounded to V's dtype
+  (paged_tile.NATIVE_DOTS; bf16 is upcast to tf32 dots under the interpreter, which mishandles
+  bf16 dots); fp32 inputs take ieee fp32 dots. Softmax uses exp2 with scale*log2(e) folded in.
 """
 
 from __future__ import annotations
@@ -25,99 +32,133 @@ import triton
 import triton.language as tl
 
 from tokenrelay.kernels import _validate as v
+from tokenrelay.kernels.paged_tile import attend_tile, kv_tile_rows, native_dots
 from tokenrelay.kernels.reference import paged_decode_attention_ref
 
-__all__ = ["paged_decode_attention", "paged_decode_attention_ref", "choose_num_splits"]
+__all__ = ["paged_decode_attention", "paged_decode_attention_ref", "choose_num_splits",
+           "SPLIT_TOKENS"]
 
 LOG2E = 1.4426950408889634
+# Tokens per split: small enough that a 4k context gives 16 splits to spread over the SMs at
+# batch 1, big enough that the partials (GROUP x (D + 1) fp32 per split, written and read back)
+# stay ~3% of the K/V bytes a split reads. A multiple of every BLOCK_N.
+SPLIT_TOKENS = 256
+# Decode programs one SM holds at once (4 warps each, K/V tiles in registers): the occupancy the
+# grid is sized for. The GPU check's kernel_roofline section reports the neighbours.
+PROGRAMS_PER_SM = 4
+# Tokens per K/V tile (head_dim <= 128; half for bigger heads), warps per program and software
+# pipeline stages. The 16:18 H200 run measured 64 / 4 / 2 with tf32 dots and the table read in
+# the tile's own iteration: 71-72% of copy at batch 32-64. Triton's pipeliner then kept one K/V
+# buffer whatever num_stages (a load whose address comes from a load of the same iteration);
+# with PREFETCH_ROWS (the next tile's table entries read one iteration ahead) stages 3 keeps
+# two, 4 three (sm_90 build: 78 KB of shared memory at 64 / 4 / 3). The GPU check's
+# kernel_roofline section sweeps these against the 16:18 kernel.
+BLOCK_N, NUM_WARPS, NUM_STAGES, PREFETCH_ROWS = 64, 4, 3, True
 
 
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, num_splits,
+    qk_scale, max_splits,
     q_stride_b, q_stride_h, bt_stride,
     cache_stride_blk, cache_stride_tok, cache_stride_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT_TILES: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    NATIVE: tl.constexpr, PREFETCH_ROWS: tl.constexpr,
 ):
+    # One flat, software-pipelined loop over this program's contiguous run of splits: at a
+    # split's last tile its partial is stored and the running state restarts, exactly as a
+    # fresh split would (so the result is the same whatever the run's length). A loop of
+    # splits around a loop of tiles measured 2-3x slower than the old one-range kernel on an
+    # H200 (16:01); likely cause: its software pipeline refilled at every split.
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
-    split = tl.program_id(2).to(tl.int64)
+    prog = tl.program_id(2).to(tl.int64)
+    programs = tl.num_programs(2).to(tl.int64)
     num_heads = tl.num_programs(1).to(tl.int64) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
     num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N   # not tl.cdiv: a jit helper, slow when interpreted
-    per_split = (num_tiles + num_splits - 1) // num_splits
-    tile_lo = split * per_split
-    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    num_splits = (num_tiles + SPLIT_TILES - 1) // SPLIT_TILES
+    per_prog = (num_splits + programs - 1) // programs
+    tile_lo = prog * per_prog * SPLIT_TILES
+    tile_hi = tl.minimum(tile_lo + per_prog * SPLIT_TILES, num_tiles)
+    table_row_ptr = block_tables_ptr + b * bt_stride
+    kv_head_off = kvh * cache_stride_head
 
     g = tl.arange(0, BLOCK_G).to(tl.int64)
     d = tl.arange(0, BLOCK_D).to(tl.int64)
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     head = kvh * GROUP + g
+    o_mask = g_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + b * q_stride_b + head[:, None] * q_stride_h + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                mask=o_mask, other=0.0).to(tl.float32)
+    if NATIVE:
+        q = q.to(k_cache_ptr.dtype.element_ty)     # exact: q came in that dtype
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    # PREFETCH_ROWS: each iteration reads the next tile's table entries, so this tile's K/V
+    # addresses come from the previous iteration and the pipeliner can buffer them deeper.
+    rows, n_ok = kv_tile_rows(table_row_ptr, tile_lo * BLOCK_N, seq_len, cache_stride_blk,
+                              cache_stride_tok, PAGE, BLOCK_N)
     for tile in range(tile_lo, tile_hi):
-        n = tile * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-        n_ok = n < seq_len
-        blk = tl.load(block_tables_ptr + b * bt_stride + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        row = blk * cache_stride_blk + (n % PAGE) * cache_stride_tok + kvh * cache_stride_head
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        val = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, val, input_precision=PRECISION)
-        m = m_new
-
-    has = l > 0.0
-    o = acc / tl.where(has, l, 1.0)[:, None]
-    o_mask = g_ok[:, None] & d_ok[None, :]
-    if DIRECT:
+        if PREFETCH_ROWS:
+            cur_rows, cur_ok = rows, n_ok
+            rows, n_ok = kv_tile_rows(table_row_ptr, (tile + 1) * BLOCK_N, seq_len,
+                                      cache_stride_blk, cache_stride_tok, PAGE, BLOCK_N)
+        else:
+            cur_rows, cur_ok = kv_tile_rows(table_row_ptr, tile * BLOCK_N, seq_len,
+                                            cache_stride_blk, cache_stride_tok, PAGE, BLOCK_N)
+        m, l, acc = attend_tile(q, k_cache_ptr, v_cache_ptr, cur_rows + kv_head_off, cur_ok,
+                                cur_ok[None, :], d, d_ok, m, l, acc, qk_scale, PRECISION, NATIVE)
+        if not DIRECT:
+            last = ((tile + 1) % SPLIT_TILES == 0) | (tile + 1 == num_tiles)
+            if last:                             # a split holds >= 1 token: l > 0
+                part = (b * num_heads + head) * max_splits + tile // SPLIT_TILES
+                tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                         acc / l[:, None], mask=o_mask)
+                tl.store(part_lse_ptr + part, m + tl.log2(l), mask=g_ok)
+            m = tl.where(last, float("-inf"), m)
+            l = tl.where(last, 0.0, l)
+            acc = tl.where(last, 0.0, acc)
+    if DIRECT:      # the capacity fits one split: all of the sequence, stored as the output
+        o = acc / tl.where(l > 0.0, l, 1.0)[:, None]
         o_ptr = out_ptr + (b * num_heads + head[:, None]) * HEAD_DIM + d[None, :]
         tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        part = (b * num_heads + head) * num_splits + split
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
-        lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=g_ok)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, num_splits,
+    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, max_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr,
 ):
-    # Loops over the splits instead of reducing a [G, S, D] tile: splits are few, the loop keeps
-    # registers small on the GPU and avoids slow reductions in the interpreter.
+    # Loops over the sequence's own splits, in order, instead of reducing a [G, S, D] tile:
+    # splits are few, the loop keeps registers small on the GPU and avoids slow reductions in
+    # the interpreter, and the order is fixed whatever the grid of the split kernel was.
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     num_heads = tl.num_programs(1).to(tl.int64) * GROUP
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
+    num_splits = (seq_len + SPLIT_TOKENS - 1) // SPLIT_TOKENS
     g = tl.arange(0, BLOCK_G).to(tl.int64)
     d = tl.arange(0, BLOCK_D).to(tl.int64)
     g_ok = g < GROUP
     gd_mask = g_ok[:, None] & (d < HEAD_DIM)[None, :]
-    part0 = (b * num_heads + kvh * GROUP + g) * num_splits                 # [G], split 0
+    part0 = (b * num_heads + kvh * GROUP + g) * max_splits                 # [G], split 0
     mx = tl.full([BLOCK_G], float("-inf"), tl.float32)
     for s in range(num_splits):
         mx = tl.maximum(mx, tl.load(part_lse_ptr + part0 + s, mask=g_ok, other=float("-inf")))
-    mx = tl.where(mx == float("-inf"), 0.0, mx)                             # all splits empty
+    mx = tl.where(mx == float("-inf"), 0.0, mx)                             # no splits at all
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for s in range(num_splits):
-        w = tl.exp2(tl.load(part_lse_ptr + part0 + s, mask=g_ok, other=float("-inf")) - mx)  # 0 if empty
+        w = tl.exp2(tl.load(part_lse_ptr + part0 + s, mask=g_ok, other=float("-inf")) - mx)
         po = tl.load(part_out_ptr + (part0 + s)[:, None] * HEAD_DIM + d[None, :], mask=gd_mask, other=0.0)
         acc += w[:, None] * po
         total += w
@@ -132,26 +173,29 @@ def _num_sms(device: torch.device) -> int:
     return 132  # an H100/H200, so CPU runs pick what the GPU would
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int) -> int:
-    """Enough (sequence, KV head, split) programs for ~2 waves, each split >= 4 tiles of work.
-
-    Shape-only on purpose (max_context is the block table's capacity, not the live maximum): it
-    needs no device sync, so it is stable under CUDA-graph capture and replay.
-    """
-    tiles = triton.cdiv(max(max_context, 1), block_n)
-    wanted = triton.cdiv(2 * num_sms, max(batch * num_kv_heads, 1))
-    return int(max(1, min(wanted, tiles // 4, 64)))
+def choose_num_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: int) -> int:
+    """Programs per (sequence, KV head): enough for every SM to hold PROGRAMS_PER_SM, never more
+    than the table's capacity has splits (``max_splits``). Shapes only: no device sync."""
+    wanted = triton.cdiv(num_sms * PROGRAMS_PER_SM, max(batch * num_kv_heads, 1))
+    return int(max(1, min(wanted, max_splits)))
 
 
-def _config(head_dim: int) -> tuple[int, int]:
-    """(BLOCK_D, BLOCK_N): one fixed config; 64 tokens x 128 dims keeps K and V tiles in registers."""
+def _config(head_dim: int, split_tokens: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_N): BLOCK_N tokens for heads up to 128 dims, half that for bigger heads
+    (the tile's bytes stay the same), halved until it divides a split (splits end on tiles)."""
     block_d = max(16, v.next_pow2(head_dim))
-    return block_d, (64 if block_d <= 128 else 32)
+    block_n = BLOCK_N if block_d <= 128 else BLOCK_N // 2
+    while split_tokens % block_n:
+        block_n //= 2
+    return block_d, block_n
 
 
-def _check(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits) -> None:
+def _check(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, split_tokens) -> None:
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    if not (isinstance(split_tokens, int) and split_tokens >= 64 and split_tokens % 64 == 0):
+        raise ValueError(f"split_tokens must be a positive multiple of 64 (every BLOCK_N divides "
+                         f"it), got {split_tokens!r}")
     v.check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
                             batch_from_query=True)
 
@@ -164,45 +208,51 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    *,
+    split_tokens: int = SPLIT_TOKENS,
 ) -> torch.Tensor:
     """query [B, Hq, D] over caches [num_blocks, page, Hkv, D] -> out [B, Hq, D] (query dtype).
 
     seq_lens[b] counts the context including the token being decoded (already stored); a 0 gives
-    a zero row. num_splits None picks one from the shapes (see choose_num_splits).
+    a zero row. A sequence's context is attended in splits of ``split_tokens`` tokens, merged in
+    order; ``num_splits`` is how many programs share a (sequence, KV head)'s splits (None: by
+    occupancy, see choose_num_splits). The result does not depend on ``num_splits`` nor on the
+    rest of the batch. Reads no tensor value on the host (no device sync).
     """
-    _check(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+    _check(query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, split_tokens)
     batch, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     out = v.new_buffer((batch, num_heads, head_dim), query.dtype, query.device)
     if batch == 0:
         return out
-    block_d, block_n = _config(head_dim)
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, block_n,
-                                       _num_sms(query.device))
-    direct = num_splits == 1
+    block_d, block_n = _config(head_dim, split_tokens)
+    max_splits = triton.cdiv(max(block_tables.shape[1] * page, 1), split_tokens)
+    direct = max_splits == 1
+    programs = 1 if direct else (num_splits or choose_num_splits(
+        batch, num_kv_heads, max_splits, _num_sms(query.device)))
     if direct:
         part_out = part_lse = out  # unused
     else:
-        part_out = v.new_buffer((batch, num_heads, num_splits, head_dim), torch.float32, query.device)
-        part_lse = v.new_buffer((batch, num_heads, num_splits), torch.float32, query.device)
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        part_out = v.new_buffer((batch, num_heads, max_splits, head_dim), torch.float32, query.device)
+        part_lse = v.new_buffer((batch, num_heads, max_splits), torch.float32, query.device)
+    _decode_split_kernel[(batch, num_kv_heads, min(programs, max_splits))](
         query, k_cache, v_cache, block_tables, seq_lens,
         out, part_out, part_lse,
-        scale * LOG2E, num_splits,
+        scale * LOG2E, max_splits,
         query.stride(0), query.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_G=max(16, v.next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DIRECT=direct, PRECISION=precision,
-        num_warps=4, num_stages=2,
+        SPLIT_TILES=split_tokens // block_n, DIRECT=direct,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        NATIVE=native_dots(query.dtype), PREFETCH_ROWS=PREFETCH_ROWS,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     if not direct:
         _decode_merge_kernel[(batch, num_kv_heads)](
-            out, part_out, part_lse, num_splits,
+            out, part_out, part_lse, seq_lens, max_splits,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_G=v.next_pow2(group), BLOCK_D=block_d,
-            num_warps=4,
+            SPLIT_TOKENS=split_tokens, num_warps=4,
         )
     return out

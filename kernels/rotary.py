@@ -20,6 +20,10 @@ from tokenrelay.kernels.reference import rotary_ref
 
 __all__ = ["rotary", "rotary_ref"]
 
+# Query-head elements per program (4096: 2 tokens of 32 heads x 64 pairs) and warps. 69% of
+# copy at 2048 tokens on the H200 (16:18); the GPU check's kernel_roofline section sweeps both.
+ELEMS_PER_PROGRAM, NUM_WARPS = 4096, 4
+
 
 @triton.jit
 def _rotate_heads(
@@ -102,11 +106,11 @@ def rotary(
         return
     half = cos_sin_cache.shape[1] // 2
     block_hq, block_hk, block_half = v.next_pow2(q.shape[1]), v.next_pow2(k.shape[1]), v.next_pow2(half)
-    block_t = max(1, min(v.next_pow2(num_tokens), 4096 // (block_hq * block_half)))
+    block_t = max(1, min(v.next_pow2(num_tokens), ELEMS_PER_PROGRAM // (block_hq * block_half)))
     _rotary_kernel[(triton.cdiv(num_tokens, block_t),)](
         q, k, positions, cos_sin_cache, num_tokens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         NUM_Q=q.shape[1], NUM_K=k.shape[1], HALF=half, BLOCK_T=block_t,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, IS_NEOX=bool(is_neox),
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )

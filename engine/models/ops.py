@@ -43,6 +43,10 @@ class Ops:
     # The torch attention functions split each step's batch by an AttentionPlan (``plan=``);
     # the triton kernels read the block tables on the device and take none.
     uses_plan: bool = False
+    # Checks a step's index values on the host, once per step, for ops that never read them
+    # themselves (the triton kernels: each read would be a device sync per layer). Keywords:
+    # slot_mapping, block_tables, seq_lens, cu_seqlens_q (host tensors), num_blocks, block_size.
+    check_step: Callable[..., None] | None = None
 
     def plan_step(self, meta: AttentionMetadata, block_size: int,
                   dtype: torch.dtype) -> AttentionPlan | None:
@@ -77,11 +81,12 @@ def _triton_ops() -> Ops:
     try:
         kernels = importlib.import_module("tokenrelay.kernels.ops")
         found = {n: getattr(kernels, n) for n in OP_NAMES}
+        check_step = kernels.check_step_values
     except (ImportError, AttributeError) as exc:
         raise BackendUnavailableError(
             f"backend 'triton' cannot load tokenrelay's Triton kernels ({type(exc).__name__}: "
             f"{exc}); install the gpu extra (triton), or run attention_backend='torch'") from exc
-    return Ops(name="triton", **found)
+    return Ops(name="triton", check_step=check_step, **found)
 
 
 def _compiled_torch_ops() -> Ops:

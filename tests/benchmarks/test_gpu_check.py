@@ -13,7 +13,7 @@ import pytest
 from benchmarks import gpu_wheels
 from tests.fixtures_redis import REPO_ROOT
 
-SECTIONS = ["kernels", "parity", "cuda_graphs", "engine_bench", "decode_bandwidth",
+SECTIONS = ["kernels", "parity", "cuda_graphs", "engine_bench", "kernel_roofline",
             "worker_stream", "keep_up"]
 
 

@@ -66,60 +66,114 @@ def test_store_kv_int32_slots_and_empty():
 
 # ---------------------------------------------------------------- decode
 
-def _run_decode(case, num_splits):
+def _run_decode(case, num_splits, split_tokens=None):
     args = (case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
-    out = kernels.paged_decode_attention(*args, num_splits=num_splits)
+    split = {} if split_tokens is None else {"split_tokens": split_tokens}
+    out = kernels.paged_decode_attention(*args, num_splits=num_splits, **split)
     _assert_close(out, kernels.paged_decode_attention_ref(*args))
+    return out
 
 
 @pytest.mark.parametrize("heads", GQA, ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_matches_ref(dtype, heads):
-    # Each GQA ratio runs both paths across the two dtypes: one split (direct store; what None
-    # picks at these sizes) and three splits (partials + LSE merge).
-    num_splits = 3 if (dtype == torch.float16) == (GQA.index(heads) % 2 == 0) else None
+    # Each GQA ratio runs both paths across the two dtypes: the table's capacity (144 tokens) in
+    # one split (direct store, the default split size) and in three splits of 64 tokens shared
+    # by two programs (partials + LSE merge).
+    split = (GQA.index(heads) % 2 == 0) == (dtype == torch.float16)
     case = make_case(DECODE_LENS, None, heads[0], heads[1], 32, dtype=dtype, device=DEVICE)
-    _run_decode(case, num_splits)
+    _run_decode(case, 2 if split else None, 64 if split else None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_decode_more_splits_than_tiles(dtype):
+def test_decode_more_programs_than_splits(dtype):
     case = make_case([1, 16, 17, 90], None, 8, 1, 32, dtype=dtype, device=DEVICE)
-    _run_decode(case, 7)  # at most 2 tiles of 64 per sequence: most splits are empty
+    _run_decode(case, 7, 64)  # at most 2 splits of 64 per sequence: programs capped at 2
 
 
-@pytest.mark.parametrize("page,head_dim", [(8, 32), (32, 64), (16, 80)])
-def test_decode_page_sizes_and_head_dims(page, head_dim):
-    case = make_case([3, 31, 33, 100], None, 8, 2, head_dim, block_size=page, device=DEVICE)
-    _run_decode(case, 2)
+@pytest.fixture(params=[True, False], ids=["native-dots", "upcast-dots"])
+def dots(request, monkeypatch):
+    """Both kinds of dots over 16-bit K/V (kernels/paged_tile.py: NATIVE_DOTS)."""
+    from tokenrelay.kernels import paged_tile
+    monkeypatch.setattr(paged_tile, "NATIVE_DOTS", request.param)
+
+
+@pytest.mark.parametrize("page,head_dim", [(8, 32), (32, 64), (16, 80), (12, 32), (128, 32),
+                                           (64, 160)])
+def test_decode_page_sizes_and_head_dims(page, head_dim, dots):
+    # pages below, equal to and above the 64-token tile (32 for head_dim 160), and one that is
+    # not a power of two; fp16, so native dots run under the interpreter too
+    case = make_case([3, 31, 33, 140], None, 8, 2, head_dim, block_size=page,
+                     dtype=torch.float16, device=DEVICE)
+    _run_decode(case, 2, 64)
+
+
+def test_decode_splits_several_tiles_each():
+    """Splits of 128 tokens hold two 64-token tiles; one program loops over three splits."""
+    case = make_case([300, 7, 129], None, 4, 1, 32, device=DEVICE)
+    _run_decode(case, 1, 128)
+
+
+@pytest.mark.parametrize("split_tokens", [64, 256])
+def test_decode_with_128_token_tiles(monkeypatch, split_tokens):
+    """The tile the GPU check's decode sweep tries: 128 tokens, halved to 64 where a split is
+    only 64 tokens long (a split must end on a tile)."""
+    from tokenrelay.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "BLOCK_N", 128)
+    case = make_case([300, 7, 129, 600], None, 8, 2, 32, dtype=torch.float16, device=DEVICE)
+    _run_decode(case, 2, split_tokens)
+
+
+def test_decode_result_depends_on_nothing_but_the_sequence():
+    """Fixed-size splits merged in order: a sequence's output is bit-equal whatever the number of
+    programs, the width of the table, or the other sequences in the batch."""
+    case = make_case([300, 7, 129, 64], None, 8, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    args = (case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
+    base = kernels.paged_decode_attention(*args, num_splits=1, split_tokens=64)
+    for programs in (2, 5, None):
+        assert torch.equal(kernels.paged_decode_attention(*args, num_splits=programs,
+                                                          split_tokens=64), base)
+    pad = torch.zeros(4, 7, dtype=torch.int32, device=DEVICE)
+    wide = torch.cat([case.block_tables, pad], dim=1).contiguous()
+    assert torch.equal(kernels.paged_decode_attention(*args[:3], wide, *args[4:], split_tokens=64),
+                       base)
+    alone = kernels.paged_decode_attention(case.query[1:2], case.k_cache, case.v_cache,
+                                           case.block_tables[1:2, :1].contiguous(),
+                                           case.seq_lens[1:2], case.scale, split_tokens=64)
+    assert torch.equal(alone, base[1:2])              # one split: the direct store, same bits
+    _assert_close(base, kernels.paged_decode_attention_ref(*args))
 
 
 def test_decode_default_splits_on_a_wide_table():
     """As under CUDA graphs: the table has max_model_len / page columns, most of them padding, so
-    num_splits=None splits the capacity and some splits find no tokens."""
+    num_splits=None shares the capacity's splits and most find no tokens."""
     from tokenrelay.kernels.decode_attention import choose_num_splits
 
     case = make_case([300, 7], None, 4, 1, 32, device=DEVICE)
     pad = torch.zeros(2, 64 - case.block_tables.shape[1], dtype=torch.int32, device=DEVICE)
     case.block_tables = torch.cat([case.block_tables, pad], dim=1).contiguous()
-    assert choose_num_splits(2, 1, 64 * 16, 64, 132) == 4
+    assert choose_num_splits(2, 1, 64 * 16 // 256, 132) == 4
     _run_decode(case, None)
 
 
 def test_decode_zero_length_sequence_gives_zeros():
     case = make_case([0, 17], None, 4, 2, 32, device=DEVICE)
-    for splits in (1, 2):
+    for splits, split_tokens in ((1, 256), (2, 64)):
         out = kernels.paged_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                             case.seq_lens, case.scale, num_splits=splits)
+                                             case.seq_lens, case.scale, num_splits=splits,
+                                             split_tokens=split_tokens)
         assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
-def test_choose_num_splits_fills_the_gpu_only_when_needed():
-    from tokenrelay.kernels.decode_attention import choose_num_splits
+def test_choose_num_splits_fills_what_the_sms_hold():
+    from tokenrelay.kernels.decode_attention import PROGRAMS_PER_SM, choose_num_splits
 
-    assert choose_num_splits(64, 8, 4096, 64, 132) == 1      # 512 programs already
-    assert choose_num_splits(1, 8, 4096, 64, 132) == 16      # context cut to fill 132 SMs
-    assert choose_num_splits(1, 8, 64, 64, 132) == 1         # one tile: nothing to split
+    assert PROGRAMS_PER_SM == 4                               # the figures below assume it
+    assert choose_num_splits(64, 8, 16, 132) == 2             # 512 (sequence, head) pairs, 528 slots
+    assert choose_num_splits(32, 8, 16, 132) == 3
+    assert choose_num_splits(1, 8, 16, 132) == 16             # every split its own program
+    assert choose_num_splits(1, 8, 1, 132) == 1               # one split: nothing to share
 
 
 # ---------------------------------------------------------------- prefill
@@ -144,8 +198,31 @@ def test_prefill_matches_ref(dtype, heads):
 
 @pytest.mark.parametrize("page,head_dim,dtype", [(8, 32, torch.bfloat16), (32, 64, torch.float32),
                                                  (16, 80, torch.float16)])
-def test_prefill_page_sizes_and_head_dims(page, head_dim, dtype):
+def test_prefill_page_sizes_and_head_dims(page, head_dim, dtype, dots):
     case = make_case([17, 50, 1], [17, 9, 1], 8, 2, head_dim, block_size=page, dtype=dtype, device=DEVICE)
+    _run_prefill(case)
+
+
+@pytest.mark.parametrize("rows,keys", [(64, 64), (128, 128)])
+def test_prefill_with_other_tiles(monkeypatch, rows, keys):
+    """Tiles the GPU check's prefill sweep tries: 64 or 128 query rows (16 or 32 tokens x 4
+    heads) by 64 or 128 keys."""
+    from tokenrelay.kernels import prefill_attention
+
+    monkeypatch.setattr(prefill_attention, "TILE_ROWS", rows)
+    monkeypatch.setattr(prefill_attention, "BLOCK_N", keys)
+    seq_lens = [c + q for c, q in SPANS]
+    _run_prefill(make_case(seq_lens, [q for _, q in SPANS], 8, 2, 32, dtype=torch.float16,
+                           device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_prefill_long_context_takes_unmasked_tiles(dtype):
+    """Contexts past a key tile: whole tiles below the diagonal run without the causal mask,
+    the diagonal's with it (a query tile of 100 tokens spans several key tiles)."""
+    spans = [(150, 100), (64, 1), (63, 70)]
+    case = make_case([c + q for c, q in spans], [q for _, q in spans], 4, 1, 32, dtype=dtype,
+                     device=DEVICE)
     _run_prefill(case)
 
 

@@ -2,6 +2,8 @@
 
 An out-of-bounds index would corrupt memory on the GPU (and kill the interpreter), so each bound in
 the contract is checked here: slots, block-table entries, seq_lens vs table width, cu_seqlens.
+Checks of index *values* run per call only under the debug flag (TOKENRELAY_KERNEL_CHECKS=1),
+which this module turns on; the engine checks them once per step on the host (check_step_values).
 """
 
 from __future__ import annotations
@@ -9,10 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenrelay.kernels import _validate
 from tokenrelay.kernels import ops as kernels
 from tokenrelay.kernels._testing import make_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _debug_value_checks(monkeypatch):
+    monkeypatch.setattr(_validate, "DEBUG_VALUE_CHECKS", True)
 
 
 @pytest.fixture
