@@ -146,6 +146,9 @@ class EngineConfig:
         if self.async_scheduling is None:
             self.async_scheduling = (self.device.startswith("cuda")
                                      and self.tensor_parallel_size == 1)
+        elif self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size=1 (the ranks are fed "
+                             "host-side inputs); leave it unset or set it to False")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, "
                              f"got {self.max_num_batched_tokens}")

@@ -24,6 +24,7 @@ from tokenrelay.engine.forks import advance_beams, beam_deltas, branch_seed, for
 from tokenrelay.engine.grammar import GrammarError
 from tokenrelay.engine.model_runner import ModelRunner
 from tokenrelay.engine.output_processor import OutputProcessor
+from tokenrelay.engine.overlap import OverlappedCore
 from tokenrelay.engine.outputs import RequestDelta, RequestError, ResumeState
 from tokenrelay.engine.prompts import (PromptType, check_chat_template_kwargs, prompt_of, render_chat,
                             tool_call_format)
@@ -80,6 +81,11 @@ class LLMEngine:
                                             threads=config.grammar_compile_threads,
                                             timeout_s=config.grammar_compile_timeout_s)
         self.outputs = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len)
+        self.overlap: Optional[OverlappedCore] = None
+        if self.config.async_scheduling:
+            self.overlap = OverlappedCore(scheduler=self.scheduler, runner=self.model_runner,
+                                          sampler=self.sampler, outputs=self.outputs,
+                                          max_model_len=self.max_model_len)
         self.requests: dict[str, SequenceGroup] = {}
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
@@ -207,7 +213,8 @@ class LLMEngine:
         return group.seed
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.structured.waiting)
+        return (self.scheduler.has_unfinished() or bool(self.structured.waiting)
+                or (self.overlap is not None and self.overlap.flight is not None))
 
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -221,6 +228,10 @@ class LLMEngine:
         """Run one scheduling step; return at most one delta per request that got a token
         (and the error delta of each request the engine ended: see RequestDelta.error)."""
         deltas = self._admit_constrained()
+        if self.overlap is not None:
+            if self.overlap.eligible():
+                return deltas + self._take(*self.overlap.step())
+            deltas.extend(self._take(*self.overlap.drain()))
         if not self.scheduler.has_unfinished():
             return deltas
         out = self.scheduler.schedule()
@@ -254,15 +265,19 @@ class LLMEngine:
             failed = {s.request_id: GrammarError(s.constraint.error() or "matcher failed")
                       for s in broken}
             sampled = self.sampler(logits_s, sample_seqs, masks)
-            done, ended = self.outputs.process(sample_seqs, sampled, failed, time.time())
-            for request_id in ended:
-                del self.requests[request_id]
-            self._num_generated_tokens += len(done)
-            deltas.extend(done)
+            deltas.extend(self._take(*self.outputs.process(sample_seqs, sampled, failed,
+                                                           time.time())))
             deltas.extend(self._fail_request(rid, exc) for rid, exc in failed.items())
         for group, by_seq in beam_rows.values():
             deltas.extend(self._beam_step(group, by_seq, logits))
         return deltas
+
+    def _take(self, done: list[RequestDelta], ended: list[str]) -> list[RequestDelta]:
+        """Account for processed deltas; forget the requests whose last choice ended."""
+        for request_id in ended:
+            del self.requests[request_id]
+        self._num_generated_tokens += len(done)
+        return done
 
     def _admit_constrained(self) -> list[RequestDelta]:
         """Constrained requests whose matchers are ready go to the scheduler; those whose
@@ -305,7 +320,10 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (also done when it is garbage
-        collected or the process exits); nothing to do at size 1."""
+        collected or the process exits); nothing to do at size 1. Stops the overlapped core's
+        device thread (CPU) after its step in flight."""
+        if self.overlap is not None:
+            self.overlap.shutdown()
         self.model_runner.shutdown()
 
     # -- statistics ------------------------------------------------------------------------
@@ -326,9 +344,10 @@ class LLMEngine:
             "num_running": sched.num_running,
             "num_waiting": sched.num_waiting,
             "num_running_peak": sched.num_running_peak,
-            "num_steps": self._num_steps,
+            "num_steps": self._num_steps + (self.overlap.num_steps if self.overlap else 0),
             "num_generated_tokens": self._num_generated_tokens,
-            "num_computed_tokens": self._num_computed_tokens,
+            "num_computed_tokens": self._num_computed_tokens + (
+                self.overlap.num_computed_tokens if self.overlap else 0),
             "block_size": kv.block_size,
             "max_model_len": self.max_model_len,
             **self.structured.stats(),
