@@ -264,7 +264,7 @@ class ModelRunner:
             ids[fill.dst.to(dev, non_blocking=True)] = fill.source[fill.src.to(dev,
                                                                                non_blocking=True)]
         return (ids, step.positions.to(dev, non_blocking=True), meta,
-                step.logits_indices.to(dev))
+                step.logits_indices.to(dev, non_blocking=True))
 
     @torch.inference_mode()
     def copy_blocks(self, copies: torch.Tensor) -> None:
@@ -273,8 +273,8 @@ class ModelRunner:
         ``copies``: ``[C, 2]`` (src, dst) rows."""
         if copies.numel() == 0:
             return
-        src = copies[:, 0].to(self.device)
-        dst = copies[:, 1].to(self.device)
+        src = copies[:, 0].to(self.device, non_blocking=True)
+        dst = copies[:, 1].to(self.device, non_blocking=True)
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))

@@ -38,6 +38,13 @@ def mix_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
+def _dev(values: list, device: torch.device, dtype: Optional[torch.dtype] = None
+         ) -> torch.Tensor:
+    """A small host list on the device without a sync: a plain ``torch.tensor(...,
+    device=cuda)`` copy waits for the stream, i.e. for the step in flight."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's maximum, the first one on ties (as ``argmax``). ``max(dim)`` is the
     same answer but ran ~2x faster than ``argmax`` on CPU over [48, 32000] rows (1.4 vs 3.3 ms)."""
@@ -133,9 +140,9 @@ class Sampler:
         else:
             tokens = torch.empty(n, dtype=torch.long, device=logits.device)
             if greedy_rows:
-                g = torch.tensor(greedy_rows, device=logits.device)
+                g = _dev(greedy_rows, logits.device)
                 tokens[g] = _argmax(processed[g])
-            r = torch.tensor(random_rows, device=logits.device)
+            r = _dev(random_rows, logits.device)
             tokens[r] = self._sample_random(processed[r], [batch.seeds[i] for i in random_rows],
                                             [batch.num_output_tokens[i] for i in random_rows],
                                             [params[i] for i in random_rows])
@@ -146,7 +153,7 @@ class Sampler:
         out = DeviceSample(tokens, chosen, want, counts)
         k = max(counts, default=0)
         if k > 0:
-            rows = torch.tensor(want, device=logits.device)
+            rows = _dev(want, logits.device)
             vals, ids = logits[rows].topk(min(k, vocab), dim=-1)
             out.top_vals, out.top_ids = vals - lse[rows, None], ids
         return out
@@ -218,7 +225,7 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, seeds: list[int], positions: list[int],
                        params: list[SamplingParams]) -> torch.Tensor:
         dev = logits.device
-        temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
+        temps = _dev([p.temperature for p in params], dev, logits.dtype)
         logits = logits / temps[:, None]
         top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
         top_p = [p.top_p for p in params]
@@ -227,7 +234,7 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         min_p = [p.min_p for p in params]
         if any(m > 0.0 for m in min_p):
-            mp = torch.tensor(min_p, device=dev, dtype=probs.dtype)
+            mp = _dev(min_p, dev, probs.dtype)
             keep = probs >= mp[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs * keep
         # Noise is drawn on the logits' device: a [rows, vocab] host-to-device copy per step
@@ -250,11 +257,11 @@ class Sampler:
                      top_p: list[float]) -> torch.Tensor:
         dev = logits.device
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-        k = torch.tensor(top_k, device=dev)
+        k = _dev(top_k, dev)
         ranks = torch.arange(logits.shape[-1], device=dev)[None, :]
         drop = ranks >= k[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        p = torch.tensor(top_p, device=dev, dtype=logits.dtype)
+        p = _dev(top_p, dev, logits.dtype)
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the mass strictly before it already reaches top_p (the top one stays).
         mass_before = probs.cumsum(dim=-1) - probs
