@@ -1,6 +1,6 @@
 """Write small, random-weight Hugging Face checkpoints for tests and benchmarks.
 
-``python -m tokenrelay.engine.tiny OUT --arch {llama,qwen2,qwen3,mistral} [--seed N] [--size {tiny,bench}]``
+``python -m tokenrelay.engine.tiny OUT --arch {llama,qwen2,qwen3,mistral} [--seed N] [--size {tiny,bench,1b}]``
 
 Nothing can be downloaded here, so tests need real checkpoints made locally: config.json,
 safetensors weights under HF names, generation_config.json, and a byte-level BPE tokenizer
