@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from benchmarks.gpu_check_sections import Outcome, Plan
+if TYPE_CHECKING:       # gpu_check_sections imports this module to list its sections
+    from benchmarks.gpu_check_sections import Outcome, Plan
 
 BUSY_TARGET = 0.85                 # GPU kernel time / wall time while decoding
 BF16_LOGPROB_TOL = 0.1             # nats: a bf16 logprob of graphs vs eager
@@ -79,6 +80,7 @@ def cuda_graphs(plan: Plan) -> Outcome:
     """Decode through captured CUDA graphs against the eager path: float32 tokens identical;
     bfloat16 every token's logprob within ``BF16_LOGPROB_TOL`` of eager's, a different token
     only where eager's top two were that close (batch-shape rounding, not a graph bug)."""
+    from benchmarks.gpu_check_sections import Outcome
     if plan.device != "cuda":
         return Outcome("skipped", "needs CUDA: CUDA graphs exist only on a CUDA device")
     from benchmarks.cuda_graphs import decode_tokens_per_s
@@ -158,6 +160,7 @@ def gpu_busy(plan: Plan) -> Outcome:
     """How busy the engine keeps the GPU while decoding 128 and 256 sequences of the 1.1B
     model in bfloat16: GPU kernel time / wall time (torch.profiler) and ms per step, with the
     overlapped engine core (the default on CUDA) and, for comparison, serial steps."""
+    from benchmarks.gpu_check_sections import Outcome
     from tokenrelay.engine.llm_engine import LLMEngine
     sizes, steps = ((4, 8), 4) if plan.dry else ((128, 256), 40)
     model = str(one_b_model(plan))
@@ -225,6 +228,7 @@ def engine_bench_1b(plan: Plan) -> Outcome:
     the 1.1B model, every side in bfloat16: 256 mixed requests (prompts 16-384, outputs
     16-192, greedy, ignore_eos), and one stream's ms per token. A dry run: the tiny model,
     6 short requests, static batching only."""
+    from benchmarks.gpu_check_sections import Outcome
     from benchmarks import engine as bench
     from tokenrelay.engine.model_config import ModelConfig
 
