@@ -188,7 +188,7 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n <= 0:
                 continue
-            while self._needed([seq], n) > bm.num_free_blocks:
+            while bm.num_blocks_needed(seq, n) > bm.num_free_blocks:
                 budget += self._preempt_last(scheduled, preempted)
                 if seq.status is not SequenceStatus.RUNNING:
                     break
