@@ -25,7 +25,7 @@ from tokenrelay.engine.grammar import GrammarError
 from tokenrelay.engine.model_runner import ModelRunner
 from tokenrelay.engine.output_processor import OutputProcessor
 from tokenrelay.engine.overlap import OverlappedCore
-from tokenrelay.engine.outputs import RequestDelta, RequestError, ResumeState
+from tokenrelay.engine.outputs import RequestDelta, RequestError, ResumeState, StepCounters
 from tokenrelay.engine.prompts import (PromptType, check_chat_template_kwargs, prompt_of, render_chat,
                             tool_call_format)
 from tokenrelay.protocol.tools import NO_TOOLS
@@ -48,6 +48,33 @@ def _eos_ids(config: EngineConfig, tokenizer: Any) -> set[int]:
     if isinstance(tok_eos, int):
         ids.add(tok_eos)
     return ids
+
+
+def engine_stats(scheduler: Scheduler, counters: StepCounters, max_model_len: int,
+                 structured: dict[str, Any]) -> dict[str, Any]:
+    """The flat statistics ``LLMEngine.stats`` publishes."""
+    sched = scheduler.stats()
+    kv = sched.kv
+    return {
+        "num_preemptions": sched.num_preemptions,
+        "kv_blocks_total": kv.blocks_total,
+        "kv_blocks_used": kv.blocks_used,
+        "kv_blocks_shared": scheduler.block_manager.num_shared_blocks(),
+        "kv_blocks_peak": sched.kv_blocks_peak,
+        "kv_utilization_peak": sched.kv_utilization_peak,
+        "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+        "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
+        "prefix_cache_query_tokens": kv.prefix_cache_query_tokens,
+        "num_running": sched.num_running,
+        "num_waiting": sched.num_waiting,
+        "num_running_peak": sched.num_running_peak,
+        "num_steps": counters.num_steps,
+        "num_generated_tokens": counters.num_generated_tokens,
+        "num_computed_tokens": counters.num_computed_tokens,
+        "block_size": kv.block_size,
+        "max_model_len": max_model_len,
+        **structured,
+    }
 
 
 class LLMEngine:
@@ -81,18 +108,16 @@ class LLMEngine:
                                             threads=config.grammar_compile_threads,
                                             timeout_s=config.grammar_compile_timeout_s)
         self.outputs = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len)
+        self.counters = StepCounters()
         self.overlap: Optional[OverlappedCore] = None
         if self.config.async_scheduling:
             self.overlap = OverlappedCore(scheduler=self.scheduler, runner=self.model_runner,
                                           sampler=self.sampler, outputs=self.outputs,
+                                          counters=self.counters,
                                           max_model_len=self.max_model_len)
         self.requests: dict[str, SequenceGroup] = {}
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
-        # Statistics of the steps (the scheduler keeps those of its queues and the KV pool):
-        self._num_steps = 0
-        self._num_generated_tokens = 0
-        self._num_computed_tokens = 0
         self._tool_format: Optional[str] = None
 
     @classmethod
@@ -239,8 +264,8 @@ class LLMEngine:
             return deltas
         logits, rows = self.model_runner.execute(out.seqs, out.num_new_tokens, out.block_copies)
         self.scheduler.update(out)
-        self._num_steps += 1
-        self._num_computed_tokens += out.num_batched_tokens
+        self.counters.num_steps += 1
+        self.counters.num_computed_tokens += out.num_batched_tokens
         if not rows:
             return deltas
         sample_seqs: list[Sequence] = []
@@ -276,7 +301,7 @@ class LLMEngine:
         """Account for processed deltas; forget the requests whose last choice ended."""
         for request_id in ended:
             del self.requests[request_id]
-        self._num_generated_tokens += len(done)
+        self.counters.num_generated_tokens += len(done)
         return done
 
     def _admit_constrained(self) -> list[RequestDelta]:
@@ -315,7 +340,7 @@ class LLMEngine:
         deltas = beam_deltas(group, self.scheduler, self.tokenizer)
         group.finished_time = now
         del self.requests[group.request_id]
-        self._num_generated_tokens += sum(len(d.new_token_ids) for d in deltas)
+        self.counters.num_generated_tokens += sum(len(d.new_token_ids) for d in deltas)
         return deltas
 
     def shutdown(self) -> None:
@@ -329,29 +354,8 @@ class LLMEngine:
     # -- statistics ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and benches; the queue and KV figures are the scheduler's."""
-        sched = self.scheduler.stats()
-        kv = sched.kv
-        return {
-            "num_preemptions": sched.num_preemptions,
-            "kv_blocks_total": kv.blocks_total,
-            "kv_blocks_used": kv.blocks_used,
-            "kv_blocks_shared": self.block_manager.num_shared_blocks(),
-            "kv_blocks_peak": sched.kv_blocks_peak,
-            "kv_utilization_peak": sched.kv_utilization_peak,
-            "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
-            "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
-            "prefix_cache_query_tokens": kv.prefix_cache_query_tokens,
-            "num_running": sched.num_running,
-            "num_waiting": sched.num_waiting,
-            "num_running_peak": sched.num_running_peak,
-            "num_steps": self._num_steps + (self.overlap.num_steps if self.overlap else 0),
-            "num_generated_tokens": self._num_generated_tokens,
-            "num_computed_tokens": self._num_computed_tokens + (
-                self.overlap.num_computed_tokens if self.overlap else 0),
-            "block_size": kv.block_size,
-            "max_model_len": self.max_model_len,
-            **self.structured.stats(),
-        }
+        return engine_stats(self.scheduler, self.counters, self.max_model_len,
+                            self.structured.stats())
 
     # -- chat ------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict],

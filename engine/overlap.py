@@ -50,7 +50,7 @@ import torch
 
 from tokenrelay.engine.model_runner import ModelRunner, Placeholders, StepInputs
 from tokenrelay.engine.output_processor import OutputProcessor
-from tokenrelay.engine.outputs import RequestDelta
+from tokenrelay.engine.outputs import RequestDelta, StepCounters
 from tokenrelay.engine.sampler import DeviceSample, Sampler, SamplerOutput, SamplingBatch
 from tokenrelay.engine.scheduler import Scheduler, SchedulerOutput
 from tokenrelay.engine.sequence import Sequence
@@ -112,7 +112,8 @@ class OverlappedCore:
     """Schedule, launch, then process the previous step (module docstring)."""
 
     def __init__(self, *, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
-                 outputs: OutputProcessor, max_model_len: int) -> None:
+                 outputs: OutputProcessor, counters: StepCounters,
+                 max_model_len: int) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
@@ -120,8 +121,7 @@ class OverlappedCore:
         self.max_model_len = max_model_len
         self.lane = DeviceLane(runner.device)
         self.flight: Optional[InFlight] = None
-        self.num_steps = 0
-        self.num_computed_tokens = 0
+        self.counters = counters
 
     def eligible(self) -> bool:
         """True when every live sequence's next draw needs nothing from the host."""
@@ -172,8 +172,8 @@ class OverlappedCore:
             s.token_ids.append(PLACEHOLDER)
         flight = InFlight(out, seqs, positions, {id(s): j for j, s in enumerate(seqs)}, batch)
         flight.result = self.lane.submit(lambda: self._run(flight, step, prev, fill))
-        self.num_steps += 1
-        self.num_computed_tokens += out.num_batched_tokens
+        self.counters.num_steps += 1
+        self.counters.num_computed_tokens += out.num_batched_tokens
         return flight
 
     @staticmethod
