@@ -170,3 +170,11 @@ def test_the_forward_runs_on_the_device_thread(model_path):
     engine.shutdown()
     assert slow.threads and all(n.startswith("engine-device") for n in slow.threads)
     assert steps >= 11
+
+
+def test_async_scheduling_defaults_off_on_cpu_and_refuses_tensor_parallelism(model_path):
+    from tokenrelay.engine.config import EngineConfig
+    assert EngineConfig(model=model_path, device="cpu").resolve().async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size=1"):
+        EngineConfig(model=model_path, device="cpu", tensor_parallel_size=2,
+                     async_scheduling=True).resolve()
