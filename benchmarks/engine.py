@@ -65,10 +65,19 @@ def bench_engine(model: str, work: Workload, args: argparse.Namespace) -> dict[s
             "cpu_tok_s": produced / cpu, "stats": stats, "ttft_median": statistics.median(ttft)}
 
 
+def hf_dtype(args: argparse.Namespace) -> torch.dtype:
+    """transformers runs in the engine's dtype (``--dtype``), so every side does the same math."""
+    dtype = getattr(torch, str(args.dtype).replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"--dtype {args.dtype!r}: name a torch dtype (float32, bfloat16, "
+                         f"float16) so transformers can run in it too")
+    return dtype
+
+
 def bench_hf_static(model: str, work: Workload, args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(args.device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=hf_dtype(args)).to(args.device).eval()
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     hf.generate(torch.tensor([[5] * 8], device=args.device), max_new_tokens=2, do_sample=False,
                 pad_token_id=pad)   # warm-up
@@ -94,7 +103,7 @@ def bench_hf_static(model: str, work: Workload, args: argparse.Namespace) -> dic
 def bench_hf_continuous(model: str, work: Workload, args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(args.device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=hf_dtype(args)).to(args.device).eval()
     cfg = GenerationConfig(max_new_tokens=max(m for _, m in work), do_sample=False,
                            eos_token_id=-1, pad_token_id=0)
     manager = hf.init_continuous_batching(generation_config=cfg)

@@ -92,33 +92,6 @@ def parity(plan: Plan) -> Outcome:
                    {"models": [r.as_dict() for r in results], "lines": lines})
 
 
-def cuda_graphs(plan: Plan) -> Outcome:
-    """Decode through captured CUDA graphs gives the eager path's tokens, and how fast."""
-    if plan.device != "cuda":
-        return Outcome("skipped", "needs CUDA: CUDA graphs exist only on a CUDA device")
-    from benchmarks.cuda_graphs import decode_tokens_per_s
-    from tokenrelay.engine import LLM, SamplingParams
-
-    model = str(plan.bench_model())
-    prompts = [[1 + (7 * i + j) % 500 for j in range(24 + 5 * i)] for i in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    tokens = {}
-    for eager in (True, False):
-        llm = LLM(model, dtype="bfloat16", device="cuda", attention_backend="triton",
-                  enforce_eager=eager, max_num_seqs=8, num_kv_blocks=256)
-        captured = llm.engine.model_runner.decode_graphs is not None
-        tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        del llm
-        torch.cuda.empty_cache()
-    speed = {g: decode_tokens_per_s(model, 32, 128, g) for g in (False, True)}
-    equal = tokens[True] == tokens[False]
-    return Outcome("pass" if equal and captured else "fail",
-                   f"graphs captured: {captured}; tokens equal to eager: {equal}; decode "
-                   f"batch 32: {speed[False]:.0f} tok/s eager, {speed[True]:.0f} with graphs",
-                   {"captured": captured, "equal": equal, "eager_tok_s": speed[False],
-                    "graphs_tok_s": speed[True], "model": model})
-
-
 def engine_bench(plan: Plan) -> Outcome:
     """Our engine vs transformers (static and continuous batching) on one workload
     (benchmarks.engine); a dry run: 6 short requests and static batching only."""
@@ -247,8 +220,11 @@ def keep_up(plan: Plan) -> Outcome:
                     "target_met": met, "lines": fig.summary()})
 
 
+from benchmarks.gpu_engine_sections import cuda_graphs, engine_bench_1b, gpu_busy  # noqa: E402
+
 SECTIONS: list[tuple[str, Callable[[Plan], Outcome]]] = [
     ("kernels", kernels), ("parity", parity), ("cuda_graphs", cuda_graphs),
     ("engine_bench", engine_bench), ("kernel_roofline", kernel_roofline),
+    ("gpu_busy", gpu_busy), ("engine_bench_1b", engine_bench_1b),
     ("worker_stream", worker_stream), ("keep_up", keep_up),
 ]

@@ -85,6 +85,10 @@ class EngineConfig:
     # Seconds a rank may wait in a collective (and at least 120 s for the ranks to start and
     # join) before the engine gives up on the group: a hung rank fails it after this long.
     tensor_parallel_timeout: float = 120.0
+    # Overlapped engine core (engine/overlap.py): schedule and launch step N+1 before step N's
+    # results are processed. None = on for one CUDA device, off on CPU (where the "device" is
+    # these same cores and the overlap only moves work between threads).
+    async_scheduling: Optional[bool] = None
     # Filled by resolve(): the checkpoint's config.json, parsed.
     hf_config: Optional[ModelConfig] = field(default=None, repr=False)
 
@@ -139,6 +143,12 @@ class EngineConfig:
             # Large enough that a typical prompt is one chunk; small enough that a step of
             # prefill does not stall decodes for long.
             self.max_num_batched_tokens = max(2048, self.max_num_seqs)
+        if self.async_scheduling is None:
+            self.async_scheduling = (self.device.startswith("cuda")
+                                     and self.tensor_parallel_size == 1)
+        elif self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size=1 (the ranks are fed "
+                             "host-side inputs); leave it unset or set it to False")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, "
                              f"got {self.max_num_batched_tokens}")

@@ -10,7 +10,7 @@ few prompt tokens so the first output word keeps its leading space.
 Stop strings can span tokens, so any tail of the text that could still become a stop string is
 held back; on a match the text is cut there (the stop string itself kept only with
 ``include_stop_str_in_output``). Everything before the held-back tail has been handed out and
-cannot hold the start of a stop string, so a step searches only the window ``text[emitted:]``:
+cannot hold the start of a stop string, so a step searches only the held-back ``tail``:
 the held-back tail (under the longest stop's length) plus the new text. The stop strings are
 indexed once per request (``StopMatcher``), so a step's cost depends on that window and on the
 stops that can start in it, not on how many stops the request lists or how long it has run.
@@ -21,6 +21,7 @@ The engine detokenizes all sequences of a step with one batched decode call
 
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_left
 from typing import Any, Optional, Sequence
 
@@ -29,16 +30,33 @@ from tokenrelay.engine.sampling_params import SamplingParams
 _PROMPT_WINDOW = 5  # prompt tokens that seed the decode window
 
 
+# One token decoded alone, per Rust tokenizer and skip_special_tokens: the already-read window
+# of a steady decode is the previous step's one token, so half of a step's decodes are these.
+_SINGLE: "weakref.WeakKeyDictionary[Any, dict[tuple[bool, int], str]]" = weakref.WeakKeyDictionary()
+
+
 def _decode_batch(tokenizer: Any, batches: list[list[int]], skip_special_tokens: bool) -> list[str]:
     """Decode many short windows. One ``decode`` call per window on the Rust tokenizer, not
     its ``decode_batch``: that one hands the windows to a rayon thread pool, which has to fight
     torch's compute threads for the cores; in the engine it took 1.6 ms per step for 48
-    sequences, the plain loop under 0.2 ms."""
+    sequences, the plain loop under 0.2 ms. One-token windows come from a per-tokenizer
+    memo (a decode is a pure function of the ids)."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is not None and hasattr(backend, "decode"):
-        return [backend.decode(b, skip_special_tokens=skip_special_tokens) for b in batches]
-    return tokenizer.batch_decode(batches, skip_special_tokens=skip_special_tokens,
-                                  clean_up_tokenization_spaces=False)
+    if backend is None or not hasattr(backend, "decode"):
+        return tokenizer.batch_decode(batches, skip_special_tokens=skip_special_tokens,
+                                      clean_up_tokenization_spaces=False)
+    memo = _SINGLE.setdefault(backend, {})
+    out = []
+    for b in batches:
+        if len(b) == 1:
+            key = (skip_special_tokens, b[0])
+            text = memo.get(key)
+            if text is None:
+                text = memo[key] = backend.decode(b, skip_special_tokens=skip_special_tokens)
+            out.append(text)
+        else:
+            out.append(backend.decode(b, skip_special_tokens=skip_special_tokens))
+    return out
 
 
 class StopMatcher:
@@ -110,10 +128,13 @@ class IncrementalDetokenizer:
         self.tokens: list[int] = window       # decode window: prompt tail, then outputs
         self.prefix_offset = 0
         self.read_offset = len(window)
-        self.text = ""                          # decoded output text (before stop trimming)
-        self.emitted = 0                        # chars of ``text`` already handed out
+        # The decoded text is ``"".join(self.handed) + self.tail``: what was handed out, in
+        # pieces, and what is held back (partial stop matches), so a step touches only the
+        # tail and its new text, never the whole text so far.
+        self.handed: list[str] = []
+        self.tail = ""
         self.stopped: Optional[str] = None
-        self.searched = 0                       # chars of ``text`` known to hold no whole stop
+        self.searched = 0                       # chars of ``tail`` known to hold no whole stop
 
     # -- two-phase API, so the engine can decode every sequence in one call ----------------
     def push(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
@@ -127,7 +148,7 @@ class IncrementalDetokenizer:
         ``final`` flushes everything held back (the sequence ended for another reason).
         """
         if len(full_text) > len(prefix_text) and (final or not full_text.endswith("\ufffd")):
-            self.text += full_text[len(prefix_text):]
+            self.tail += full_text[len(prefix_text):]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.tokens)
         return self._emit(final)
@@ -147,28 +168,32 @@ class IncrementalDetokenizer:
     def _emit(self, final: bool) -> tuple[str, Optional[str]]:
         if self.stopped is not None:
             return "", None
-        text, start = self.text, self.emitted
-        upto = len(text)
+        window = self.tail
+        upto = len(window)
         if self.stops is not None:
-            window = text[start:]
-            hit = self.stops.find(window, max(0, self.searched - start))
-            self.searched = len(text)
+            hit = self.stops.find(window, self.searched)
+            self.searched = len(window)
             if hit is not None:
                 i, s = hit
-                end = start + i + (len(s) if self.include_stop else 0)
-                self.emitted = end
+                end = i + (len(s) if self.include_stop else 0)
                 self.stopped = s
-                return text[start:end], s
+                return self._hand_out(end), s
             if not final:
                 upto -= self.stops.held(window)
-        delta = text[start:upto] if upto > start else ""
-        self.emitted = max(start, upto)
-        return delta, None
+        return self._hand_out(upto), None
+
+    def _hand_out(self, n: int) -> str:
+        """The tail's first ``n`` characters become handed-out text."""
+        delta, self.tail = self.tail[:n], self.tail[n:]
+        self.searched = max(0, self.searched - n)
+        if delta:
+            self.handed.append(delta)
+        return delta
 
     @property
     def output_text(self) -> str:
         """The text handed out so far."""
-        return self.text[:self.emitted]
+        return "".join(self.handed)
 
     def replay(self, token_ids: list[int], emitted_text: str) -> None:
         """Rebuild the state another worker had after emitting ``token_ids``/``emitted_text``.
@@ -179,11 +204,14 @@ class IncrementalDetokenizer:
         for t in token_ids:
             self.add([t])
         self.stopped = None
-        if not self.text.startswith(emitted_text):
+        text = self.output_text + self.tail
+        if not text.startswith(emitted_text):
             # The tokens decode differently than the text the client got (e.g. another
             # tokenizer version). Trust the client's text: continue right after it.
-            self.text = emitted_text
-        self.emitted = self.searched = len(emitted_text)
+            text = emitted_text
+        self.handed = [emitted_text] if emitted_text else []
+        self.tail = text[len(emitted_text):]
+        self.searched = 0
 
 
 def detokenize_step(items: list[tuple[IncrementalDetokenizer, list[int], bool]]

@@ -24,7 +24,8 @@ from tokenrelay.engine.forks import advance_beams, beam_deltas, branch_seed, for
 from tokenrelay.engine.grammar import GrammarError
 from tokenrelay.engine.model_runner import ModelRunner
 from tokenrelay.engine.output_processor import OutputProcessor
-from tokenrelay.engine.outputs import RequestDelta, RequestError, ResumeState
+from tokenrelay.engine.overlap import OverlappedCore
+from tokenrelay.engine.outputs import RequestDelta, RequestError, ResumeState, StepCounters
 from tokenrelay.engine.prompts import (PromptType, check_chat_template_kwargs, prompt_of, render_chat,
                             tool_call_format)
 from tokenrelay.protocol.tools import NO_TOOLS
@@ -47,6 +48,33 @@ def _eos_ids(config: EngineConfig, tokenizer: Any) -> set[int]:
     if isinstance(tok_eos, int):
         ids.add(tok_eos)
     return ids
+
+
+def engine_stats(scheduler: Scheduler, counters: StepCounters, max_model_len: int,
+                 structured: dict[str, Any]) -> dict[str, Any]:
+    """The flat statistics ``LLMEngine.stats`` publishes."""
+    sched = scheduler.stats()
+    kv = sched.kv
+    return {
+        "num_preemptions": sched.num_preemptions,
+        "kv_blocks_total": kv.blocks_total,
+        "kv_blocks_used": kv.blocks_used,
+        "kv_blocks_shared": scheduler.block_manager.num_shared_blocks(),
+        "kv_blocks_peak": sched.kv_blocks_peak,
+        "kv_utilization_peak": sched.kv_utilization_peak,
+        "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+        "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
+        "prefix_cache_query_tokens": kv.prefix_cache_query_tokens,
+        "num_running": sched.num_running,
+        "num_waiting": sched.num_waiting,
+        "num_running_peak": sched.num_running_peak,
+        "num_steps": counters.num_steps,
+        "num_generated_tokens": counters.num_generated_tokens,
+        "num_computed_tokens": counters.num_computed_tokens,
+        "block_size": kv.block_size,
+        "max_model_len": max_model_len,
+        **structured,
+    }
 
 
 class LLMEngine:
@@ -80,13 +108,16 @@ class LLMEngine:
                                             threads=config.grammar_compile_threads,
                                             timeout_s=config.grammar_compile_timeout_s)
         self.outputs = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len)
+        self.counters = StepCounters()
+        self.overlap: Optional[OverlappedCore] = None
+        if self.config.async_scheduling:
+            self.overlap = OverlappedCore(scheduler=self.scheduler, runner=self.model_runner,
+                                          sampler=self.sampler, outputs=self.outputs,
+                                          counters=self.counters,
+                                          max_model_len=self.max_model_len)
         self.requests: dict[str, SequenceGroup] = {}
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
-        # Statistics of the steps (the scheduler keeps those of its queues and the KV pool):
-        self._num_steps = 0
-        self._num_generated_tokens = 0
-        self._num_computed_tokens = 0
         self._tool_format: Optional[str] = None
 
     @classmethod
@@ -207,7 +238,8 @@ class LLMEngine:
         return group.seed
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.structured.waiting)
+        return (self.scheduler.has_unfinished() or bool(self.structured.waiting)
+                or (self.overlap is not None and self.overlap.flight is not None))
 
     def num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -221,6 +253,10 @@ class LLMEngine:
         """Run one scheduling step; return at most one delta per request that got a token
         (and the error delta of each request the engine ended: see RequestDelta.error)."""
         deltas = self._admit_constrained()
+        if self.overlap is not None:
+            if self.overlap.eligible():
+                return deltas + self._take(*self.overlap.step())
+            deltas.extend(self._take(*self.overlap.drain()))
         if not self.scheduler.has_unfinished():
             return deltas
         out = self.scheduler.schedule()
@@ -228,8 +264,8 @@ class LLMEngine:
             return deltas
         logits, rows = self.model_runner.execute(out.seqs, out.num_new_tokens, out.block_copies)
         self.scheduler.update(out)
-        self._num_steps += 1
-        self._num_computed_tokens += out.num_batched_tokens
+        self.counters.num_steps += 1
+        self.counters.num_computed_tokens += out.num_batched_tokens
         if not rows:
             return deltas
         sample_seqs: list[Sequence] = []
@@ -254,15 +290,19 @@ class LLMEngine:
             failed = {s.request_id: GrammarError(s.constraint.error() or "matcher failed")
                       for s in broken}
             sampled = self.sampler(logits_s, sample_seqs, masks)
-            done, ended = self.outputs.process(sample_seqs, sampled, failed, time.time())
-            for request_id in ended:
-                del self.requests[request_id]
-            self._num_generated_tokens += len(done)
-            deltas.extend(done)
+            deltas.extend(self._take(*self.outputs.process(sample_seqs, sampled, failed,
+                                                           time.time())))
             deltas.extend(self._fail_request(rid, exc) for rid, exc in failed.items())
         for group, by_seq in beam_rows.values():
             deltas.extend(self._beam_step(group, by_seq, logits))
         return deltas
+
+    def _take(self, done: list[RequestDelta], ended: list[str]) -> list[RequestDelta]:
+        """Account for processed deltas; forget the requests whose last choice ended."""
+        for request_id in ended:
+            del self.requests[request_id]
+        self.counters.num_generated_tokens += len(done)
+        return done
 
     def _admit_constrained(self) -> list[RequestDelta]:
         """Constrained requests whose matchers are ready go to the scheduler; those whose
@@ -300,39 +340,22 @@ class LLMEngine:
         deltas = beam_deltas(group, self.scheduler, self.tokenizer)
         group.finished_time = now
         del self.requests[group.request_id]
-        self._num_generated_tokens += sum(len(d.new_token_ids) for d in deltas)
+        self.counters.num_generated_tokens += sum(len(d.new_token_ids) for d in deltas)
         return deltas
 
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (also done when it is garbage
-        collected or the process exits); nothing to do at size 1."""
+        collected or the process exits); nothing to do at size 1. Stops the overlapped core's
+        device thread (CPU) after its step in flight."""
+        if self.overlap is not None:
+            self.overlap.shutdown()
         self.model_runner.shutdown()
 
     # -- statistics ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters for metrics and benches; the queue and KV figures are the scheduler's."""
-        sched = self.scheduler.stats()
-        kv = sched.kv
-        return {
-            "num_preemptions": sched.num_preemptions,
-            "kv_blocks_total": kv.blocks_total,
-            "kv_blocks_used": kv.blocks_used,
-            "kv_blocks_shared": self.block_manager.num_shared_blocks(),
-            "kv_blocks_peak": sched.kv_blocks_peak,
-            "kv_utilization_peak": sched.kv_utilization_peak,
-            "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
-            "prefix_cache_hit_tokens": kv.prefix_cache_hit_tokens,
-            "prefix_cache_query_tokens": kv.prefix_cache_query_tokens,
-            "num_running": sched.num_running,
-            "num_waiting": sched.num_waiting,
-            "num_running_peak": sched.num_running_peak,
-            "num_steps": self._num_steps,
-            "num_generated_tokens": self._num_generated_tokens,
-            "num_computed_tokens": self._num_computed_tokens,
-            "block_size": kv.block_size,
-            "max_model_len": self.max_model_len,
-            **self.structured.stats(),
-        }
+        return engine_stats(self.scheduler, self.counters, self.max_model_len,
+                            self.structured.stats())
 
     # -- chat ------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict],

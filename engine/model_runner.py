@@ -30,6 +30,16 @@ from tokenrelay.engine.parallel.partition import Partition
 from tokenrelay.engine.sequence import Sequence
 
 
+@dataclass(frozen=True)
+class Placeholders:
+    """Input ids the host does not know yet: ``input_ids[dst] = source[src]`` on the device,
+    ``source`` being the previous step's sampled ids, still where they were drawn."""
+
+    dst: torch.Tensor       # [P] int64, rows of the step's input_ids
+    src: torch.Tensor       # [P] int64, rows of ``source``
+    source: torch.Tensor    # [S] int64
+
+
 @dataclass
 class StepInputs:
     """One step's inputs on the host: what rank 0 prepares and every other rank receives."""
@@ -243,9 +253,10 @@ class ModelRunner:
                   seq_lens=step.seq_lens, cu_seqlens_q=step.cu_seqlens_q,
                   num_blocks=self.num_blocks, block_size=self.block_size)
 
-    def _device_inputs(self, step: StepInputs
+    def _device_inputs(self, step: StepInputs, fill: Optional[Placeholders] = None
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """(input_ids, positions, meta with the step's plan, logits indices) on the device."""
+        """(input_ids, positions, meta with the step's plan, logits indices) on the device;
+        ``fill`` writes the previous step's sampled ids where the host had placeholders."""
         self._check_step(step)
         dev = self.device
         meta = self._with_plan(AttentionMetadata(
@@ -259,8 +270,11 @@ class ModelRunner:
             is_decode=step.is_decode,
         ))
         ids = step.input_ids.to(dev, non_blocking=True)
+        if fill is not None:
+            ids[fill.dst.to(dev, non_blocking=True)] = fill.source[fill.src.to(dev,
+                                                                               non_blocking=True)]
         return (ids, step.positions.to(dev, non_blocking=True), meta,
-                step.logits_indices.to(dev))
+                step.logits_indices.to(dev, non_blocking=True))
 
     @torch.inference_mode()
     def copy_blocks(self, copies: torch.Tensor) -> None:
@@ -269,19 +283,21 @@ class ModelRunner:
         ``copies``: ``[C, 2]`` (src, dst) rows."""
         if copies.numel() == 0:
             return
-        src = copies[:, 0].to(self.device)
-        dst = copies[:, 1].to(self.device)
+        src = copies[:, 0].to(self.device, non_blocking=True)
+        dst = copies[:, 1].to(self.device, non_blocking=True)
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
     @torch.inference_mode()
-    def run(self, step: StepInputs) -> Optional[torch.Tensor]:
+    def run(self, step: StepInputs, fill: Optional[Placeholders] = None
+            ) -> Optional[torch.Tensor]:
         """The step's copy-on-write copies, then its forward pass. Returns the logits of the
         step's ``logits_indices`` (``[L, vocab]`` float32), or None when it has none or this is
-        not rank 0."""
+        not rank 0. ``fill``: input ids that are still on the device (the overlapped core's,
+        engine/overlap.py)."""
         self.copy_blocks(step.block_copies)
-        ids, positions, meta, last = self._device_inputs(step)
+        ids, positions, meta, last = self._device_inputs(step, fill)
         hidden = None
         if meta.is_decode and self.decode_graphs is not None:
             hidden = self.decode_graphs.run(ids, positions, meta)

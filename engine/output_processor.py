@@ -26,7 +26,8 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def process(self, seqs: list[Sequence], sampled: Any, failed: dict[str, Exception],
-                now: float) -> tuple[list[RequestDelta], list[str]]:
+                now: float, positions: Optional[list[int]] = None
+                ) -> tuple[list[RequestDelta], list[str]]:
         """Append each sampled token, advance its matcher, check the finish conditions and
         detokenize. ``failed``: requests whose matcher broke (more are added here when a
         token breaks one); the caller ends them with an error delta. Returns the deltas and
@@ -41,24 +42,34 @@ class OutputProcessor:
             if c is not None and seq.request_id not in failed and not c.consume(tok):
                 failed[seq.request_id] = GrammarError(f"output token {seq.num_output_tokens}: "
                                                       f"{c.error()}")
+        if positions is None:
+            positions = [-1] * len(seqs)
         if failed:
             keep = [i for i, s in enumerate(seqs) if s.request_id not in failed]
             seqs = [seqs[i] for i in keep]
+            positions = [positions[i] for i in keep]
             sampled = type(sampled)(*[[getattr(sampled, f)[i] for i in keep]
                                       for f in ("token_ids", "logprobs", "top_logprobs")])
         finish: list[Optional[str]] = []
         stop_reasons: list[Union[str, int, None]] = []
         items = []
-        for seq, tok, lp, top in zip(seqs, sampled.token_ids, sampled.logprobs,
-                                     sampled.top_logprobs):
+        sizes: list[int] = []
+        for seq, tok, lp, top, pos in zip(seqs, sampled.token_ids, sampled.logprobs,
+                                          sampled.top_logprobs, positions):
             p = seq.params
-            seq.token_ids.append(tok)
+            if pos < 0:
+                seq.token_ids.append(tok)
+                num_tokens = len(seq.token_ids)
+            else:
+                seq.token_ids[pos] = tok
+                num_tokens = pos + 1
+            sizes.append(num_tokens)
             seq.cumulative_logprob += lp
             if p.logprobs is not None:
                 seq.output_logprobs.append(top)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            n_out = seq.num_output_tokens
+            n_out = num_tokens - seq.num_prompt_tokens
             reason: Optional[str] = None
             stop_reason: Union[str, int, None] = None
             text_tokens = [tok]
@@ -69,19 +80,20 @@ class OutputProcessor:
                     reason, text_tokens = "stop", []
             elif seq.constraint is not None and tok in eos:
                 reason, text_tokens = "stop", []
-            if reason is None and (n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            if reason is None and (n_out >= p.max_tokens or num_tokens >= self.max_model_len):
                 reason = "length"
             finish.append(reason)
             stop_reasons.append(stop_reason)
             items.append((seq.detokenizer, text_tokens, reason is not None))
         texts = detokenize_step(items)
         deltas = []
-        for seq, tok, lp, top, reason, stop_reason, (text, stop_str) in zip(
+        for seq, tok, lp, top, reason, stop_reason, (text, stop_str), num_tokens in zip(
                 seqs, sampled.token_ids, sampled.logprobs, sampled.top_logprobs,
-                finish, stop_reasons, texts):
+                finish, stop_reasons, texts, sizes):
             if stop_str is not None:
                 reason, stop_reason = "stop", stop_str
             if reason is not None:
+                del seq.token_ids[num_tokens:]      # a placeholder speculated past the end
                 if self._finish_choice(seq, reason, stop_reason, now):
                     ended.append(seq.request_id)
             deltas.append(RequestDelta(
@@ -94,7 +106,7 @@ class OutputProcessor:
                 finish_reason=reason,
                 stop_reason=stop_reason,
                 num_prompt_tokens=seq.num_prompt_tokens,
-                num_output_tokens=seq.num_output_tokens,
+                num_output_tokens=num_tokens - seq.num_prompt_tokens,
                 index=seq.index,
                 cumulative_logprob=seq.cumulative_logprob,
             ))

@@ -58,6 +58,16 @@ class RequestDelta:
 
 
 @dataclass
+class StepCounters:
+    """Statistics of the steps, counted by whichever core ran them (the serial step or the
+    overlapped one, engine/overlap.py): both add to the one object the engine publishes."""
+
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_computed_tokens: int = 0
+
+
+@dataclass
 class RequestMetrics:
     """Wall-clock times (``time.time()`` seconds)."""
 

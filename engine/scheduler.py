@@ -162,14 +162,18 @@ class Scheduler:
         return min(seq.num_uncomputed_tokens - hold, budget)
 
     # -- the step --------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, hold: frozenset[Sequence] = frozenset()) -> SchedulerOutput:
+        """The step's sequences and token counts. ``hold``: running sequences that get no
+        tokens this step (the overlapped core's choices that will certainly end with the token
+        in flight, engine/overlap.py); they keep their blocks until that token is processed."""
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         scheduled: dict[Sequence, int] = {}
         preempted: list[Sequence] = []
 
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        chunks = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        live = [s for s in self.running if s not in hold] if hold else self.running
+        decodes = [s for s in live if s.num_uncomputed_tokens == 1]
+        chunks = [s for s in live if s.num_uncomputed_tokens > 1]
         done_groups: set[int] = set()
         for seq in decodes + chunks:
             if budget == 0:
@@ -184,7 +188,7 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n <= 0:
                 continue
-            while self._needed([seq], n) > bm.num_free_blocks:
+            while bm.num_blocks_needed(seq, n) > bm.num_free_blocks:
                 budget += self._preempt_last(scheduled, preempted)
                 if seq.status is not SequenceStatus.RUNNING:
                     break
@@ -302,9 +306,13 @@ class Scheduler:
             scheduled[seq] = n
 
     def update(self, out: SchedulerOutput) -> None:
-        """After the model ran: the scheduled tokens now have KV; publish full blocks."""
+        """After the model ran (or, overlapped, once the step's inputs are all known tokens):
+        the scheduled tokens now have KV; publish full blocks. A sequence that ended in the
+        meantime is skipped: its blocks are already freed."""
         bm = self.block_manager
         for seq, n in zip(out.seqs, out.num_new_tokens):
+            if seq.status is SequenceStatus.FINISHED:
+                continue
             seq.num_computed_tokens += n
             bm.cache_full_blocks(seq)
         self._record_peaks()

@@ -88,6 +88,12 @@ class Sequence:
         # Structured outputs: the matcher of this sequence's output (engine/grammar.py); it has
         # consumed exactly the output tokens, and survives preemption with them.
         self.constraint: Optional["Constraint"] = None
+        # Can its steps overlap (engine/overlap.py)? Not when the next draw needs this step's
+        # token on the host: a grammar, beam search, penalties.
+        self.overlappable = (params.structured_outputs is None and not params.use_beam_search
+                             and params.repetition_penalty == 1.0
+                             and params.presence_penalty == 0.0
+                             and params.frequency_penalty == 0.0)
         # Timing (wall clock, seconds):
         self.arrival_time = time.time()
         self.first_token_time: Optional[float] = None

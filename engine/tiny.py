@@ -1,6 +1,6 @@
 """Write small, random-weight Hugging Face checkpoints for tests and benchmarks.
 
-``python -m tokenrelay.engine.tiny OUT --arch {llama,qwen2,qwen3,mistral} [--seed N] [--size {tiny,bench}]``
+``python -m tokenrelay.engine.tiny OUT --arch {llama,qwen2,qwen3,mistral} [--seed N] [--size {tiny,bench,1b}]``
 
 Nothing can be downloaded here, so tests need real checkpoints made locally: config.json,
 safetensors weights under HF names, generation_config.json, and a byte-level BPE tokenizer
@@ -42,6 +42,11 @@ SIZES = {
     "bench": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                   max_position_embeddings=4096),
+    # TinyLlama-1.1B's shape: the GPU check's engine figures (write it with dtype="bfloat16":
+    # 2.2 GB, seconds on a GPU machine, so no checkpoint has to travel there).
+    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+               num_attention_heads=32, num_key_value_heads=4, head_dim=64,
+               max_position_embeddings=2048),
 }
 ROPE_SCALINGS = {
     "none": None,

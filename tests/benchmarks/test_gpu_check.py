@@ -13,8 +13,8 @@ import pytest
 from benchmarks import gpu_wheels
 from tests.fixtures_redis import REPO_ROOT
 
-SECTIONS = ["kernels", "parity", "cuda_graphs", "engine_bench", "kernel_roofline",
-            "worker_stream", "keep_up"]
+SECTIONS = ["kernels", "parity", "cuda_graphs", "engine_bench", "kernel_roofline", "gpu_busy",
+            "engine_bench_1b", "worker_stream", "keep_up"]
 
 
 def _quick_output_tokens(argv: list[str]) -> int:

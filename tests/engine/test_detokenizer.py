@@ -298,3 +298,16 @@ def test_many_stops_search_only_those_ending_in_the_new_text():
     assert matcher.find(Window("0000zz7"), searched=6) is None
     assert 0 < len(looked) <= 1000                # only the stops ending in "7"
     assert matcher.find(Window("x01237"), searched=5) == (1, "01237")
+
+
+def test_one_token_windows_come_from_the_memo_and_equal_a_fresh_decode(tok):
+    from tokenrelay.engine import detokenizer
+    ids = tok.encode("memo check: a few words", add_special_tokens=False)
+    got = detokenizer._decode_batch(tok, [[t] for t in ids] + [ids], True)
+    memo = detokenizer._SINGLE[tok._tokenizer]
+    assert {(True, t) for t in ids} <= memo.keys()
+    assert got == [tok._tokenizer.decode([t], skip_special_tokens=True) for t in ids] + [
+        tok._tokenizer.decode(ids, skip_special_tokens=True)]
+    memo[(True, ids[0])] = "<from the memo>"      # a second call reads it, not the tokenizer
+    assert detokenizer._decode_batch(tok, [[ids[0]]], True) == ["<from the memo>"]
+    del memo[(True, ids[0])]

@@ -1,0 +1,156 @@
+"""``python -m benchmarks.engine_overlap``: does the engine keep a (simulated) GPU busy?
+
+The real ``LLMEngine`` (scheduler, sampler, output processing, detokenizer) runs around a
+model whose forward pass takes a fixed device time and releases the GIL while it does, as a
+CUDA sync does: a ``time.sleep`` of ``--device-ms``. Its logits are cheap and deterministic (a
+token picked from the input token and position), so the host's cost is the engine's own.
+
+For each setting (``2x256``: a 2 ms step at 256 decoding sequences) and each engine mode
+(``serial``: schedule, run, sample, process, one after the other; ``overlapped``: the engine
+core schedules and launches step N+1 before it processes step N's results, see
+engine/overlap.py) it prefills every sequence, then times ``--steps`` decode steps and prints:
+
+- wall ms per step, against the device time and against ``max(device, CPU per step)``, the best
+  a loop could do (wall / device: 1.0 means the device never waits);
+- the CPU time of the engine per step (this process's CPU seconds, which the sleeping device
+  does not add to) and per sequence per step.
+
+Figures are wall-clock on a shared host: other processes' load shows up as CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from tokenrelay.engine.llm_engine import LLMEngine
+from tokenrelay.engine.sampling_params import SamplingParams
+
+MODES = ("serial", "overlapped")
+
+
+class SimulatedDeviceModel:
+    """A model for ``LLMEngine(model=...)``: its forward sleeps ``device_s`` (the device's
+    time, the GIL released) and its logits put all mass on ``(7 * token + position) % vocab``,
+    so greedy decoding is deterministic and every step's tokens differ."""
+
+    def __init__(self, vocab_size: int, device_s: float) -> None:
+        self.vocab_size = vocab_size
+        self.device_s = device_s
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                 kv_caches: Any) -> torch.Tensor:
+        time.sleep(self.device_s)
+        return torch.stack([input_ids, positions], dim=1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        target = (hidden[:, 0] * 7 + hidden[:, 1]) % self.vocab_size
+        logits = torch.zeros(hidden.shape[0], self.vocab_size)
+        logits[torch.arange(hidden.shape[0]), target] = 10.0
+        return logits
+
+
+@dataclass(frozen=True)
+class Setting:
+    device_ms: float
+    seqs: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.device_ms:g} ms x {self.seqs}"
+
+
+@dataclass(frozen=True)
+class Result:
+    mode: str
+    wall_ms: float          # per step
+    cpu_ms: float           # per step, this process
+    steps: int
+    tokens: int
+
+    def line(self, s: Setting) -> str:
+        best = max(s.device_ms, self.cpu_ms)
+        per_seq_us = self.cpu_ms * 1000.0 / s.seqs
+        return (f"  {self.mode:<10} wall {self.wall_ms:.2f} ms/step  device {s.device_ms:g} ms  "
+                f"CPU {self.cpu_ms:.2f} ms/step ({per_seq_us:.1f} us/seq/step)  "
+                f"wall/max(device, CPU) {self.wall_ms / best:.2f}  "
+                f"wall/device {self.wall_ms / s.device_ms:.2f}  ({self.steps} steps, "
+                f"{self.tokens} tokens)")
+
+
+def parse_setting(text: str) -> Setting:
+    """``2x256`` -> a 2 ms device step, 256 sequences."""
+    ms, _, seqs = text.lower().partition("x")
+    return Setting(float(ms), int(seqs))
+
+
+def make_engine(checkpoint: Path, s: Setting, mode: str, max_tokens: int) -> LLMEngine:
+    from tokenrelay.engine.config import EngineConfig
+    from tokenrelay.engine.model_config import ModelConfig
+    vocab = ModelConfig.from_pretrained(str(checkpoint)).vocab_size
+    blocks_per_seq = -(-(16 + max_tokens + 2) // 16)
+    config = EngineConfig(model=str(checkpoint), device="cpu", dtype="float32",
+                          max_num_seqs=s.seqs, max_num_batched_tokens=max(2048, 16 * s.seqs),
+                          num_kv_blocks=s.seqs * blocks_per_seq + 8, max_model_len=1024,
+                          async_scheduling=(mode == "overlapped"))
+    return LLMEngine(config, model=SimulatedDeviceModel(vocab, s.device_ms / 1000.0))
+
+
+def run_mode(checkpoint: Path, s: Setting, mode: str, steps: int) -> Result:
+    """Prefill ``s.seqs`` sequences, then time ``steps`` decode steps."""
+    max_tokens = steps + 8
+    engine = make_engine(checkpoint, s, mode, max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(s.seqs):
+        engine.add_request(f"r{i}", [5 + (i * 13 + k) % 500 for k in range(16)], params)
+    for _ in range(3):                       # the prefill, and the pipeline filling
+        engine.step()
+    tokens = 0
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        tokens += sum(len(d.new_token_ids) for d in engine.step())
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.shutdown()
+    return Result(mode, wall * 1000.0 / steps, cpu * 1000.0 / steps, steps, tokens)
+
+
+def checkpoint_dir(path: Optional[str]) -> Path:
+    """A tiny random checkpoint (its tokenizer and config: the model itself is simulated)."""
+    from tokenrelay.engine.tiny import write_checkpoint
+    out = Path(path) if path else Path(tempfile.mkdtemp(prefix="engine-overlap-"))
+    if not (out / "config.json").exists():
+        write_checkpoint(out, arch="llama", size="tiny")
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--setting", action="append", default=None,
+                        help="DEVICE_MSxSEQS, repeatable (default 2x256 and 2x64)")
+    parser.add_argument("--steps", type=int, default=100, help="timed decode steps")
+    parser.add_argument("--mode", choices=(*MODES, "both"), default="both")
+    parser.add_argument("--checkpoint", default=None,
+                        help="folder for the tiny checkpoint (written when missing)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)                 # the simulated device needs no CPU threads
+    checkpoint = checkpoint_dir(args.checkpoint)
+    modes = MODES if args.mode == "both" else (args.mode,)
+    for s in [parse_setting(t) for t in (args.setting or ["2x256", "2x64"])]:
+        print(f"{s.label}: {args.steps} decode steps", flush=True)
+        for mode in modes:
+            print(run_mode(checkpoint, s, mode, args.steps).line(s), flush=True)
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
