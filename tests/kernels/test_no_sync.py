@@ -170,7 +170,7 @@ def test_the_engine_checks_each_step_once_on_the_host(tiny_checkpoint, monkeypat
         ops, check_step=lambda **kw: calls.append(kw) or ops.check_step(**kw)))
     original = ModelRunner._device_inputs
     monkeypatch.setattr(ModelRunner, "_device_inputs",
-                        lambda self, step: steps.append(step) or original(self, step))
+                        lambda self, step, *rest: steps.append(step) or original(self, step, *rest))
     llm.generate(["Hello there"], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert len(calls) == len(steps) == 3                   # a prefill and two decodes, not per layer
     assert all(t.device.type == "cpu" for kw in calls for t in kw.values()
