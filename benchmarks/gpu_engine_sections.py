@@ -123,17 +123,43 @@ def _decode_steps(engine: Any, n: int, steps: int, device: str) -> dict[str, flo
     for _ in range(3):
         engine.step()
     _sync(device)
+    clock = engine.overlap.phases if engine.overlap is not None else None
+    if clock is not None:
+        clock.reset()
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     _sync(device)
     wall_ms = (time.perf_counter() - t0) * 1000 / steps
+    phases = clock.ms_per_step() if clock is not None else None
     busy = _profiled_busy(engine, steps, device)
+    syncs = _sync_warnings(engine, 5, device)
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
-    return {"ms_per_step": wall_ms, "busy": busy}
+    return {"ms_per_step": wall_ms, "busy": busy, "host_ms_per_step": phases, "syncs": syncs}
+
+
+def _sync_warnings(engine: Any, steps: int, device: str) -> dict[str, Any] | None:
+    """Device syncs torch flags in ``steps`` steps (sync debug mode 'warn'): a ``.item()``,
+    a blocking copy, a ``nonzero``. The overlapped step's one intended wait, an event's
+    synchronize, is not among them, so any count above 0 is a sync to remove."""
+    if device != "cuda":
+        return None
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found = [str(w.message).splitlines()[0][:160] for w in caught
+             if "synchroniz" in str(w.message).lower()]
+    return {"steps": steps, "count": len(found), "first": sorted(set(found))[:3]}
 
 
 def _sync(device: str) -> None:
@@ -179,15 +205,26 @@ def gpu_busy(plan: Plan) -> Outcome:
         _free(plan.device)
     busy = [rows[f"overlapped {n}"]["busy"] for n in sizes]
     met = all(b is not None and b >= BUSY_TARGET for b in busy)
-    text = "; ".join(f"{k}: {v['ms_per_step']:.2f} ms/step"
-                     + (f", busy {v['busy']:.2f}" if v["busy"] is not None else "")
-                     for k, v in rows.items())
+    text = "; ".join(_row_text(k, v) for k, v in rows.items())
     note = " (dry run: CPU, no GPU time)" if plan.dry else ""
     return Outcome("pass" if plan.dry or met else "fail",
                    f"{text}; target busy >= {BUSY_TARGET} overlapped: "
                    f"{'met' if met else 'not met'}{note}",
                    {"model": model, "steps": steps, "rows": rows, "target": BUSY_TARGET,
                     "target_met": met})
+
+
+def _row_text(name: str, row: dict[str, Any]) -> str:
+    """One gpu_busy row: ms per step, busy, the host's ms per phase, syncs flagged."""
+    text = f"{name}: {row['ms_per_step']:.2f} ms/step"
+    if row["busy"] is not None:
+        text += f", busy {row['busy']:.2f}"
+    if row["host_ms_per_step"]:
+        text += " (host ms " + " ".join(f"{k} {v:.2f}" for k, v in
+                                        row["host_ms_per_step"].items()) + ")"
+    if row["syncs"] is not None:
+        text += f", syncs flagged in {row['syncs']['steps']} steps: {row['syncs']['count']}"
+    return text
 
 
 # -- engine_bench_1b ---------------------------------------------------------------------

@@ -108,6 +108,32 @@ class DeviceLane:
             self._pool.shutdown(wait=True)
 
 
+class PhaseClock:
+    """Host seconds per phase of the overlapped step, summed over steps: what the GPU check
+    prints so a run shows where a slow step's time goes (schedule, prepare, launch, wait for
+    the previous step's ids, output processing, scheduler update, and ``engine``: the
+    caller's time between steps). ``lap`` charges the time
+    since the previous lap to ``phase``; a perf_counter read costs well under a microsecond."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.steps = 0
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.steps = 0
+        self._last = time.perf_counter()
+
+    def ms_per_step(self) -> dict[str, float]:
+        return {k: 1000 * v / max(self.steps, 1) for k, v in self.seconds.items()}
+
+
 class OverlappedCore:
     """Schedule, launch, then process the previous step (module docstring)."""
 
@@ -122,6 +148,7 @@ class OverlappedCore:
         self.lane = DeviceLane(runner.device)
         self.flight: Optional[InFlight] = None
         self.counters = counters
+        self.phases = PhaseClock()
 
     def eligible(self) -> bool:
         """True when every live sequence's next draw needs nothing from the host."""
@@ -134,13 +161,18 @@ class OverlappedCore:
         requests whose last choice ended)."""
         prev = self.flight
         self.flight = None
+        clock = self.phases
+        clock.lap("engine")             # the caller's time since the last step returned
         if self.scheduler.has_unfinished():
             out = self.scheduler.schedule(self._certain_ends(prev))
+            clock.lap("schedule")
             if not out.is_empty:
                 self.flight = self._launch(out, prev)
         done = self._process(prev) if prev is not None else ([], [])
         if self.flight is not None:
             self.scheduler.update(self.flight.out)
+        clock.lap("update")
+        clock.steps += 1
         return done
 
     def drain(self) -> tuple[list[RequestDelta], list[str]]:
@@ -171,7 +203,9 @@ class OverlappedCore:
             positions.append(len(s.token_ids))
             s.token_ids.append(PLACEHOLDER)
         flight = InFlight(out, seqs, positions, {id(s): j for j, s in enumerate(seqs)}, batch)
+        self.phases.lap("prepare")
         flight.result = self.lane.submit(lambda: self._run(flight, step, prev, fill))
+        self.phases.lap("launch")
         self.counters.num_steps += 1
         self.counters.num_computed_tokens += out.num_batched_tokens
         return flight
@@ -211,6 +245,7 @@ class OverlappedCore:
     # -- processing ------------------------------------------------------------------------
     def _process(self, flight: InFlight) -> tuple[list[RequestDelta], list[str]]:
         drawn = flight.result.result()
+        self.phases.lap("wait")
         if drawn is None:
             return [], []
         sampled = drawn.output()
@@ -224,4 +259,6 @@ class OverlappedCore:
                                     [sampled.top_logprobs[j] for j in keep])
         if not seqs:
             return [], []
-        return self.outputs.process(seqs, sampled, {}, time.time(), positions)
+        done = self.outputs.process(seqs, sampled, {}, time.time(), positions)
+        self.phases.lap("output")
+        return done

@@ -172,6 +172,30 @@ def test_the_forward_runs_on_the_device_thread(model_path):
     assert steps >= 11
 
 
+def test_the_phase_clock_charges_the_device_time_to_the_wait(model_path):
+    """The per-phase host times the GPU check prints add up to the steps' wall time, and a
+    slow device shows up as waiting for the previous step's ids, not in any host phase."""
+    from tokenrelay.engine.loader import load_model
+    base = load_model(model_path, dtype=torch.float32, device="cpu", backend="torch")
+    engine = LLMEngine.from_kwargs(model=model_path, num_kv_blocks=256, async_scheduling=True,
+                                   model_object=SlowModel(base, 0.03), enforce_eager=True)
+    for i in range(4):
+        engine.add_request(f"r{i}", [7 + i] * 20, SamplingParams(max_tokens=20, ignore_eos=True,
+                                                                  temperature=0.0))
+    for _ in range(3):
+        engine.step()
+    engine.overlap.phases.reset()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        engine.step()
+    wall_ms = (time.perf_counter() - t0) * 1000 / 10
+    phases = engine.overlap.phases.ms_per_step()
+    engine.shutdown()
+    assert {"schedule", "prepare", "launch", "wait", "output", "update"} <= set(phases)
+    assert abs(sum(phases.values()) - wall_ms) < 0.1 * wall_ms
+    assert phases["wait"] > 20 and phases["launch"] < 5
+
+
 def test_async_scheduling_defaults_off_on_cpu_and_refuses_tensor_parallelism(model_path):
     from tokenrelay.engine.config import EngineConfig
     assert EngineConfig(model=model_path, device="cpu").resolve().async_scheduling is False
