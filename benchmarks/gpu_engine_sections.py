@@ -20,7 +20,6 @@ if TYPE_CHECKING:       # gpu_check_sections imports this module to list its sec
     from benchmarks.gpu_check_sections import Outcome, Plan
 
 BUSY_TARGET = 0.85                 # GPU kernel time / wall time while decoding
-BF16_LOGPROB_TOL = 0.1             # nats: a bf16 logprob of graphs vs eager
 SPEED_TARGET_X, SPEED_TARGET_TOK_S, STREAM_TARGET_MS = 20.0, 20_000.0, 1.0
 
 
@@ -76,36 +75,54 @@ def _explained(graph: Any, eager: Any, tol: float) -> tuple[bool, float]:
     return True, worst
 
 
+def _shape_spread(eager8: list[Any], eager6: list[Any]) -> float:
+    """How far eager bf16 moves from itself when only the batch's shape changes (the same
+    prompts decoded 6 and 8 at a time): the largest logprob difference up to each prompt's
+    first different token. In bf16 every GEMM output is rounded to 8 significant bits and
+    cuBLAS picks its kernel (tiles, split-K: the order of the sums) by shape, so this much
+    difference carries no information about correctness."""
+    return max(_explained(a, b, float("inf"))[1] for a, b in zip(eager6, eager8))
+
+
 def cuda_graphs(plan: Plan) -> Outcome:
-    """Decode through captured CUDA graphs against the eager path: float32 tokens identical;
-    bfloat16 every token's logprob within ``BF16_LOGPROB_TOL`` of eager's, a different token
-    only where eager's top two were that close (batch-shape rounding, not a graph bug)."""
+    """Decode through captured CUDA graphs against the eager path. 8 prompts with
+    ``max_num_seqs`` 8: every decode step replays the size-8 graph unpadded and eager runs
+    the same 8-row GEMMs, so the comparison is not batch-shape sensitive (the 16:32 run
+    compared 6 prompts, padded to 8 in the graph: different GEMM shapes). float32: tokens
+    identical. bfloat16: every logprob within the tolerance of eager's, a different token
+    only where eager's top two were that close; the tolerance is measured, not chosen: eager
+    bf16 against itself with 6 of the prompts (``_shape_spread``). Same shapes make 0 the
+    expected difference; anything past eager's own shape spread is the graph's doing."""
     from benchmarks.gpu_check_sections import Outcome
     if plan.device != "cuda":
         return Outcome("skipped", "needs CUDA: CUDA graphs exist only on a CUDA device")
     from benchmarks.cuda_graphs import decode_tokens_per_s
 
     model = str(plan.bench_model())
-    prompts = [[1 + (7 * i + j) % 500 for j in range(24 + 5 * i)] for i in range(6)]
+    prompts = [[1 + (7 * i + j) % 500 for j in range(24 + 5 * i)] for i in range(8)]
     captured, fp32 = {}, {}
     for eager in (True, False):
         captured[eager], fp32[eager] = _greedy(model, eager, "float32", prompts)
     fp32_equal = [o.token_ids for o in fp32[True]] == [o.token_ids for o in fp32[False]]
     bf16 = {eager: _greedy(model, eager, "bfloat16", prompts)[1] for eager in (True, False)}
-    checks = [_explained(g, e, BF16_LOGPROB_TOL) for g, e in zip(bf16[False], bf16[True])]
+    tol = _shape_spread(bf16[True], _greedy(model, True, "bfloat16", prompts[:6])[1])
+    checks = [_explained(g, e, tol) for g, e in zip(bf16[False], bf16[True])]
     bf16_ok = all(ok for ok, _ in checks)
     worst = max(w for _, w in checks)
+    bf16_equal = [o.token_ids for o in bf16[True]] == [o.token_ids for o in bf16[False]]
     speed = {g: decode_tokens_per_s(model, 32, 128, g) for g in (False, True)}
     ok = captured[False] and fp32_equal and bf16_ok
     return Outcome("pass" if ok else "fail",
                    f"graphs captured: {captured[False]}; float32 tokens equal to eager: "
-                   f"{fp32_equal}; bfloat16 logprobs within {BF16_LOGPROB_TOL} of eager: "
-                   f"{bf16_ok} (largest difference {worst:.4f}); decode batch 32: "
+                   f"{fp32_equal}; bfloat16 at equal shapes: tokens equal {bf16_equal}, "
+                   f"largest logprob difference {worst:.4f} vs eager's own batch-shape spread "
+                   f"{tol:.4f}: {'within' if bf16_ok else 'NOT within'}; decode batch 32: "
                    f"{speed[False]:.0f} tok/s eager, {speed[True]:.0f} with graphs",
                    {"captured": captured[False], "float32_equal": fp32_equal,
-                    "bfloat16_within_tol": bf16_ok, "bfloat16_max_logprob_diff": worst,
-                    "tolerance": BF16_LOGPROB_TOL, "eager_tok_s": speed[False],
-                    "graphs_tok_s": speed[True], "model": model})
+                    "bfloat16_tokens_equal": bf16_equal, "bfloat16_within_tol": bf16_ok,
+                    "bfloat16_max_logprob_diff": worst, "tolerance": tol,
+                    "tolerance_from": "eager bf16, 8 prompts vs 6 of them",
+                    "eager_tok_s": speed[False], "graphs_tok_s": speed[True], "model": model})
 
 
 # -- gpu_busy ----------------------------------------------------------------------------

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.gpu_engine_sections import BF16_LOGPROB_TOL, _explained
+from benchmarks.gpu_engine_sections import _explained, _shape_spread
 from tokenrelay.engine.outputs import CompletionOutput
 
 pytestmark = pytest.mark.timeout(60)
+BF16_LOGPROB_TOL = 0.1             # any tolerance: the rule is what these tests judge
 
 
 def out(tokens: list[int], logprobs: list[dict[int, float]]) -> CompletionOutput:
@@ -36,6 +37,12 @@ def test_a_different_token_passes_only_where_eager_top_two_were_close():
     graph = out([5, 8], [{5: -0.1, 1: -3.0}, {8: -0.71, 7: -0.71}])
     assert _explained(graph, close, BF16_LOGPROB_TOL)[0]
     assert not _explained(graph, far, BF16_LOGPROB_TOL)[0]
+
+
+def test_the_shape_spread_is_the_largest_difference_before_each_divergence():
+    eager8 = [out([5, 6], [{5: -0.10}, {6: -0.50}]), out([3, 4], [{3: -1.0}, {4: -0.2}])]
+    eager6 = [out([5, 6], [{5: -0.14}, {6: -0.50}]), out([3, 9], [{3: -1.02}, {9: -3.0}])]
+    assert _shape_spread(eager8, eager6) == pytest.approx(0.04)
 
 
 def test_the_1b_size_has_tinyllamas_shape():
