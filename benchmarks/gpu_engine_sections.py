@@ -186,17 +186,22 @@ def _sync(device: str) -> None:
 
 def _profiled_busy(engine: Any, steps: int, device: str) -> float | None:
     """Kernel time on the GPU / wall time over ``steps`` profiled steps (None on CPU)."""
+    timed = _kernel_ms(lambda: [engine.step() for _ in range(steps)], device)
+    return None if timed is None else timed[0] / timed[1]
+
+
+def _kernel_ms(run: Any, device: str) -> tuple[float, float] | None:
+    """(GPU kernel ms, wall ms) of ``run()`` under torch.profiler (None on CPU): kernel time
+    against wall time says whether the kernels or the host set the pace."""
     if device != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
+        run()
         torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - t0) * 1e6
-    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return kernel_us / wall_us
+        wall_ms = (time.perf_counter() - t0) * 1000
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1000, wall_ms
 
 
 def gpu_busy(plan: Plan) -> Outcome:
@@ -258,6 +263,7 @@ def _single_stream(model: str, plan: Plan, tokens: int) -> dict[str, float]:
     t0 = time.perf_counter()
     llm.generate([prompt], params)
     ours = (time.perf_counter() - t0) * 1000 / tokens
+    gpu = _kernel_ms(lambda: llm.generate([prompt], params), plan.device)
     llm.shutdown()
     del llm
     _free(plan.device)
@@ -274,7 +280,13 @@ def _single_stream(model: str, plan: Plan, tokens: int) -> dict[str, float]:
     theirs = (time.perf_counter() - t0) * 1000 / tokens
     del hf
     _free(plan.device)
-    return {"engine_ms_per_token": ours, "transformers_ms_per_token": theirs}
+    return {"engine_ms_per_token": ours, "transformers_ms_per_token": theirs,
+            "engine_gpu_ms_per_token": None if gpu is None else gpu[0] / tokens}
+
+
+def _gpu_text(stream: dict[str, Any]) -> str:
+    gpu = stream["engine_gpu_ms_per_token"]
+    return "no GPU time on CPU" if gpu is None else f"GPU kernels {gpu:.2f} ms/token"
 
 
 def engine_bench_1b(plan: Plan) -> Outcome:
@@ -314,7 +326,8 @@ def engine_bench_1b(plan: Plan) -> Outcome:
         "pass" if plan.dry or met else "fail",
         f"{n} requests, {_dtype(plan)}: engine {ours['tok_s']:.0f} output tok/s, best "
         f"transformers mode {best:.0f} ({x:.1f}x); one stream {stream['engine_ms_per_token']:.2f}"
-        f" ms/token vs transformers {stream['transformers_ms_per_token']:.2f}; targets >= "
+        f" ms/token ({_gpu_text(stream)}) vs transformers "
+        f"{stream['transformers_ms_per_token']:.2f}; targets >= "
         f"{SPEED_TARGET_X:g}x, >= {SPEED_TARGET_TOK_S:.0f} tok/s, <= {STREAM_TARGET_MS:g} "
         f"ms/token: {'met' if met else 'not met'}{note}",
         {"model": model, "requests": n, "dtype": _dtype(plan), "tok_s": rows, "x_best": x,
