@@ -161,7 +161,10 @@ def _decode_steps(engine: Any, n: int, steps: int, device: str) -> dict[str, flo
 def _sync_warnings(engine: Any, steps: int, device: str) -> dict[str, Any] | None:
     """Device syncs torch flags in ``steps`` steps (sync debug mode 'warn'): a ``.item()``,
     a blocking copy, a ``nonzero``. The overlapped step's one intended wait, an event's
-    synchronize, is not among them, so any count above 0 is a sync to remove."""
+    synchronize, is not among them, so there any count above 0 is a sync to remove; a
+    serial step reads its ids with ``.tolist()`` on the device tensor: one per step there.
+    (Not flagged either: a non-blocking copy from pageable memory, which the driver may
+    make synchronous; the step's inputs are pinned for that reason.)"""
     if device != "cuda":
         return None
     import warnings
