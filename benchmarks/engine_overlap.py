@@ -74,6 +74,7 @@ class Result:
     cpu_ms: float           # per step, this process
     steps: int
     tokens: int
+    phases: Optional[dict[str, float]] = None   # overlapped: host ms per step by phase
 
     def line(self, s: Setting) -> str:
         best = max(s.device_ms, self.cpu_ms)
@@ -82,7 +83,15 @@ class Result:
                 f"CPU {self.cpu_ms:.2f} ms/step ({per_seq_us:.1f} us/seq/step)  "
                 f"wall/max(device, CPU) {self.wall_ms / best:.2f}  "
                 f"wall/device {self.wall_ms / s.device_ms:.2f}  ({self.steps} steps, "
-                f"{self.tokens} tokens)")
+                f"{self.tokens} tokens)" + self._phase_text())
+
+    def _phase_text(self) -> str:
+        """The overlapped core's host ms per phase (engine/overlap.py ``PhaseClock``); on this
+        simulated device ``wait`` is the device time the host did not hide."""
+        if not self.phases:
+            return ""
+        return "\n             host ms/step: " + "  ".join(
+            f"{k} {v:.2f}" for k, v in self.phases.items())
 
 
 def parse_setting(text: str) -> Setting:
@@ -113,14 +122,17 @@ def run_mode(checkpoint: Path, s: Setting, mode: str, steps: int) -> Result:
     for _ in range(3):                       # the prefill, and the pipeline filling
         engine.step()
     tokens = 0
+    if engine.overlap is not None:
+        engine.overlap.phases.reset()
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         tokens += sum(len(d.new_token_ids) for d in engine.step())
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    phases = engine.overlap.phases.ms_per_step() if engine.overlap is not None else None
     while engine.has_unfinished_requests():
         engine.step()
     engine.shutdown()
-    return Result(mode, wall * 1000.0 / steps, cpu * 1000.0 / steps, steps, tokens)
+    return Result(mode, wall * 1000.0 / steps, cpu * 1000.0 / steps, steps, tokens, phases)
 
 
 def checkpoint_dir(path: Optional[str]) -> Path:

@@ -24,6 +24,8 @@ def test_a_tiny_run_prints_both_modes_with_measured_figures(tmp_path, capsys):
         assert re.search(r"CPU [\d.]+ ms/step \([\d.]+ us/seq/step\)", line), line
         assert "(5 steps, 40 tokens)" in line, line
     assert "load average:" in out
+    phases = re.search(r"host ms/step: (.*)", out).group(1)
+    assert {"schedule", "prepare", "launch", "wait", "output"} <= set(phases.split()[::2])
 
 
 def test_the_simulated_model_is_deterministic_and_varies_by_position():
