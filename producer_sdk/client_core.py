@@ -1,9 +1,11 @@
-"""Everything the sync and async producer clients do, written once, without I/O.
+"""The SDK's sans-IO core: everything the sync and async producer clients do, written once.
 
 ``ClientCore`` holds what a client owns (its settings, the Redis client, made on first use, the
 queues it knows, the payload builder, the enqueue and the result reader) and writes each
-operation as a plan (``producer_sdk.effects``): it says which commands to send and what their
-replies mean. ``Client`` runs the plans blocking, ``AsyncClient`` awaiting; neither holds any
+operation as a plan (the plan style and its two drivers: ``effects``): it says which commands
+to send and what their replies mean. Its parts have one module each: enqueueing (``enqueue``),
+reading result streams (``reads``), what a producer knows of a queue and its depth
+(``queues``). ``Client`` runs the plans blocking, ``AsyncClient`` awaiting; neither holds any
 other logic, so a fix made here is made for both.
 """
 
@@ -21,12 +23,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.retry import Retry
 
-from tokenrelay.producer_sdk._wire import EnqueuePlan
 from tokenrelay.producer_sdk.affinity import AffinityRouter
 from tokenrelay.producer_sdk.config import ClientConfig
 from tokenrelay.producer_sdk.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, Send, Sleep, pipelined,
                                   raise_transient, retrying, run_plan_script)
-from tokenrelay.producer_sdk.enqueue import Enqueuer
+from tokenrelay.producer_sdk.enqueue import EnqueuePlan, Enqueuer
 from tokenrelay.producer_sdk.errors import (ClientClosed, InvalidRequest, JobNotFound, NotDurable,
                                             QueueFull, RedisUnavailable, SDKError)
 from tokenrelay.producer_sdk.job import Deadline, JobHandle, JobState

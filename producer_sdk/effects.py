@@ -23,7 +23,8 @@ from typing import Any, Awaitable, Callable, Generator, Optional, Sequence, Type
 
 from redis.exceptions import (AskError, AuthenticationError, AuthorizationError,
                               BusyLoadingError, ClusterDownError, ClusterError, NoScriptError,
-                              RedisClusterException, SlotNotCoveredError, TryAgainError)
+                              OutOfMemoryError, RedisClusterException, ResponseError,
+                              SlotNotCoveredError, TryAgainError)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -145,6 +146,14 @@ def is_transient(exc: BaseException, connection: bool = True) -> bool:
     return connection and isinstance(exc, NET_ERRORS)
 
 
+def is_oom(reply: Any) -> bool:
+    """Redis refused a write for maxmemory. Redis 7 returns the OOM error itself; Redis 6.2
+    wraps it when it comes from inside a script ("Error running script ... -OOM command not
+    allowed ..."), which redis-py then raises as a plain ResponseError."""
+    return isinstance(reply, OutOfMemoryError) or (
+        isinstance(reply, ResponseError) and "OOM command not allowed" in str(reply))
+
+
 def raise_transient(replies: Sequence[Any]) -> Sequence[Any]:
     """Replies of a pipeline run with errors as values; the first transient error among them
     is raised (so ``retrying`` sends the whole step again), the others stay values."""
@@ -225,5 +234,5 @@ def pipelined(plan: Generator[Sequence[tuple[Any, ...]], list[Any], T]) -> Plan[
 
 
 __all__ = ["Call", "Send", "Sleep", "Effect", "Plan", "run", "arun", "cluster", "pipeline",
-           "pipelined", "retrying", "run_plan_script", "is_transient", "raise_transient", "refresh_slots",
+           "pipelined", "retrying", "run_plan_script", "is_transient", "is_oom", "raise_transient", "refresh_slots",
            "NET_ERRORS", "SEND_ERRORS", "CLUSTER_TRANSIENT"]
