@@ -25,7 +25,7 @@ from redis.retry import Retry
 
 from tokenrelay.producer_sdk.affinity import AffinityRouter
 from tokenrelay.producer_sdk.config import ClientConfig
-from tokenrelay.producer_sdk.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, Send, Sleep, pipelined,
+from tokenrelay.producer_sdk.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, Send, Sleep,
                                   raise_transient, retrying, run_plan_script)
 from tokenrelay.producer_sdk.enqueue import EnqueuePlan, Enqueuer
 from tokenrelay.producer_sdk.errors import (ClientClosed, InvalidRequest, JobNotFound, NotDurable,
@@ -170,7 +170,7 @@ class ClientCore(ABC, Generic[R]):
 
     def _models(self) -> Plan[dict[str, ServedModel]]:
         """The live models of the namespace (``producer_sdk.models``), read now."""
-        return (yield from self._retrying(lambda: pipelined(listing(self.namespace))))
+        return (yield from self._retrying(lambda: listing(self.namespace)))
 
     def _queue_of_model(self, model: str) -> Plan[str]:
         return resolve_model((yield from self._models()), model).queue
@@ -313,7 +313,7 @@ class ClientCore(ABC, Generic[R]):
         heartbeat fresh, engine loaded, not draining)."""
         name = queue or self.queue
         return (yield from self._retrying(
-            lambda: pipelined(queue_workers(self.namespace, name))))
+            lambda: queue_workers(self.namespace, name)))
 
     def _queue_depth(self, queue: Optional[str]) -> Plan[int]:
         lanes = (yield from self._queues.keys(queue)).lanes()

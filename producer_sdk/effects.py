@@ -9,8 +9,9 @@ answer. Plans compose with ``yield from``. The only code that differs between ``
 and whether that waits by blocking or by awaiting. Why: the two clients used to mirror each
 other method for method, and every fix had to be made twice.
 
-Plans written in the older pipeline style (a generator of command-tuple lists, e.g. the
-heartbeat readers of ``producer_sdk.models``) run here through ``pipelined``.
+Every plan of the SDK is written in this style. The contract's own readers
+(``protocol.heartbeat.live_beats``, shared with the worker, which has no effects) yield lists of
+command tuples instead; ``pipelined`` runs one of those as a plan of effects.
 """
 
 from __future__ import annotations
