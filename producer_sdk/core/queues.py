@@ -7,7 +7,7 @@ and read back in one MULTI. Why: a producer that guessed 1 while the first worke
 registered 3 left every job it had sent in a lane no worker reads (issue #25).
 
 One ``QueueBook`` per client, shared by every call of it; its reads are plans
-(``producer_sdk.effects``), run by whichever client owns it.
+(``producer_sdk.core.effects``), run by whichever client owns it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 from redis.exceptions import ResponseError
 
-from tokenrelay.producer_sdk.effects import Call, Plan, is_oom
+from tokenrelay.producer_sdk.core.effects import Call, Plan, is_oom
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.scripts import pack
 from tokenrelay.protocol.topology import Packed

@@ -11,7 +11,7 @@ expired, and ``unknown``. The reads are I/O-free here, shared by ``Client.status
 its replies into a ``JobStatus``; for a queued job ``queue_position_reads`` and
 ``position_range`` count the entries ahead of it. ``status_plan`` is one job's sequence of
 round trips (``Step``s); ``read_statuses`` runs many of them in lockstep, as a plan of effects
-(``producer_sdk.effects``) that either client runs.
+(``producer_sdk.core.effects``) that either client runs.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any, Callable, Generator, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from tokenrelay.producer_sdk.affinity import is_affinity_stream
-from tokenrelay.producer_sdk.effects import Call, Plan, cluster
-from tokenrelay.producer_sdk.reads import fields_dict
+from tokenrelay.producer_sdk.core.affinity import is_affinity_stream
+from tokenrelay.producer_sdk.core.effects import Call, Plan, cluster
+from tokenrelay.producer_sdk.core.reads import fields_dict
 from tokenrelay.protocol.errors import ProtocolError
 from tokenrelay.protocol.events import ErrorEvent
 from tokenrelay.protocol.keys import (EVENT_FIELD, GROUP, Keys, PARKING_CONSUMER, key_slot,

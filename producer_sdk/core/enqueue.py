@@ -18,13 +18,13 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from redis.exceptions import AskError, ClusterDownError, NoScriptError, TryAgainError
 
-from tokenrelay.producer_sdk.affinity import AffinityRouter, affinity_target
+from tokenrelay.producer_sdk.core.affinity import AffinityRouter, affinity_target
 from tokenrelay.producer_sdk.config import ClientConfig
-from tokenrelay.producer_sdk.effects import SEND_ERRORS, Call, Plan, Send, Sleep, cluster, is_oom
+from tokenrelay.producer_sdk.core.effects import SEND_ERRORS, Call, Plan, Send, Sleep, cluster, is_oom
 from tokenrelay.producer_sdk.errors import RedisUnavailable
-from tokenrelay.producer_sdk.job import Deadline
-from tokenrelay.producer_sdk.payloads import Prepared, gc_paused
-from tokenrelay.producer_sdk.queues import QueueBook, QueueState, shard_depths, xlen_reads
+from tokenrelay.producer_sdk.jobs.job import Deadline
+from tokenrelay.producer_sdk.jobs.payloads import Prepared, gc_paused
+from tokenrelay.producer_sdk.core.queues import QueueBook, QueueState, shard_depths, xlen_reads
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.scripts import ENQUEUE, pack
 from tokenrelay.protocol.scripts.resp import bulk, bulk_pairs, bulk_prefixed, pack_parts

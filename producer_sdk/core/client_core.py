@@ -23,21 +23,21 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.retry import Retry
 
-from tokenrelay.producer_sdk.affinity import AffinityRouter
+from tokenrelay.producer_sdk.core.affinity import AffinityRouter
 from tokenrelay.producer_sdk.config import ClientConfig
-from tokenrelay.producer_sdk.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, Send, Sleep,
+from tokenrelay.producer_sdk.core.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, Send, Sleep,
                                   raise_transient, retrying, run_plan_script)
-from tokenrelay.producer_sdk.enqueue import EnqueuePlan, Enqueuer
+from tokenrelay.producer_sdk.core.enqueue import EnqueuePlan, Enqueuer
 from tokenrelay.producer_sdk.errors import (ClientClosed, InvalidRequest, JobNotFound, NotDurable,
                                             QueueFull, RedisUnavailable, SDKError)
-from tokenrelay.producer_sdk.job import Deadline, JobHandle, JobState
-from tokenrelay.producer_sdk.models import ServedModel, listing, resolve_model
-from tokenrelay.producer_sdk.models import live_workers as queue_workers
-from tokenrelay.producer_sdk.payloads import PayloadBuilder, Prepared, gc_paused
-from tokenrelay.producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD, QueueBook
-from tokenrelay.producer_sdk.reads import Lost, Pumped, ResultReader, rerun_request
-from tokenrelay.producer_sdk.signatures import SEND_OPTIONS, bind_submit
-from tokenrelay.producer_sdk.status import JobStatus, liveness, read_statuses
+from tokenrelay.producer_sdk.jobs.job import Deadline, JobHandle, JobState
+from tokenrelay.producer_sdk.core.models import ServedModel, listing, resolve_model
+from tokenrelay.producer_sdk.core.models import live_workers as queue_workers
+from tokenrelay.producer_sdk.jobs.payloads import PayloadBuilder, Prepared, gc_paused
+from tokenrelay.producer_sdk.core.queues import LIMIT_FIELD, TOKENS_FIELD, QueueBook
+from tokenrelay.producer_sdk.core.reads import Lost, Pumped, ResultReader, rerun_request
+from tokenrelay.producer_sdk.jobs.signatures import SEND_OPTIONS, bind_submit
+from tokenrelay.producer_sdk.core.status import JobStatus, liveness, read_statuses
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.limits import Limits
 from tokenrelay.protocol.scripts import CANCEL_KNOWN, FORGET_STALE_RECORD, CancelTarget, cancel_target, pack
@@ -169,7 +169,7 @@ class ClientCore(ABC, Generic[R]):
                                          durable=durable))
 
     def _models(self) -> Plan[dict[str, ServedModel]]:
-        """The live models of the namespace (``producer_sdk.models``), read now."""
+        """The live models of the namespace (``producer_sdk.core.models``), read now."""
         return (yield from self._retrying(lambda: listing(self.namespace)))
 
     def _queue_of_model(self, model: str) -> Plan[str]:
@@ -309,7 +309,7 @@ class ClientCore(ABC, Generic[R]):
         yield Call(lambda r: r.ping())
 
     def _live_workers(self, queue: Optional[str]) -> Plan[list[str]]:
-        """Ids of the workers that take new jobs of ``queue`` now (``producer_sdk.models``:
+        """Ids of the workers that take new jobs of ``queue`` now (``producer_sdk.core.models``:
         heartbeat fresh, engine loaded, not draining)."""
         name = queue or self.queue
         return (yield from self._retrying(
@@ -345,7 +345,7 @@ class ClientCore(ABC, Generic[R]):
         return got[0][1] if got else []
 
     def _settle(self, states: Sequence[JobState]) -> Plan[list[JobState]]:
-        """What waiting readers decide without a worker (``producer_sdk/reads.py``): jobs no
+        """What waiting readers decide without a worker (``producer_sdk/core/reads.py``): jobs no
         worker started by their deadline are cancelled and end ``expired``; jobs whose
         records Redis lost go back in their queue from the request (``rerun_request``), or
         end ``job_lost`` when the reader has none (a job reattached by id). Returns the jobs

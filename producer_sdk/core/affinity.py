@@ -39,8 +39,8 @@ from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tokenrelay.producer_sdk.effects import Plan, pipeline
-from tokenrelay.producer_sdk.payloads import Prepared
+from tokenrelay.producer_sdk.core.effects import Plan, pipeline
+from tokenrelay.producer_sdk.jobs.payloads import Prepared
 from tokenrelay.protocol.heartbeat import FIELDS, Heartbeat
 from tokenrelay.protocol.keys import Keys
 

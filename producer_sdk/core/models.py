@@ -12,7 +12,7 @@ Live means: the heartbeat hash still exists (a dead or frozen worker's expires w
 its registry entry may linger, which is why the hash decides), its engine is loaded, it is not
 draining (it takes no new jobs), and it names this queue (``Heartbeat.serving``; the hash's
 schema is protocol/heartbeat.py). The sync and async variants share all the logic
-(``listing``, a plan); the SDK's two drivers run it (``producer_sdk.effects``).
+(``listing``, a plan); the SDK's two drivers run it (``producer_sdk.core.effects``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from tokenrelay.producer_sdk.effects import Plan, arun, pipeline, pipelined, run
+from tokenrelay.producer_sdk.core.effects import Plan, arun, pipeline, pipelined, run
 from tokenrelay.producer_sdk.errors import ModelNotFound
 from tokenrelay.protocol.heartbeat import FIELDS, Heartbeat, live_beats, queue_model
 from tokenrelay.protocol.keys import Keys

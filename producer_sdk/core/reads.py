@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import msgpack
 
-from tokenrelay.producer_sdk.effects import Call, Plan, Send, cluster, raise_transient, retrying
-from tokenrelay.producer_sdk.job import Delta, JobState, feed_states
+from tokenrelay.producer_sdk.core.effects import Call, Plan, Send, cluster, raise_transient, retrying
+from tokenrelay.producer_sdk.jobs.job import Delta, JobState, feed_states
 from tokenrelay.protocol.errors import ProtocolError
 from tokenrelay.protocol.keys import EVENT_FIELD, key_slot, parse_dedupe_record
 from tokenrelay.protocol.scripts import pack
