@@ -4,7 +4,7 @@
 
 Enqueues ``--jobs`` jobs and writes a ``done`` event to each one's result stream (as a worker
 would: the status is then the dedupe record and the snapshot MULTI), then for each
-chunk size (``producer_sdk.status.STATUS_CHUNK``; one at least the job count is the unchunked
+chunk size (``producer_sdk.core.status.STATUS_CHUNK``; one at least the job count is the unchunked
 read) reads every status once while a second connection PINGs in a loop, and prints the longest
 single command Redis ran (SLOWLOG, the EXEC of a round's MULTI included), the longest PING
 round trip seen meanwhile, and the call's wall time. A private redis-server is started on a
@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import redis
 
-import tokenrelay.producer_sdk.status as status_mod
+import tokenrelay.producer_sdk.core.status as status_mod
 from benchmarks.submit import PrivateRedis
 from tokenrelay.producer_sdk.client import Client
 from tokenrelay.protocol.keys import EVENT_FIELD

@@ -20,10 +20,10 @@ import json
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from tokenrelay.producer_sdk.openai_format import CHAT_URL, parse_request
-from tokenrelay.producer_sdk.payloads import PayloadBuilder
-from tokenrelay.producer_sdk.structured import ToolPlan
-from tokenrelay.producer_sdk.tool_calls import CallReader
+from tokenrelay.producer_sdk.openai.format import CHAT_URL, parse_request
+from tokenrelay.producer_sdk.jobs.payloads import PayloadBuilder
+from tokenrelay.producer_sdk.openai.structured import ToolPlan
+from tokenrelay.producer_sdk.openai.tool_calls import CallReader
 from tokenrelay.protocol.keys import Keys
 
 SCHEMA = {"type": "object", "additionalProperties": False,

@@ -144,9 +144,9 @@ def write_batch(path: Path, lines: int, model: str) -> None:
 
 
 def run_batch(client, workdir: Path, lines: int) -> None:
-    from tokenrelay.producer_sdk.batch import BatchRunner
+    from tokenrelay.producer_sdk.batch.runner import BatchRunner
     src, out, err = workdir / "input.jsonl", workdir / "output.jsonl", workdir / "errors.jsonl"
-    from tokenrelay.producer_sdk.models import list_models
+    from tokenrelay.producer_sdk.core.models import list_models
     served = [name for name, m in list_models(client.redis, client.namespace).items()
               if client.queue in m.queues]
     write_batch(src, lines, served[0] if served else "default")   # OpenAI requires a model
@@ -160,7 +160,7 @@ def run_batch(client, workdir: Path, lines: int) -> None:
 
 
 def print_stats(url: str, namespace: str) -> None:
-    from tokenrelay.producer_sdk.stats import queue_stats
+    from tokenrelay.producer_sdk.cli.stats import queue_stats
     from tokenrelay.protocol.keys import Keys
     r = redis.Redis.from_url(url)
     try:

@@ -1,8 +1,8 @@
-"""``tokenrelay``: see producer_sdk/cli.py."""
+"""``tokenrelay``: see producer_sdk/cli/main.py."""
 
 import sys
 
-from tokenrelay.producer_sdk.cli import main
+from tokenrelay.producer_sdk.cli.main import main
 from tokenrelay.protocol.settings import run_cli
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Meant for async web backends (FastAPI, aiohttp): nothing here blocks the event loop, and one
 AsyncClient is shared by all requests of a process. Every operation is the sync client's plan
-(``ClientCore``, producer_sdk/client_core.py), run here awaiting (``effects.arun``); only the
+(``ClientCore``, producer_sdk/core/client_core.py), run here awaiting (``effects.arun``); only the
 waiting differs.
 """
 
@@ -13,16 +13,16 @@ from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence, T
 
 import redis.asyncio as aioredis
 
-from tokenrelay.producer_sdk import signatures
+from tokenrelay.producer_sdk.jobs import signatures
 from tokenrelay.producer_sdk.client import Client
-from tokenrelay.producer_sdk.client_core import NET_ERRORS, ClientCore, make_async_redis
-from tokenrelay.producer_sdk.effects import Plan, arun
+from tokenrelay.producer_sdk.core.client_core import NET_ERRORS, ClientCore, make_async_redis
+from tokenrelay.producer_sdk.core.effects import Plan, arun
 from tokenrelay.producer_sdk.errors import RedisUnavailable
-from tokenrelay.producer_sdk.hub import ReadHub
-from tokenrelay.producer_sdk.job import AsyncJob
-from tokenrelay.producer_sdk.payloads import Prepared
-from tokenrelay.producer_sdk.status import JobStatus
-from tokenrelay.producer_sdk.window import MapRun, Window, map_defaults
+from tokenrelay.producer_sdk.core.hub import ReadHub
+from tokenrelay.producer_sdk.jobs.job import AsyncJob
+from tokenrelay.producer_sdk.jobs.payloads import Prepared
+from tokenrelay.producer_sdk.core.status import JobStatus
+from tokenrelay.producer_sdk.core.window import MapRun, Window, map_defaults
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.limits import DEFAULT_LIMITS, Limits
 from tokenrelay.protocol.topology import detect_cluster, is_cluster
@@ -37,7 +37,7 @@ class AsyncClient(ClientCore[aioredis.Redis]):
     Redis client is made on first use; asking a server whether it is a cluster node runs in a
     thread, so it never blocks the event loop. Its pool is bounded (``max_connections``) and
     waits for a free connection; jobs being waited for are read by shared readers
-    (``producer_sdk/hub.py``), not one connection each: pass one ``hub`` to several clients on
+    (``producer_sdk/core/hub.py``), not one connection each: pass one ``hub`` to several clients on
     one Redis client to share them too."""
 
     job_class = AsyncJob

@@ -1,9 +1,9 @@
 """The synchronous producer client: submit, stream, cancel, bulk submit and map.
 
-Every operation is a plan of ``ClientCore`` (producer_sdk/client_core.py), shared with
+Every operation is a plan of ``ClientCore`` (producer_sdk/core/client_core.py), shared with
 ``AsyncClient``; this class runs them blocking (``effects.run``) and turns a connection error
-that leaves a plan into RedisUnavailable. How a job is enqueued: producer_sdk/enqueue.py; how
-results are read: producer_sdk/reads.py.
+that leaves a plan into RedisUnavailable. How a job is enqueued: producer_sdk/core/enqueue.py; how
+results are read: producer_sdk/core/reads.py.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVa
 
 import redis
 
-from tokenrelay.producer_sdk import signatures
-from tokenrelay.producer_sdk.client_core import NET_ERRORS, ClientCore, make_redis
-from tokenrelay.producer_sdk.effects import Plan, run
+from tokenrelay.producer_sdk.jobs import signatures
+from tokenrelay.producer_sdk.core.client_core import NET_ERRORS, ClientCore, make_redis
+from tokenrelay.producer_sdk.core.effects import Plan, run
 from tokenrelay.producer_sdk.errors import RedisUnavailable
-from tokenrelay.producer_sdk.job import Delta, Job, Result
-from tokenrelay.producer_sdk.payloads import Prepared
-from tokenrelay.producer_sdk.status import JobStatus
-from tokenrelay.producer_sdk.window import MapRun, Window, map_defaults
+from tokenrelay.producer_sdk.jobs.job import Delta, Job, Result
+from tokenrelay.producer_sdk.jobs.payloads import Prepared
+from tokenrelay.producer_sdk.core.status import JobStatus
+from tokenrelay.producer_sdk.core.window import MapRun, Window, map_defaults
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.limits import DEFAULT_LIMITS, Limits
 
@@ -143,7 +143,7 @@ class Client(ClientCore[redis.Redis]):
     def status(self, job_id: str, queue: Optional[str] = None) -> JobStatus:
         """Where a job (of the client's queue, or ``queue``) stands: queued (lane, approximate
         position), running (worker, tokens so far), done, cancelled, failed, expired or unknown
-        (producer_sdk/status.py). Reads only: two round trips, four for a queued job."""
+        (producer_sdk/core/status.py). Reads only: two round trips, four for a queued job."""
         return self.statuses([job_id], queue)[0]
 
     def statuses(self, job_ids: Sequence[str], queue: Optional[str] = None) -> list[JobStatus]:

@@ -71,7 +71,7 @@ class ClientConfig(BaseModel):
     durable_timeout_ms: int = Field(default=1_000, ge=1, description="longest WAIT of a durable submit")
     affinity_max_backlog: int = Field(
         default=128, ge=1, description="a job with a routing_key goes to the shared lanes when "
-        "its worker holds this many jobs and unread affinity jobs (producer_sdk/affinity.py)")
+        "its worker holds this many jobs and unread affinity jobs (producer_sdk/core/affinity.py)")
     affinity_ttl_s: float = Field(default=1.0, ge=0, description="seconds the live workers read "
                                   "for affinity routing are reused")
 

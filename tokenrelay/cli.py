@@ -9,7 +9,7 @@
 
 Each subcommand hands the rest of the line to its package's own entry point (the same one
 ``python -m tokenrelay.<package>`` runs), imported only when chosen: a producer's commands load
-no torch. ``tokenrelay --help`` lists the exit codes (``producer_sdk/exit_codes.py``, the
+no torch. ``tokenrelay --help`` lists the exit codes (``producer_sdk/cli/exit_codes.py``, the
 worker's).
 """
 
@@ -28,7 +28,7 @@ class Command(NamedTuple):
     help: str
 
 
-_PRODUCER = "tokenrelay.producer_sdk.cli"
+_PRODUCER = "tokenrelay.producer_sdk.cli.main"
 COMMANDS: dict[str, Command] = {
     "worker": Command("tokenrelay.worker.__main__", (), "run a worker: pull jobs, run the engine, "
                                                         "stream tokens back"),
@@ -56,7 +56,7 @@ WORKER_EXITS = ("worker exit codes: 0 stopped, 1 engine failed, 3 worker id in u
 
 
 def usage() -> str:
-    from tokenrelay.producer_sdk.exit_codes import exit_table   # no torch, no Redis
+    from tokenrelay.producer_sdk.cli.exit_codes import exit_table   # no torch, no Redis
 
     width = max(map(len, COMMANDS))
     lines = [f"  {name.ljust(width)}  {cmd.help}" for name, cmd in COMMANDS.items()]

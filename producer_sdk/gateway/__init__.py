@@ -7,7 +7,7 @@ server; see docs/gateway.md.
 
 from tokenrelay.producer_sdk.gateway.app import create_app
 from tokenrelay.producer_sdk.gateway.models import HeartbeatDirectory, ModelDirectory
-from tokenrelay.producer_sdk.models import ServedModel
+from tokenrelay.producer_sdk.core.models import ServedModel
 from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
 
 __all__ = ["create_app", "GatewaySettings", "ModelDirectory", "HeartbeatDirectory",

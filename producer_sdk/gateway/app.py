@@ -34,7 +34,7 @@ from tokenrelay.producer_sdk.gateway.models import ModelDirectory
 from tokenrelay.producer_sdk.gateway.responses import (Answer, JobFeed, event_stream, first_item,
                                             whole_response)
 from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
-from tokenrelay.producer_sdk.openai_format import (CHAT_URL, COMPLETIONS_URL, LineError, model_body,
+from tokenrelay.producer_sdk.openai.format import (CHAT_URL, COMPLETIONS_URL, LineError, model_body,
                                         parse_request)
 
 log = logging.getLogger("tokenrelay.producer_sdk.gateway")

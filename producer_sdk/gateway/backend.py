@@ -19,7 +19,7 @@ from fastapi import Request
 from redis.exceptions import RedisError
 
 from tokenrelay.producer_sdk.aio import AsyncClient
-from tokenrelay.producer_sdk.client_core import make_async_redis
+from tokenrelay.producer_sdk.core.client_core import make_async_redis
 from tokenrelay.producer_sdk.config import ClientConfig
 from tokenrelay.producer_sdk.errors import RedisUnavailable
 from tokenrelay.producer_sdk.gateway.auth import KeyRing, load_keys
@@ -29,9 +29,9 @@ from tokenrelay.producer_sdk.gateway.errors import (APIError, api_error, model_n
 from tokenrelay.producer_sdk.gateway.metrics import GatewayMetrics
 from tokenrelay.producer_sdk.gateway.models import HeartbeatDirectory, ModelDirectory, parse_routes
 from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
-from tokenrelay.producer_sdk.hub import ReadHub
-from tokenrelay.producer_sdk.openai_format import OpenAIRequest
-from tokenrelay.producer_sdk.structured import fit_tools, rename_error
+from tokenrelay.producer_sdk.core.hub import ReadHub
+from tokenrelay.producer_sdk.openai.format import OpenAIRequest
+from tokenrelay.producer_sdk.openai.structured import fit_tools, rename_error
 from tokenrelay.protocol.structured_outputs import StructuredOutputsParams
 from tokenrelay.protocol.topology import cluster_flag, detect_cluster, redact_url
 

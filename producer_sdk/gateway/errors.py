@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from tokenrelay.producer_sdk.effects import is_transient
+from tokenrelay.producer_sdk.core.effects import is_transient
 from tokenrelay.producer_sdk.errors import (JOB_LOST, InvalidRequest, JobFailed, ModelNotFound, QueueFull,
                                  RedisUnavailable)
-from tokenrelay.producer_sdk.openai_format import LineError, error_body
+from tokenrelay.producer_sdk.openai.format import LineError, error_body
 
 # A job's terminal error code -> HTTP status and OpenAI error type.
 _JOB_CODES = {"invalid_request": (400, "invalid_request_error"),

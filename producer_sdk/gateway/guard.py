@@ -35,7 +35,7 @@ from tokenrelay.producer_sdk.gateway.errors import (APIError, too_many_requests,
                                                     unauthorized)
 from tokenrelay.producer_sdk.gateway.metrics import GatewayMetrics
 from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
-from tokenrelay.producer_sdk.openai_format import CHAT_URL, COMPLETIONS_URL
+from tokenrelay.producer_sdk.openai.format import CHAT_URL, COMPLETIONS_URL
 
 REQUEST_ID = "x-request-id"
 GENERATION = frozenset({COMPLETIONS_URL, CHAT_URL})

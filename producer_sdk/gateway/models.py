@@ -1,6 +1,6 @@
 """Which models are served, and on which queue: what the gateway routes ``model`` by.
 
-The listing itself is ``producer_sdk.models`` (the one reading of the workers' heartbeats,
+The listing itself is ``producer_sdk.core.models`` (the one reading of the workers' heartbeats,
 shared with the batch runner); a ``ModelDirectory`` adds what the gateway needs on top:
 ``HeartbeatDirectory`` caches it for ``refresh_s`` (requests do not each read Redis) and
 remembers every model it has seen or was configured with (``--routes``), so a model whose
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol, Sequence
 
-from tokenrelay.producer_sdk.models import AsyncModelCache, ServedModel
+from tokenrelay.producer_sdk.core.models import AsyncModelCache, ServedModel
 from tokenrelay.protocol.keys import Keys
 
 
@@ -45,7 +45,7 @@ def parse_routes(routes: Sequence[str]) -> dict[str, str]:
 
 
 class HeartbeatDirectory:
-    """``ModelDirectory`` over ``producer_sdk.models`` in one namespace (redis.asyncio)."""
+    """``ModelDirectory`` over ``producer_sdk.core.models`` in one namespace (redis.asyncio)."""
 
     def __init__(self, redis: Any, namespace: str, routes: Optional[dict[str, str]] = None,
                  refresh_s: float = 1.0) -> None:

@@ -1,7 +1,7 @@
 """One job as an HTTP answer: a whole OpenAI response, or server-sent chunks.
 
 ``JobFeed`` reads the job's deltas through the client's shared result readers
-(``producer_sdk/hub.py``): the request holds no Redis connection while it waits, ``next(t)``
+(``producer_sdk/core/hub.py``): the request holds no Redis connection while it waits, ``next(t)``
 returns within ``t`` (so a stream sends ``: keep-alive`` comments while the job waits in its
 queue, and a whole answer notices a client that left), and ``close`` is synchronous: a request
 torn down by its client's disconnect drops its reader registration at once and hands the
@@ -21,14 +21,14 @@ from tokenrelay.producer_sdk.aio import AsyncJob
 from tokenrelay.producer_sdk.gateway.backend import Submitted
 from tokenrelay.producer_sdk.gateway.cancels import Cancels
 from tokenrelay.protocol.fold import Delta
-from tokenrelay.producer_sdk.job import Result, StreamCursor
+from tokenrelay.producer_sdk.jobs.job import Result, StreamCursor
 from tokenrelay.protocol.logprobs import TokenLogprob
-from tokenrelay.producer_sdk.openai_format import (OpenAIRequest, choice_body, chunk_body, chunk_choice,
+from tokenrelay.producer_sdk.openai.format import (OpenAIRequest, choice_body, chunk_body, chunk_choice,
                                         completion_body, logprobs_body, token_logprobs_of,
                                         usage_body)
 from tokenrelay.producer_sdk.gateway.errors import APIError, api_error, cancelled, timed_out
 from tokenrelay.producer_sdk.gateway.metrics import GatewayMetrics
-from tokenrelay.producer_sdk.tool_calls import CallReader, finish_reason, relay, whole_choice
+from tokenrelay.producer_sdk.openai.tool_calls import CallReader, finish_reason, relay, whole_choice
 
 KEEPALIVE = ": keep-alive\n\n"
 DONE = "data: [DONE]\n\n"

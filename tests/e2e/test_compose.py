@@ -122,7 +122,7 @@ TOKENRELAY_SERVICES = {"worker-gpu0": "worker", "worker-cpu": "worker", "gateway
 
 
 def settings_fields(reader: str) -> set[str]:
-    from tokenrelay.producer_sdk.cli import BatchOptions
+    from tokenrelay.producer_sdk.cli.main import BatchOptions
     from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
     from tokenrelay.worker.config import WorkerSettings
     model = {"worker": WorkerSettings, "gateway": GatewaySettings, "producer": BatchOptions}[reader]

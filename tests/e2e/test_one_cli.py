@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import pytest
 from pydantic import Field
 
-from tokenrelay.producer_sdk import cli as producer_cli
+from tokenrelay.producer_sdk.cli import main as producer_cli
 from tokenrelay.protocol import settings as cli_common
 from tokenrelay.protocol.settings import CliSettings, env_of, flag_of, parse_settings, unset
 from tokenrelay.protocol.keys import Keys

@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 
 from tokenrelay.producer_sdk import AsyncClient, Client, QueueFull
-from tokenrelay.producer_sdk.batch import BatchRunner
+from tokenrelay.producer_sdk.batch.runner import BatchRunner
 from tokenrelay.protocol.keys import Keys
 from tests.fault_harness import wait_for
 from tests.sdk_helpers import RealWorker, free_port, sdk_redis, sdk_url  # noqa: F401

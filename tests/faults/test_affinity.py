@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tokenrelay.producer_sdk import AsyncClient
-from tokenrelay.producer_sdk.affinity import rank
+from tokenrelay.producer_sdk.core.affinity import rank
 from tokenrelay.protocol.keys import GROUP, PAYLOAD_FIELD, key_slot, parse_dedupe_record
 from tests.fault_harness import FaultEnv, ids_on_shard, pending_summary, wait_for
 from tokenrelay.worker.connection import connect

@@ -82,7 +82,7 @@ def test_the_batch_runner_waits_for_budget_room(env, tmp_path):
     import json
     import threading
 
-    from tokenrelay.producer_sdk.batch import BatchRunner
+    from tokenrelay.producer_sdk.batch.runner import BatchRunner
     env.worker("w1", max_num_seqs=4)
     inp, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     inp.write_text("".join(json.dumps({

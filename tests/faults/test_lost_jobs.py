@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tokenrelay.producer_sdk import AsyncClient
-from tokenrelay.producer_sdk.batch import BatchRunner
+from tokenrelay.producer_sdk.batch.runner import BatchRunner
 from tokenrelay.producer_sdk.errors import JobFailed
 from tests.fault_harness import FaultEnv, wait_for
 from tests.gateway.helpers import GatewayProcess, sse_events

@@ -54,7 +54,7 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
                "decrby"),
     # producer_sdk.Client / AsyncClient / tokenrelay submit|cancel|batch|status
     # (status and reattach read the job's pending row, last event and the lanes' groups;
-    # producer_sdk.models and the batch runner's routing read the queues, registries and beats)
+    # producer_sdk.core.models and the batch runner's routing read the queues, registries and beats)
     "producer": ("ping", "evalsha", "script|load", "xadd", "xlen", "xread", "xrange",
                  "xrevrange", "xpending", "xinfo|groups", "get", "set", "exists", "hget",
                  "multi", "exec", "smembers", "zrange", "hmget", "cluster|info", "wait",

@@ -335,7 +335,7 @@ def test_prompt_cache_key_routes_by_affinity_and_user_does_not(redis_server, sta
                                                                 gateway_factory):
     """Requests with one ``prompt_cache_key`` all run on the worker rendezvous hashing gives
     that key; one ``user`` with two keys homed on different workers runs on both."""
-    from tokenrelay.producer_sdk.affinity import rank
+    from tokenrelay.producer_sdk.core.affinity import rank
     from tests.fault_harness import read_events
     start_worker(worker_id="w1")
     start_worker(worker_id="w2")

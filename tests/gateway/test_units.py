@@ -8,7 +8,7 @@ import pytest
 from tokenrelay.producer_sdk.gateway.auth import KeyFileError, KeyRing, bearer_token, load_keys
 from tokenrelay.producer_sdk.gateway.models import parse_routes
 from tokenrelay.protocol.logprobs import TokenLogprob, TopLogprob
-from tokenrelay.producer_sdk.openai_format import (CHAT_URL, COMPLETIONS_URL, LineError, chat_logprobs,
+from tokenrelay.producer_sdk.openai.format import (CHAT_URL, COMPLETIONS_URL, LineError, chat_logprobs,
                                         completion_logprobs, parse_request,
                                         token_logprobs_from_ids)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from tokenrelay.producer_sdk.payloads import PayloadBuilder
+from tokenrelay.producer_sdk.jobs.payloads import PayloadBuilder
 from tokenrelay.protocol.budget import (BYTES_PER_TOKEN, DEFAULT_MAX_TOKENS, entry_cost, job_cost,
                              prompt_tokens, text_tokens)
 from tokenrelay.protocol.keys import Keys

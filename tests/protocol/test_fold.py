@@ -14,7 +14,7 @@ import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenrelay.producer_sdk.job import JobState
+from tokenrelay.producer_sdk.jobs.job import JobState
 from tokenrelay.protocol.fold import ResultFold
 from tokenrelay.protocol.keys import EVENT_FIELD
 from tokenrelay.worker.recovery import progress_from_entries

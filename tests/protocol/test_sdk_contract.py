@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenrelay.producer_sdk import Client, InvalidRequest
-from tokenrelay.producer_sdk.payloads import PayloadBuilder
+from tokenrelay.producer_sdk.jobs.payloads import PayloadBuilder
 from tokenrelay.protocol.errors import ProtocolError
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.limits import Limits

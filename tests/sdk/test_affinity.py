@@ -1,4 +1,4 @@
-"""Prefix-affinity routing, producer side (producer_sdk/affinity.py): the rendezvous choice,
+"""Prefix-affinity routing, producer side (producer_sdk/core/affinity.py): the rendezvous choice,
 which heartbeats qualify, the backlog bound and TTL, the wire field and its OpenAI spelling, and
 where the enqueue script puts a keyed job on a real redis-server (workers are faked here by
 writing the heartbeat and creating the stream as a worker does; tests/worker/test_affinity.py
@@ -16,11 +16,11 @@ import pytest
 import redis
 
 from tokenrelay.producer_sdk import AsyncClient, Client
-from tokenrelay.producer_sdk.affinity import AffinityRouter, LiveWorker, live_worker, rank
-from tokenrelay.producer_sdk.effects import run
+from tokenrelay.producer_sdk.core.affinity import AffinityRouter, LiveWorker, live_worker, rank
+from tokenrelay.producer_sdk.core.effects import run
 from tokenrelay.producer_sdk.errors import InvalidRequest, QueueFull
-from tokenrelay.producer_sdk.openai_format import CHAT_URL, LineError, body_to_request, parse_request
-from tokenrelay.producer_sdk.payloads import Prepared
+from tokenrelay.producer_sdk.openai.format import CHAT_URL, LineError, body_to_request, parse_request
+from tokenrelay.producer_sdk.jobs.payloads import Prepared
 from tokenrelay.protocol.errors import ProtocolError
 from tokenrelay.protocol.heartbeat import FIELDS, Heartbeat
 from tokenrelay.protocol.keys import GROUP, Keys, parse_dedupe_record

@@ -17,9 +17,9 @@ from tests.fault_harness import wait_for
 from tests.sdk.test_batch_runner import read_jsonl, write_input
 from tests.sdk_helpers import FakeWorker, env_with_repo, sdk_redis, sdk_url  # noqa: F401
 from tokenrelay.producer_sdk import Client, JobNotFound
-from tokenrelay.producer_sdk.batch import BatchRunner
-from tokenrelay.producer_sdk.batch_watch import WorkerWatch
-from tokenrelay.producer_sdk.exit_codes import (EXIT_CODES, EXIT_FAILED, EXIT_FINISHED,
+from tokenrelay.producer_sdk.batch.runner import BatchRunner
+from tokenrelay.producer_sdk.batch.watch import WorkerWatch
+from tokenrelay.producer_sdk.cli.exit_codes import (EXIT_CODES, EXIT_FAILED, EXIT_FINISHED,
                                                 EXIT_UNKNOWN)
 
 pytestmark = pytest.mark.timeout(120)

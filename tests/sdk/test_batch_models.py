@@ -16,7 +16,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from tokenrelay.producer_sdk import Client
-from tokenrelay.producer_sdk.batch import BatchRunner
+from tokenrelay.producer_sdk.batch.runner import BatchRunner
 from tokenrelay.protocol.keys import EVENT_FIELD, Keys
 from tests.sdk.test_batch_runner import read_jsonl
 from tests.sdk_helpers import env_with_repo

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from tokenrelay.producer_sdk import Client
-from tokenrelay.producer_sdk.batch import BatchRunner, DoneIndex, LineError, job_id_for
-from tokenrelay.producer_sdk.exit_codes import EXIT_FAILED
-from tokenrelay.producer_sdk.openai_format import body_to_request
+from tokenrelay.producer_sdk.batch.runner import BatchRunner, DoneIndex, LineError, job_id_for
+from tokenrelay.producer_sdk.cli.exit_codes import EXIT_FAILED
+from tokenrelay.producer_sdk.openai.format import body_to_request
 from tests.sdk_helpers import FakeWorker, env_with_repo, sdk_redis, sdk_url  # noqa: F401
 
 
@@ -189,7 +189,7 @@ def test_batch_killed_halfway_then_resumed(sdk_url: str, tmp_path: Path):
 
 def test_chat_template_kwargs_are_validated_before_enqueue():
     from tokenrelay.producer_sdk.errors import InvalidRequest
-    from tokenrelay.producer_sdk.payloads import PayloadBuilder
+    from tokenrelay.producer_sdk.jobs.payloads import PayloadBuilder
     from tokenrelay.protocol.keys import Keys
     from tokenrelay.protocol.wire import decode_job
     builder = PayloadBuilder(Keys())

@@ -17,8 +17,8 @@ from typing import Iterator
 import pytest
 
 from tokenrelay.producer_sdk import Client
-from tokenrelay.producer_sdk.batch import BatchRunner
-from tokenrelay.producer_sdk.batch_lock import BatchLocked, OutputLock
+from tokenrelay.producer_sdk.batch.runner import BatchRunner
+from tokenrelay.producer_sdk.batch.lock import BatchLocked, OutputLock
 from tests.fault_harness import wait_for
 from tests.sdk.test_batch_runner import chat_line, completion_line, read_jsonl, write_input
 from tests.sdk_helpers import FakeWorker, env_with_repo, sdk_redis, sdk_url  # noqa: F401
@@ -64,7 +64,7 @@ def test_two_runs_at_once_one_refuses_and_each_request_has_one_line(sdk_url, tmp
 def lock_holder(out: Path) -> Iterator[subprocess.Popen]:
     """Another process holding ``out``'s lock until the block ends (then SIGKILLed)."""
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import time; from pathlib import Path; from tokenrelay.producer_sdk.batch_lock import "
+        "import time; from pathlib import Path; from tokenrelay.producer_sdk.batch.lock import "
         f"OutputLock; l = OutputLock(Path({str(out)!r})).__enter__(); print('held', flush=True);"
         " time.sleep(60)")], env=env_with_repo(), stdout=subprocess.PIPE, text=True)
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tokenrelay.producer_sdk import AsyncClient, Client
-from tokenrelay.producer_sdk.batch import BatchRunner
+from tokenrelay.producer_sdk.batch.runner import BatchRunner
 from tests.sdk.test_cli import cli
 from tokenrelay.worker.fake_engine import FakeEngine, fake_beam_logprob, fake_beams, fake_completion
 

@@ -37,8 +37,8 @@ def client(sdk_url: str):
 
 
 def test_sdk_never_imports_torch():
-    code = ("import sys; import tokenrelay, tokenrelay.producer_sdk, tokenrelay.producer_sdk.batch, "
-            "tokenrelay.producer_sdk.cli, tokenrelay.producer_sdk.aio, tokenrelay.producer_sdk.__main__, "
+    code = ("import sys; import tokenrelay, tokenrelay.producer_sdk, tokenrelay.producer_sdk.batch.runner, "
+            "tokenrelay.producer_sdk.cli.main, tokenrelay.producer_sdk.aio, tokenrelay.producer_sdk.__main__, "
             "tokenrelay.cli; from tokenrelay import Client; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env=env_with_repo(), timeout=60)
@@ -286,7 +286,7 @@ def test_bulk_fast_path_payloads_match_general_path(client: Client):
 
 def test_oom_is_recognised_from_redis_7_and_from_6_2_scripts():
     from redis.exceptions import OutOfMemoryError, ResponseError
-    from tokenrelay.producer_sdk._wire import is_oom
+    from tokenrelay.producer_sdk.core.effects import is_oom
     assert is_oom(OutOfMemoryError("command not allowed when used memory > 'maxmemory'."))
     assert is_oom(ResponseError("Error running script (call to f_2f7b): @user_script:20: "
                                 "@user_script: 20: -OOM command not allowed when used memory "

@@ -1,4 +1,4 @@
-"""The client core (producer_sdk/client_core.py) is the one home of what both clients do: each
+"""The client core (producer_sdk/core/client_core.py) is the one home of what both clients do: each
 scenario here is written once and runs on ``Client`` and on ``AsyncClient`` (through
 ``Driven``, which waits for the async one), against a private redis-server and the fake worker.
 """

@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from tokenrelay.producer_sdk import AsyncClient, Client, NotDurable
-from tokenrelay.producer_sdk.batch import BatchRunner
+from tokenrelay.producer_sdk.batch.runner import BatchRunner
 from tokenrelay.protocol.keys import Keys
 from tests.fixtures_redis import RedisServer, start_redis_server
 from tests.sdk_helpers import FakeWorker, env_with_repo

@@ -1,4 +1,4 @@
-"""The two drivers of the SDK's plans (producer_sdk/effects.py) behave alike: each effect's
+"""The two drivers of the SDK's plans (producer_sdk/core/effects.py) behave alike: each effect's
 result is sent back, its exception is thrown in where the plan yielded, a plan is closed when
 its driver stops, and the async driver awaits only what is awaitable."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from tokenrelay.producer_sdk.effects import Call, Plan, Sleep, arun, pipelined, run
+from tokenrelay.producer_sdk.core.effects import Call, Plan, Sleep, arun, pipelined, run
 
 
 class FakeRedis:

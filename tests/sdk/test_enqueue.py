@@ -1,4 +1,4 @@
-"""The enqueue core (producer_sdk/enqueue.py, client_core.py) without Redis: each scenario runs
+"""The enqueue core (producer_sdk/core/enqueue.py, core/client_core.py) without Redis: each scenario runs
 on both clients against a script of replies, so every branch of the one enqueue -- a NOSCRIPT
 reload, back-pressure refusals (high-water mark, OOM), waiting for room, a cluster's transient
 replies, a lost connection -- is checked for Client and AsyncClient alike, in milliseconds."""
@@ -14,7 +14,7 @@ import redis
 from redis.exceptions import NoScriptError, OutOfMemoryError, TryAgainError
 
 from tokenrelay.producer_sdk import AsyncClient, Client, QueueFull, RedisUnavailable
-from tokenrelay.producer_sdk import effects
+from tokenrelay.producer_sdk.core import effects
 
 Reply = Any     # one packed send's answer: (replies, trailer replies), or an exception to raise
 

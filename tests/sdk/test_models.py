@@ -1,4 +1,4 @@
-"""Served model names: the worker's heartbeat advertises one, ``producer_sdk.models`` lists the
+"""Served model names: the worker's heartbeat advertises one, ``producer_sdk.core.models`` lists the
 models of live workers across queues (a SIGKILLed worker drops out), and the TTL caches."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from tokenrelay.producer_sdk.models import AsyncModelCache, ModelCache, alist_models, list_models
+from tokenrelay.producer_sdk.core.models import AsyncModelCache, ModelCache, alist_models, list_models
 from tokenrelay.protocol.heartbeat import Heartbeat
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.worker.config import WorkerSettings, default_served_model_name
@@ -88,7 +88,7 @@ def test_live_models_across_queues_and_a_killed_worker_drops_out(redis_server, w
 
 
 def test_served_model_queue_prefers_the_queue_with_most_workers():
-    from tokenrelay.producer_sdk.models import ServedModel
+    from tokenrelay.producer_sdk.core.models import ServedModel
     m = ServedModel("m", ("a", "b"), (("a", "w1"), ("b", "w2"), ("b", "w3")), 0)
     assert m.queue == "b"
     assert ServedModel("m", ("b", "a"), (("a", "w1"), ("b", "w2")), 0).queue == "a"
@@ -128,7 +128,7 @@ def test_model_caches_read_redis_once_per_ttl(redis_server):
 
 
 def test_only_loaded_undrained_workers_of_the_queue_count():
-    from tokenrelay.producer_sdk.models import _models
+    from tokenrelay.producer_sdk.core.models import _models
     pairs = [("q", "ok"), ("q", "broken"), ("q", "draining"), ("q", "moved"), ("q", "gone"),
              ("q", "old")]
     beats = [Heartbeat(served_model_name="m", queue="q", engine_loaded=True, started_ms=5000,
@@ -143,7 +143,7 @@ def test_only_loaded_undrained_workers_of_the_queue_count():
 
 
 def test_a_model_has_a_tool_format_only_when_every_live_worker_says_the_same():
-    from tokenrelay.producer_sdk.models import _models
+    from tokenrelay.producer_sdk.core.models import _models
     pairs = [("q", "a"), ("q", "b")]
 
     def beat(fmt: str) -> Heartbeat:

@@ -1,13 +1,13 @@
-"""What a producer knows of each queue (producer_sdk/queues.py), without Redis: the config hash's
+"""What a producer knows of each queue (producer_sdk/core/queues.py), without Redis: the config hash's
 replies are handed to the book as a client's plan would hand them."""
 
 from __future__ import annotations
 
 import pytest
 
-from tokenrelay.producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS
-from tokenrelay.producer_sdk.effects import run
-from tokenrelay.producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD, QueueBook
+from tokenrelay.producer_sdk.core.queues import DEFAULT_MAX_QUEUED_JOBS
+from tokenrelay.producer_sdk.core.effects import run
+from tokenrelay.producer_sdk.core.queues import LIMIT_FIELD, TOKENS_FIELD, QueueBook
 from tokenrelay.protocol.shards import SHARDS_FIELD, ShardCountMismatch
 
 

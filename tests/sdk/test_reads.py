@@ -1,4 +1,4 @@
-"""Reading result streams (producer_sdk/reads.py, the XREAD reply shapes of _wire.py): one read
+"""Reading result streams (producer_sdk/core/reads.py, with its XREAD reply shapes): one read
 over many jobs brings every stream a worker wrote together."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tokenrelay.protocol.keys import Keys
 def test_merge_xreads_keeps_the_longer_read_per_stream():
     """The follow-up read behind a blocking XREAD (RESP2 list or RESP3 map) fills in streams
     the blocking answer left out; per stream the longer entry list wins."""
-    from tokenrelay.producer_sdk._wire import merge_xreads
+    from tokenrelay.producer_sdk.core.reads import merge_xreads
     e1, e2 = (b"1-0", {b"data": b"a"}), (b"2-0", {b"data": b"b"})
     blocking = [[b"s1", [e1]]]
     follow_up = {b"s1": [[e1, e2]], b"s2": [[e1]]}

@@ -19,8 +19,8 @@ import pytest
 
 from tokenrelay.producer_sdk import AsyncClient, Client, NotDurable, QueueFull, ShardCountMismatch
 from tokenrelay.protocol.scripts import ENQUEUE
-from tokenrelay.producer_sdk.batch import BatchRunner
-from tokenrelay.producer_sdk.models import list_models
+from tokenrelay.producer_sdk.batch.runner import BatchRunner
+from tokenrelay.producer_sdk.core.models import list_models
 from tokenrelay.protocol.keys import EVENT_FIELD, GROUP, Keys, key_slot
 from tokenrelay.protocol.topology import is_cluster, make_client
 from tests.sdk_helpers import FakeWorker, env_with_repo, sdk_redis  # noqa: F401

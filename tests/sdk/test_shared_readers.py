@@ -1,5 +1,5 @@
-"""Waiting readers of the asyncio client (producer_sdk/hub.py) and what every reader decides by
-itself (producer_sdk/reads.py): a thousand concurrent ``AsyncClient`` streams on a handful of
+"""Waiting readers of the asyncio client (producer_sdk/core/hub.py) and what every reader decides by
+itself (producer_sdk/core/reads.py): a thousand concurrent ``AsyncClient`` streams on a handful of
 connections, a job joining a blocked reader read at once, and a job no worker starts ending
 ``expired`` on its deadline, cancelled, for both clients."""
 
@@ -15,7 +15,7 @@ import redis
 
 from tokenrelay.producer_sdk import AsyncClient, Client
 from tokenrelay.producer_sdk.errors import JobFailed
-from tokenrelay.producer_sdk.job import AsyncJob
+from tokenrelay.producer_sdk.jobs.job import AsyncJob
 from tokenrelay.protocol.keys import EVENT_FIELD, Keys
 from tests.fault_harness import FaultEnv
 from tokenrelay.worker.fake_engine import fake_completion
@@ -137,9 +137,9 @@ def test_a_rerun_carries_the_seed_of_the_tokens_the_reader_holds():
     """A lost job put back in its queue must make the tokens its reader already has: its
     request gets the seed of the run that made the reader's first token (not a later run's,
     whose repeats the fold skipped), unless it named one itself; beam search takes none."""
-    from tokenrelay.producer_sdk.job import JobState
-    from tokenrelay.producer_sdk.payloads import PayloadBuilder
-    from tokenrelay.producer_sdk.reads import rerun_request
+    from tokenrelay.producer_sdk.jobs.job import JobState
+    from tokenrelay.producer_sdk.jobs.payloads import PayloadBuilder
+    from tokenrelay.producer_sdk.core.reads import rerun_request
     from tokenrelay.protocol.wire import decode_job
     builder = PayloadBuilder(Keys())
     state = JobState("j", "k")

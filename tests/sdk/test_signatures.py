@@ -1,4 +1,4 @@
-"""``submit()``'s signature is written once (producer_sdk/signatures.py) and its job fields are
+"""``submit()``'s signature is written once (producer_sdk/jobs/signatures.py) and its job fields are
 the models': both clients show it to ``help()`` and ``inspect``, and the async client's other
 methods carry the sync ones' docs."""
 
@@ -10,9 +10,9 @@ import pydoc
 import pytest
 
 from tokenrelay.producer_sdk import AsyncClient, Client
-from tokenrelay.producer_sdk.job import AsyncJob, Job
-from tokenrelay.producer_sdk.payloads import JOB_FIELDS, MODEL_DEFAULTS
-from tokenrelay.producer_sdk.signatures import SEND_OPTIONS, bind_submit, submit
+from tokenrelay.producer_sdk.jobs.job import AsyncJob, Job
+from tokenrelay.producer_sdk.jobs.payloads import JOB_FIELDS, MODEL_DEFAULTS
+from tokenrelay.producer_sdk.jobs.signatures import SEND_OPTIONS, bind_submit, submit
 from tokenrelay.protocol.sampling_params import SamplingParams
 from tokenrelay.protocol.wire import JobRequest
 

@@ -97,7 +97,7 @@ def test_many_statuses_in_the_round_trips_of_one(client, monkeypatch):
 def test_many_statuses_are_read_in_bounded_chunks(client, redis_server):
     """No round's MULTI holds Redis for more than STATUS_CHUNK jobs (#25): 50,000 ids in one
     stalled every other client; the answers are the same as one by one, in order."""
-    from tokenrelay.producer_sdk.status import STATUS_CHUNK
+    from tokenrelay.producer_sdk.core.status import STATUS_CHUNK
     n = 2 * STATUS_CHUNK + 5
     jobs = client.submit_many([{"prompt": f"c{i}", "job_id": f"c{i}"} for i in range(n)],
                               max_tokens=2)
@@ -118,7 +118,7 @@ def test_batch_status_lists_every_line(tmp_path, redis_server):
     import subprocess
     import sys
 
-    from tokenrelay.producer_sdk.batch_lines import job_id_for
+    from tokenrelay.producer_sdk.batch.lines import job_id_for
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST",
                                        "url": "/v1/completions",

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tokenrelay.producer_sdk import Client, InvalidRequest
-from tokenrelay.producer_sdk.openai_format import CHAT_URL, LineError, parse_request
-from tokenrelay.producer_sdk.structured import from_response_format, rename_error
+from tokenrelay.producer_sdk.openai.format import CHAT_URL, LineError, parse_request
+from tokenrelay.producer_sdk.openai.structured import from_response_format, rename_error
 from tokenrelay.protocol.structured_outputs import StructuredOutputsParams, ref_cycle
 from tokenrelay.worker.fake_structured import FakeConstraint
 

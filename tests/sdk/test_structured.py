@@ -19,8 +19,8 @@ import msgpack
 import pytest
 
 from tokenrelay.producer_sdk import AsyncClient, Client, InvalidRequest
-from tokenrelay.producer_sdk.batch import BatchRunner
-from tokenrelay.producer_sdk.payloads import ParamsCache, PayloadBuilder
+from tokenrelay.producer_sdk.batch.runner import BatchRunner
+from tokenrelay.producer_sdk.jobs.payloads import ParamsCache, PayloadBuilder
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.limits import Limits
 from tokenrelay.protocol.structured_outputs import StructuredOutputsParams

@@ -12,7 +12,7 @@ import pytest
 
 from tests.fixtures_redis import REPO_ROOT
 from tokenrelay.producer_sdk import AsyncClient, Client, InvalidRequest, ModelNotFound
-from tokenrelay.producer_sdk.cli import EXIT_NO_WORKER
+from tokenrelay.producer_sdk.cli.main import EXIT_NO_WORKER
 from tokenrelay.producer_sdk.gateway.errors import model_not_found
 from tokenrelay.protocol.keys import Keys
 

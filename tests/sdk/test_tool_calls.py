@@ -1,5 +1,5 @@
-"""Tool calls read back out of answers (producer_sdk/tool_calls.py) and the request mapping of
-tools and constraints (producer_sdk/structured.py), without Redis: the reader finds the same
+"""Tool calls read back out of answers (producer_sdk/openai/tool_calls.py) and the request mapping of
+tools and constraints (producer_sdk/openai/structured.py), without Redis: the reader finds the same
 content and calls however the text is split into deltas (so a stream and a whole answer agree),
 Hermes tags, forced JSON calls, a named function's arguments, ``parallel_tool_calls``, answers
 that are not calls after all, and the constraint each ``tool_choice`` builds."""
@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenrelay.producer_sdk.errors import LineError
-from tokenrelay.producer_sdk.openai_format import CHAT_URL, COMPLETIONS_URL, parse_request
-from tokenrelay.producer_sdk.structured import ToolPlan, fit_tools
-from tokenrelay.producer_sdk.tool_calls import CallReader, call_id, relay, whole_choice
+from tokenrelay.producer_sdk.openai.format import CHAT_URL, COMPLETIONS_URL, parse_request
+from tokenrelay.producer_sdk.openai.structured import ToolPlan, fit_tools
+from tokenrelay.producer_sdk.openai.tool_calls import CallReader, call_id, relay, whole_choice
 from tokenrelay.protocol.structured_outputs import StructuredOutputsParams
 
 AUTO = ToolPlan("auto", ("get_weather", "f"))

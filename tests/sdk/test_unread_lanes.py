@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tokenrelay.producer_sdk import Client
-from tokenrelay.producer_sdk.cli import main as sdk_main
+from tokenrelay.producer_sdk.cli.main import main as sdk_main
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.lanes import NO_GROUP, OUTSIDE_LAYOUT, unread_lanes
 from tokenrelay.protocol.shards import SHARDS_FIELD

@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from tokenrelay.producer_sdk import Client
-from tokenrelay.producer_sdk.openai_format import body_to_request
+from tokenrelay.producer_sdk.openai.format import body_to_request
 from tokenrelay.protocol.keys import Keys
 from tests.fault_harness import submit, wait_for_terminal
 from tokenrelay.worker.fake_engine import FakeEngine, FakeTokenizer

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tokenrelay.producer_sdk import Client
-from tokenrelay.producer_sdk.affinity import rank
+from tokenrelay.producer_sdk.core.affinity import rank
 from tokenrelay.protocol.keys import (GROUP, Keys, PARKED_IDLE_MS, PARKING_CONSUMER, PAYLOAD_FIELD,
                            dedupe_record, parse_dedupe_record)
 from tokenrelay.protocol.wire import JobRequest, encode_job

@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 
 from tokenrelay.producer_sdk import Client
-from tokenrelay.producer_sdk.affinity import rank
+from tokenrelay.producer_sdk.core.affinity import rank
 from tokenrelay.protocol.keys import Keys
 from tests.fault_harness import read_events
 from tests.sdk_helpers import RealWorker

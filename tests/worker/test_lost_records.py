@@ -1,7 +1,7 @@
 """A job whose records Redis lost (it came back without its data) ends on the worker, and
 nothing of it is recreated (issue #25): not by its next write, not by a resume of its entry.
 Recreating its stream or dedupe record with a fresh sampling seed would start a second run
-beside the one its readers enqueue again from the request they hold (producer_sdk/reads.py),
+beside the one its readers enqueue again from the request they hold (producer_sdk/core/reads.py),
 and a sampled output would mix two samples. Hand-driven, so each seam is deterministic; the
 process-level scenario is in tests/faults/test_redis_restarts.py."""
 

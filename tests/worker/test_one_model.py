@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from tests.fault_harness import enqueue, submit, wait_for, wait_for_terminal
-from tokenrelay.producer_sdk.models import list_models
+from tokenrelay.producer_sdk.core.models import list_models
 from tokenrelay.protocol.heartbeat import Heartbeat, queue_model
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.worker.connection import EXIT_CONFIG

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tokenrelay.producer_sdk.batch_lines import error_counts
-from tokenrelay.producer_sdk.exit_codes import EXIT_FAILED, EXIT_INVALID
+from tokenrelay.producer_sdk.batch.lines import error_counts
+from tokenrelay.producer_sdk.cli.exit_codes import EXIT_FAILED, EXIT_INVALID
 
 
 def status_line(name: str, st: Any) -> str:
@@ -27,11 +27,11 @@ def status_line(name: str, st: Any) -> str:
 
 
 def cmd_batch_status(client: Any, opts: Any) -> int:
-    """Every job of a batch, found from its input file (``producer_sdk.batch_status``), each
+    """Every job of a batch, found from its input file (``producer_sdk.batch.status``), each
     custom_id once; the lines that are no request, named; then the counts by state."""
-    from tokenrelay.producer_sdk.batch import scan_input
-    from tokenrelay.producer_sdk.batch_lines import job_id_for
-    from tokenrelay.producer_sdk.batch_status import read_batch_lines, statuses_anywhere
+    from tokenrelay.producer_sdk.batch.runner import scan_input
+    from tokenrelay.producer_sdk.batch.lines import job_id_for
+    from tokenrelay.producer_sdk.batch.status import read_batch_lines, statuses_anywhere
     path = Path(opts.batch)
     batch_id = opts.batch_id or f"batch_{scan_input(path)[1][:24]}"
     lines = read_batch_lines(path)
@@ -65,7 +65,7 @@ def errors_file(opts: Any) -> dict[str, Any]:
 def cmd_batch(client: Any, args: argparse.Namespace, opts: Any) -> int:
     """Run (or resume) a batch; 2 when no line is a request, 1 while the errors file holds
     a line (unless --allow-failures)."""
-    from tokenrelay.producer_sdk.batch import BatchRunner
+    from tokenrelay.producer_sdk.batch.runner import BatchRunner
     runner = BatchRunner(client, args.input, args.output, opts.errors, batch_id=opts.batch_id,
                          concurrency=opts.concurrency, priority=opts.priority,
                          progress=opts.progress, durable=opts.durable,

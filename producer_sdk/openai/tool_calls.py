@@ -25,8 +25,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
-from tokenrelay.producer_sdk.openai_format import choice_body, chunk_choice
-from tokenrelay.producer_sdk.structured import ToolPlan
+from tokenrelay.producer_sdk.openai.format import choice_body, chunk_choice
+from tokenrelay.producer_sdk.openai.structured import ToolPlan
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _WS = " \t\n\r"

@@ -7,19 +7,21 @@ and read back in one MULTI. Why: a producer that guessed 1 while the first worke
 registered 3 left every job it had sent in a lane no worker reads (issue #25).
 
 One ``QueueBook`` per client, shared by every call of it; its reads are plans
-(``producer_sdk.effects``), run by whichever client owns it.
+(``producer_sdk.core.effects``), run by whichever client owns it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 from redis.exceptions import ResponseError
 
-from tokenrelay.producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS, QueueState, is_oom
-from tokenrelay.producer_sdk.effects import Call, Plan
+from tokenrelay.producer_sdk.core.effects import Call, Plan, is_oom
 from tokenrelay.protocol.keys import Keys
+from tokenrelay.protocol.scripts import pack
+from tokenrelay.protocol.topology import Packed
 from tokenrelay.protocol.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards, resolve_shards
 
 LIMIT_FIELD = "max_queued_jobs"
@@ -28,6 +30,40 @@ TOKENS_FIELD = "max_queued_tokens"    # the token budget (protocol/budget.py); a
 # registered) before reading its config hash again: one HMGET per queue per second of submits.
 CONFIG_TTL_S = 1.0
 _FIELDS = [LIMIT_FIELD, SHARDS_FIELD, TOKENS_FIELD]   # what a producer reads of the config hash
+DEFAULT_MAX_QUEUED_JOBS = 100_000
+
+
+@dataclass
+class QueueState:
+    """What a producer knows of one queue it sends to: its keys (the shard count resolved),
+    its high-water mark (0: no back-pressure), its token budget (``max_queued_tokens``, 0:
+    none), whether the count is the one the queue's workers registered, and when the marks are
+    read again (monotonic seconds)."""
+
+    keys: Keys
+    limit: int
+    registered: bool
+    expires: float
+    token_limit: int = 0
+
+    def shard_tokens(self) -> int:
+        """Each shard's share of the token budget: a shard's script sees only its own slot, so
+        the budget is split evenly, rounded up (0: none)."""
+        return -(-self.token_limit // self.keys.shards)
+
+
+def xlen_reads(keys: Keys) -> list[Packed]:
+    """XLEN of every lane of every shard of a queue, each routed to its shard's node."""
+    return [(lane, pack([b"XLEN", lane.encode()]), 1) for lane in keys.lanes()]
+
+
+def shard_depths(keys: Keys, replies: Sequence[Any]) -> list[int]:
+    """Per shard, the sum of its lanes' XLEN replies (``xlen_reads`` order)."""
+    n = len(Keys.LANES)
+    for r in replies:
+        if isinstance(r, Exception):
+            raise r
+    return [sum(int(r) for r in replies[s * n:(s + 1) * n]) for s in range(keys.shards)]
 
 
 class QueueBook:
@@ -156,4 +192,5 @@ def _register_and_read(r: Any, key: str, count: int) -> Any:
     return pipe.execute()
 
 
-__all__ = ["QueueBook", "LIMIT_FIELD", "TOKENS_FIELD", "CONFIG_TTL_S"]
+__all__ = ["QueueBook", "QueueState", "LIMIT_FIELD", "TOKENS_FIELD", "CONFIG_TTL_S",
+           "DEFAULT_MAX_QUEUED_JOBS", "xlen_reads", "shard_depths"]

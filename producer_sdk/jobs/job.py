@@ -13,11 +13,11 @@ import threading
 import time
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
-from tokenrelay.producer_sdk.effects import Plan
+from tokenrelay.producer_sdk.core.effects import Plan
 from tokenrelay.producer_sdk.errors import JOB_LOST, LOST, JobFailed
-from tokenrelay.producer_sdk.signatures import docs_from
+from tokenrelay.producer_sdk.jobs.signatures import docs_from
 from tokenrelay.protocol.fold import Delta, ResultFold
-from tokenrelay.producer_sdk.results import CompletionOutput, Result, job_outputs
+from tokenrelay.producer_sdk.jobs.results import CompletionOutput, Result, job_outputs
 from tokenrelay.protocol.events import DoneEvent, ErrorEvent
 from tokenrelay.protocol.keys import EVENT_FIELD, Keys
 from tokenrelay.protocol.scripts.cancel import CancelTarget, cancel_target
@@ -40,7 +40,7 @@ class JobState:
     whose XREADs overlap fold each entry once, in order. While a ``stream()`` reads, the deltas
     are also kept in a log that each reader walks with its own cursor.
 
-    What a waiting reader decides by itself (``producer_sdk/reads.py``) needs a little more: the
+    What a waiting reader decides by itself (``producer_sdk/core/reads.py``) needs a little more: the
     job's dedupe and cancel keys, the request it was submitted with (None for a job reattached
     by id), which lets a reader put a job Redis lost back in its queue, and the job's start
     deadline (epoch ms), past which a job no worker started is the reader's to end.
@@ -57,7 +57,7 @@ class JobState:
         self.key = key
         self.dedupe_key = dedupe_key
         self.cancel_target = cancel_target
-        self.request = request                  # producer_sdk.payloads.Prepared, or None
+        self.request = request                  # producer_sdk.jobs.payloads.Prepared, or None
         self.start_deadline_ms = start_deadline_ms
         self.seen_at = time.monotonic()         # when an entry last arrived (or reading began)
         self.checked_at = 0.0                   # when its records were last checked (reads.py)
@@ -228,7 +228,7 @@ _STATE_LOCK = threading.Lock()  # two threads touching a fresh handle must share
 class JobHandle:
     """What the sync and async job handles share: ids, where the job's keys are (its queue and
     the shard of that queue it was put on), the state read so far, and what reading it means
-    (plans, ``producer_sdk.effects``); ``Job`` and ``AsyncJob`` only run them on their client."""
+    (plans, ``producer_sdk.core.effects``); ``Job`` and ``AsyncJob`` only run them on their client."""
 
     __slots__ = ("client", "id", "keys", "shard", "_state", "reattached", "request")
 
@@ -387,7 +387,7 @@ class Job(JobHandle):
 class AsyncJob(JobHandle):
     """A handle on one submitted job (asyncio); see ``Job``. Several tasks may stream one job:
     each sees every delta from its start once. Waiting holds no connection of its own: the
-    client's shared readers (``producer_sdk/hub.py``) read the job with the others."""
+    client's shared readers (``producer_sdk/core/hub.py``) read the job with the others."""
 
     __slots__ = ()
 

@@ -51,7 +51,7 @@ def submit(self, prompt: Optional[str] = None, *,
     Context) is carried with the job and logged by the worker with every line of it.
     ``routing_key`` (a conversation or system-prompt id, OpenAI's ``prompt_cache_key``)
     sends jobs with the same key to the same live worker, whose prefix cache holds what
-    they share (producer_sdk/affinity.py); without it the job goes to the shared lanes.
+    they share (producer_sdk/core/affinity.py); without it the job goes to the shared lanes.
     ``model`` (a served model's name, the gateway's and the batch runner's ``model``) sends
     the job to the queue live workers serve that model on (ModelNotFound, nothing sent, when
     none does); the job carries it, and a worker of another model refuses the job rather than

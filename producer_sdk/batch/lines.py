@@ -1,5 +1,5 @@
 """The OpenAI Batch file's output lines: what the batch runner writes for a finished job (the
-response body built from the OpenAI shapes of ``openai_format.py``, tool calls read back by
+response body built from the OpenAI shapes of ``openai/format.py``, tool calls read back by
 ``tool_calls.py``) or for a line that failed, and the job id each line gets."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from tokenrelay.producer_sdk.job import CompletionOutput, Result
-from tokenrelay.producer_sdk.openai_format import (CHAT_URL, choice_body, completion_body, logprobs_body,
+from tokenrelay.producer_sdk.jobs.job import CompletionOutput, Result
+from tokenrelay.producer_sdk.openai.format import (CHAT_URL, choice_body, completion_body, logprobs_body,
                                         token_logprobs_of, usage_body)
-from tokenrelay.producer_sdk.tool_calls import whole_choice
+from tokenrelay.producer_sdk.openai.tool_calls import whole_choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +26,7 @@ class LineTag:
     model: str
     logprobs: bool
     top_logprobs: int = 0        # alternatives per token asked for (chat top_logprobs, or logprobs)
-    tools: Any = None            # producer_sdk.structured.ToolPlan: the answer may hold calls
+    tools: Any = None            # producer_sdk.openai.structured.ToolPlan: the answer may hold calls
     constraint_param: Optional[str] = None   # the body field that asked for a constraint
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tokenrelay.producer_sdk._wire import DEFAULT_MAX_QUEUED_JOBS
-from tokenrelay.producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD
+from tokenrelay.producer_sdk.core.queues import DEFAULT_MAX_QUEUED_JOBS
+from tokenrelay.producer_sdk.core.queues import LIMIT_FIELD, TOKENS_FIELD
 from tokenrelay.protocol.keys import GROUP, Keys
 from tokenrelay.protocol.lanes import queue_of_key, unread_lanes
 

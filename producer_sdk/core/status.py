@@ -11,7 +11,7 @@ expired, and ``unknown``. The reads are I/O-free here, shared by ``Client.status
 its replies into a ``JobStatus``; for a queued job ``queue_position_reads`` and
 ``position_range`` count the entries ahead of it. ``status_plan`` is one job's sequence of
 round trips (``Step``s); ``read_statuses`` runs many of them in lockstep, as a plan of effects
-(``producer_sdk.effects``) that either client runs.
+(``producer_sdk.core.effects``) that either client runs.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from typing import Any, Callable, Generator, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from tokenrelay.producer_sdk._wire import fields_dict, record_location
-from tokenrelay.producer_sdk.affinity import is_affinity_stream
-from tokenrelay.producer_sdk.effects import Call, Plan, cluster
+from tokenrelay.producer_sdk.core.affinity import is_affinity_stream
+from tokenrelay.producer_sdk.core.effects import Call, Plan, cluster
+from tokenrelay.producer_sdk.core.reads import fields_dict
 from tokenrelay.protocol.errors import ProtocolError
 from tokenrelay.protocol.events import ErrorEvent
-from tokenrelay.protocol.keys import EVENT_FIELD, GROUP, Keys, PARKING_CONSUMER, key_slot
+from tokenrelay.protocol.keys import (EVENT_FIELD, GROUP, Keys, PARKING_CONSUMER, key_slot,
+                                      parse_dedupe_record)
 from tokenrelay.protocol.shards import SHARDS_FIELD, ShardCountMismatch, parse_shards
 from tokenrelay.protocol.wire import decode_event
 
@@ -359,3 +360,15 @@ def _tokens(event: Any) -> int:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def record_location(keys: Keys, record: Any, shard: int = 0) -> tuple[str, str]:
+    """(lane key, entry id) a job's dedupe record names, for an XRANGE that finds nothing when
+    there is no record (or it is unreadable): then the default lane of the job's ``shard``, so
+    every read of one job stays in its shard's slot."""
+    if record:
+        try:
+            return parse_dedupe_record(record)
+        except ProtocolError:
+            pass
+    return keys.lane("default", shard), "0-0"

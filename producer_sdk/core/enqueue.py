@@ -1,29 +1,34 @@
-"""Sans-IO core shared by the sync and async clients: enqueue calls, reply parsing, reads.
+"""Sending prepared jobs: the enqueue of ``submit``, ``submit_many`` and every window, as one plan.
 
-Nothing here touches a socket, so ``Client`` and ``AsyncClient`` differ only in how they wait.
-Payloads are built in ``payloads`` (``PayloadBuilder``); this module sends them: one call of the
-enqueue script (``protocol.scripts.ENQUEUE``, its contract there) per chunk of jobs, pipelined,
-with the script's replies turned into per-job outcomes.
+All enqueueing goes through one Lua script (``protocol.scripts.ENQUEUE``) that checks the queue's
+high-water mark and sets the job's dedupe record together with the XADD, so retries never create
+a second job; a queue of several shards gets one call per chunk of a shard, all sent in one round
+trip per Redis node (``Send``). The one home of enqueueing: the script's commands
+(``EnqueueScript``, ``chunk_jobs``), its replies (``parse_enqueue_reply``), the per-job
+bookkeeping of one submit (``EnqueuePlan``) and the rounds that drive it (``Enqueuer``: when to
+load the script, read the queues' config and depth, resend, wait for room, or give up).
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from redis.exceptions import (AskError, ClusterDownError, OutOfMemoryError, ResponseError,
-                              TryAgainError)
+from redis.exceptions import AskError, ClusterDownError, NoScriptError, TryAgainError
 
-from tokenrelay.producer_sdk.affinity import affinity_target
-from tokenrelay.producer_sdk.payloads import Prepared
-from tokenrelay.protocol.errors import ProtocolError
-from tokenrelay.protocol.keys import Keys, key_slot, parse_dedupe_record
+from tokenrelay.producer_sdk.core.affinity import AffinityRouter, affinity_target
+from tokenrelay.producer_sdk.config import ClientConfig
+from tokenrelay.producer_sdk.core.effects import SEND_ERRORS, Call, Plan, Send, Sleep, cluster, is_oom
+from tokenrelay.producer_sdk.errors import RedisUnavailable
+from tokenrelay.producer_sdk.jobs.job import Deadline
+from tokenrelay.producer_sdk.jobs.payloads import Prepared, gc_paused
+from tokenrelay.producer_sdk.core.queues import QueueBook, QueueState, shard_depths, xlen_reads
+from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.scripts import ENQUEUE, pack
 from tokenrelay.protocol.scripts.resp import bulk, bulk_pairs, bulk_prefixed, pack_parts
 from tokenrelay.protocol.topology import Packed
-
-DEFAULT_MAX_QUEUED_JOBS = 100_000
 
 
 @dataclass
@@ -61,25 +66,6 @@ def parse_enqueue_reply(reply: Sequence[Any], indexes: Sequence[int]) -> Enqueue
         else:
             out.depth = int(reply[0])
     return out
-
-
-@dataclass
-class QueueState:
-    """What a producer knows of one queue it sends to: its keys (the shard count resolved),
-    its high-water mark (0: no back-pressure), its token budget (``max_queued_tokens``, 0:
-    none), whether the count is the one the queue's workers registered, and when the marks are
-    read again (monotonic seconds)."""
-
-    keys: Keys
-    limit: int
-    registered: bool
-    expires: float
-    token_limit: int = 0
-
-    def shard_tokens(self) -> int:
-        """Each shard's share of the token budget: a shard's script sees only its own slot, so
-        the budget is split evenly, rounded up (0: none)."""
-        return -(-self.token_limit // self.keys.shards)
 
 
 class EnqueueScript:
@@ -129,149 +115,10 @@ def chunk_jobs(indexes: Iterable[int], jobs: Sequence[Prepared],
             for s in range(0, len(idx), size)]
 
 
-def record_location(keys: Keys, record: Any, shard: int = 0) -> tuple[str, str]:
-    """(lane key, entry id) a job's dedupe record names, for an XRANGE that finds nothing when
-    there is no record (or it is unreadable): then the default lane of the job's ``shard``, so
-    every read of one job stays in its shard's slot."""
-    if record:
-        try:
-            return parse_dedupe_record(record)
-        except ProtocolError:
-            pass
-    return keys.lane("default", shard), "0-0"
-
-
-def normalize_xread(reply: Any) -> list[tuple[str, list[tuple[bytes, dict]]]]:
-    """XREAD replies as [(key, [(entry id, fields)])] for both RESP2 and RESP3 shapes."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        out = []
-        for key, entries in reply.items():
-            if entries and isinstance(entries[0], list) and entries[0] and isinstance(
-                    entries[0][0], (tuple, list)):
-                entries = entries[0]
-            out.append((_s(key), list(entries)))
-        return out
-    return [(_s(key), list(entries)) for key, entries in reply]
-
-
-def is_oom(reply: Any) -> bool:
-    """Redis refused a write for maxmemory. Redis 7 returns the OOM error itself; Redis 6.2
-    wraps it when it comes from inside a script ("Error running script ... -OOM command not
-    allowed ..."), which redis-py then raises as a plain ResponseError."""
-    return isinstance(reply, OutOfMemoryError) or (
-        isinstance(reply, ResponseError) and "OOM command not allowed" in str(reply))
-
-
-def is_transient(reply: Any) -> bool:
+def is_transient_reply(reply: Any) -> bool:
     """A reply a cluster gives while it moves a slot or fails a master over (CLUSTERDOWN,
     TRYAGAIN, a MOVED/ASK left after the sender's one resend): send again shortly."""
     return isinstance(reply, (ClusterDownError, TryAgainError, AskError))
-
-
-def merge_xreads(blocking: Any, follow_up: Any) -> list[tuple[str, list[tuple[bytes, dict]]]]:
-    """One answer from a blocking multi-stream XREAD and the non-blocking XREAD for the same ids
-    pipelined right behind it.
-
-    Why the pair: before Redis 7.2 a blocked multi-stream XREAD is answered with only the first
-    stream that got data, although a worker writes all its jobs' streams in one step; the
-    follow-up runs the moment the blocking read is answered and brings the others, without a
-    client round trip. Both start from the same ids, so per stream the longer list wins."""
-    return merge_reads([normalize_xread(blocking), normalize_xread(follow_up)])
-
-
-def merge_reads(reads: Iterable[list[tuple[str, list]]]) -> list[tuple[str, list]]:
-    """Several normalized XREAD answers as one; per stream the longest list wins (reads of one
-    stream start from the same id)."""
-    merged: dict[str, list] = {}
-    for read in reads:
-        for key, entries in read:
-            if len(entries) > len(merged.get(key, ())):
-                merged[key] = entries
-    return list(merged.items())
-
-
-# A read of result streams in several cluster slots blocks on one slot per node at a time, so
-# it blocks in slices this long and then reads every slot again: an event of another slot waits
-# at most one slice. (One slot, or one Redis, blocks for the whole wait.)
-XREAD_SLICE_MS = 50
-
-
-def xread_command(streams: Mapping[str, bytes], keys: Sequence[str], count: int,
-                  block_ms: Optional[int]) -> bytes:
-    """A packed XREAD of ``keys`` from their last ids in ``streams``."""
-    head = [b"XREAD", b"COUNT", b"%d" % count]
-    if block_ms is not None:
-        head += [b"BLOCK", b"%d" % block_ms]
-    return pack([*head, b"STREAMS", *[k.encode() for k in keys],
-                         *[streams[k] for k in keys]])
-
-
-def slot_groups(keys: Iterable[str]) -> list[list[str]]:
-    """Stream keys grouped by cluster slot (a cluster refuses a multi-key XREAD across slots);
-    per-job keys of one queue shard share its hash tag, so a window of many jobs is one group
-    per shard."""
-    groups: dict[int, list[str]] = {}
-    for k in keys:
-        groups.setdefault(key_slot(k), []).append(k)
-    return list(groups.values())
-
-
-def sliced_xread(streams: Mapping[str, bytes], node_of: Callable[[str], Any], count: int,
-                 block_ms: int) -> list[Packed]:
-    """One round of reading streams spread over several slots: per node, a blocking XREAD of
-    its first slot group (for at most one slice) and the non-blocking XREAD of every group of
-    it behind it (the first one again too: see ``merge_xreads``)."""
-    out: list[Packed] = []
-    blocking: set[Any] = set()
-    for group in slot_groups(streams):
-        node = node_of(group[0])
-        cmds = [xread_command(streams, group, count, None)]
-        if node not in blocking:
-            blocking.add(node)
-            cmds.insert(0, xread_command(streams, group, count, min(block_ms, XREAD_SLICE_MS)))
-        out.append((group[0], b"".join(cmds), len(cmds)))
-    return out
-
-
-def parse_raw_xread(reply: Any) -> list[tuple[str, list[tuple[bytes, dict]]]]:
-    """A raw XREAD reply (RESP2 list or RESP3 map, fields as a flat list, as a connection
-    returns it without redis-py's callbacks) as ``normalize_xread`` gives it."""
-    if isinstance(reply, Exception):
-        raise reply
-    if not reply:
-        return []
-    pairs = reply.items() if isinstance(reply, dict) else reply
-    out = []
-    for key, entries in pairs:
-        out.append((_s(key), [(eid, fields_dict(raw)) for eid, raw in entries or ()]))
-    return out
-
-
-def fields_dict(raw: Any) -> dict:
-    """A stream entry's fields as a dict, from redis-py's dict or the raw flat list (a reply
-    read without redis-py's callbacks, as a cluster MULTI returns them too)."""
-    if isinstance(raw, dict):
-        return raw
-    raw = raw or []
-    return {raw[i]: raw[i + 1] for i in range(0, len(raw) - 1, 2)}
-
-
-
-
-def xlen_reads(keys: Keys) -> list[Packed]:
-    """XLEN of every lane of every shard of a queue, each routed to its shard's node."""
-    return [(lane, pack([b"XLEN", lane.encode()]), 1) for lane in keys.lanes()]
-
-
-def shard_depths(keys: Keys, replies: Sequence[Any]) -> list[int]:
-    """Per shard, the sum of its lanes' XLEN replies (``xlen_reads`` order)."""
-    n = len(Keys.LANES)
-    for r in replies:
-        if isinstance(r, Exception):
-            raise r
-    return [sum(int(r) for r in replies[s * n:(s + 1) * n]) for s in range(keys.shards)]
 
 
 class EnqueuePlan:
@@ -404,3 +251,128 @@ class EnqueuePlan:
                   if self.entries[i] is not None]
         short = [i for i, a in counts if a < replicas]
         return min((a for _, a in counts), default=replicas), short
+
+
+class Retrying:
+    """How long one enqueue keeps resending what a lost connection or a failing-over cluster
+    did not answer: on one Redis a single retry after 0.1 s (fail fast: it is down), on a
+    cluster up to ``window_s`` (a failover takes seconds; every resend is safe, the enqueue
+    script dedupes by job id), pausing 0.1 s doubling to 1 s."""
+
+    def __init__(self, window_s: float) -> None:
+        self.end = time.monotonic() + window_s
+        self.tries = 0
+        self.pause_s = 0.1
+
+    def pause(self) -> Optional[float]:
+        """Seconds to wait before the next try, None when it is time to give up."""
+        self.tries += 1
+        if self.tries > 1 and time.monotonic() >= self.end:
+            return None
+        pause, self.pause_s = self.pause_s, min(self.pause_s * 2, 1.0)
+        return pause
+
+
+class Enqueuer:
+    """Runs the rounds of one enqueue: the queues' config when due (``QueueBook``), the routing
+    of keyed jobs (``AffinityRouter``), the other shards' depth when a queue has several, the
+    script calls and a durable submit's WAIT per node."""
+
+    def __init__(self, queues: QueueBook, router: AffinityRouter, config: ClientConfig,
+                 url: str) -> None:
+        self.queues = queues
+        self.router = router
+        self.script = EnqueueScript(config.dedupe_ttl_s)
+        self.chunk_size = config.chunk_size
+        self.durable = config.durable
+        self.window_s = config.reconnect_timeout_s
+        self.url = url
+        self.wait = pack([b"WAIT", b"%d" % config.durable_replicas,
+                                  b"%d" % config.durable_timeout_ms])
+        self.loaded = False         # the script was loaded (on every master of a cluster)
+        self.cluster: Optional[bool] = None     # the client is a cluster client (asked once)
+
+    def plan(self, prepared: Sequence[Prepared], block: bool, block_timeout: Optional[float],
+             durable: Optional[bool]) -> Plan[EnqueuePlan]:
+        """Send ``prepared``; the answered plan. Jobs still refused for back-pressure are left
+        in ``refused`` (the caller raises QueueFull): at once unless ``block``, else once
+        ``block_timeout`` passed."""
+        batch = EnqueuePlan(list(prepared), self.script, self.chunk_size,
+                            self.durable if durable is None else durable)
+        if not batch.jobs:
+            return batch
+        if not self.loaded:
+            # Load once up front: a NOSCRIPT reply would make the first round travel twice.
+            yield Call(lambda r: r.script_load(ENQUEUE.source))
+            self.loaded = True
+        yield from self.router.route_plan(batch.jobs)
+        if self.cluster is None:
+            self.cluster = yield cluster()
+        deadline = Deadline(block_timeout)
+        retry = Retrying(self.window_s if self.cluster else 0.0)
+        pause = 0.02
+        while True:
+            if batch.todo:
+                failed = yield from self._round(batch, retry)
+                if failed is not None:      # a cluster failing over: wait, send the rest again
+                    wait = retry.pause()
+                    if wait is None:
+                        raise RedisUnavailable(self.url, failed)
+                    yield Sleep(wait)
+                continue
+            if not batch.refused or not block or deadline.expired:
+                return batch
+            yield Sleep(pause)
+            pause = min(pause * 2, 0.5)
+            batch.requeue_refused()
+
+    def _round(self, batch: EnqueuePlan, retry: Retrying) -> Plan[Optional[Exception]]:
+        """One round; returns the error of calls a failing-over cluster refused (they are to be
+        resent)."""
+        states = {}
+        for q in batch.queues():
+            states[q] = yield from self.queues.state(q, fresh=True, register=True)
+        with gc_paused():           # per-job bookkeeping of a bulk round: see gc_paused
+            batch.place(states)
+        reads = batch.depth_reads(states)
+        depths = (yield from self._send(reads, retry))[0] if reads else []
+        with gc_paused():
+            cmds = batch.round(states, depths)
+        replies, acks = yield from self._send([c for _, c in cmds], retry,
+                                              self.wait if batch.durable else None)
+        load, failed = False, None
+        with gc_paused():
+            for (idx, _), rep, ack in zip(cmds, replies, acks):
+                if isinstance(rep, NoScriptError):
+                    batch.resend(idx)
+                    load = True
+                elif is_oom(rep):
+                    batch.refuse_oom(idx)
+                elif is_transient_reply(rep):
+                    batch.resend(idx)
+                    failed = rep
+                elif isinstance(rep, Exception):
+                    raise rep
+                else:
+                    batch.on_reply(idx, rep, ack)
+        if load:
+            yield Call(lambda r: r.script_load(ENQUEUE.source))
+        return failed
+
+    def _send(self, items: list[Packed], retry: Retrying, trailer: Optional[bytes] = None,
+              ) -> Plan[tuple[list[Any], list[Any]]]:
+        """One round trip per node. A dropped connection resends the whole batch (``retry``
+        says how long): the enqueue script is idempotent per job id, and XLEN and WAIT only
+        read."""
+        while True:
+            try:
+                return (yield Send(items, trailer))
+            except SEND_ERRORS as exc:
+                wait = retry.pause()
+                if wait is None:
+                    raise RedisUnavailable(self.url, exc) from exc
+                yield Sleep(wait)
+
+
+__all__ = ["Enqueuer", "Retrying", "EnqueuePlan", "EnqueueScript", "EnqueueOutcome",
+           "parse_enqueue_reply", "chunk_jobs", "is_transient_reply"]

@@ -1,6 +1,6 @@
 """OpenAI's logprobs objects, from the worker's TokenLogprob records (or, from older workers,
 token ids): chat's ``ChoiceLogprobs`` and a completion's ``Logprobs``. Part of the OpenAI shapes
-(``producer_sdk/openai_format.py`` re-exports these names); nothing here does I/O."""
+(``producer_sdk/openai/format.py`` re-exports these names); nothing here does I/O."""
 
 from __future__ import annotations
 

@@ -189,7 +189,7 @@ class Prepared:
     stream: bool
     queue: Optional[str] = None     # another queue of the client's namespace; None: the client's
     shard: Optional[int] = None     # ``Keys.shard_of(job_id)`` of its queue, once enqueued
-    routing_key: Optional[str] = None   # prefix-affinity key (producer_sdk/affinity.py)
+    routing_key: Optional[str] = None   # prefix-affinity key (producer_sdk/core/affinity.py)
     affinity: Optional[str] = None      # the worker it was routed to; None: the shared lanes
     deadline_ms: Optional[int] = None   # its start deadline (epoch ms), which readers keep too
     cost: int = 1                       # its token cost (protocol/budget.py), for the budget

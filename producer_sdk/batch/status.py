@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenrelay.producer_sdk.batch import load_line, parse_line
+from tokenrelay.producer_sdk.batch.runner import load_line, parse_line
 from tokenrelay.producer_sdk.errors import LineError
 from tokenrelay.protocol.keys import Keys
 

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Awaitable, Callable, Iterator, Optional
 
-from tokenrelay.producer_sdk.effects import Call, Plan
-from tokenrelay.producer_sdk.job import JobHandle, JobState
-from tokenrelay.producer_sdk.reads import ResultReader
+from tokenrelay.producer_sdk.core.effects import Call, Plan
+from tokenrelay.producer_sdk.jobs.job import JobHandle, JobState
+from tokenrelay.producer_sdk.core.reads import ResultReader
 from tokenrelay.protocol.keys import WAKE_TTL_MS, key_slot, wake_key
 
-log = logging.getLogger("tokenrelay.producer_sdk.hub")
+log = logging.getLogger("tokenrelay.producer_sdk.core.hub")
 
 SLICE_MS = 50           # the block of a reader without a wake stream
 ERROR_PAUSE_S = 0.5     # after a read that failed past its retries, before reading again

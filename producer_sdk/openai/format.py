@@ -2,10 +2,10 @@
 
 The one home of those shapes: the batch runner (``batch.py``, OpenAI Batch files) and the HTTP
 gateway (``producer_sdk.gateway``) both map request bodies with ``parse_request`` and build every
-response body, streamed chunk, logprobs object (``openai_logprobs.py``) and error object here,
+response body, streamed chunk, logprobs object (``openai/logprobs.py``) and error object here,
 so a field OpenAI spells one way is never spelled two ways by us. Structured-output and tool
 fields are mapped by ``structured.py``, tool calls read back by ``tool_calls.py``, batch output
-lines built by ``batch_lines.py``. ``tests/gateway`` validates what these functions build
+lines built by ``batch/lines.py``. ``tests/gateway`` validates what these functions build
 against the ``openai`` package's own types. Nothing here does I/O.
 """
 
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from tokenrelay.producer_sdk.errors import LineError  # noqa: F401 (home: errors.py; imported from here too)
-# The logprobs objects live beside these shapes (openai_logprobs.py) and are re-exported here.
-from tokenrelay.producer_sdk.openai_logprobs import (TOKEN_ID_PREFIX, chat_logprobs,  # noqa: F401
+# The logprobs objects live beside these shapes (openai/logprobs.py) and are re-exported here.
+from tokenrelay.producer_sdk.openai.logprobs import (TOKEN_ID_PREFIX, chat_logprobs,  # noqa: F401
                                           completion_logprobs, logprobs_body,
                                           token_logprobs_from_ids, token_logprobs_of)
-from tokenrelay.producer_sdk.structured import pop_openai
+from tokenrelay.producer_sdk.openai.structured import pop_openai
 from tokenrelay.protocol.tools import template_tool_calls
 from tokenrelay.protocol.wire import MAX_ROUTING_KEY_LEN
 
@@ -51,7 +51,7 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool             # stream_options.include_usage
     user: Optional[str]
-    tools: Any = None               # producer_sdk.structured.ToolPlan when tools are given
+    tools: Any = None               # producer_sdk.openai.structured.ToolPlan when tools are given
     constraint_param: Optional[str] = None   # the field that asked for a constraint
 
     @property
@@ -271,7 +271,7 @@ def choice_body(chat: bool, index: int, text: Optional[str], logprobs: Optional[
                 finish_reason: Optional[str],
                 tool_calls: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
     """One choice of a whole (non-streamed) response; chat's message may carry ``tool_calls``
-    (producer_sdk/tool_calls.py builds them)."""
+    (producer_sdk/openai/tool_calls.py builds them)."""
     if chat:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls:

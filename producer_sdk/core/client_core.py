@@ -1,9 +1,11 @@
-"""Everything the sync and async producer clients do, written once, without I/O.
+"""The SDK's sans-IO core: everything the sync and async producer clients do, written once.
 
 ``ClientCore`` holds what a client owns (its settings, the Redis client, made on first use, the
 queues it knows, the payload builder, the enqueue and the result reader) and writes each
-operation as a plan (``producer_sdk.effects``): it says which commands to send and what their
-replies mean. ``Client`` runs the plans blocking, ``AsyncClient`` awaiting; neither holds any
+operation as a plan (the plan style and its two drivers: ``effects``): it says which commands
+to send and what their replies mean. Its parts have one module each: enqueueing (``enqueue``),
+reading result streams (``reads``), what a producer knows of a queue and its depth
+(``queues``). ``Client`` runs the plans blocking, ``AsyncClient`` awaiting; neither holds any
 other logic, so a fix made here is made for both.
 """
 
@@ -21,22 +23,21 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.retry import Retry
 
-from tokenrelay.producer_sdk._wire import EnqueuePlan
-from tokenrelay.producer_sdk.affinity import AffinityRouter
+from tokenrelay.producer_sdk.core.affinity import AffinityRouter
 from tokenrelay.producer_sdk.config import ClientConfig
-from tokenrelay.producer_sdk.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, Send, Sleep, pipelined,
+from tokenrelay.producer_sdk.core.effects import (NET_ERRORS, SEND_ERRORS, Call, Plan, Send, Sleep,
                                   raise_transient, retrying, run_plan_script)
-from tokenrelay.producer_sdk.enqueue import Enqueuer
+from tokenrelay.producer_sdk.core.enqueue import EnqueuePlan, Enqueuer
 from tokenrelay.producer_sdk.errors import (ClientClosed, InvalidRequest, JobNotFound, NotDurable,
                                             QueueFull, RedisUnavailable, SDKError)
-from tokenrelay.producer_sdk.job import Deadline, JobHandle, JobState
-from tokenrelay.producer_sdk.models import ServedModel, listing, resolve_model
-from tokenrelay.producer_sdk.models import live_workers as queue_workers
-from tokenrelay.producer_sdk.payloads import PayloadBuilder, Prepared, gc_paused
-from tokenrelay.producer_sdk.queues import LIMIT_FIELD, TOKENS_FIELD, QueueBook
-from tokenrelay.producer_sdk.reads import Lost, Pumped, ResultReader, rerun_request
-from tokenrelay.producer_sdk.signatures import SEND_OPTIONS, bind_submit
-from tokenrelay.producer_sdk.status import JobStatus, liveness, read_statuses
+from tokenrelay.producer_sdk.jobs.job import Deadline, JobHandle, JobState
+from tokenrelay.producer_sdk.core.models import ServedModel, listing, resolve_model
+from tokenrelay.producer_sdk.core.models import live_workers as queue_workers
+from tokenrelay.producer_sdk.jobs.payloads import PayloadBuilder, Prepared, gc_paused
+from tokenrelay.producer_sdk.core.queues import LIMIT_FIELD, TOKENS_FIELD, QueueBook
+from tokenrelay.producer_sdk.core.reads import Lost, Pumped, ResultReader, rerun_request
+from tokenrelay.producer_sdk.jobs.signatures import SEND_OPTIONS, bind_submit
+from tokenrelay.producer_sdk.core.status import JobStatus, liveness, read_statuses
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.limits import Limits
 from tokenrelay.protocol.scripts import CANCEL_KNOWN, FORGET_STALE_RECORD, CancelTarget, cancel_target, pack
@@ -168,8 +169,8 @@ class ClientCore(ABC, Generic[R]):
                                          durable=durable))
 
     def _models(self) -> Plan[dict[str, ServedModel]]:
-        """The live models of the namespace (``producer_sdk.models``), read now."""
-        return (yield from self._retrying(lambda: pipelined(listing(self.namespace))))
+        """The live models of the namespace (``producer_sdk.core.models``), read now."""
+        return (yield from self._retrying(lambda: listing(self.namespace)))
 
     def _queue_of_model(self, model: str) -> Plan[str]:
         return resolve_model((yield from self._models()), model).queue
@@ -308,11 +309,11 @@ class ClientCore(ABC, Generic[R]):
         yield Call(lambda r: r.ping())
 
     def _live_workers(self, queue: Optional[str]) -> Plan[list[str]]:
-        """Ids of the workers that take new jobs of ``queue`` now (``producer_sdk.models``:
+        """Ids of the workers that take new jobs of ``queue`` now (``producer_sdk.core.models``:
         heartbeat fresh, engine loaded, not draining)."""
         name = queue or self.queue
         return (yield from self._retrying(
-            lambda: pipelined(queue_workers(self.namespace, name))))
+            lambda: queue_workers(self.namespace, name)))
 
     def _queue_depth(self, queue: Optional[str]) -> Plan[int]:
         lanes = (yield from self._queues.keys(queue)).lanes()
@@ -344,7 +345,7 @@ class ClientCore(ABC, Generic[R]):
         return got[0][1] if got else []
 
     def _settle(self, states: Sequence[JobState]) -> Plan[list[JobState]]:
-        """What waiting readers decide without a worker (``producer_sdk/reads.py``): jobs no
+        """What waiting readers decide without a worker (``producer_sdk/core/reads.py``): jobs no
         worker started by their deadline are cancelled and end ``expired``; jobs whose
         records Redis lost go back in their queue from the request (``rerun_request``), or
         end ``job_lost`` when the reader has none (a job reattached by id). Returns the jobs

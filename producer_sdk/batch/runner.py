@@ -34,16 +34,16 @@ from typing import Any, Iterator, Optional, TextIO
 from pydantic import BaseModel, ConfigDict
 
 from tokenrelay.producer_sdk.client import Client
-from tokenrelay.producer_sdk.window import progress_bar
+from tokenrelay.producer_sdk.core.window import progress_bar
 from tokenrelay.producer_sdk.errors import InvalidRequest, JobFailed, ModelNotFound
-from tokenrelay.producer_sdk.job import Job
-from tokenrelay.producer_sdk.models import ModelCache, resolve_model
-from tokenrelay.producer_sdk.batch_watch import DEFAULT_EVERY_S, WorkerWatch
-from tokenrelay.producer_sdk.batch_lines import (LineTag, error_counts, error_line,
+from tokenrelay.producer_sdk.jobs.job import Job
+from tokenrelay.producer_sdk.core.models import ModelCache, resolve_model
+from tokenrelay.producer_sdk.batch.watch import DEFAULT_EVERY_S, WorkerWatch
+from tokenrelay.producer_sdk.batch.lines import (LineTag, error_counts, error_line,
                                                  error_line_number, job_id_for, response_line)
-from tokenrelay.producer_sdk.batch_lock import OutputLock
-from tokenrelay.producer_sdk.openai_format import LineError, parse_request
-from tokenrelay.producer_sdk.structured import fit_tools, rename_error
+from tokenrelay.producer_sdk.batch.lock import OutputLock
+from tokenrelay.producer_sdk.openai.format import LineError, parse_request
+from tokenrelay.producer_sdk.openai.structured import fit_tools, rename_error
 from tokenrelay.protocol.keys import Keys
 
 class BatchRequest(BaseModel):
@@ -181,7 +181,7 @@ class BatchRunner:
                  progress: bool = True, flush_every_s: float = 0.2,
                  durable: Optional[bool] = None, wait_log_s: float = DEFAULT_EVERY_S) -> None:
         """``wait_log_s``: how often a line says that a queue the batch waits on has no live
-        worker (producer_sdk/batch_watch.py)."""
+        worker (producer_sdk/batch/watch.py)."""
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.client = client
@@ -347,7 +347,7 @@ def parse_line(obj: dict[str, Any], lineno: int) -> tuple[LineTag, dict[str, Any
 class ModelRouter:
     """The queue a line's ``body.model`` goes to, and the model name its output shows.
 
-    * a model that live workers serve (``producer_sdk.models``): the queue they serve it on,
+    * a model that live workers serve (``producer_sdk.core.models``): the queue they serve it on,
       and the output's ``model`` is that served name;
     * a model no live worker serves: ``model_not_found`` (the line goes to the errors file) --
       unless no live worker of the namespace advertises any model and the namespace has no

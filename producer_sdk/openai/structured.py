@@ -48,7 +48,7 @@ class Constraint:
 
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
-    """What a request's tools ask of the answer (``producer_sdk/tool_calls.py`` reads it):
+    """What a request's tools ask of the answer (``producer_sdk/openai/tool_calls.py`` reads it):
     ``choice`` ``auto`` (the model may call), ``required`` (a constrained array of calls) or
     ``function`` (a constrained call of ``function``)."""
 

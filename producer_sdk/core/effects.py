@@ -9,8 +9,9 @@ answer. Plans compose with ``yield from``. The only code that differs between ``
 and whether that waits by blocking or by awaiting. Why: the two clients used to mirror each
 other method for method, and every fix had to be made twice.
 
-Plans written in the older pipeline style (a generator of command-tuple lists, e.g. the
-heartbeat readers of ``producer_sdk.models``) run here through ``pipelined``.
+Every plan of the SDK is written in this style. The contract's own readers
+(``protocol.heartbeat.live_beats``, shared with the worker, which has no effects) yield lists of
+command tuples instead; ``pipelined`` runs one of those as a plan of effects.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Any, Awaitable, Callable, Generator, Optional, Sequence, Type
 
 from redis.exceptions import (AskError, AuthenticationError, AuthorizationError,
                               BusyLoadingError, ClusterDownError, ClusterError, NoScriptError,
-                              RedisClusterException, SlotNotCoveredError, TryAgainError)
+                              OutOfMemoryError, RedisClusterException, ResponseError,
+                              SlotNotCoveredError, TryAgainError)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -145,6 +147,14 @@ def is_transient(exc: BaseException, connection: bool = True) -> bool:
     return connection and isinstance(exc, NET_ERRORS)
 
 
+def is_oom(reply: Any) -> bool:
+    """Redis refused a write for maxmemory. Redis 7 returns the OOM error itself; Redis 6.2
+    wraps it when it comes from inside a script ("Error running script ... -OOM command not
+    allowed ..."), which redis-py then raises as a plain ResponseError."""
+    return isinstance(reply, OutOfMemoryError) or (
+        isinstance(reply, ResponseError) and "OOM command not allowed" in str(reply))
+
+
 def raise_transient(replies: Sequence[Any]) -> Sequence[Any]:
     """Replies of a pipeline run with errors as values; the first transient error among them
     is raised (so ``retrying`` sends the whole step again), the others stay values."""
@@ -225,5 +235,5 @@ def pipelined(plan: Generator[Sequence[tuple[Any, ...]], list[Any], T]) -> Plan[
 
 
 __all__ = ["Call", "Send", "Sleep", "Effect", "Plan", "run", "arun", "cluster", "pipeline",
-           "pipelined", "retrying", "run_plan_script", "is_transient", "raise_transient", "refresh_slots",
+           "pipelined", "retrying", "run_plan_script", "is_transient", "is_oom", "raise_transient", "refresh_slots",
            "NET_ERRORS", "SEND_ERRORS", "CLUSTER_TRANSIENT"]

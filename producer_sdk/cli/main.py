@@ -3,7 +3,7 @@
 Every command takes ``--redis-url`` (one Redis, or any node of a Redis Cluster), ``--cluster``,
 ``--namespace``, ``--queue`` and ``--shards`` (before or after it); each option is also a
 ``TOKENRELAY_<NAME>`` variable (protocol/settings.py). Exit codes: one table,
-``producer_sdk/exit_codes.py`` (shown by ``--help`` and in the README).
+``producer_sdk/cli/exit_codes.py`` (shown by ``--help`` and in the README).
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from pydantic import Field
 
 from tokenrelay.protocol.settings import (BackPressureSettings, CliSettings, ConnectionSettings, JsonOutput,
                                add_settings_flags, own_env, parse_settings, unset)
-from tokenrelay.producer_sdk.batch_lock import BatchLocked
-from tokenrelay.producer_sdk.cli_batch import cmd_batch, cmd_batch_status, status_line
+from tokenrelay.producer_sdk.batch.lock import BatchLocked
+from tokenrelay.producer_sdk.batch.cli import cmd_batch, cmd_batch_status, status_line
 from tokenrelay.producer_sdk.client import Client
-from tokenrelay.producer_sdk.exit_codes import (EXIT_FAILED, EXIT_FINISHED, EXIT_FULL,
+from tokenrelay.producer_sdk.cli.exit_codes import (EXIT_FAILED, EXIT_FINISHED, EXIT_FULL,
                                                 EXIT_INVALID, EXIT_LOCKED, EXIT_NO_WORKER,
                                                 EXIT_NOT_DURABLE, EXIT_TIMEOUT, EXIT_UNAVAILABLE,
                                                 EXIT_UNKNOWN, exit_table)
 from tokenrelay.producer_sdk.errors import (InvalidRequest, JobFailed, JobNotFound, ModelNotFound,
                                             NotDurable, QueueFull, RedisUnavailable)
-from tokenrelay.producer_sdk.stats import discover_queues, queue_stats, stats_table
-from tokenrelay.producer_sdk.structured import from_cli, rename_error
+from tokenrelay.producer_sdk.cli.stats import discover_queues, queue_stats, stats_table
+from tokenrelay.producer_sdk.openai.structured import from_cli, rename_error
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.shards import ShardCountMismatch, registered_shards, resolve_shards
 from tokenrelay.protocol.topology import cluster_flag
@@ -96,7 +96,7 @@ class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption, DurableOptions,
     routing_key: Optional[str] = Field(
         None, description="Prefix-affinity key (a conversation or system-prompt id): jobs with "
         "the same key go to the same live worker.", json_schema_extra=unset("none"))
-    # Structured output: at most one (producer_sdk/structured.py, docs/protocol.md).
+    # Structured output: at most one (producer_sdk/openai/structured.py, docs/protocol.md).
     json_schema: Optional[str] = Field(None, description="Answer as JSON this schema validates "
                                        "(a file, or the schema itself).",
                                        json_schema_extra=unset("none"))
@@ -380,7 +380,7 @@ def cmd_result(client: Client, args: argparse.Namespace, opts: ResultOptions) ->
 
 def cmd_stats(opts: StatsOptions) -> int:
     import redis
-    from tokenrelay.producer_sdk.client_core import NET_ERRORS, make_redis
+    from tokenrelay.producer_sdk.core.client_core import NET_ERRORS, make_redis
     from tokenrelay.producer_sdk.config import ClientConfig
     from tokenrelay.protocol.topology import redact_url
     url = opts.redis_url

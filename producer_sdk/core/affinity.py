@@ -33,15 +33,14 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from redis.exceptions import ClusterError, RedisClusterException, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tokenrelay.producer_sdk.effects import Plan, pipelined
-from tokenrelay.producer_sdk.models import Pipeline
-from tokenrelay.producer_sdk.payloads import Prepared
+from tokenrelay.producer_sdk.core.effects import Plan, pipeline
+from tokenrelay.producer_sdk.jobs.payloads import Prepared
 from tokenrelay.protocol.heartbeat import FIELDS, Heartbeat
 from tokenrelay.protocol.keys import Keys
 
@@ -82,14 +81,14 @@ def live_worker(queue: str, worker_id: str, beat: Optional[Heartbeat]) -> Option
     return LiveWorker(worker_id, max(0, beat.held) + max(0, beat.affinity_queued))
 
 
-def live_workers_plan(keys: Keys) -> Generator[Pipeline, list[Any], dict[str, LiveWorker]]:
+def live_workers_plan(keys: Keys) -> Plan[dict[str, LiveWorker]]:
     """The queue's workers that take affinity jobs now: the registry, then every heartbeat's
     fields (two round trips)."""
-    (ids,) = yield [("ZRANGE", keys.workers, 0, -1)]
+    (ids,) = yield pipeline([("ZRANGE", keys.workers, 0, -1)])
     workers = sorted({_text(w) for w in ids or ()} - {""})
     if not workers:
         return {}
-    rows = yield [("HMGET", keys.heartbeat(w), *FIELDS) for w in workers]
+    rows = yield pipeline([("HMGET", keys.heartbeat(w), *FIELDS) for w in workers])
     found = (live_worker(keys.queue, w, Heartbeat.from_row(row)) for w, row in zip(workers, rows))
     return {lw.worker_id: lw for lw in found if lw is not None}
 
@@ -158,7 +157,7 @@ class AffinityRouter:
         keyed = [j for j in jobs if j.routing_key is not None]
         for queue in self.stale(keyed):
             try:
-                self.store(queue, (yield from pipelined(live_workers_plan(self._keys(queue)))))
+                self.store(queue, (yield from live_workers_plan(self._keys(queue))))
             except READ_ERRORS:
                 pass
         self.assign(keyed)

@@ -12,7 +12,7 @@ Live means: the heartbeat hash still exists (a dead or frozen worker's expires w
 its registry entry may linger, which is why the hash decides), its engine is loaded, it is not
 draining (it takes no new jobs), and it names this queue (``Heartbeat.serving``; the hash's
 schema is protocol/heartbeat.py). The sync and async variants share all the logic
-(``listing``, a generator of pipelines); the SDK's two drivers run it (``producer_sdk.effects``).
+(``listing``, a plan); the SDK's two drivers run it (``producer_sdk.core.effects``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Optional
+from typing import Any, Callable, Optional
 
-from tokenrelay.producer_sdk.effects import arun, pipelined, run
+from tokenrelay.producer_sdk.core.effects import Plan, arun, pipeline, pipelined, run
 from tokenrelay.producer_sdk.errors import ModelNotFound
-from tokenrelay.protocol.heartbeat import FIELDS, Heartbeat, Pipeline, live_beats, queue_model
+from tokenrelay.protocol.heartbeat import FIELDS, Heartbeat, live_beats, queue_model
 from tokenrelay.protocol.keys import Keys
 
 
@@ -57,25 +57,26 @@ def _s(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def listing(namespace: str) -> Generator[Pipeline, list[Any], dict[str, ServedModel]]:
-    """The listing as a sans-IO plan: yields each round trip's commands, receives its replies."""
+def listing(namespace: str) -> Plan[dict[str, ServedModel]]:
+    """The listing as a plan: three pipelines, one round trip each."""
     ns = Keys(namespace)
-    (queues,) = yield [("SMEMBERS", ns.queues)]
+    (queues,) = yield pipeline([("SMEMBERS", ns.queues)])
     names = sorted(_s(q) for q in queues or ())
     if not names:
         return {}
-    registries = yield [("ZRANGE", Keys(namespace, q).workers, 0, -1) for q in names]
+    registries = yield pipeline([("ZRANGE", Keys(namespace, q).workers, 0, -1) for q in names])
     pairs = [(q, _s(w)) for q, ids in zip(names, registries) for w in ids or ()]
     if not pairs:
         return {}
-    rows = yield [("HMGET", ns.heartbeat(w), *FIELDS) for _, w in pairs]
+    rows = yield pipeline([("HMGET", ns.heartbeat(w), *FIELDS) for _, w in pairs])
     return _models(pairs, [Heartbeat.from_row(row) for row in rows])
 
 
-def live_workers(namespace: str, queue: str) -> Generator[Pipeline, list[Any], list[str]]:
-    """The ids of ``queue``'s live workers (``Heartbeat.serving``), as a plan of the same
-    style (``protocol.heartbeat.live_beats``)."""
-    return sorted((yield from live_beats(namespace, queue)))
+def live_workers(namespace: str, queue: str) -> Plan[list[str]]:
+    """The ids of ``queue``'s live workers (``Heartbeat.serving``), as a plan. The reading is
+    the contract's (``protocol.heartbeat.live_beats``, shared with the worker, which has no
+    effects of its own), bridged by ``effects.pipelined``."""
+    return sorted((yield from pipelined(live_beats(namespace, queue))))
 
 
 def _models(pairs: list[tuple[str, str]],
@@ -119,14 +120,14 @@ def resolve_model(models: dict[str, ServedModel], model: str) -> ServedModel:
 def list_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:
     """Model name -> ``ServedModel`` for every model live workers of ``namespace`` serve, over
     all its queues (a redis-py ``Redis``)."""
-    return run(pipelined(listing(namespace)), lambda: client)
+    return run(listing(namespace), lambda: client)
 
 
 async def alist_models(client: Any, namespace: str = "tokenrelay") -> dict[str, ServedModel]:
     """``list_models`` on a ``redis.asyncio.Redis``."""
     async def conn() -> Any:
         return client
-    return await arun(pipelined(listing(namespace)), conn)
+    return await arun(listing(namespace), conn)
 
 
 class _TTL:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Protocol, Sequence
 
-from tokenrelay.producer_sdk.effects import NET_ERRORS, Plan
+from tokenrelay.producer_sdk.core.effects import NET_ERRORS, Plan
 from tokenrelay.producer_sdk.errors import DUPLICATE, JobFailed, RedisUnavailable
-from tokenrelay.producer_sdk.job import Delta, JobHandle, JobState
-from tokenrelay.producer_sdk.payloads import Prepared
+from tokenrelay.producer_sdk.jobs.job import Delta, JobHandle, JobState
+from tokenrelay.producer_sdk.jobs.payloads import Prepared
 from tokenrelay.protocol.scripts.cancel import CancelTarget
 
 Pair = tuple[Any, Any]      # (the caller's tag, its job handle)

@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import msgpack
 
-from tokenrelay.producer_sdk._wire import (fields_dict, merge_reads, merge_xreads, normalize_xread,
-                                parse_raw_xread, sliced_xread, slot_groups)
-from tokenrelay.producer_sdk.effects import Call, Plan, Send, cluster, raise_transient, retrying
-from tokenrelay.producer_sdk.job import Delta, JobState, feed_states
+from tokenrelay.producer_sdk.core.effects import Call, Plan, Send, cluster, raise_transient, retrying
+from tokenrelay.producer_sdk.jobs.job import Delta, JobState, feed_states
 from tokenrelay.protocol.errors import ProtocolError
-from tokenrelay.protocol.keys import EVENT_FIELD, parse_dedupe_record
-from tokenrelay.protocol.topology import node_name
+from tokenrelay.protocol.keys import EVENT_FIELD, key_slot, parse_dedupe_record
+from tokenrelay.protocol.scripts import pack
+from tokenrelay.protocol.topology import Packed, node_name
 from tokenrelay.protocol.wire import decode_event
 
 XREAD_COUNT = 512
@@ -200,8 +199,8 @@ def _entry_id(entry_id: Any) -> bytes:
 
 def read_once(streams: dict[str, bytes], block_ms: int) -> Plan[list]:
     """One stream: a plain XREAD. Several in one slot (or on one Redis): the blocking XREAD and
-    the non-blocking one pipelined behind it (``_wire.merge_xreads`` says why). Several slots
-    of a cluster: rounds of sliced reads (``_wire.sliced_xread``) until something came or the
+    the non-blocking one pipelined behind it (``merge_xreads`` says why). Several slots
+    of a cluster: rounds of sliced reads (``sliced_xread``) until something came or the
     wait is over."""
     if len(streams) == 1:
         return normalize_xread((yield Call(
@@ -227,4 +226,114 @@ def _xread_pair(r: Any, streams: dict[str, bytes], block_ms: int) -> Any:
     return pipe.execute()
 
 
-__all__ = ["ResultReader", "Lost", "read_once", "rerun_request", "XREAD_COUNT", "Pumped"]
+# -- the XREAD commands and replies
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def normalize_xread(reply: Any) -> list[tuple[str, list[tuple[bytes, dict]]]]:
+    """XREAD replies as [(key, [(entry id, fields)])] for both RESP2 and RESP3 shapes."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        out = []
+        for key, entries in reply.items():
+            if entries and isinstance(entries[0], list) and entries[0] and isinstance(
+                    entries[0][0], (tuple, list)):
+                entries = entries[0]
+            out.append((_s(key), list(entries)))
+        return out
+    return [(_s(key), list(entries)) for key, entries in reply]
+
+
+def merge_xreads(blocking: Any, follow_up: Any) -> list[tuple[str, list[tuple[bytes, dict]]]]:
+    """One answer from a blocking multi-stream XREAD and the non-blocking XREAD for the same ids
+    pipelined right behind it.
+
+    Why the pair: before Redis 7.2 a blocked multi-stream XREAD is answered with only the first
+    stream that got data, although a worker writes all its jobs' streams in one step; the
+    follow-up runs the moment the blocking read is answered and brings the others, without a
+    client round trip. Both start from the same ids, so per stream the longer list wins."""
+    return merge_reads([normalize_xread(blocking), normalize_xread(follow_up)])
+
+
+def merge_reads(reads: Iterable[list[tuple[str, list]]]) -> list[tuple[str, list]]:
+    """Several normalized XREAD answers as one; per stream the longest list wins (reads of one
+    stream start from the same id)."""
+    merged: dict[str, list] = {}
+    for read in reads:
+        for key, entries in read:
+            if len(entries) > len(merged.get(key, ())):
+                merged[key] = entries
+    return list(merged.items())
+
+
+# A read of result streams in several cluster slots blocks on one slot per node at a time, so
+# it blocks in slices this long and then reads every slot again: an event of another slot waits
+# at most one slice. (One slot, or one Redis, blocks for the whole wait.)
+XREAD_SLICE_MS = 50
+
+
+def xread_command(streams: Mapping[str, bytes], keys: Sequence[str], count: int,
+                  block_ms: Optional[int]) -> bytes:
+    """A packed XREAD of ``keys`` from their last ids in ``streams``."""
+    head = [b"XREAD", b"COUNT", b"%d" % count]
+    if block_ms is not None:
+        head += [b"BLOCK", b"%d" % block_ms]
+    return pack([*head, b"STREAMS", *[k.encode() for k in keys],
+                         *[streams[k] for k in keys]])
+
+
+def slot_groups(keys: Iterable[str]) -> list[list[str]]:
+    """Stream keys grouped by cluster slot (a cluster refuses a multi-key XREAD across slots);
+    per-job keys of one queue shard share its hash tag, so a window of many jobs is one group
+    per shard."""
+    groups: dict[int, list[str]] = {}
+    for k in keys:
+        groups.setdefault(key_slot(k), []).append(k)
+    return list(groups.values())
+
+
+def sliced_xread(streams: Mapping[str, bytes], node_of: Callable[[str], Any], count: int,
+                 block_ms: int) -> list[Packed]:
+    """One round of reading streams spread over several slots: per node, a blocking XREAD of
+    its first slot group (for at most one slice) and the non-blocking XREAD of every group of
+    it behind it (the first one again too: see ``merge_xreads``)."""
+    out: list[Packed] = []
+    blocking: set[Any] = set()
+    for group in slot_groups(streams):
+        node = node_of(group[0])
+        cmds = [xread_command(streams, group, count, None)]
+        if node not in blocking:
+            blocking.add(node)
+            cmds.insert(0, xread_command(streams, group, count, min(block_ms, XREAD_SLICE_MS)))
+        out.append((group[0], b"".join(cmds), len(cmds)))
+    return out
+
+
+def parse_raw_xread(reply: Any) -> list[tuple[str, list[tuple[bytes, dict]]]]:
+    """A raw XREAD reply (RESP2 list or RESP3 map, fields as a flat list, as a connection
+    returns it without redis-py's callbacks) as ``normalize_xread`` gives it."""
+    if isinstance(reply, Exception):
+        raise reply
+    if not reply:
+        return []
+    pairs = reply.items() if isinstance(reply, dict) else reply
+    out = []
+    for key, entries in pairs:
+        out.append((_s(key), [(eid, fields_dict(raw)) for eid, raw in entries or ()]))
+    return out
+
+
+def fields_dict(raw: Any) -> dict:
+    """A stream entry's fields as a dict, from redis-py's dict or the raw flat list (a reply
+    read without redis-py's callbacks, as a cluster MULTI returns them too)."""
+    if isinstance(raw, dict):
+        return raw
+    raw = raw or []
+    return {raw[i]: raw[i + 1] for i in range(0, len(raw) - 1, 2)}
+
+
+__all__ = ["ResultReader", "Lost", "read_once", "rerun_request", "XREAD_COUNT", "Pumped",
+           "normalize_xread", "merge_xreads", "merge_reads", "xread_command", "slot_groups",
+           "sliced_xread", "parse_raw_xread", "fields_dict", "XREAD_SLICE_MS"]
