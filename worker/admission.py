@@ -37,6 +37,8 @@ from tokenrelay.worker.pending import PendingList
 from tokenrelay.worker.recovery import JobProgress, progress_from_entries
 from tokenrelay.worker.sampling_defaults import SamplingDefaults
 from tokenrelay.worker.token_text import TokenTexts
+from tokenrelay.worker.connection import RedisClient
+from tokenrelay.worker.logs import Log
 
 
 class StartDeferred(Exception):
@@ -62,10 +64,10 @@ def _params_message(msg: str) -> str:
 class Admission:
     """Admits entries into the worker's JobTable and engine; see the module docstring."""
 
-    def __init__(self, client: Any, keys: Keys, worker_id: str, settings: WorkerSettings,
+    def __init__(self, client: RedisClient, keys: Keys, worker_id: str, settings: WorkerSettings,
                  limits: Limits, engine: EngineAPI, jobs: JobTable, fence: Fence,
                  outbox: Outbox, pending: PendingList, metrics: WorkerMetrics,
-                 log: Any) -> None:
+                 log: Log) -> None:
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
