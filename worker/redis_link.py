@@ -12,6 +12,7 @@ handed in as callables.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import redis
@@ -24,25 +25,24 @@ from tokenrelay.worker.logs import Log, RateLimitedLog
 from tokenrelay.worker.metrics import WorkerMetrics
 
 
+@dataclass(kw_only=True, eq=False)
 class RedisLink:
-    """The client, its backoff, and the transient error being waited out (None: none)."""
+    """The client, its backoff, and the transient error being waited out (None: none).
 
-    def __init__(self, *, settings: WorkerSettings, metrics: WorkerMetrics, log: Log,
-                 log_limited: RateLimitedLog, stop: threading.Event,
-                 held: Callable[[], int], reread: Callable[[], None]) -> None:
-        """``stop`` is the loop's stop flag (a backoff waits on it, so stopping cuts the wait
-        short); ``held`` counts the jobs held (for the logs); ``reread`` re-reads the worker's
-        own pending entries after an error that may have lost track of them."""
-        self.s = settings
-        self.metrics = metrics
-        self.log = log
-        self.log_limited = log_limited
-        self._stop = stop
-        self._held = held
-        self._reread = reread
-        self.client: Optional[RedisClient] = None
-        self.backoff = Backoff()
-        self.error: Optional[str] = None
+    ``stop`` is the loop's stop flag (a backoff waits on it, so stopping cuts the wait short);
+    ``held`` counts the jobs held (for the logs); ``reread`` re-reads the worker's own pending
+    entries after an error that may have lost track of them."""
+
+    settings: WorkerSettings
+    metrics: WorkerMetrics
+    log: Log
+    log_limited: RateLimitedLog
+    stop: threading.Event
+    held: Callable[[], int]
+    reread: Callable[[], None]
+    client: Optional[RedisClient] = field(default=None, init=False)
+    backoff: Backoff = field(default_factory=Backoff, init=False)
+    error: Optional[str] = field(default=None, init=False)
 
     def connect(self, prepare: Callable[[], None], give_up: Callable[[], bool]) -> bool:
         """(Re)connect, then ``prepare`` (the loop's collaborators, groups, own pending), until
@@ -50,7 +50,7 @@ class RedisLink:
         while True:
             try:
                 if self.client is None:
-                    self.client = connect(self.s.redis_url, self.s.block_ms, self.s.cluster)
+                    self.client = connect(self.settings.redis_url, self.settings.block_ms, self.settings.cluster)
                 else:
                     topology.refresh(self.client)   # a failover may have moved every slot
                 prepare()
@@ -60,19 +60,19 @@ class RedisLink:
                 return True
             except (*REDIS_ERRORS, topology.ClusterModeError) as exc:
                 self.check_permanent(exc)
-                if self._stop.is_set() and give_up():
+                if self.stop.is_set() and give_up():
                     self.log.warning("giving up on redis while stopping", error=str(exc),
-                                     held=self._held())
+                                     held=self.held())
                     return False
                 delay = self.backoff.failed()
                 self.log_limited("warning", "redis unavailable, retrying", error=str(exc),
                                  retry_in_s=round(delay, 3))
-                self._stop.wait(delay)
+                self.stop.wait(delay)
 
     def check_permanent(self, exc: BaseException) -> None:
         """Raise PermanentRedisError (exit 78, one line) for a configuration error."""
         if classify(exc) is ErrorKind.PERMANENT:
-            raise PermanentRedisError(describe_permanent(exc, self.s.redis_url)) from exc
+            raise PermanentRedisError(describe_permanent(exc, self.settings.redis_url)) from exc
 
     def guarded(self, iteration: Callable[[], bool], reconnect: Callable[[], bool]) -> bool:
         """One ``iteration`` of the loop (True: exit), its Redis errors met: a lost connection
@@ -95,10 +95,10 @@ class RedisLink:
         delay = self.backoff.failed()
         self.log_limited("warning", "redis command failed; pausing intake and retrying",
                          error=error, kind=kind.value, retry_in_s=round(delay, 3),
-                         held=self._held())
+                         held=self.held())
         if kind is not ErrorKind.TRANSIENT:
-            self._reread()
-        self._stop.wait(delay)
+            self.reread()
+        self.stop.wait(delay)
 
     def recovered(self) -> None:
         """A flush went through: the error waited out is over (intake resumes)."""

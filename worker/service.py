@@ -130,13 +130,12 @@ class Worker:
                               held=lambda: len(self.jobs),
                               reread=lambda: self._crew().intake.reread_own_pending())
 
-    @property
-    def client(self) -> Optional[RedisClient]:
-        return self.link.client
+        self.backoff: Backoff = self.link.backoff     # one object for the worker's life
 
     @property
-    def backoff(self) -> Backoff:
-        return self.link.backoff
+    def client(self) -> Optional[RedisClient]:
+        """redis.Redis or RedisCluster once connected (worker/redis_link.py), else None."""
+        return self.link.client
 
     @property
     def redis_error(self) -> Optional[str]:
