@@ -46,7 +46,7 @@ import redis
 from tokenrelay.protocol.keys import EVENT_FIELD, Keys
 from tokenrelay.protocol.wire import decode_event
 from benchmarks.worker import REPO, ensure_model
-from tokenrelay.worker.redis_server import RedisServer, free_port
+from devtools.redis_server import RedisServer, free_port
 
 # The default beat: its hash lives 5 beats, longer than the longest step here (a burst of
 # prefills on a loaded CPU takes a second or two; a worker whose hash expires counts as dead).

@@ -95,7 +95,7 @@ def write(url: str, argv: list[str]) -> None:
 def measure_floor(argv: list[str]) -> Floor:
     """The floor's delivery delays (one per token the engine made, as the worker benchmark has
     one per token event) and the wake probe, on a private redis-server."""
-    from tokenrelay.worker.redis_server import RedisServer
+    from devtools.redis_server import RedisServer
     with RedisServer(["--appendonly", "no"]) as srv:
         reader = floor_reader(srv.url)
         reader.start()

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import httpx
 
 from tokenrelay.worker.fake_engine import fake_completion
-from tokenrelay.worker.redis_server import RedisCluster, free_port
+from devtools.redis_server import RedisCluster, free_port
 
 NS = "failover"
 URL_NODE = 0            # the node the gateway's --redis-url names

@@ -35,7 +35,7 @@ from typing import Any, Optional
 from tokenrelay.producer_sdk import Client
 from tokenrelay.protocol.keys import GROUP, Keys
 from tokenrelay.protocol.topology import make_client
-from tokenrelay.worker.redis_server import RedisCluster, RedisServer
+from devtools.redis_server import RedisCluster, RedisServer
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -38,7 +38,7 @@ import redis
 
 from tokenrelay.protocol.keys import EVENT_FIELD, Keys
 from tokenrelay.protocol.wire import decode_event
-from tokenrelay.worker.redis_server import RedisServer, free_port
+from devtools.redis_server import RedisServer, free_port
 
 NS, QUEUE = "load", "loadq"
 

@@ -145,10 +145,10 @@ def kernel_roofline(plan: Plan) -> Outcome:
 
 def worker_stream(plan: Plan) -> Outcome:
     """One ``tokenrelay worker`` on the device streams two jobs through an embedded
-    redis-server (worker/redis_server.py), then drains on SIGTERM and exits 0."""
+    redis-server (devtools/redis_server.py), then drains on SIGTERM and exits 0."""
     from demos.service import WorkerProcess
     from tokenrelay.producer_sdk import Client
-    from tokenrelay.worker.redis_server import RedisServer
+    from devtools.redis_server import RedisServer
 
     model = plan.bench_model()
     dtype = "float32" if plan.dry else "bfloat16"

@@ -22,7 +22,7 @@ import redis
 
 from tokenrelay.producer_sdk import Client
 from tokenrelay.protocol.keys import Keys
-from tokenrelay.worker.redis_server import RedisServer
+from devtools.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "Summarise the design of a message-queue-driven inference service in one paragraph:"

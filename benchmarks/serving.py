@@ -40,7 +40,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 import httpx
 
-from tokenrelay.worker.redis_server import RedisServer, free_port
+from devtools.redis_server import RedisServer, free_port
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colours.",

@@ -95,7 +95,7 @@ class WorkerUnderTest:
     """A private redis-server and one ``tokenrelay worker --model fake:...`` on it."""
 
     def __init__(self, s: Setting, mode: str) -> None:
-        from tokenrelay.worker.redis_server import RedisServer, free_port
+        from devtools.redis_server import RedisServer, free_port
         self.srv = RedisServer(args=["--appendonly", "no"]).start()
         self.metrics_port = free_port()
         self._tmp = tempfile.TemporaryDirectory()

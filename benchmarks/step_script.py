@@ -29,7 +29,7 @@ import redis
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.scripts import ScriptPipeline
 from tokenrelay.worker.fencing import Fence, WriteStatus, parse_step_reply
-from tokenrelay.worker.redis_server import RedisServer
+from devtools.redis_server import RedisServer
 
 CHUNK = 128   # jobs per WRITE_STEP call, as worker/outbox.py sends them
 EVENT = b"x" * 60   # about one encoded token event

@@ -188,7 +188,7 @@ class WorkerProcess:
     """One ``tokenrelay worker`` on a private redis-server, warmed up, reused across rounds."""
 
     def __init__(self, model: str, args: argparse.Namespace) -> None:
-        from tokenrelay.worker.redis_server import RedisServer, free_port
+        from devtools.redis_server import RedisServer, free_port
         self.srv = RedisServer(args=["--appendonly", "no"]).start()
         self.metrics_port = free_port()
         self._tmp = tempfile.TemporaryDirectory()

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import redis
 
-from tokenrelay.worker.redis_server import RedisServer, redis_answers
+from devtools.redis_server import RedisServer, redis_answers
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO / ".models" / "tiny-llama"

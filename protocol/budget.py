@@ -25,9 +25,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 import msgpack
 
+from tokenrelay.protocol.sampling_params import DEFAULT_MAX_TOKENS, default_max_tokens
+
 BYTES_PER_TOKEN = 3
-# SamplingParams' default max_tokens: what a completion job without max_tokens generates.
-DEFAULT_MAX_TOKENS = 16
 # The context a chat job without max_tokens is assumed to fill when the producer knows no
 # better (worker/admission.py gives such a job max_model_len - prompt tokens).
 DEFAULT_CONTEXT_TOKENS = 8192
@@ -56,11 +56,11 @@ def completion_tokens(params: Mapping[str, Any], prompt: int, chat: bool,
                       context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> int:
     """Tokens a job may generate: ``max_tokens`` per choice (``n`` samples, or ``beam_width``
     beams: each is a sequence of its own), or without ``max_tokens`` what the worker will give
-    it: a chat job the context's remainder, a completion job ``DEFAULT_MAX_TOKENS``."""
+    it (``default_max_tokens``, with no model default: the producer knows none)."""
     width = max(int(params.get("n") or 1), int(params.get("beam_width") or 1))
     max_tokens = params.get("max_tokens")
     if max_tokens is None:
-        max_tokens = max(0, context_tokens - prompt) if chat else DEFAULT_MAX_TOKENS
+        max_tokens = max(0, default_max_tokens(chat, context_tokens - prompt))
     return int(max_tokens) * width
 
 

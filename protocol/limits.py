@@ -28,43 +28,51 @@ MiB = 1024 * 1024
 
 
 class Limits(BaseModel):
-    """Per-payload bounds. Each violation is an ``invalid_request`` error naming the field."""
+    """Per-payload bounds. Each violation is an ``invalid_request`` error naming the field.
+
+    The one declaration of the limits: the worker's ``--max-*`` flags (and their
+    ``TOKENRELAY_MAX_*`` variables) are generated from these fields, names, bounds, defaults
+    and descriptions alike (worker/config.py ``LimitSettings``). A field named ``*_bytes`` is a
+    size: the worker's flag also takes ``4MiB``-style values (pydantic's ``ByteSize``).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_payload_bytes: int = Field(default=8 * MiB, ge=1,
-                                   description="encoded payload size, checked before unpacking")
-    max_prompt_bytes: int = Field(default=4 * MiB, ge=1,
-                                  description="UTF-8 bytes of prompt, or of all message contents")
-    max_prompt_token_ids: int = Field(default=1_000_000, ge=1)
-    max_messages: int = Field(default=10_000, ge=1)
-    max_stop_strings: int = Field(default=64, ge=0)
-    max_stop_string_chars: int = Field(default=512, ge=1)
-    max_stop_token_ids: int = Field(default=1024, ge=0)
+    max_payload_bytes: int = Field(default=8 * MiB, ge=1, description="Largest job payload "
+                                   "(checked before unpacking).")
+    max_prompt_bytes: int = Field(default=4 * MiB, ge=1, description="Largest prompt (or sum of "
+                                  "message contents), UTF-8 bytes.")
+    max_prompt_token_ids: int = Field(default=1_000_000, ge=1, description="Most prompt_token_ids.")
+    max_messages: int = Field(default=10_000, ge=1, description="Most chat messages.")
+    max_stop_strings: int = Field(default=64, ge=0, description="Most stop strings per job.")
+    max_stop_string_chars: int = Field(default=512, ge=1, description="Longest stop string.")
+    max_stop_token_ids: int = Field(default=1024, ge=0,
+                                    description="Most stop token ids per job.")
     max_metadata_bytes: int = Field(default=64 * 1024, ge=0,
-                                    description="msgpack-encoded size of metadata")
-    max_metadata_depth: int = Field(default=32, ge=1, description="nesting of maps and lists")
-    max_logprobs: int = Field(default=20, ge=0)
-    max_n: int = Field(default=16, ge=1, description="sampled choices per job (params.n)")
-    max_beam_width: int = Field(default=16, ge=1, description="beams per job (params.beam_width)")
+                                    description="Largest metadata (packed).")
+    max_metadata_depth: int = Field(default=32, ge=1, description="Deepest metadata nesting.")
+    max_logprobs: int = Field(default=20, ge=0, description="Largest logprobs (top-k per token).")
+    max_n: int = Field(default=16, ge=1, description="Largest n (sampled choices per job).")
+    max_beam_width: int = Field(default=16, ge=1, description="Largest beam_width (beam search "
+                                "beams per job).")
     # params.structured_outputs (protocol/structured_outputs.py): what a grammar may cost to
     # compile is bounded by its size; llguidance's own limits bound the rest.
-    max_schema_bytes: int = Field(default=64 * 1024, ge=1,
-                                  description="a JSON schema's size (msgpack-packed, or UTF-8 "
-                                              "bytes when sent as a string)")
-    max_schema_depth: int = Field(default=64, ge=1,
-                                  description="nesting of a JSON schema's maps and arrays")
-    max_choices: int = Field(default=1024, ge=1, description="strings of a choice constraint")
-    max_choice_chars: int = Field(default=1024, ge=1, description="characters of one choice")
-    max_regex_chars: int = Field(default=8192, ge=1,
-                                 description="characters of a regex (or whitespace_pattern)")
-    max_grammar_bytes: int = Field(default=64 * 1024, ge=1,
-                                   description="UTF-8 bytes of a Lark / GBNF grammar")
+    max_schema_bytes: int = Field(default=64 * 1024, ge=1, description="Largest JSON schema of "
+                                  "params.structured_outputs (packed or UTF-8).")
+    max_schema_depth: int = Field(default=64, ge=1, description="Deepest JSON schema nesting.")
+    max_choices: int = Field(default=1024, ge=1,
+                             description="Most strings of a choice constraint.")
+    max_choice_chars: int = Field(default=1024, ge=1, description="Longest string of a choice "
+                                  "constraint.")
+    max_regex_chars: int = Field(default=8192, ge=1, description="Longest regex constraint (or "
+                                 "JSON whitespace_pattern).")
+    max_grammar_bytes: int = Field(default=64 * 1024, ge=1, description="Largest Lark / GBNF "
+                                   "grammar constraint.")
     # tools (protocol/tools.py): rendered into the prompt by the chat template, and their
     # parameter schemas may become a constraint (the schema bounds apply to that too).
-    max_tools: int = Field(default=128, ge=1, description="tools of one job")
-    max_tools_bytes: int = Field(default=256 * 1024, ge=1,
-                                 description="msgpack-packed size of all the tools of a job")
+    max_tools: int = Field(default=128, ge=1, description="Most tools per chat job.")
+    max_tools_bytes: int = Field(default=256 * 1024, ge=1, description="Largest tools list of a "
+                                 "job (packed).")
 
 
 DEFAULT_LIMITS = Limits()

@@ -30,6 +30,29 @@ MAX_N = 256
 NOT_WITH_BEAM_SEARCH = ("stop", "stop_token_ids", "logprobs", "repetition_penalty",
                          "presence_penalty", "frequency_penalty")
 
+# What a completion job without ``max_tokens`` generates: OpenAI's completions default.
+DEFAULT_MAX_TOKENS = 16
+
+
+def default_max_tokens(chat: bool, room: int, model_default: Optional[int] = None) -> int:
+    """The ``max_tokens`` of a job that set none (docs/protocol.md, Jobs), decided here alone
+    because the producer that budgets the job (``protocol.budget``) and the worker that runs it
+    (worker/admission.py) must agree. ``room`` is what the context leaves after the prompt
+    (``max_model_len`` minus prompt tokens; 0 or less when the prompt fills it).
+    ``model_default`` (generation_config.json's ``max_new_tokens``) wins, capped to the room as
+    vLLM caps it; without one a chat job runs to the end of the context, as OpenAI's and vLLM's
+    chat endpoints do, and a completion gets ``DEFAULT_MAX_TOKENS``. Not floored: the worker
+    needs at least 1, a token budget at least 0."""
+    if model_default is not None:
+        return min(model_default, room)
+    return room if chat else DEFAULT_MAX_TOKENS
+
+
+def min_tokens_fit(min_tokens: int, max_tokens: int) -> bool:
+    """Whether a job may stop by ``max_tokens`` only after ``min_tokens`` (the one rule: the
+    schema refuses a job breaking it, the worker applies no default that would)."""
+    return min_tokens <= max_tokens
+
 
 class SamplingParams(BaseModel):
     """How to sample one request. ``temperature == 0`` means greedy.
@@ -56,7 +79,7 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
-    max_tokens: int = Field(default=16, ge=1)
+    max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=1)
     min_tokens: int = Field(default=0, ge=0)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -110,7 +133,8 @@ class SamplingParams(BaseModel):
     def _min_le_max(self) -> "SamplingParams":
         # Unset, max_tokens depends on the job (a chat job runs to the end of the context:
         # worker/admission.py resolve_max_tokens sets it, and this check runs again then).
-        if "max_tokens" in self.model_fields_set and self.min_tokens > self.max_tokens:
+        if "max_tokens" in self.model_fields_set and \
+                not min_tokens_fit(self.min_tokens, self.max_tokens):
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.beam_width is not None:

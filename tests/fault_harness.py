@@ -363,7 +363,7 @@ class FaultEnv:
     Workers are ``tokenrelay worker`` children (tests/fixtures_redis.WorkerProcess, each in its
     own process group); ``close`` SIGKILLs every one of them and the server, whatever happened.
     ``shards`` > 1 runs the workers with ``--shards``; ``cluster`` (a started
-    ``worker.redis_server.RedisCluster``) replaces the private server: ``r`` is then a cluster
+    ``devtools.redis_server.RedisCluster``) replaces the private server: ``r`` is then a cluster
     client, and the cluster is left running (give each test its own namespace).
     """
 

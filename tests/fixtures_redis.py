@@ -158,9 +158,9 @@ def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServe
 
 @pytest.fixture(scope="module")
 def redis_cluster() -> Iterator[Any]:
-    """A 3-master Redis Cluster (worker.redis_server.RedisCluster) for one test module: starting
+    """A 3-master Redis Cluster (devtools.redis_server.RedisCluster) for one test module: starting
     one costs ~2 s, so a module's tests share it, each in a namespace (or queue) of its own."""
-    from tokenrelay.worker.redis_server import RedisCluster
+    from devtools.redis_server import RedisCluster
     c = RedisCluster(masters=3).start()
     try:
         yield c

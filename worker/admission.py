@@ -21,7 +21,7 @@ from tokenrelay.engine.outputs import ResumeState
 from tokenrelay.protocol.errors import ErrorCode, FinishReason, ProtocolError, describe_validation_error
 from tokenrelay.protocol.keys import Keys, PAYLOAD_FIELD
 from tokenrelay.protocol.limits import Limits
-from tokenrelay.protocol.sampling_params import SamplingParams
+from tokenrelay.protocol.sampling_params import SamplingParams, default_max_tokens
 from tokenrelay.protocol.scripts import ScriptPipeline, text
 from tokenrelay.protocol.wire import JobRequest, decode_job, now_ms
 from tokenrelay.worker.config import WorkerSettings
@@ -37,6 +37,8 @@ from tokenrelay.worker.pending import PendingList
 from tokenrelay.worker.recovery import JobProgress, progress_from_entries
 from tokenrelay.worker.sampling_defaults import SamplingDefaults
 from tokenrelay.worker.token_text import TokenTexts
+from tokenrelay.worker.connection import RedisClient
+from tokenrelay.worker.logs import Log
 
 
 class StartDeferred(Exception):
@@ -62,10 +64,10 @@ def _params_message(msg: str) -> str:
 class Admission:
     """Admits entries into the worker's JobTable and engine; see the module docstring."""
 
-    def __init__(self, client: Any, keys: Keys, worker_id: str, settings: WorkerSettings,
+    def __init__(self, client: RedisClient, keys: Keys, worker_id: str, settings: WorkerSettings,
                  limits: Limits, engine: EngineAPI, jobs: JobTable, fence: Fence,
                  outbox: Outbox, pending: PendingList, metrics: WorkerMetrics,
-                 log: Any) -> None:
+                 log: Log) -> None:
         self.client = client
         self.keys = keys
         self.worker_id = worker_id
@@ -338,20 +340,14 @@ def wrong_model(asked: str, settings: WorkerSettings) -> str:
 
 def resolve_max_tokens(params: Any, request: JobRequest, prompt_tokens: int,
                        max_model_len: int, default: Optional[int] = None) -> None:
-    """``max_tokens`` of a job that did not set it (docs/protocol.md, Jobs): the model's
-    default (``default``: generation_config.json's max_new_tokens) capped to what the context
-    leaves after the prompt, as vLLM caps it; without one a chat job runs to the end of the
-    context, ``max_model_len`` minus its prompt, as OpenAI's and vLLM's chat endpoints do, and
-    a completion keeps SamplingParams' 16, OpenAI's completions default. Set explicitly either
-    way, so ``min_tokens`` is checked against it (ValidationError)."""
+    """``max_tokens`` of a job that did not set it: the contract's ``default_max_tokens``
+    (``default``: generation_config.json's max_new_tokens), at least 1 (past the context the
+    engine answers prompt_too_long). Set explicitly even when it is the schema's default, so
+    ``min_tokens`` is checked against it (ValidationError)."""
     if "max_tokens" in request.params:
         return
-    if default is not None:
-        params.max_tokens = max(1, min(default, max_model_len - prompt_tokens))
-    elif request.messages is not None:
-        params.max_tokens = max(1, max_model_len - prompt_tokens)   # past it: prompt_too_long
-    else:
-        params.max_tokens = params.max_tokens
+    params.max_tokens = max(1, default_max_tokens(request.messages is not None,
+                                                  max_model_len - prompt_tokens, default))
 
 
 def resume_choices(job: Job, progress: JobProgress) -> None:

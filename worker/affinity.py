@@ -42,6 +42,8 @@ from tokenrelay.protocol.wire import decode_job
 from tokenrelay.worker.entries import Entry, entry_fields, is_nogroup, own_streams
 from tokenrelay.worker.logs import RateLimitedLog
 from tokenrelay.worker.pending import PendingList
+from tokenrelay.worker.connection import RedisClient
+from tokenrelay.worker.logs import Log
 
 PAGE = 500          # entries per move script call (Lua's unpack limit is far above)
 
@@ -63,8 +65,8 @@ def route_back(payload: Optional[bytes], limits: Limits) -> tuple[Optional[str],
 class Affinity:
     """One worker's affinity streams and its sweeps of the others'."""
 
-    def __init__(self, client: Any, keys: Keys, worker_id: str, pending: PendingList,
-                 limits: Limits, log: Any, log_limited: RateLimitedLog) -> None:
+    def __init__(self, client: RedisClient, keys: Keys, worker_id: str, pending: PendingList,
+                 limits: Limits, log: Log, log_limited: RateLimitedLog) -> None:
         self.client = client
         self.keys = keys                # with the queue's registered shard count
         self.worker_id = worker_id

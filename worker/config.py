@@ -6,19 +6,34 @@ vars over defaults. The flags are generated from the fields by the one settings 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import re
 import socket
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import ByteSize, Field, field_validator
+from pydantic import ByteSize, Field, create_model, field_validator
 
-from tokenrelay.protocol.settings import ConnectionSettings, add_settings_flags, unset
+from tokenrelay.protocol.settings import (CliSettings, ConnectionSettings, add_settings_flags,
+                                          unset)
 from tokenrelay.protocol.keys import Keys, PARKING_CONSUMER
 from tokenrelay.protocol.limits import Limits
 from tokenrelay.protocol.wire import MODEL_NAME_PATTERN
 
 ENGINE_DEFAULT = unset("the engine's")
+
+
+def limit_settings(base: type[CliSettings]) -> type[CliSettings]:
+    """``base`` plus one setting per field of ``protocol.limits.Limits``, the limits' one
+    declaration: the ``--max-*`` flags and ``TOKENRELAY_MAX_*`` variables take its names,
+    bounds, defaults and descriptions, so the worker cannot restate (and drift from) them.
+    A ``*_bytes`` limit is a ``ByteSize`` here, so a flag or variable may say ``4MiB``."""
+    fields: dict[str, Any] = {
+        name: (ByteSize if name.endswith("_bytes") else field.annotation, copy.copy(field))
+        for name, field in Limits.model_fields.items()}
+    return create_model(f"{base.__name__}Limits", __base__=base, __module__=__name__,
+                        **fields)
 
 
 class WorkerIdentity(ConnectionSettings):
@@ -51,8 +66,9 @@ class WorkerIdentity(ConnectionSettings):
         return self.worker_id or default_worker_id(self.device)
 
 
-class WorkerSettings(WorkerIdentity):
-    """Every knob of ``tokenrelay worker``. ``None`` engine options mean "the engine's default"."""
+class WorkerRun(WorkerIdentity):
+    """What the worker runs and how: the model, the engine's options (``None``: the engine's
+    default), the queue's timings. ``WorkerSettings`` adds the job limits and logging."""
 
     model: Optional[str] = Field(None, description="Hugging Face checkpoint folder to serve.",
                                  json_schema_extra=unset("none, required"))
@@ -129,36 +145,14 @@ class WorkerSettings(WorkerIdentity):
                                     "about this many entries.")
     dead_letter_payload_bytes: ByteSize = Field(65_536, ge=0, description="Bytes of a dead-lettered "
                                            "payload kept (size and truncated record the rest).")
-    # Producer-facing limits (protocol.limits.Limits), checked by decode_job: a job past
-    # one ends alone with invalid_request naming the field.
-    max_payload_bytes: ByteSize = Field(8 * 1024 * 1024, ge=1, description="Largest job payload "
-                                   "(checked before unpacking).")
-    max_prompt_bytes: ByteSize = Field(4 * 1024 * 1024, ge=1, description="Largest prompt (or sum of "
-                                  "message contents), UTF-8 bytes.")
-    max_prompt_token_ids: int = Field(1_000_000, ge=1, description="Most prompt_token_ids.")
-    max_messages: int = Field(10_000, ge=1, description="Most chat messages.")
-    max_stop_strings: int = Field(64, ge=0, description="Most stop strings per job.")
-    max_stop_string_chars: int = Field(512, ge=1, description="Longest stop string.")
-    max_stop_token_ids: int = Field(1024, ge=0, description="Most stop token ids per job.")
-    max_metadata_bytes: ByteSize = Field(64 * 1024, ge=0, description="Largest metadata (packed).")
-    max_metadata_depth: int = Field(32, ge=1, description="Deepest metadata nesting.")
-    max_logprobs: int = Field(20, ge=0, description="Largest logprobs (top-k per token).")
-    max_n: int = Field(16, ge=1, description="Largest n (sampled choices per job).")
-    max_beam_width: int = Field(16, ge=1, description="Largest beam_width (beam search beams "
-                                "per job).")
-    max_schema_bytes: ByteSize = Field(64 * 1024, ge=1, description="Largest JSON schema of "
-                                       "params.structured_outputs (packed or UTF-8).")
-    max_schema_depth: int = Field(64, ge=1, description="Deepest JSON schema nesting.")
-    max_choices: int = Field(1024, ge=1, description="Most strings of a choice constraint.")
-    max_choice_chars: int = Field(1024, ge=1, description="Longest string of a choice "
-                                  "constraint.")
-    max_regex_chars: int = Field(8192, ge=1, description="Longest regex constraint (or JSON "
-                                 "whitespace_pattern).")
-    max_grammar_bytes: ByteSize = Field(64 * 1024, ge=1, description="Largest Lark / GBNF "
-                                        "grammar constraint.")
-    max_tools: int = Field(128, ge=1, description="Most tools per chat job.")
-    max_tools_bytes: ByteSize = Field(256 * 1024, ge=1, description="Largest tools list of a "
-                                      "job (packed).")
+
+
+WorkerLimits = limit_settings(WorkerRun)
+
+
+class WorkerSettings(WorkerLimits):
+    """Every knob of ``tokenrelay worker``: ``WorkerRun``'s, the job limits, then logging."""
+
     log_level: str = Field("info", description="debug, info, warning, error.")
     log_prompts: bool = Field(False, description="Log prompt text (debug only; off by default).")
 
@@ -193,19 +187,24 @@ class WorkerSettings(WorkerIdentity):
         return Limits(**{name: getattr(self, name) for name in Limits.model_fields})
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for EngineConfig; unset options keep the engine's defaults."""
-        names = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                 "kv_cache_memory_bytes", "gpu_memory_utilization", "num_kv_blocks",
-                 "max_model_len", "enable_prefix_caching", "attention_backend", "enforce_eager",
-                 "tensor_parallel_size", "grammar_compile_threads", "grammar_compile_timeout_s")
-        out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        """Keyword arguments for EngineConfig: every setting named as one of its fields (the
+        job limits ``max_n`` and ``max_beam_width`` too: the engine holds the same bounds),
+        unset ones left to the engine's defaults. Derived from EngineConfig's fields so a knob
+        added to both is forwarded without a list to keep in step."""
+        out = {n: getattr(self, n) for n in engine_config_fields() & set(type(self).model_fields)
+               if getattr(self, n) is not None}
         out["model"] = self.model
         out["tensor_parallel_timeout"] = (self.tensor_parallel_timeout_s
                                           if self.tensor_parallel_timeout_s is not None
                                           else self.lease_ms / 2000)
-        # The job limits bound choices before admission; the engine holds the same bounds.
-        out["max_n"], out["max_beam_width"] = self.max_n, self.max_beam_width
         return out
+
+
+def engine_config_fields() -> set[str]:
+    """EngineConfig's field names, read when an engine is configured (importing the engine's
+    config imports torch, which ``tokenrelay health`` and ``admin`` must not pay for)."""
+    from tokenrelay.engine.config import EngineConfig
+    return {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 SERVED_MODEL_NAME_RE = re.compile(MODEL_NAME_PATTERN)

@@ -21,7 +21,7 @@ import random
 import ssl
 import time
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import redis
 from redis.backoff import NoBackoff
@@ -44,6 +44,8 @@ _TRANSIENT_TYPES = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.
 # What the worker's loop catches: redis-py's cluster client raises RedisClusterException (not a
 # RedisError) when no node answers or a slot has no master for a moment during a failover.
 REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
+# The client every collaborator is given: one server's, or a cluster's (``client_for``).
+RedisClient = Union[redis.Redis, redis.RedisCluster]
 _PERMANENT_TYPES = (redis.AuthenticationError, redis.exceptions.AuthorizationError,
                     redis.exceptions.NoPermissionError, ssl.SSLCertVerificationError,
                     topology.ClusterModeError)

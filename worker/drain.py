@@ -22,6 +22,7 @@ from tokenrelay.worker.intake import Intake
 from tokenrelay.worker.jobs import Job, JobTable
 from tokenrelay.worker.outbox import Outbox
 from tokenrelay.worker.pending import PendingList
+from tokenrelay.worker.logs import Log
 
 
 class Drain:
@@ -29,7 +30,7 @@ class Drain:
 
     def __init__(self, engine: EngineAPI, jobs: JobTable, outbox: Outbox, intake: Intake,
                  affinity: Affinity, pending: PendingList, fence: Fence, drain_timeout: float,
-                 log: Any) -> None:
+                 log: Log) -> None:
         self.engine = engine
         self.jobs = jobs
         self.outbox = outbox

@@ -21,6 +21,7 @@ from tokenrelay.worker.entries import CHUNK, Entry, EntryKey, by_lane
 from tokenrelay.worker.liveness import Cadence
 from tokenrelay.worker.logs import RateLimitedLog
 from tokenrelay.worker.pending import PendingList
+from tokenrelay.worker.logs import Log
 
 
 class Intake:
@@ -28,7 +29,7 @@ class Intake:
     read, the riders ride the flush."""
 
     def __init__(self, pending: PendingList, affinity: Affinity, engine: EngineAPI,
-                 block_ms: int, lease_ms: int, log: Any, log_limited: RateLimitedLog) -> None:
+                 block_ms: int, lease_ms: int, log: Log, log_limited: RateLimitedLog) -> None:
         self.pending = pending
         self.affinity = affinity
         self.engine = engine

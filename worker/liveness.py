@@ -29,6 +29,8 @@ from tokenrelay.worker.entries import EntryKey
 from tokenrelay.worker.metrics import WorkerMetrics
 from tokenrelay.worker.model_guard import serves_queue
 from tokenrelay.worker.pending import PendingList
+from tokenrelay.worker.connection import RedisClient
+from tokenrelay.worker.logs import Log
 
 
 class WorkerIdInUse(RuntimeError):
@@ -158,8 +160,8 @@ class Liveness:
     and reports what the loop must act on; the loop supplies what the beat reports
     (``status``) and what is held (``held``), both read only when due."""
 
-    def __init__(self, client: Any, keys: Keys, worker_id: str, settings: WorkerSettings,
-                 pending: PendingList, affinity: Affinity, metrics: WorkerMetrics, log: Any,
+    def __init__(self, client: RedisClient, keys: Keys, worker_id: str, settings: WorkerSettings,
+                 pending: PendingList, affinity: Affinity, metrics: WorkerMetrics, log: Log,
                  status: Callable[[], WorkerStatus], held: Callable[[], list[EntryKey]]) -> None:
         self.client = client
         self.keys = keys

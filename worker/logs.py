@@ -11,6 +11,7 @@ import time
 from typing import Any, TextIO
 
 import structlog
+from structlog.typing import FilteringBoundLogger
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
@@ -33,7 +34,11 @@ def configure_logging(level: str = "info", stream: TextIO | None = None) -> None
     )
 
 
-def get_logger(**bind: Any) -> Any:
+# The worker's logger, as collaborators are given it (bound with the worker's id and queue).
+Log = FilteringBoundLogger
+
+
+def get_logger(**bind: Any) -> Log:
     return structlog.get_logger("tokenrelay.worker").bind(**bind)
 
 

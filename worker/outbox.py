@@ -31,6 +31,8 @@ from tokenrelay.worker.jobs import Job, JobTable
 from tokenrelay.worker.logs import RateLimitedLog
 from tokenrelay.worker.metrics import WorkerMetrics
 from tokenrelay.worker.pending import AckStatus, PendingList
+from tokenrelay.worker.connection import RedisClient
+from tokenrelay.worker.logs import Log
 
 MAX_WRITE_FAILURES = 3   # non-transient failures of one job's write before it is dead-lettered
 STEP_WRITE_CHUNK = 128   # jobs per write_step call: bounds how long one script holds Redis
@@ -68,8 +70,8 @@ class FlushReport:
 class Outbox:
     """What the worker owes Redis, and the flush that ships it; see the module docstring."""
 
-    def __init__(self, client: Any, jobs: JobTable, pending: PendingList, fence: Fence,
-                 dead: DeadLetterWriter, ttl_ms: int, metrics: WorkerMetrics, log: Any,
+    def __init__(self, client: RedisClient, jobs: JobTable, pending: PendingList, fence: Fence,
+                 dead: DeadLetterWriter, ttl_ms: int, metrics: WorkerMetrics, log: Log,
                  log_limited: RateLimitedLog,
                  fault_point: Callable[[str], None] = no_fault) -> None:
         self.client = client

@@ -27,6 +27,7 @@ from tokenrelay.protocol.scripts import (ACK, DROP_CONSUMER, MOVE_MINE, READ_NEW
 from tokenrelay.protocol.topology import is_cluster
 from tokenrelay.worker.entries import CHUNK, Entry, EntryKey, Lanes, by_lane, is_nogroup
 from tokenrelay.worker.idle_read import IdleRead
+from tokenrelay.worker.connection import RedisClient
 
 
 class AckStatus(IntEnum):
@@ -47,7 +48,7 @@ class PendingList:
     to the node that serves it. Which streams, in which order, and how urgent an entry of each
     is: ``lanes`` (worker/entries.py)."""
 
-    def __init__(self, client: Any, keys: Keys, worker_id: str,
+    def __init__(self, client: RedisClient, keys: Keys, worker_id: str,
                  on_group_recreated: Optional[Callable[[str], None]] = None) -> None:
         self.client = client
         self.keys = keys

@@ -24,7 +24,8 @@ from typing import Any, Mapping, Optional
 from pydantic import ValidationError
 
 from tokenrelay.engine.model_config import generation_defaults
-from tokenrelay.protocol.sampling_params import NOT_WITH_BEAM_SEARCH, SamplingParams
+from tokenrelay.protocol.sampling_params import (NOT_WITH_BEAM_SEARCH, SamplingParams,
+                                                 min_tokens_fit)
 from tokenrelay.worker.config import WorkerSettings
 
 OFF = "vllm"        # vLLM's word for its own defaults: no generation_config
@@ -73,7 +74,7 @@ class SamplingDefaults:
         if default is None or "max_tokens" in params:
             return None
         floor = params.get("min_tokens")
-        return default if not isinstance(floor, int) or floor <= default else None
+        return default if not isinstance(floor, int) or min_tokens_fit(floor, default) else None
 
 
 def _folder(settings: WorkerSettings) -> Optional[Path]:

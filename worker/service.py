@@ -33,17 +33,14 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-import redis
-
 from tokenrelay.engine.errors import UnsupportedModelError
-from tokenrelay.protocol import topology
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.lanes import OUTSIDE_LAYOUT, unread_lanes
 from tokenrelay.protocol.shards import ShardCountMismatch, register_shards
 from tokenrelay.worker.admission import StartDeferred
 from tokenrelay.worker.config import WorkerSettings
 from tokenrelay.worker.connection import (EXIT_CONFIG, REDIS_ERRORS, Backoff, ErrorKind,
-                               PermanentRedisError, classify, connect, describe_permanent)
+                                          PermanentRedisError, RedisClient)
 from tokenrelay.worker.crew import Crew
 from tokenrelay.worker.engine_api import EngineAPI, describe_engine, load_engine
 from tokenrelay.worker.entries import Entry, EntryKey, own_streams
@@ -54,6 +51,7 @@ from tokenrelay.worker.metrics import WorkerMetrics
 from tokenrelay.worker.model_guard import serves_queue
 from tokenrelay.worker.cycle import StepCycle
 from tokenrelay.worker.outbox import FlushReport, no_fault
+from tokenrelay.worker.redis_link import RedisLink
 from tokenrelay.worker.steps import EngineFailure
 from tokenrelay.worker.writer import Writer
 
@@ -117,19 +115,32 @@ class Worker:
         self.metrics = WorkerMetrics(model_name=settings.served_model())
         self.log = get_logger(worker_id=self.worker_id, queue=settings.queue)
         self.log_limited = RateLimitedLog(self.log)
-        self.client: Any = None                  # redis.Redis, or RedisCluster
         self.jobs = JobTable(engine, self.metrics, self.log)
         self.crew: Optional[Crew] = None         # made once connected (worker/crew.py)
         self.writer: Writer[FlushReport] = Writer(f"writer-{self.worker_id}")
         self.cycle: Optional[StepCycle] = None   # a step and its flush, made with the crew
         self._fault_point = fault_point
-        self.backoff = Backoff()
         self.ready = threading.Event()
         self.exit_code = 0
         self.engine_broken = False
-        self.redis_error: Optional[str] = None   # the transient error we are waiting out
         self._stop = threading.Event()
         self._force = threading.Event()
+        self.link = RedisLink(settings=settings, metrics=self.metrics, log=self.log,
+                              log_limited=self.log_limited, stop=self._stop,
+                              held=lambda: len(self.jobs),
+                              reread=lambda: self._crew().intake.reread_own_pending())
+
+        self.backoff: Backoff = self.link.backoff     # one object for the worker's life
+
+    @property
+    def client(self) -> Optional[RedisClient]:
+        """redis.Redis or RedisCluster once connected (worker/redis_link.py), else None."""
+        return self.link.client
+
+    @property
+    def redis_error(self) -> Optional[str]:
+        """The transient error being waited out (the heartbeat's ``redis_error``)."""
+        return self.link.error
 
     # ================================================================== lifecycle
     @property
@@ -238,39 +249,24 @@ class Worker:
             on_group_recreated=self._group_recreated, fault_point=self._fault_point)
 
     def _connect(self) -> bool:
-        """(Re)connect until it works; False when told to stop past the drain deadline."""
-        while True:
-            try:
-                if self.client is None:
-                    self.client = connect(self.s.redis_url, self.s.block_ms, self.s.cluster)
-                else:
-                    topology.refresh(self.client)   # a failover may have moved every slot
-                if self.crew is None:
-                    self.crew = self._assemble()
-                self.crew.pending.reset()
-                self.client.ping()
-                self.crew.pending.ensure_groups()
-                self.crew.intake.reread_own_pending()
-                if self.backoff.succeeded():
-                    self.metrics.redis_reconnects.inc()
-                    self.log.info("redis reconnected")
-                return True
-            except (*REDIS_ERRORS, topology.ClusterModeError) as exc:
-                self._check_permanent(exc)
-                deadline = self.crew.drain.deadline if self.crew is not None else 0.0
-                if self._stop.is_set() and (self._force.is_set() or not self.jobs
-                                            or time.monotonic() > deadline):
-                    self.log.warning("giving up on redis while stopping", error=str(exc),
-                                     held=len(self.jobs))
-                    return False
-                delay = self.backoff.failed()
-                self.log_limited("warning", "redis unavailable, retrying", error=str(exc),
-                                 retry_in_s=round(delay, 3))
-                self._stop.wait(delay)
+        """(Re)connect until it works (worker/redis_link.py); False when told to stop past the
+        drain deadline."""
+        return self.link.connect(self._prepare, self._may_give_up)
 
-    def _check_permanent(self, exc: BaseException) -> None:
-        if classify(exc) is ErrorKind.PERMANENT:
-            raise PermanentRedisError(describe_permanent(exc, self.s.redis_url)) from exc
+    def _prepare(self) -> None:
+        """After each (re)connect: the collaborators (once), then groups and own pending."""
+        if self.crew is None:
+            self.crew = self._assemble()
+        self.crew.pending.reset()
+        self.link.client.ping()
+        self.crew.pending.ensure_groups()
+        self.crew.intake.reread_own_pending()
+
+    def _may_give_up(self) -> bool:
+        """Stopping, a reconnect may give up when forced, when nothing is held, or past the
+        drain's deadline."""
+        deadline = self.crew.drain.deadline if self.crew is not None else 0.0
+        return self._force.is_set() or not self.jobs or time.monotonic() > deadline
 
     def _group_recreated(self, lane_key: str) -> None:
         if lane_key in own_streams(self.keys, self.worker_id):
@@ -282,28 +278,7 @@ class Worker:
                        "Redis probably restarted without persistence", lane=lane_key)
 
     def _iteration_guarded(self) -> bool:
-        try:
-            return self._iteration()
-        except REDIS_ERRORS as exc:
-            self._check_permanent(exc)
-            if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
-                self.log_limited("warning", "redis connection lost", error=str(exc))
-                return not self._connect()
-            self._transient(str(exc), classify(exc))
-            return False
-
-    def _transient(self, error: str, kind: ErrorKind) -> None:
-        """Wait out an error: intake pauses, every held job stays held and is retried. A
-        cluster error (CLUSTERDOWN, MOVED, an uncovered slot) means the slot map is stale."""
-        self.redis_error = error
-        topology.refresh(self.client)
-        delay = self.backoff.failed()
-        self.log_limited("warning", "redis command failed; pausing intake and retrying",
-                         error=error, kind=kind.value, retry_in_s=round(delay, 3),
-                         held=len(self.jobs))
-        if kind is not ErrorKind.TRANSIENT:
-            self._crew().intake.reread_own_pending()
-        self._stop.wait(delay)
+        return self.link.guarded(self._iteration, self._connect)
 
     # ================================================================== the loop
     def _iteration(self) -> bool:
@@ -354,12 +329,11 @@ class Worker:
         if report.resume:
             self._crew().intake.defer(report.resume)
         if report.permanent is not None:
-            self._check_permanent(report.permanent)
+            self.link.check_permanent(report.permanent)
         if report.transient:
-            self._transient(report.transient, ErrorKind.TRANSIENT)
-        elif not self.backoff.paused and self.backoff.succeeded():
-            self.redis_error = None
-            self.log.info("redis recovered; intake resumed")
+            self.link.transient(report.transient, ErrorKind.TRANSIENT)
+        else:
+            self.link.recovered()
 
     def _engine_failed(self, failure: EngineFailure) -> None:
         """The engine may be unusable (``failure.error``, logged by the stepper): its jobs are

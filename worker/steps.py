@@ -24,6 +24,7 @@ from tokenrelay.worker.jobs import Job, JobTable
 from tokenrelay.worker.metrics import WorkerMetrics, observe_many
 from tokenrelay.worker.outbox import Outbox
 from tokenrelay.worker.pending import PendingList
+from tokenrelay.worker.logs import Log
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Stepper:
     """Runs engine steps and turns their deltas into events on the held jobs."""
 
     def __init__(self, engine: EngineAPI, jobs: JobTable, outbox: Outbox, pending: PendingList,
-                 max_deliveries: int, metrics: WorkerMetrics, log: Any) -> None:
+                 max_deliveries: int, metrics: WorkerMetrics, log: Log) -> None:
         self.engine = engine
         self.jobs = jobs
         self.outbox = outbox

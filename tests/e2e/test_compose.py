@@ -415,7 +415,7 @@ def test_cpu_and_batch_profiles_run_as_plain_processes(tmp_path):
     """The cpu profile's services in order, as processes: the one-shot model service fetches
     SmolLM2 (reused when .models/smollm2 is complete), the worker serves it with the service's
     environment (.env included), and the batch service runs a file through it."""
-    from tokenrelay.worker.redis_server import RedisServer
+    from devtools.redis_server import RedisServer
 
     models = REPO / ".models"
     fetch = [a.replace("/models", str(models)) for a in _service_command("model")]

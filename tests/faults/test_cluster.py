@@ -25,7 +25,7 @@ from tests.fault_harness import FaultEnv, check_stream, enqueue, ids_on_shard, w
 from tests.fixtures_redis import REPO_ROOT
 from tokenrelay.worker import admin
 from tokenrelay.worker.fake_engine import FakeEngine, fake_completion
-from tokenrelay.worker.redis_server import RedisCluster
+from devtools.redis_server import RedisCluster
 
 pytestmark = pytest.mark.timeout(180)
 

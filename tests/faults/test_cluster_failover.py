@@ -21,7 +21,7 @@ from tokenrelay.protocol.keys import key_slot
 from tokenrelay.protocol.topology import refresh
 from tests.fault_harness import FaultEnv, enqueue, ids_on_shard, wait_for
 from tokenrelay.worker.fake_engine import fake_completion
-from tokenrelay.worker.redis_server import RedisCluster
+from devtools.redis_server import RedisCluster
 
 pytestmark = pytest.mark.timeout(240)
 

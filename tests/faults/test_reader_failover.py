@@ -14,7 +14,7 @@ import pytest
 from tokenrelay.protocol.keys import key_slot
 from tests.fault_harness import FaultEnv, wait_for
 from tokenrelay.worker.fake_engine import fake_completion
-from tokenrelay.worker.redis_server import RedisCluster
+from devtools.redis_server import RedisCluster
 
 pytestmark = pytest.mark.timeout(240)
 

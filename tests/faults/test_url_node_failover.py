@@ -17,7 +17,7 @@ import pytest
 from tokenrelay.protocol.keys import key_slot
 from tokenrelay.protocol.slot_routing import local_slot, stream_read_keys
 from tokenrelay.protocol.topology import make_async_client, make_client
-from tokenrelay.worker.redis_server import RedisCluster
+from devtools.redis_server import RedisCluster
 
 pytestmark = pytest.mark.timeout(180)
 

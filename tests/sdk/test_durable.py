@@ -168,7 +168,7 @@ def test_durable_jobs_survive_a_master_killed_right_after_the_submit():
     is still there (the only replica acknowledged, so it is the one promoted), and the next
     submit goes through once the cluster failed over, without the caller retrying."""
     from tokenrelay.protocol.keys import key_slot
-    from tokenrelay.worker.redis_server import RedisCluster
+    from devtools.redis_server import RedisCluster
     keys = Keys("tokenrelay", "dq", 3)
     with RedisCluster(masters=3, replicas=1) as cluster, \
             Client(cluster.url, queue="dq", shards=3, durable=True) as c:

