@@ -1,8 +1,8 @@
 """The worker heartbeat: the hash ``Keys.heartbeat(worker_id)``, written by the worker every
 ``--heartbeat-ms`` (worker/liveness.py) and read by everyone else: the health probe
 (worker/health.py), ``admin workers`` (worker/admin.py), the affinity sweep of other workers'
-streams (worker/affinity.py), the producers' affinity router (producer_sdk/affinity.py) and the
-model listing behind ``/v1/models`` and batch routing (producer_sdk/models.py).
+streams (worker/affinity.py), the producers' affinity router (producer_sdk/core/affinity.py) and the
+model listing behind ``/v1/models`` and batch routing (producer_sdk/core/models.py).
 
 One schema, so a field is named in one place: ``Heartbeat`` says what each field holds, how it
 is written (``encode``: integers and ``0``/``1`` flags, as ``HSET`` stores them) and how it is
@@ -88,7 +88,7 @@ def live_beats(namespace: str, queue: str
                ) -> Generator[Pipeline, list[Any], dict[str, Heartbeat]]:
     """Worker id -> heartbeat of ``queue``'s live workers (``Heartbeat.serving``), as a sans-IO
     plan (yields each round trip's commands, receives its replies): the queue's registry, then
-    every registered worker's heartbeat. Producers run it to route (producer_sdk/models.py); a
+    every registered worker's heartbeat. Producers run it to route (producer_sdk/core/models.py); a
     starting worker runs it to find the model its queue is served with (worker/model_guard.py)."""
     keys = Keys(namespace, queue)
     (ids,) = yield [("ZRANGE", keys.workers, 0, -1)]
@@ -105,7 +105,7 @@ def queue_model(beats: Mapping[str, Heartbeat]) -> Optional[str]:
     that of its longest-running worker (earliest ``started_ms``, then lowest id). One model per
     queue: a worker that started later with another model refuses to serve
     (worker/model_guard.py), and the model listing never routes to a queue for the loser's
-    model in the moment before it exits (producer_sdk/models.py). None: no live worker says."""
+    model in the moment before it exits (producer_sdk/core/models.py). None: no live worker says."""
     named = {w: b for w, b in beats.items() if b.served_model_name}
     if not named:
         return None

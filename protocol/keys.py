@@ -191,7 +191,7 @@ class Keys:
     def queues(self) -> str:
         """Set of the namespace's queue names that workers serve (each worker adds its queue at
         every heartbeat): producers find every queue's workers without scanning the keyspace
-        (``producer_sdk.models``). Never pruned; a queue without live workers is just empty."""
+        (``producer_sdk.core.models``). Never pruned; a queue without live workers is just empty."""
         return f"{self.namespace}:queues"
 
     def drain(self, worker_id: str) -> str:
@@ -235,7 +235,7 @@ def hash_tag(key: str) -> str:
 def wake_key(namespace: str, slot_key: str, reader_id: str) -> str:
     """A shared result reader's private wake stream, in the slot of ``slot_key`` (one of the
     result streams it reads), so one XREAD can name it with them: a producer XADDs to it to
-    interrupt the reader's blocked XREAD when a job joins (``producer_sdk/hub.py``). Capped at
+    interrupt the reader's blocked XREAD when a job joins (``producer_sdk/core/hub.py``). Capped at
     one entry and expiring (``WAKE_TTL_MS`` after its last wake)."""
     return f"{namespace}:wake:{{{hash_tag(slot_key)}}}:{reader_id}"
 

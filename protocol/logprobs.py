@@ -4,7 +4,7 @@ OpenAI's logprobs name every token by its text (``token``) and UTF-8 ``bytes``, 
 log-probability and the ``top_logprobs`` alternatives; token ids alone cannot be turned into
 those without the model's tokenizer, which producers do not have. So the worker, which has it,
 sends the text of every token it reports, and the SDK hands out ``TokenLogprob`` records that
-``producer_sdk.openai_format`` maps onto OpenAI's shapes (chat ``ChatCompletionTokenLogprob``,
+``producer_sdk.openai.format`` maps onto OpenAI's shapes (chat ``ChatCompletionTokenLogprob``,
 completions ``Logprobs``).
 """
 

@@ -5,7 +5,7 @@ A chat job may carry ``tools`` (``JobRequest.tools``): OpenAI's tool objects, ha
 model's chat template as transformers' ``apply_chat_template(tools=...)`` hands them, so the
 prompt describes the functions in the model's own format. The worker renders them and nothing
 else: whether the answer is free text, a call the model chose to make, or a call forced by a
-constraint is the producer's business (``producer_sdk/tool_calls.py`` parses calls out of the
+constraint is the producer's business (``producer_sdk/openai/tool_calls.py`` parses calls out of the
 text; a forced call is an ordinary ``params.structured_outputs`` constraint built here).
 
 Why tools travel in their own field rather than in ``chat_template_kwargs``: a template that

@@ -100,7 +100,7 @@ class JobRequest(BaseModel):
     submitted_ms: Optional[int] = Field(default=None, ge=0)
     chat_template_kwargs: Optional[dict[str, Any]] = None   # with messages: template variables
     traceparent: Optional[str] = Field(default=None, pattern=TRACEPARENT_PATTERN)
-    # Prefix-affinity routing (producer_sdk/affinity.py): jobs with the same key go to the same
+    # Prefix-affinity routing (producer_sdk/core/affinity.py): jobs with the same key go to the same
     # live worker, whose prefix cache holds what they share. Only producers read it.
     routing_key: Optional[str] = Field(default=None, min_length=1,
                                        max_length=MAX_ROUTING_KEY_LEN)

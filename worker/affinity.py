@@ -1,7 +1,7 @@
 """Prefix affinity, worker side: this worker's own streams, and never stranding another's.
 
 A producer sends a job with a routing key to one worker's affinity stream
-(``Keys.affinity(worker_id, shard)``, producer_sdk/affinity.py), so the turns of a conversation
+(``Keys.affinity(worker_id, shard)``, producer_sdk/core/affinity.py), so the turns of a conversation
 meet the KV blocks of the turns before them in that worker's prefix cache.
 
 Reading. The worker creates the consumer group on its affinity stream of every shard (at ``0``,
@@ -92,7 +92,7 @@ class Affinity:
     # ---------------------------------------------------------------- heartbeat
     def unread(self) -> int:
         """Entries unread in this worker's affinity streams: part of the backlog producers
-        route by (the heartbeat's ``affinity_queued``, producer_sdk/affinity.py)."""
+        route by (the heartbeat's ``affinity_queued``, producer_sdk/core/affinity.py)."""
         own = self.own
         replies = self._each([c for key in own for c in (("XLEN", key), ("XPENDING", key, GROUP))])
         unread = 0

@@ -6,7 +6,7 @@ checks, right after its first heartbeat (so two workers starting together see ea
 which model its queue is served with (``protocol.heartbeat.queue_model``: that of the queue's
 longest-running live worker); when that is not its own it exits 78 with one line naming both
 models and the fix. Between its beat and its exit the model listing already routes nothing to
-it (producer_sdk/models.py); and a job for another model that reaches a worker anyway (queued
+it (producer_sdk/core/models.py); and a job for another model that reaches a worker anyway (queued
 before a restart with another model) ends ``invalid_request`` (worker/admission.py).
 """
 

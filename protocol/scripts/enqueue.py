@@ -1,4 +1,4 @@
-"""The producers' enqueue script: the one way a job enters a queue (producer_sdk/_wire.py packs
+"""The producers' enqueue script: the one way a job enters a queue (producer_sdk/core/enqueue.py packs
 its calls; the sync and async clients send them).
 """
 
@@ -13,7 +13,7 @@ from tokenrelay.protocol.scripts.lua import lua
 # KEYS: target lane, the shard's three lanes (its depth), the shard's token budget counter
 # (``Keys.budget``), then one dedupe key per job.
 # A target that is none of the three lanes is a worker's affinity stream on that shard
-# (producer_sdk/affinity.py); KEYS[2] is then the jobs' own lane, where they go instead when
+# (producer_sdk/core/affinity.py); KEYS[2] is then the jobs' own lane, where they go instead when
 # that stream does not exist: its worker deleted it when it drained, or a sweep did after it
 # died, so a job routed on a stale view of the workers is never left where nobody reads.
 # Depth is the shared lanes' (affinity streams are bounded per worker by the producer's

@@ -170,7 +170,9 @@ def test_batch_killed_and_rerun_exactly_once(sdk_url: str, worker: RealWorker, t
         assert len(read_jsonl(out)) < 197
         proc = run_cli_batch(sdk_url, inp, out, err)
         _, stderr = proc.communicate(timeout=150)
-        assert proc.returncode == 0, stderr.decode()[-2000:]
+        # three malformed lines: the batch exits 1 (the errors file holds lines; issue #40)
+        assert proc.returncode == 1, stderr.decode()[-2000:]
+        assert "3 line(s)" in stderr.decode()
     finally:
         if proc.poll() is None:
             proc.kill()

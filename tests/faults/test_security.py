@@ -51,7 +51,10 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
                # reads the server's run id (a restart without an error)
                "zrange", "xlen", "info",
                # the terminal write returns the job's cost to the token budget
-               "decrby"),
+               "decrby",
+               # one model per queue: a worker reads its queue's live heartbeats at start and
+               # every 10 beats (worker/model_guard.py)
+               "hmget"),
     # producer_sdk.Client / AsyncClient / tokenrelay submit|cancel|batch|status
     # (status and reattach read the job's pending row, last event and the lanes' groups;
     # producer_sdk.core.models and the batch runner's routing read the queues, registries and beats)
