@@ -27,12 +27,17 @@ def env(tmp_path):
 
 
 def fill_until_oom(r: redis.Redis) -> int:
-    """Write filler keys until Redis refuses with OOM; returns how many were written."""
+    """Write filler keys until Redis refuses with OOM, then pin maxmemory 4 MB below what is
+    used: the worker's own acks and deletes free a few KB, and just over the limit that let
+    its next write through at once (the worker then rightly resumed, and the test measured
+    nothing); returns how many keys were written."""
     n = 0
     while True:
         try:
             r.set(f"filler:{n}", b"x" * 200_000)
         except redis.exceptions.OutOfMemoryError:
+            used = int(r.info("memory")["used_memory"])
+            r.config_set("maxmemory", str(max(1, used - 4 * 2**20)))
             return n
         n += 1
 
@@ -77,6 +82,7 @@ def test_redis_out_of_memory_loses_no_job(env):
         assert rep.terminal is None or rep.terminal.type == "done", rep.kind
     paused_lines = len(log_lines(w)) - lines_at_oom
     assert paused_lines < 60, f"{paused_lines} log lines while retrying through OOM"
+    r.config_set("maxmemory", "24mb")
     for key in r.scan_iter("filler:*", count=1000):
         r.delete(key)
     reports = env.wait_ended(jobs, 90)
