@@ -39,13 +39,16 @@ __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "choose_num_s
            "SPLIT_TOKENS"]
 
 LOG2E = 1.4426950408889634
+# The H200 run of 2026-12-04 16:57 (kernel_roofline's sweep, ctx 4096, bf16) chose 512 tokens x
+# 2 programs per SM: 18.9 / 44.0 / 138.0 / 256.1 us at batch 1 / 8 / 32 / 64 (72-94% of copy at
+# batch >= 8) against 16.7 / 48.5 / 144.9 / 267.1 us for 256 x 4.
 # Tokens per split: small enough that a 4k context gives 16 splits to spread over the SMs at
 # batch 1, big enough that the partials (GROUP x (D + 1) fp32 per split, written and read back)
 # stay ~3% of the K/V bytes a split reads. A multiple of every BLOCK_N.
-SPLIT_TOKENS = 256
+SPLIT_TOKENS = 512
 # Decode programs one SM holds at once (4 warps each, K/V tiles in registers): the occupancy the
 # grid is sized for. The GPU check's kernel_roofline section reports the neighbours.
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 2
 # Tokens per K/V tile (head_dim <= 128; half for bigger heads), warps per program and software
 # pipeline stages. The 16:18 H200 run measured 64 / 4 / 2 with tf32 dots and the table read in
 # the tile's own iteration: 71-72% of copy at batch 32-64. Triton's pipeliner then kept one K/V

@@ -166,14 +166,18 @@ def test_decode_zero_length_sequence_gives_zeros():
         assert torch.equal(out[0], torch.zeros_like(out[0]))
 
 
-def test_choose_num_splits_fills_what_the_sms_hold():
-    from tokenrelay.kernels.decode_attention import PROGRAMS_PER_SM, choose_num_splits
+def test_choose_num_splits_fills_what_the_sms_hold(monkeypatch):
+    from tokenrelay.kernels import decode_attention
+    from tokenrelay.kernels.decode_attention import choose_num_splits
 
-    assert PROGRAMS_PER_SM == 4                               # the figures below assume it
+    monkeypatch.setattr(decode_attention, "PROGRAMS_PER_SM", 4)   # the figures below assume it
     assert choose_num_splits(64, 8, 16, 132) == 2             # 512 (sequence, head) pairs, 528 slots
     assert choose_num_splits(32, 8, 16, 132) == 3
     assert choose_num_splits(1, 8, 16, 132) == 16             # every split its own program
     assert choose_num_splits(1, 8, 1, 132) == 1               # one split: nothing to share
+    monkeypatch.setattr(decode_attention, "PROGRAMS_PER_SM", 2)
+    assert choose_num_splits(64, 8, 16, 132) == 1             # 512 pairs fill 264 slots already
+    assert choose_num_splits(32, 8, 16, 132) == 2
 
 
 # ---------------------------------------------------------------- prefill
