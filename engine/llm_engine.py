@@ -28,6 +28,7 @@ from tokenrelay.engine.overlap import OverlappedCore
 from tokenrelay.engine.outputs import RequestDelta, RequestError, ResumeState, StepCounters
 from tokenrelay.engine.prompts import (PromptType, check_chat_template_kwargs, prompt_of, render_chat,
                             tool_call_format)
+from tokenrelay.protocol.sampling_params import min_tokens_fit
 from tokenrelay.protocol.tools import NO_TOOLS
 from tokenrelay.engine.request_checks import check_pool, check_width, resume_states
 from tokenrelay.engine.request_checks import prompt_ids as prompt_ids_of
@@ -152,7 +153,7 @@ class LLMEngine:
                 f"params: expected SamplingParams, got {type(params).__name__}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority: must be an integer, got {priority!r}")
-        if params.min_tokens > params.max_tokens:   # SamplingParams checks it only when set
+        if not min_tokens_fit(params.min_tokens, params.max_tokens):   # the schema checks it only when set
             raise InvalidRequestError(f"min_tokens: {params.min_tokens} exceeds max_tokens "
                                       f"({params.max_tokens})")
         check_width(params, self.config)
