@@ -42,6 +42,28 @@ class NoFreeBlocksError(RuntimeError):
     """Internal: an allocation was attempted without checking ``can_allocate`` first."""
 
 
+@dataclass(frozen=True)
+class PoolShape:
+    """The pool's size alone: what checking whether a request could ever fit needs. The
+    engine's front end (engine/llm_engine.py, engine/core_client.py) checks requests with it
+    before they reach the core, which may run in another process."""
+
+    num_blocks: int
+    block_size: int
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def pool_shortfall(self, num_tokens: int) -> Optional[str]:
+        """None if a sequence of ``num_tokens`` tokens fits in the whole pool; otherwise why
+        not, with the numbers (for the error its request gets)."""
+        need = self.blocks_for(num_tokens)
+        if need <= self.num_blocks:
+            return None
+        return (f"needs {need} KV blocks of {self.block_size} tokens, the pool has "
+                f"{self.num_blocks}")
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
@@ -49,6 +71,7 @@ class BlockManager:
                              f"{block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.shape = PoolShape(num_blocks, block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[Optional[int]] = [None] * num_blocks
@@ -73,7 +96,7 @@ class BlockManager:
         return self.num_blocks - len(self.free_queue)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return self.shape.blocks_for(num_tokens)
 
     def prefix_cache_hit_rate(self) -> float:
         return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
@@ -82,15 +105,6 @@ class BlockManager:
         return KVCacheStats(self.num_blocks, self.num_used_blocks, self.block_size,
                             self.prefix_cache_hit_rate(), self.num_hit_tokens,
                             self.num_query_tokens)
-
-    def pool_shortfall(self, num_tokens: int) -> Optional[str]:
-        """None if a sequence of ``num_tokens`` tokens fits in the whole pool; otherwise why
-        not, with the numbers (for the error its request gets)."""
-        need = self.blocks_for(num_tokens)
-        if need <= self.num_blocks:
-            return None
-        return (f"needs {need} KV blocks of {self.block_size} tokens, the pool has "
-                f"{self.num_blocks}")
 
     def num_shared_blocks(self) -> int:
         """Blocks held by more than one sequence (shared prefixes, forked choices)."""

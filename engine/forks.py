@@ -13,11 +13,10 @@ parent that nobody continues is freed, and with it every block only it held.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from tokenrelay.engine.beam_search import BeamStep
-from tokenrelay.engine.detokenizer import IncrementalDetokenizer
-from tokenrelay.engine.outputs import RequestDelta
+from tokenrelay.engine.outputs import CoreOutput
 from tokenrelay.engine.sampler import mix_seed
 from tokenrelay.engine.scheduler import Scheduler
 from tokenrelay.engine.sequence import Sequence, SequenceGroup
@@ -35,14 +34,12 @@ def _fork(parent: Sequence, index: int, seed: int, scheduler: Scheduler) -> Sequ
     return child
 
 
-def fork_samples(seq: Sequence, scheduler: Scheduler, tokenizer: Any) -> list[Sequence]:
+def fork_samples(seq: Sequence, scheduler: Scheduler) -> list[Sequence]:
     """Fork a prompt whose last token was just computed into its group's ``n`` choices."""
     group = seq.group
     children = [seq]
     for i in range(1, group.width):
-        child = _fork(seq, i, branch_seed(group.seed, i), scheduler)
-        child.detokenizer = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, seq.params)
-        children.append(child)
+        children.append(_fork(seq, i, branch_seed(group.seed, i), scheduler))
     group.forked = True
     return children
 
@@ -77,22 +74,15 @@ def advance_beams(group: SequenceGroup, step: BeamStep, scheduler: Scheduler) ->
     return refused
 
 
-def beam_deltas(group: SequenceGroup, scheduler: Scheduler, tokenizer: Any
-                ) -> list[RequestDelta]:
-    """The finished search as one delta per beam, best first; frees what the beams held."""
-    prompt_token_ids = group.seqs[0].prompt_token_ids
+def beam_outputs(group: SequenceGroup, scheduler: Scheduler) -> list[CoreOutput]:
+    """The finished search as one output per beam, best first, each its whole output (the
+    output processor decodes it afresh); frees what the beams held."""
+    num_prompt = group.seqs[0].num_prompt_tokens
     for s in list(group.seqs):
         scheduler.finish(s, "beam_done")
-    params = group.params
-    deltas = []
-    for rank, h in enumerate(group.beam.results()):
-        text_ids = h.token_ids[:-1] if h.ended_on_eos else h.token_ids
-        detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
-        text, _ = detok.add(text_ids, final=True)
-        deltas.append(RequestDelta(
-            request_id=group.request_id, new_token_ids=list(h.token_ids), new_text=text,
-            logprobs=None, token_logprobs=list(h.logprobs), finished=True,
-            finish_reason="stop" if h.ended_on_eos else "length", stop_reason=None,
-            num_prompt_tokens=len(prompt_token_ids), num_output_tokens=len(h.token_ids),
-            index=rank, cumulative_logprob=h.cum_logprob))
-    return deltas
+    results = group.beam.results()
+    return [CoreOutput(group.request_id, rank, list(h.token_ids), list(h.logprobs), None,
+                       "stop" if h.ended_on_eos else "length", None, num_prompt,
+                       len(h.token_ids), h.cum_logprob, text_ends=h.ended_on_eos, whole=True,
+                       ends_request=rank == len(results) - 1)
+            for rank, h in enumerate(results)]

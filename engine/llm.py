@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any, Mapping, Optional, Sequence as Seq, Union
 
 from tokenrelay.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
@@ -106,60 +107,61 @@ class LLM:
                             ignore_eos=params.ignore_eos, length_penalty=params.length_penalty,
                             min_tokens=params.min_tokens, temperature=0.0)
         prompts = self._prompt_list(prompts)
-        ids, _, firsts, deltas = self._drive(prompts, [sp] * len(prompts),
-                                             [0] * len(prompts), False)
+        ids, runs = self._drive(prompts, [sp] * len(prompts), [0] * len(prompts), False)
         outputs = []
         for rid in ids:
+            run = runs[rid]
             seqs = []
-            for d in sorted(deltas[rid], key=lambda d: d.index):
-                score = d.cumulative_logprob / (len(d.new_token_ids) ** params.length_penalty)
+            for c in run.output(rid).outputs:
+                score = c.cumulative_logprob / (len(c.token_ids) ** params.length_penalty)
                 seqs.append(BeamSearchSequence(
-                    token_ids=d.new_token_ids, text=d.new_text, cum_logprob=d.cumulative_logprob,
-                    score=score, finish_reason=d.finish_reason, logprobs=d.token_logprobs))
-            first = firsts[rid]
-            outputs.append(BeamSearchOutput(seqs, first.prompt_token_ids, first.prompt))
+                    token_ids=c.token_ids, text=c.text, cum_logprob=c.cumulative_logprob,
+                    score=score, finish_reason=c.finish_reason, logprobs=run.token_logprobs[c.index]))
+            outputs.append(BeamSearchOutput(seqs, run.prompt_token_ids, run.prompt))
         return outputs
 
     def _drive(self, prompts: list[PromptType], params_list: list[SamplingParams],
-               priorities: list[int], use_tqdm: bool
-               ) -> tuple[list[str], dict[str, Any], dict[str, Any],
-                          dict[str, list[RequestDelta]]]:
-        """Add every request, step until each has ended; (ids, each request's group, its
-        first sequence (the prompt), its deltas)."""
+               priorities: list[int], use_tqdm: bool) -> tuple[list[str], dict[str, _Run]]:
+        """Add every request, step until each has ended; (ids, each request's run: its
+        prompt and its deltas with the time each arrived)."""
         engine = self.engine
         ids: list[str] = []
+        runs: dict[str, _Run] = {}
         try:
             for prompt, p, prio in zip(prompts, params_list, priorities):
                 rid = f"llm-{next(self._ids)}"
                 engine.add_request(rid, prompt, p, priority=prio)
                 ids.append(rid)
+                text, prompt_ids, arrival = engine.request_prompt(rid)
+                runs[rid] = _Run(text, prompt_ids, arrival, p)
         except Exception:
             for rid in ids:
                 engine.abort_request(rid)
             raise
-        groups = {rid: engine.requests[rid] for rid in ids}
-        firsts = {rid: groups[rid].seqs[0] for rid in ids}
-        deltas: dict[str, list[RequestDelta]] = {rid: [] for rid in ids}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         pending = set(ids)
         while pending:
-            for d in engine.step():
-                if d.error is not None and d.request_id in deltas:
+            now_deltas = engine.step()
+            now = time.time()
+            for d in now_deltas:
+                run = runs.get(d.request_id)
+                if run is None:
+                    continue
+                if d.error is not None:
                     self._abandon(pending, d)
-                if d.request_id in deltas:
-                    deltas[d.request_id].append(d)
-            for rid in [r for r in pending if r not in engine.requests]:
-                pending.discard(rid)
-                if bar is not None:
-                    bar.update(1)
+                run.add(d, now)
+                if run.done and d.request_id in pending:
+                    pending.discard(d.request_id)
+                    if bar is not None:
+                        bar.update(1)
             if pending and not engine.has_unfinished_requests():
                 raise RuntimeError("engine went idle with requests still pending")
         if bar is not None:
             bar.close()
-        return ids, groups, firsts, deltas
+        return ids, runs
 
     def _abandon(self, pending: set[str], failed: RequestDelta) -> None:
         """A request the engine ended with an error (its grammar did not compile in time, its
@@ -171,50 +173,53 @@ class LLM:
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
              priorities: list[int], use_tqdm: bool) -> list[RequestOutput]:
-        ids, groups, firsts, deltas = self._drive(prompts, params_list, priorities, use_tqdm)
-        outputs = []
-        for rid in ids:
-            first, group = firsts[rid], groups[rid]
-            if group.params.use_beam_search:
-                outputs.append(self._beam_output(rid, first, group, deltas[rid]))
-                continue
-            texts: dict[int, list[str]] = {}
-            for d in deltas[rid]:
-                texts.setdefault(d.index, []).append(d.new_text)
-            completions = []
-            for index in sorted(group.finished):
-                seq = group.finished[index]
-                completions.append(CompletionOutput(
-                    index=index,
-                    text="".join(texts.get(index, [])),
-                    token_ids=seq.output_token_ids,
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                ))
-            ends = [s.finished_time for s in group.finished.values() if s.finished_time]
-            firsts_t = [s.first_token_time for s in group.finished.values() if s.first_token_time]
-            outputs.append(RequestOutput(
-                request_id=rid, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-                outputs=completions, finished=True,
-                metrics=RequestMetrics(first.arrival_time, min(firsts_t, default=None),
-                                       max(ends, default=None))))
-        return outputs
+        ids, runs = self._drive(prompts, params_list, priorities, use_tqdm)
+        return [runs[rid].output(rid) for rid in ids]
 
-    @staticmethod
-    def _beam_output(rid: str, first: Any, group: Any,
-                     deltas: list[RequestDelta]) -> RequestOutput:
-        """A beam search request's output: its beams never finish one by one as sampled
-        choices do (no ``group.finished``); the search ends with one delta per beam holding
-        the whole beam, best first, which is what the request returns."""
-        beams = [CompletionOutput(index=d.index, text=d.new_text,
-                                  token_ids=list(d.new_token_ids),
-                                  cumulative_logprob=d.cumulative_logprob, logprobs=None,
-                                  finish_reason=d.finish_reason, stop_reason=d.stop_reason)
-                 for d in sorted(deltas, key=lambda d: d.index)]
-        done = getattr(group, "finished_time", None)
-        return RequestOutput(request_id=rid, prompt=first.prompt,
-                             prompt_token_ids=first.prompt_token_ids, outputs=beams,
-                             finished=True,
-                             metrics=RequestMetrics(first.arrival_time, done, done))
+
+class _Run:
+    """One request of a ``generate`` call: its prompt, and its choices as the deltas built
+    them (the engine keeps nothing of a request once it ended)."""
+
+    def __init__(self, prompt: Optional[str], prompt_token_ids: list[int], arrival: float,
+                 params: SamplingParams) -> None:
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.arrival = arrival
+        self.params = params
+        self.choices: dict[int, CompletionOutput] = {}
+        self.token_logprobs: dict[int, list[float]] = {}
+        self.ended: set[int] = set()
+        self.first_token: Optional[float] = None
+        self.last: Optional[float] = None
+
+    @property
+    def done(self) -> bool:
+        return len(self.ended) >= self.params.num_choices
+
+    def add(self, d: RequestDelta, now: float) -> None:
+        if self.first_token is None and d.new_token_ids:
+            self.first_token = now
+        c = self.choices.get(d.index)
+        if c is None:
+            c = self.choices[d.index] = CompletionOutput(
+                index=d.index, text="", token_ids=[], cumulative_logprob=None,
+                logprobs=[] if d.logprobs is not None else None)
+        c.text += d.new_text
+        self.token_logprobs.setdefault(d.index, []).extend(d.token_logprobs)
+        c.token_ids.extend(d.new_token_ids)
+        c.cumulative_logprob = d.cumulative_logprob
+        if d.logprobs is not None and c.logprobs is not None:
+            c.logprobs.extend(d.logprobs)
+        if d.finished:
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+            self.ended.add(d.index)
+            self.last = now
+            if self.params.use_beam_search:     # the search ends with every beam at once
+                self.ended.update(range(self.params.num_choices))
+
+    def output(self, rid: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=rid, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            outputs=[self.choices[i] for i in sorted(self.choices)], finished=True,
+            metrics=RequestMetrics(self.arrival, self.first_token, self.last))

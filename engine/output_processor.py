@@ -1,124 +1,132 @@
-"""Output processing: one step's sampled tokens become deltas (vLLM's output processor).
+"""The output processor: the engine core's token ids become ``RequestDelta``s (vLLM v1's
+output processor). It owns everything about text: incremental detokenization (its cost per
+step is the new tokens', engine/detokenizer.py), stop strings, and the text of finished beams.
 
-Per sampled token: append it, advance its grammar matcher, apply the finish rules (stop token,
-EOS past ``min_tokens``, ``max_tokens``, the model's length, stop strings found by the
-detokenizer), detokenize the step's tokens in one pass, and free a choice that ended. Kept
-apart from ``LLMEngine`` so the step reads as schedule -> forward -> sample -> process.
+It runs beside the core for ``LLM.generate`` (engine/llm_engine.py) and in the worker's
+process when the core has its own (engine/core_client.py). It keeps one small record per
+live request; the core never sees text. A stop string ends a choice here first: ``process``
+returns it in ``stops`` and the caller tells the core (``EngineCore.finish_choice``); any
+tokens the core drew for that choice meanwhile are dropped here, so what the caller gets is
+the same whether the core is in this process or another.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
-from tokenrelay.engine.detokenizer import detokenize_step
-from tokenrelay.engine.grammar import GrammarError
-from tokenrelay.engine.outputs import RequestDelta
-from tokenrelay.engine.scheduler import Scheduler
-from tokenrelay.engine.sequence import Sequence
+from tokenrelay.engine.detokenizer import IncrementalDetokenizer, detokenize_step
+from tokenrelay.engine.outputs import CoreOutput, RequestDelta, ResumeState
+
+
+@dataclass
+class _Live:
+    """One live request's text state: a detokenizer per choice, made when it first draws."""
+
+    prompt_tail: list[int]
+    params: Any
+    open: set[int]
+    resume: dict[int, ResumeState] = field(default_factory=dict)
+    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Processed:
+    """One step's deltas, the stop-string hits the core must hear of as (request id, choice
+    index, stop string), and the requests that ended (every choice finished or an error)."""
+
+    deltas: list[RequestDelta]
+    stops: list[tuple[str, int, str]]
+    ended: list[str]
 
 
 class OutputProcessor:
-    """Finish rules and deltas for the sampled (non-beam) rows of a step."""
+    """Text deltas, stop strings and finish reasons for the core's outputs."""
 
-    def __init__(self, scheduler: Scheduler, eos_token_ids: set[int], max_model_len: int) -> None:
-        self.scheduler = scheduler
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
+    # Prompt tokens a detokenizer's window starts with (engine/detokenizer.py).
+    _TAIL = 8
 
-    def process(self, seqs: list[Sequence], sampled: Any, failed: dict[str, Exception],
-                now: float, positions: Optional[list[int]] = None
-                ) -> tuple[list[RequestDelta], list[str]]:
-        """Append each sampled token, advance its matcher, check the finish conditions and
-        detokenize. ``failed``: requests whose matcher broke (more are added here when a
-        token breaks one); the caller ends them with an error delta. Returns the deltas and
-        the ids of the requests whose last choice ended.
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.live: dict[str, _Live] = {}
 
-        With a constraint, EOS ends the choice even before ``min_tokens``: the sampler lets
-        EOS through only when the grammar is complete and allows nothing else."""
-        eos = self.eos_token_ids
+    def add(self, request_id: str, prompt_token_ids: list[int], params: Any,
+            resume: Optional[list[ResumeState]] = None) -> None:
+        """Track a request the core was given. A resumed choice's detokenizer replays what
+        another process emitted, so later deltas continue its text exactly."""
+        width = params.num_choices
+        states = dict(enumerate(resume)) if resume is not None else {}
+        live = _Live(list(prompt_token_ids[-self._TAIL:]), params,
+                     {i for i in range(width) if i not in states
+                      or states[i].finish_reason is None}, states)
+        self.live[request_id] = live
+
+    def abort(self, request_id: str) -> bool:
+        return self.live.pop(request_id, None) is not None
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self.live
+
+    def _detok(self, live: _Live, index: int) -> IncrementalDetokenizer:
+        d = live.detoks.get(index)
+        if d is None:
+            d = live.detoks[index] = IncrementalDetokenizer(self.tokenizer, live.prompt_tail,
+                                                            live.params)
+            state = live.resume.get(index)
+            if state is not None and state.output_token_ids:
+                d.replay(list(state.output_token_ids), state.output_text)
+        return d
+
+    def process(self, outs: list[CoreOutput]) -> Processed:
+        """Detokenize one core step's outputs in one batched pass and apply stop strings.
+        Outputs of requests no longer live here (aborted, or a choice a stop string ended
+        while the core ran ahead) are dropped."""
+        items: list[tuple[IncrementalDetokenizer, list[int], bool]] = []
+        kept: list[tuple[CoreOutput, _Live]] = []
+        deltas: list[RequestDelta] = []
         ended: list[str] = []
-        for seq, tok in zip(seqs, sampled.token_ids):
-            c = seq.constraint
-            if c is not None and seq.request_id not in failed and not c.consume(tok):
-                failed[seq.request_id] = GrammarError(f"output token {seq.num_output_tokens}: "
-                                                      f"{c.error()}")
-        if positions is None:
-            positions = [-1] * len(seqs)
-        if failed:
-            keep = [i for i, s in enumerate(seqs) if s.request_id not in failed]
-            seqs = [seqs[i] for i in keep]
-            positions = [positions[i] for i in keep]
-            sampled = type(sampled)(*[[getattr(sampled, f)[i] for i in keep]
-                                      for f in ("token_ids", "logprobs", "top_logprobs")])
-        finish: list[Optional[str]] = []
-        stop_reasons: list[Union[str, int, None]] = []
-        items = []
-        sizes: list[int] = []
-        for seq, tok, lp, top, pos in zip(seqs, sampled.token_ids, sampled.logprobs,
-                                          sampled.top_logprobs, positions):
-            p = seq.params
-            if pos < 0:
-                seq.token_ids.append(tok)
-                num_tokens = len(seq.token_ids)
+        for o in outs:
+            live = self.live.get(o.request_id)
+            if live is None:
+                continue
+            if o.error is not None:
+                deltas.append(_error_delta(o))
+                del self.live[o.request_id]
+                ended.append(o.request_id)
+                continue
+            if o.index not in live.open:
+                continue
+            if o.whole:         # a finished beam: its whole output, decoded afresh
+                d = IncrementalDetokenizer(self.tokenizer, live.prompt_tail, live.params)
             else:
-                seq.token_ids[pos] = tok
-                num_tokens = pos + 1
-            sizes.append(num_tokens)
-            seq.cumulative_logprob += lp
-            if p.logprobs is not None:
-                seq.output_logprobs.append(top)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            n_out = num_tokens - seq.num_prompt_tokens
-            reason: Optional[str] = None
-            stop_reason: Union[str, int, None] = None
-            text_tokens = [tok]
-            if n_out >= p.min_tokens:
-                if tok in p.stop_token_ids:
-                    reason, stop_reason, text_tokens = "stop", tok, []
-                elif not p.ignore_eos and tok in eos:
-                    reason, text_tokens = "stop", []
-            elif seq.constraint is not None and tok in eos:
-                reason, text_tokens = "stop", []
-            if reason is None and (n_out >= p.max_tokens or num_tokens >= self.max_model_len):
-                reason = "length"
-            finish.append(reason)
-            stop_reasons.append(stop_reason)
-            items.append((seq.detokenizer, text_tokens, reason is not None))
-        texts = detokenize_step(items)
-        deltas = []
-        for seq, tok, lp, top, reason, stop_reason, (text, stop_str), num_tokens in zip(
-                seqs, sampled.token_ids, sampled.logprobs, sampled.top_logprobs,
-                finish, stop_reasons, texts, sizes):
-            if stop_str is not None:
+                d = self._detok(live, o.index)
+            text_ids = o.new_token_ids[:-1] if o.text_ends else o.new_token_ids
+            items.append((d, text_ids, o.finish_reason is not None))
+            kept.append((o, live))
+        stops: list[tuple[str, int, str]] = []
+        for (o, live), (text, stop_str) in zip(kept, detokenize_step(items)):
+            reason, stop_reason = o.finish_reason, o.stop_reason
+            if stop_str is not None and not o.whole:
+                if reason is None:
+                    stops.append((o.request_id, o.index, stop_str))
                 reason, stop_reason = "stop", stop_str
-            if reason is not None:
-                del seq.token_ids[num_tokens:]      # a placeholder speculated past the end
-                if self._finish_choice(seq, reason, stop_reason, now):
-                    ended.append(seq.request_id)
             deltas.append(RequestDelta(
-                request_id=seq.request_id,
-                new_token_ids=[tok],
-                new_text=text,
-                logprobs=[top] if seq.params.logprobs is not None else None,
-                token_logprobs=[lp],
-                finished=reason is not None,
-                finish_reason=reason,
-                stop_reason=stop_reason,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_output_tokens=num_tokens - seq.num_prompt_tokens,
-                index=seq.index,
-                cumulative_logprob=seq.cumulative_logprob,
-            ))
-        return deltas, ended
+                request_id=o.request_id, new_token_ids=o.new_token_ids, new_text=text,
+                logprobs=o.logprobs, token_logprobs=o.token_logprobs,
+                finished=reason is not None, finish_reason=reason, stop_reason=stop_reason,
+                num_prompt_tokens=o.num_prompt_tokens, num_output_tokens=o.num_output_tokens,
+                index=o.index, cumulative_logprob=o.cumulative_logprob))
+            if reason is not None and not o.whole:
+                live.open.discard(o.index)
+                live.detoks.pop(o.index, None)
+            if (o.ends_request or not live.open) and o.request_id in self.live:
+                del self.live[o.request_id]
+                ended.append(o.request_id)
+        return Processed(deltas, stops, ended)
 
-    def _finish_choice(self, seq: Sequence, reason: str, stop_reason: Union[str, int, None],
-                       now: float) -> bool:
-        """One choice ended: free what only it holds. True when it was the request's last."""
-        seq.stop_reason = stop_reason
-        seq.finished_time = now
-        group = seq.group
-        self.scheduler.finish(seq, reason)
-        group.finished[seq.index] = seq
-        return not group.seqs
 
+def _error_delta(o: CoreOutput) -> RequestDelta:
+    return RequestDelta(request_id=o.request_id, new_token_ids=[], new_text="", logprobs=None,
+                        token_logprobs=[], finished=True, finish_reason=None, stop_reason=None,
+                        num_prompt_tokens=o.num_prompt_tokens, num_output_tokens=0,
+                        error=o.error)

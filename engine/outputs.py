@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 
 @dataclass
@@ -54,6 +54,47 @@ class RequestDelta:
     cumulative_logprob: Optional[float] = None      # of this choice's output so far
     # Set on the one delta of a request the engine ended with an error: no tokens, finished,
     # no finish_reason, and nothing follows for that request (its blocks are already freed).
+    error: Optional[RequestError] = None
+
+
+@dataclass(slots=True)
+class CoreRequest:
+    """A checked request as the engine core takes it: token ids only (the front end,
+    engine/llm_engine.py or engine/core_client.py, tokenized and checked it). ``resume``: one
+    state per choice, or None for a fresh start; the core reads only their token ids and
+    whether the choice already finished (the text is the front end's)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any
+    priority: int = 0
+    resume: Optional[list[ResumeState]] = None
+
+
+@dataclass(slots=True)
+class CoreOutput:
+    """What one core step produced for one choice: token ids, never text (the engine core
+    works in ids; engine/output_processor.py turns them into ``RequestDelta``s).
+
+    ``text_ends``: the last new token ends the choice and is not text (a stop token, EOS).
+    ``whole``: a finished beam (``new_token_ids`` is its whole output, decoded afresh).
+    ``ends_request``: the request's last live choice ended here (the core forgot it).
+    ``error``: the core ended the request alone (its grammar); nothing else is set.
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    token_logprobs: list[float]
+    logprobs: Optional[list[Any]]
+    finish_reason: Optional[str]
+    stop_reason: Union[str, int, None]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    cumulative_logprob: Optional[float]
+    text_ends: bool = False
+    whole: bool = False
+    ends_request: bool = False
     error: Optional[RequestError] = None
 
 

@@ -10,7 +10,8 @@ One call of :meth:`OverlappedCore.step` (``LLMEngine.step`` with ``async_schedul
    placeholder is filled on the device from N's sampled ids (``model_runner.Placeholders``);
    N+1's own draws get placeholders at once;
 3. wait for N's sampled ids (the step's one host sync), process them (tokens replace their
-   placeholders, finish rules, detokenization, stop strings) and return N's deltas;
+   placeholders, finish rules) and return N's outputs (ids: the output processor makes the
+   text and finds stop strings, engine/output_processor.py);
 4. ``Scheduler.update`` for N+1: its inputs are all real tokens now, so the full blocks it
    completes can be hashed for the prefix cache.
 
@@ -20,9 +21,10 @@ Invariants (what keeps the results those of the serial engine):
   last token of its choice. No host code reads a placeholder's value: prefix matching and
   sibling sharing stop one token short of a sequence's end, and block hashes are computed in
   step 4, after N's tokens replaced them.
-- A choice that ends with N's token (stop token, EOS, stop string) was speculatively given a
+- A choice that ends with N's token (stop token, EOS, or a stop string, which the output
+  processor reports through ``EngineCore.finish_choice``) was speculatively given a
   token in N+1: its blocks are freed when N is processed, the placeholders past its last
-  token are dropped (``OutputProcessor.process``), and N+1's draw for it is discarded (a
+  token are dropped (``FinishRules.process``), and N+1's draw for it is discarded (a
   finished sequence is skipped when N+1 is processed, and by ``Scheduler.update``). A choice
   that certainly ends with N's token (``max_tokens``, ``max_model_len``) is held out of N+1.
   So tokens, text and logprobs are the serial engine's; what can differ is only the
@@ -49,8 +51,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from tokenrelay.engine.model_runner import ModelRunner, Placeholders, StepInputs
-from tokenrelay.engine.output_processor import OutputProcessor
-from tokenrelay.engine.outputs import RequestDelta, StepCounters
+from tokenrelay.engine.finish_rules import FinishRules
+from tokenrelay.engine.outputs import CoreOutput, StepCounters
 from tokenrelay.engine.sampler import DeviceSample, Sampler, SamplerOutput, SamplingBatch
 from tokenrelay.engine.scheduler import Scheduler, SchedulerOutput
 from tokenrelay.engine.sequence import Sequence
@@ -138,12 +140,12 @@ class OverlappedCore:
     """Schedule, launch, then process the previous step (module docstring)."""
 
     def __init__(self, *, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
-                 outputs: OutputProcessor, counters: StepCounters,
+                 rules: FinishRules, counters: StepCounters,
                  max_model_len: int) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
-        self.outputs = outputs
+        self.rules = rules
         self.max_model_len = max_model_len
         self.lane = DeviceLane(runner.device)
         self.flight: Optional[InFlight] = None
@@ -156,8 +158,8 @@ class OverlappedCore:
         return all(s.overlappable and s.group.forked for s in sched.running) and \
             all(s.overlappable and s.group.forked for s in sched.waiting)
 
-    def step(self) -> tuple[list[RequestDelta], list[str]]:
-        """Launch the next step, then process the one in flight: (its deltas, the ids of the
+    def step(self) -> tuple[list[CoreOutput], list[str]]:
+        """Launch the next step, then process the one in flight: (its outputs, the ids of the
         requests whose last choice ended)."""
         prev = self.flight
         self.flight = None
@@ -175,7 +177,7 @@ class OverlappedCore:
         clock.steps += 1
         return done
 
-    def drain(self) -> tuple[list[RequestDelta], list[str]]:
+    def drain(self) -> tuple[list[CoreOutput], list[str]]:
         """Process the step in flight, launching nothing: afterwards no placeholder is left."""
         prev, self.flight = self.flight, None
         return self._process(prev) if prev is not None else ([], [])
@@ -243,7 +245,7 @@ class OverlappedCore:
         return drawn.to_cpu(non_blocking=True) if self.lane.cuda else drawn
 
     # -- processing ------------------------------------------------------------------------
-    def _process(self, flight: InFlight) -> tuple[list[RequestDelta], list[str]]:
+    def _process(self, flight: InFlight) -> tuple[list[CoreOutput], list[str]]:
         drawn = flight.result.result()
         self.phases.lap("wait")
         if drawn is None:
@@ -259,6 +261,6 @@ class OverlappedCore:
                                     [sampled.top_logprobs[j] for j in keep])
         if not seqs:
             return [], []
-        done = self.outputs.process(seqs, sampled, {}, time.time(), positions)
+        done = self.rules.process(seqs, sampled, {}, time.time(), positions)
         self.phases.lap("output")
         return done

@@ -1,15 +1,67 @@
-"""The checks ``LLMEngine.add_request`` runs before it changes anything: the prompt's ids, the
-number of choices, the resume states and whether the request could ever fit the KV pool. Each
-raises InvalidRequestError / PromptTooLongError naming the field and giving the numbers."""
+"""The checks a request passes before it reaches the engine core, run by the front end
+(``LLMEngine.add_request``, ``EngineCoreClient.add_request``) before anything changes: its
+id, its sampling fields, the prompt's ids, the number of choices, the resume states and
+whether it could ever fit the KV pool. Each raises InvalidRequestError / PromptTooLongError
+naming the field and giving the numbers (or pydantic's ValidationError for a bad field)."""
 
 from __future__ import annotations
 
 import numbers
-from typing import Any, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
 
+from tokenrelay.engine.block_manager import PoolShape
 from tokenrelay.engine.errors import InvalidRequestError, PromptTooLongError
-from tokenrelay.engine.outputs import ResumeState
+from tokenrelay.engine.outputs import CoreRequest, ResumeState
+from tokenrelay.engine.prompts import prompt_of
 from tokenrelay.engine.sampling_params import SamplingParams
+from tokenrelay.protocol.sampling_params import min_tokens_fit
+
+
+@dataclass(frozen=True)
+class RequestChecks:
+    """Everything the checks read: the resolved config, the tokenizer, the vocabulary size
+    and the pool's shape (all fixed once the engine is built)."""
+
+    config: Any
+    tokenizer: Any
+    vocab_size: int
+    pool: PoolShape
+
+    def build(self, request_id: str, prompt: Any,
+              params: Union[SamplingParams, Mapping[str, Any], None], priority: int,
+              resume: Any) -> tuple[CoreRequest, Optional[str]]:
+        """The core's request, and the prompt's text (None when it came as token ids)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id: must be a non-empty string")
+        params = sampling_params(params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority: must be an integer, got {priority!r}")
+        if not min_tokens_fit(params.min_tokens, params.max_tokens):  # the schema checks only when set
+            raise InvalidRequestError(f"min_tokens: {params.min_tokens} exceeds max_tokens "
+                                      f"({params.max_tokens})")
+        check_width(params, self.config)
+        prompt = prompt_of(prompt)
+        ids = prompt_ids(prompt, self.tokenizer, self.vocab_size)
+        states = resume_states(resume, params, self.vocab_size)
+        p, m = len(ids), params.max_tokens
+        limit = self.config.max_model_len
+        if p + m > limit:
+            raise PromptTooLongError(f"prompt ({p} tokens) + max_tokens ({m}) = {p + m} "
+                                     f"exceeds max_model_len ({limit})")
+        check_pool(p, params, self.pool)
+        return (CoreRequest(request_id, ids, params, priority, states),
+                prompt if isinstance(prompt, str) else None)
+
+
+def sampling_params(params: Union[SamplingParams, Mapping[str, Any], None]) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, Mapping):
+        return SamplingParams.model_validate(dict(params))
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params: expected SamplingParams, got {type(params).__name__}")
+    return params
 
 
 def prompt_ids(prompt: Union[str, list[int]], tokenizer: Any, vocab_size: int) -> list[int]:

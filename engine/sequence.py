@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Optional
 from tokenrelay.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tokenrelay.engine.detokenizer import IncrementalDetokenizer
     from tokenrelay.engine.grammar import Constraint
 
 
@@ -61,13 +60,12 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, priority: int, arrival_index: int, seed: int,
-                 prompt: Optional[str] = None, index: int = 0,
+                 index: int = 0,
                  group: Optional[SequenceGroup] = None) -> None:
         self.request_id = request_id
         self.index = index                      # the choice: sample i of n, or beam slot
         self.group = group if group is not None else SequenceGroup(request_id, 1)
         self.group.seqs.append(self)
-        self.prompt = prompt
         self.params = params
         self.priority = priority
         self.arrival_index = arrival_index      # tie-breaker: earlier requests first
@@ -84,7 +82,6 @@ class Sequence:
         # Sampled-token bookkeeping:
         self.output_logprobs: list[Optional[dict[int, float]]] = []
         self.cumulative_logprob = 0.0
-        self.detokenizer: Optional["IncrementalDetokenizer"] = None
         # Structured outputs: the matcher of this sequence's output (engine/grammar.py); it has
         # consumed exactly the output tokens, and survives preemption with them.
         self.constraint: Optional["Constraint"] = None
@@ -129,7 +126,7 @@ class Sequence:
         references, see BlockManager.fork) and its own sampling state from here on."""
         child = Sequence(self.request_id, self.prompt_token_ids, self.params,
                          priority=self.priority, arrival_index=self.arrival_index, seed=seed,
-                         prompt=self.prompt, index=index, group=self.group)
+                         index=index, group=self.group)
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.block_table = list(self.block_table)

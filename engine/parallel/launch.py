@@ -23,11 +23,8 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import os
-import pickle
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import Callable, Optional
@@ -36,6 +33,7 @@ import torch
 
 from tokenrelay.engine.config import EngineConfig
 from tokenrelay.engine.errors import TensorParallelError
+from tokenrelay.engine.lifeline import close_quietly, spawn
 from tokenrelay.engine.model_runner import StepInputs
 from tokenrelay.engine.parallel import step as step_wire
 from tokenrelay.engine.parallel.group import ParallelGroup, open_store, rank_devices, start_timeout
@@ -198,7 +196,7 @@ class RankSet:
                 return
             self._stopped = True
         for proc in self.procs:         # end of file on the lifeline: the rank exits
-            _close_quietly(proc.stdin)
+            close_quietly(proc.stdin)
         # A failed group's ranks may hang in a collective (or be stopped): no long wait.
         deadline = time.monotonic() + (_STOP_JOIN_S if self.error is None else _FAILED_JOIN_S)
         for proc in self.procs:
@@ -212,22 +210,8 @@ class RankSet:
 
 
 def _spawn(spec: RankSpec) -> subprocess.Popen:
-    """``python -m tokenrelay.engine.parallel.rank`` with this interpreter and this process's import
-    path, ``spec`` written to its stdin (which stays open: the lifeline)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    proc = subprocess.Popen([sys.executable, "-m", "tokenrelay.engine.parallel.rank", str(spec.rank)],
-                            stdin=subprocess.PIPE, env=env)
-    proc.stdin.write(pickle.dumps(spec))
-    proc.stdin.flush()
-    return proc
-
-
-def _close_quietly(pipe) -> None:
-    try:
-        pipe.close()
-    except OSError:
-        pass
+    """``python -m tokenrelay.engine.parallel.rank R``, ``spec`` on its lifeline."""
+    return spawn("tokenrelay.engine.parallel.rank", [str(spec.rank)], spec)
 
 
 def launch_ranks(config: EngineConfig,

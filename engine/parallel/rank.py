@@ -15,10 +15,7 @@ Any error ends the rank with one line on stderr and exit code 1; rank 0 notices 
 from __future__ import annotations
 
 import os
-import pickle
-import signal
 import sys
-import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -26,6 +23,7 @@ from typing import Any, NoReturn
 import torch
 
 from tokenrelay.engine.config import EngineConfig
+from tokenrelay.engine.lifeline import child_start, watch_lifeline
 from tokenrelay.engine.parallel.group import ParallelGroup, Rendezvous, open_store
 
 
@@ -45,19 +43,6 @@ def hello_key(rank: int) -> str:
     return f"hello/{rank}"
 
 
-def _watch_lifeline(lifeline: Any) -> None:
-    """Exit as soon as rank 0's process is gone: the pipe's only writer is there, so its end
-    of file means that process ended (or shut this rank down), however it ended."""
-    def wait() -> None:
-        try:
-            while lifeline.read(4096):
-                pass
-        except OSError:
-            pass
-        os._exit(0)
-    threading.Thread(target=wait, name="tp-lifeline", daemon=True).start()
-
-
 def serve(runner: Any, group: ParallelGroup) -> NoReturn:
     """Run rank 0's steps, for as long as rank 0 lives (the lifeline ends the process)."""
     from tokenrelay.engine.parallel.step import receive_step
@@ -68,7 +53,7 @@ def serve(runner: Any, group: ParallelGroup) -> NoReturn:
 def rank_main(spec: RankSpec, lifeline: Any) -> NoReturn:
     """A rank's life, from its spec to the end of rank 0's process."""
     parent = os.getppid()
-    _watch_lifeline(lifeline)
+    watch_lifeline(lifeline, "tp-lifeline")
     config = spec.config
     size = config.tensor_parallel_size
     try:
@@ -93,11 +78,8 @@ def rank_main(spec: RankSpec, lifeline: Any) -> NoReturn:
 
 
 def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    stdin = sys.stdin.buffer
-    spec = pickle.load(stdin)
-    rank_main(spec, stdin)
+    spec, lifeline = child_start()
+    rank_main(spec, lifeline)
 
 
 if __name__ == "__main__":
