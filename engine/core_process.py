@@ -121,7 +121,7 @@ def core_main(spec: CoreSpec, lifeline: Any, fd: int) -> NoReturn:
         bm = core.block_manager
         conn.send_bytes(wire.dumps((wire.READY, wire.CoreInfo(
             core.config, core.vocab_size, bm.num_blocks, bm.block_size, os.getpid(),
-            core.stats()))))
+            core.free_capacity(), core.stats()))))
         step_error = True
         _Loop(core, conn).run()
         core.shutdown()

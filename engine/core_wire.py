@@ -43,6 +43,7 @@ class CoreInfo:
     num_blocks: int
     block_size: int
     pid: int
+    free_capacity: int
     stats: dict[str, Any]
 
 

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Any, BinaryIO, Sequence
+from typing import Any, BinaryIO, Optional, Sequence
 
 
 def spawn(module: str, args: Sequence[str], spec: Any,
@@ -58,3 +58,14 @@ def close_quietly(pipe: Any) -> None:
         pipe.close()
     except OSError:
         pass
+
+
+def describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -57,6 +57,28 @@ class RequestDelta:
     error: Optional[RequestError] = None
 
 
+def merge_deltas(deltas: list[RequestDelta]) -> list[RequestDelta]:
+    """One delta per choice from several steps' deltas, in order: the tokens, text and
+    logprobs joined, the rest the latest's. A front end reading a core that ran ahead
+    (engine/core_client.py) hands the caller one delta per choice, as one step does."""
+    merged: dict[tuple[str, int], RequestDelta] = {}
+    for d in deltas:
+        key = (d.request_id, d.index)
+        m = merged.get(key)
+        if m is None:
+            merged[key] = d
+            continue
+        merged[key] = RequestDelta(
+            request_id=d.request_id, new_token_ids=m.new_token_ids + d.new_token_ids,
+            new_text=m.new_text + d.new_text,
+            logprobs=(m.logprobs or []) + d.logprobs if d.logprobs is not None else m.logprobs,
+            token_logprobs=m.token_logprobs + d.token_logprobs, finished=d.finished,
+            finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+            num_prompt_tokens=d.num_prompt_tokens, num_output_tokens=d.num_output_tokens,
+            index=d.index, cumulative_logprob=d.cumulative_logprob, error=d.error)
+    return list(merged.values())
+
+
 @dataclass(slots=True)
 class CoreRequest:
     """A checked request as the engine core takes it: token ids only (the front end,

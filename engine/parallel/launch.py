@@ -23,7 +23,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import signal
 import subprocess
 import threading
 import time
@@ -33,7 +32,7 @@ import torch
 
 from tokenrelay.engine.config import EngineConfig
 from tokenrelay.engine.errors import TensorParallelError
-from tokenrelay.engine.lifeline import close_quietly, spawn
+from tokenrelay.engine.lifeline import close_quietly, describe_exit, spawn
 from tokenrelay.engine.model_runner import StepInputs
 from tokenrelay.engine.parallel import step as step_wire
 from tokenrelay.engine.parallel.group import ParallelGroup, open_store, rank_devices, start_timeout
@@ -46,17 +45,6 @@ log = logging.getLogger("tokenrelay.engine.parallel")
 _DEATH_GRACE_S = 2.0
 _STOP_JOIN_S = 5.0
 _FAILED_JOIN_S = 1.0
-
-
-def describe_exit(code: Optional[int]) -> str:
-    if code is None:
-        return "is still running"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 class RankSet:
