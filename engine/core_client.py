@@ -44,6 +44,7 @@ from tokenrelay.protocol.tools import NO_TOOLS
 from multiprocessing.connection import Connection
 
 _STOP_JOIN_S = 10.0
+_DEATH_GRACE_S = 2.0
 
 
 class EngineCoreError(RuntimeError):
@@ -136,6 +137,16 @@ class EngineCoreClient:
         if self.on_failure is not None:
             self.on_failure(message)
 
+    def _gone(self, exc: BaseException) -> str:
+        """Why the connection broke: how the core's process ended, once it has (a moment's
+        grace, so the message can say), else the socket's error."""
+        try:
+            code = self.proc.wait(_DEATH_GRACE_S)
+        except subprocess.TimeoutExpired:
+            return (f"the engine core (pid {self.proc.pid}) connection broke "
+                    f"({type(exc).__name__}: {exc})")
+        return f"the engine core (pid {self.proc.pid}) {describe_exit(code)}"
+
     def _check(self) -> None:
         if self.error is not None:
             raise EngineCoreError(self.error)
@@ -158,9 +169,15 @@ class EngineCoreClient:
         """Forget the request here at once (no delta follows) and abort it in the core with
         the next step's commands."""
         known = self.outputs.abort(request_id)
-        if known:
+        if not known:
+            return False
+        queued = [i for i, c in enumerate(self._commands)
+                  if c[0] == wire.ADD and c[1].request_id == request_id]
+        if queued:                  # the core never saw it: nothing to abort there
+            del self._commands[queued[0]]
+        else:
             self._commands.append((wire.ABORT, request_id))
-        return known
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.live)
@@ -200,7 +217,7 @@ class EngineCoreClient:
         try:
             self.conn.send_bytes(wire.dumps(message))
         except OSError as exc:
-            self._fail(f"the engine core (pid {self.proc.pid}) cannot be reached: {exc}")
+            self._fail(self._gone(exc))
             self._check()
 
     def _receive(self, deltas: list[RequestDelta], wait: float) -> bool:
@@ -217,7 +234,7 @@ class EngineCoreClient:
                     raise EngineCoreError(f"engine core step failed: {msg[1]}", msg[2])
                 self._on_outputs(msg[1], msg[2], deltas)
         except (EOFError, OSError) as exc:
-            self._fail(f"the engine core (pid {self.proc.pid}) connection closed: {exc}")
+            self._fail(self._gone(exc))
             self._check()
         return got
 

@@ -119,6 +119,16 @@ class WorkerRun(WorkerIdentity):
         "the engine gives up on its group and the worker exits (a frozen rank); start-up gets "
         "at least 120 s.", json_schema_extra=unset("half the lease (--lease-ms): the wait and the "
                                                     "exit fit within it"))
+    engine_process: str = Field(
+        "auto", pattern="^(auto|on|off)$",
+        description="Run the engine core (schedule, run, sample) in a process of its own, so "
+        "the worker's Python (detokenizing, building events, Redis writes) never holds the "
+        "GIL the step needs: on, off, or auto (on beside a GPU, off for a CPU engine, whose "
+        "step already holds the cores: docs/architecture.md).")
+    engine_core_timeout_s: Optional[float] = Field(
+        None, gt=0, description="Seconds the engine core's process may stay silent with work "
+        "to do before the worker kills it and exits (a stopped or hung core).",
+        json_schema_extra=unset("half the lease (--lease-ms)"))
     grammar_compile_threads: Optional[int] = Field(
         None, ge=1, description="Threads compiling structured-output grammars, off the step "
         "loop.", json_schema_extra=ENGINE_DEFAULT)
@@ -198,6 +208,13 @@ class WorkerSettings(WorkerLimits):
                                           if self.tensor_parallel_timeout_s is not None
                                           else self.lease_ms / 2000)
         return out
+
+    def engine_core_timeout(self) -> float:
+        """How long a silent engine core process is given: the wait and the exit fit within
+        the lease, so no other worker reclaims a job this one still streams."""
+        if self.engine_core_timeout_s is not None:
+            return self.engine_core_timeout_s
+        return self.lease_ms / 2000
 
 
 def engine_config_fields() -> set[str]:

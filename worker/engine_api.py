@@ -89,24 +89,44 @@ def load_engine(settings: WorkerSettings) -> EngineAPI:
                           max_n=settings.max_n, max_beam_width=settings.max_beam_width,
                           tool_format=_tool_format(kw.get("tools", HERMES)))
     from tokenrelay.engine.config import EngineConfig
-    from tokenrelay.engine.llm_engine import LLMEngine
     worker_id = settings.resolved_worker_id()
-    return LLMEngine(EngineConfig(**settings.engine_kwargs()),
-                     on_parallel_failure=lambda message: exit_on_parallel_failure(
-                         message, worker_id))
+    config = EngineConfig(**settings.engine_kwargs())
+    if wants_core_process(settings):
+        from tokenrelay.engine.core_client import EngineCoreClient
+        return EngineCoreClient(config, timeout_s=settings.engine_core_timeout(),
+                                on_failure=lambda message: exit_on_engine_failure(
+                                    message, worker_id, "engine core process"))
+    from tokenrelay.engine.llm_engine import LLMEngine
+    return LLMEngine(config, on_parallel_failure=lambda message: exit_on_engine_failure(
+        message, worker_id, "tensor-parallel engine"))
 
 
-def exit_on_parallel_failure(message: str, worker_id: str) -> None:
-    """A tensor-parallel rank died or a collective failed: the engine cannot step again. The
-    worker exits at once, as if it had been killed, with one log line saying why; its jobs'
-    leases lapse and other workers reclaim and resume them exactly once (the same path as
-    after a SIGKILL). Its other ranks end with it (their lifeline closes)."""
+def wants_core_process(settings: WorkerSettings) -> bool:
+    """``--engine-process``: auto is on beside a GPU (the step's Python and the worker's must
+    not share a GIL there) and off on a CPU, where the step's kernels hold the cores and a
+    second process only competes for them (docs/architecture.md has the figures)."""
+    if settings.engine_process != "auto":
+        return settings.engine_process == "on"
+    device = settings.device
+    if device is None:
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device.startswith("cuda")
+
+
+def exit_on_engine_failure(message: str, worker_id: str, what: str) -> None:
+    """A tensor-parallel rank or the engine core's process died (or a collective failed, or
+    the core went silent): the engine cannot step again. The worker exits at once, as if it
+    had been killed, with one log line saying why; its jobs' leases lapse and other workers
+    reclaim and resume them exactly once (the same path as after a SIGKILL). Its child
+    processes end with it (their lifelines close)."""
     import os
     import sys
 
     from tokenrelay.worker.logs import get_logger
-    get_logger(worker_id=worker_id).error("tensor-parallel engine failed; worker exiting so other workers "
-                       "reclaim its jobs", cause=message, exit_code=EXIT_PARALLEL_FAILURE)
+    get_logger(worker_id=worker_id).error(
+        f"{what} failed; worker exiting so other workers reclaim its jobs", cause=message,
+        exit_code=EXIT_PARALLEL_FAILURE)
     sys.stderr.flush()
     sys.stdout.flush()
     os._exit(EXIT_PARALLEL_FAILURE)

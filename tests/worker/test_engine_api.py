@@ -1,5 +1,6 @@
-"""The engine contract the worker drives (worker/engine_api.py), run against both engines it
-serves: the real LLMEngine on a tiny checkpoint and the FakeEngine behind ``--model fake:``.
+"""The engine contract the worker drives (worker/engine_api.py), run against every engine it
+serves: the real LLMEngine on a tiny checkpoint, the same engine with its core in a process of
+its own (EngineCoreClient, ``--engine-process on``) and the FakeEngine behind ``--model fake:``.
 
 Each check is a promise the worker relies on: refusals are the documented exceptions and leave
 nothing behind, a step returns at most one delta per request with consistent counts, a resumed
@@ -20,15 +21,23 @@ from tokenrelay.worker.fake_engine import FakeEngine
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("single_thread")]
 
 
-@pytest.fixture(scope="module", params=["fake", "llm"])
+@pytest.fixture(scope="module", params=["fake", "llm", "core_process"])
 def engine(request, tiny_checkpoint) -> Any:
     if request.param == "fake":
-        return FakeEngine(max_num_seqs=4, max_model_len=256)
+        yield FakeEngine(max_num_seqs=4, max_model_len=256)
+        return
     from tokenrelay.engine.config import EngineConfig
-    from tokenrelay.engine.llm_engine import LLMEngine
-    return LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), device="cpu",
-                                  dtype="float32", max_num_seqs=4, max_model_len=256,
-                                  num_kv_blocks=64, enforce_eager=True))
+    config = EngineConfig(model=str(tiny_checkpoint("llama")), device="cpu", dtype="float32",
+                          max_num_seqs=4, max_model_len=256, num_kv_blocks=64,
+                          enforce_eager=True)
+    if request.param == "llm":
+        from tokenrelay.engine.llm_engine import LLMEngine
+        yield LLMEngine(config)
+        return
+    from tokenrelay.engine.core_client import EngineCoreClient
+    client = EngineCoreClient(config, threads=1)
+    yield client
+    client.shutdown()
 
 
 @pytest.fixture
