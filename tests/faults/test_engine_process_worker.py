@@ -1,0 +1,147 @@
+"""Workers whose engine core runs in a process of its own (``--engine-process on``) through
+Redis, and the crash story at the new boundary.
+
+Two workers stream greedy jobs equal to the offline engine. The core of the worker holding
+the most jobs is SIGKILLed mid-stream: that worker exits at once (status 1, one log line
+naming the core's death), the other worker reclaims and resumes its jobs, and every stream
+holds each token exactly once. A stopped core (SIGSTOP: alive, silent) ends its worker within
+the lease and does not outlive it. A worker SIGKILLed takes its core within a second. SIGTERM
+to a worker's process group drains it, and its core ends with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.fault_harness import wait_for
+from tests.faults.test_tensor_parallel_worker import gone
+
+CORE_MODULE = b"tokenrelay.engine.core_process"
+
+
+def core_pid(parent: int) -> int:
+    """The pid of ``parent``'s engine core process."""
+    from pathlib import Path
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and CORE_MODULE in cmdline:
+            found.append(int(entry.name))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def failure_lines(log: str) -> list[dict]:
+    import json
+    out = []
+    for line in log.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("event", "").startswith("engine core process"):
+            out.append(rec)
+    return out
+
+
+FLAGS = {"max-num-seqs": 32, "dtype": "float32", "engine-process": "on"}
+
+
+@pytest.mark.timeout(240)
+def test_killed_core_ends_its_worker_and_another_resumes_its_jobs_exactly_once(
+        env, tiny_checkpoint):
+    model = str(tiny_checkpoint("llama"))
+    workers = {wid: env.worker(wid, model=model, wait=False, **FLAGS) for wid in ("w1", "w2")}
+    for w in workers.values():
+        w.wait_for_log("worker ready", timeout=180)
+    cores = {wid: core_pid(w.pid) for wid, w in workers.items()}
+    texts = [f"engine process job {i} says hello" for i in range(16)]
+    params = dict(max_tokens=48, temperature=0.0, ignore_eos=True)
+    jobs = env.submit(texts, **params)
+    wait_for(lambda: env.tokens_streamed(jobs) >= 16 * 6, 90, what="tokens flowing")
+    victim = max(workers, key=lambda wid: len(env.held_by(wid)))
+    survivor = "w2" if victim == "w1" else "w1"
+    held = env.held_by(victim)
+    os.kill(cores[victim], signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert workers[victim].wait(timeout=30) == 1
+    exit_s = time.monotonic() - killed_at
+    lines = failure_lines(workers[victim].log())
+    assert len(lines) == 1, workers[victim].log()[-3000:]
+    assert "SIGKILL" in lines[0]["cause"], lines[0]
+
+    reports = env.wait_ended(jobs, timeout=150)
+    env.assert_exactly_once(reports)
+    from tokenrelay.engine.llm import LLM
+    from tokenrelay.engine.sampling_params import SamplingParams
+    offline = LLM(model, device="cpu", dtype="float32").generate(texts, SamplingParams(**params))
+    for job_id, out in zip(jobs, offline):
+        rep = reports[job_id]
+        assert rep.kind == "done:length"
+        assert rep.token_ids == list(out.outputs[0].token_ids), job_id
+        assert rep.text == out.outputs[0].text, job_id
+    resumed = [r for r in reports.values() if len(r.started) > 1]
+    assert held and resumed, "the victim held nothing when its core died: the test proved nothing"
+    assert all(r.started[-1].worker_id == survivor for r in resumed)
+    print(f"\nworker exited {exit_s:.2f} s after its core was killed; "
+          f"{len(resumed)} jobs resumed by {survivor}")
+
+    # SIGTERM to the survivor's process group (its core included): the core ignores it, the
+    # worker drains and exits 0, and the core ends with it.
+    survivor_core = cores[survivor]
+    os.killpg(workers[survivor].pid, signal.SIGTERM)
+    assert workers[survivor].wait(timeout=60) == 0
+    wait_for(lambda: gone(survivor_core), 10, what="the stopped worker's core to exit")
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_core_ends_its_worker_within_the_lease(env, tiny_checkpoint):
+    model = str(tiny_checkpoint("llama"))
+    lease_s = 8
+    worker = env.worker("w1", model=model, wait=False, **{**FLAGS, "lease-ms": lease_s * 1000})
+    worker.wait_for_log("worker ready", timeout=180)
+    core = core_pid(worker.pid)
+    jobs = env.submit([f"stopped core job {i}" for i in range(4)], max_tokens=400,
+                      temperature=0.0, ignore_eos=True)
+    try:
+        wait_for(lambda: env.tokens_streamed(jobs) >= 4 * 4, 90, what="tokens flowing")
+        os.kill(core, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        assert worker.wait(timeout=lease_s + 30) == 1, worker.log()[-3000:]
+        exit_s = time.monotonic() - stopped_at
+        assert exit_s < lease_s, exit_s
+        assert len(failure_lines(worker.log())) == 1, worker.log()[-3000:]
+        wait_for(lambda: gone(core), 5, what="the stopped core to end with its worker")
+        print(f"\nworker exited {exit_s:.2f} s after its core stopped (lease {lease_s} s)")
+    finally:
+        if not gone(core):
+            os.kill(core, signal.SIGKILL)
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_worker_leaves_no_core_behind(env, tiny_checkpoint):
+    model = str(tiny_checkpoint("llama"))
+    worker = env.worker("w1", model=model, wait=False, **FLAGS)
+    worker.wait_for_log("worker ready", timeout=180)
+    core = core_pid(worker.pid)
+    jobs = env.submit(["killed worker job"], max_tokens=400, temperature=0.0, ignore_eos=True)
+    try:
+        wait_for(lambda: env.tokens_streamed(jobs) >= 4, 90, what="tokens flowing")
+        os.kill(worker.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: gone(core), 5, what="the core to end with its worker")
+        took = time.monotonic() - killed
+        assert took < 1.0, took
+    finally:
+        if not gone(core):
+            os.kill(core, signal.SIGKILL)
