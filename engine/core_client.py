@@ -36,7 +36,7 @@ from tokenrelay.engine.errors import InvalidRequestError
 from tokenrelay.engine.lifeline import close_quietly, describe_exit, spawn
 from tokenrelay.engine.block_manager import PoolShape
 from tokenrelay.engine.output_processor import OutputProcessor
-from tokenrelay.engine.outputs import RequestDelta, ResumeState, merge_deltas
+from tokenrelay.engine.outputs import CoreOutput, RequestDelta, ResumeState, merge_deltas
 from tokenrelay.engine.prompts import PromptType, render_chat, tool_call_format
 from tokenrelay.engine.request_checks import RequestChecks
 from tokenrelay.engine.sampling_params import SamplingParams
@@ -233,20 +233,20 @@ class EngineCoreClient:
                 if msg[0] == wire.FAILED:
                     self._stopped = True        # it exits by itself; not a death to report
                     raise EngineCoreError(f"engine core step failed: {msg[1]}", msg[2])
-                self._on_outputs(msg[1], msg[2], deltas)
+                self._on_outputs(wire.unpack_outputs(msg[1]), msg[2], deltas)
         except (EOFError, OSError) as exc:
             self._fail(self._gone(exc))
             self._check()
         return got
 
-    def _on_outputs(self, packed: list[tuple], status: wire.Status,
+    def _on_outputs(self, outs: list[CoreOutput], status: wire.Status,
                     deltas: list[RequestDelta]) -> None:
         self._status = status
         if status.stats is not None:
             self._stats = status.stats
-        if not packed:
+        if not outs:
             return
-        done = self.outputs.process(wire.unpack_outputs(packed))
+        done = self.outputs.process(outs)
         for request_id, index, stop in done.stops:
             self._commands.append((wire.FINISH, request_id, index, stop))
         deltas.extend(done.deltas)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 
 @dataclass
@@ -61,22 +61,27 @@ def merge_deltas(deltas: list[RequestDelta]) -> list[RequestDelta]:
     """One delta per choice from several steps' deltas, in order: the tokens, text and
     logprobs joined, the rest the latest's. A front end reading a core that ran ahead
     (engine/core_client.py) hands the caller one delta per choice, as one step does."""
-    merged: dict[tuple[str, int], RequestDelta] = {}
+    by_choice: dict[tuple[str, int], list[RequestDelta]] = {}
     for d in deltas:
-        key = (d.request_id, d.index)
-        m = merged.get(key)
-        if m is None:
-            merged[key] = d
-            continue
-        merged[key] = RequestDelta(
-            request_id=d.request_id, new_token_ids=m.new_token_ids + d.new_token_ids,
-            new_text=m.new_text + d.new_text,
-            logprobs=(m.logprobs or []) + d.logprobs if d.logprobs is not None else m.logprobs,
-            token_logprobs=m.token_logprobs + d.token_logprobs, finished=d.finished,
-            finish_reason=d.finish_reason, stop_reason=d.stop_reason,
-            num_prompt_tokens=d.num_prompt_tokens, num_output_tokens=d.num_output_tokens,
-            index=d.index, cumulative_logprob=d.cumulative_logprob, error=d.error)
-    return list(merged.values())
+        by_choice.setdefault((d.request_id, d.index), []).append(d)
+    if len(by_choice) == len(deltas):
+        return deltas
+    return [ds[0] if len(ds) == 1 else _joined(ds) for ds in by_choice.values()]
+
+
+def _joined(ds: list[RequestDelta]) -> RequestDelta:
+    last = ds[-1]
+    logprobs = None
+    if last.logprobs is not None:
+        logprobs = [lp for d in ds if d.logprobs is not None for lp in d.logprobs]
+    return RequestDelta(
+        request_id=last.request_id,
+        new_token_ids=[t for d in ds for t in d.new_token_ids],
+        new_text="".join(d.new_text for d in ds), logprobs=logprobs,
+        token_logprobs=[lp for d in ds for lp in d.token_logprobs], finished=last.finished,
+        finish_reason=last.finish_reason, stop_reason=last.stop_reason,
+        num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
+        index=last.index, cumulative_logprob=last.cumulative_logprob, error=last.error)
 
 
 @dataclass(slots=True)
@@ -93,8 +98,7 @@ class CoreRequest:
     resume: Optional[list[ResumeState]] = None
 
 
-@dataclass(slots=True)
-class CoreOutput:
+class CoreOutput(NamedTuple):
     """What one core step produced for one choice: token ids, never text (the engine core
     works in ids; engine/output_processor.py turns them into ``RequestDelta``s).
 
@@ -102,6 +106,9 @@ class CoreOutput:
     ``whole``: a finished beam (``new_token_ids`` is its whole output, decoded afresh).
     ``ends_request``: the request's last live choice ended here (the core forgot it).
     ``error``: the core ended the request alone (its grammar); nothing else is set.
+
+    A named tuple: it crosses the process boundary (engine/core_wire.py) many times a step,
+    and a tuple pickles and builds several times faster than an object.
     """
 
     request_id: str
