@@ -12,7 +12,7 @@ masks), because any other formula reorders near-ties.
 
 This module only ranks. ``LLMEngine._beam_step`` asks it for each step's decisions and
 ``engine/forks.py`` (``advance_beams``) carries them out: a beam chosen twice forks on its
-parent's blocks (copy on write), beams nobody continues are freed, and ``beam_deltas`` reports
+parent's blocks (copy on write), beams nobody continues are freed, and ``beam_outputs`` reports
 the finished beams, best first.
 """
 

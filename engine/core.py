@@ -25,7 +25,7 @@ from tokenrelay.engine.beam_search import BeamSearch
 from tokenrelay.engine.block_manager import BlockManager
 from tokenrelay.engine.config import EngineConfig
 from tokenrelay.engine.finish_rules import FinishRules, finish_choice
-from tokenrelay.engine.forks import advance_beams, beam_outputs, branch_seed, fork_samples
+from tokenrelay.engine.forks import beam_step, branch_seed, fork_samples
 from tokenrelay.engine.grammar import GrammarError
 from tokenrelay.engine.model_runner import ModelRunner
 from tokenrelay.engine.outputs import CoreOutput, CoreRequest, RequestError, StepCounters
@@ -276,31 +276,16 @@ class EngineCore:
 
     def _beam_step(self, group: SequenceGroup, rows: dict[int, int],
                    logits: torch.Tensor) -> list[CoreOutput]:
-        """Rank the beams' continuations; fork and free beams, or return the finished beams."""
-        order = [rows[id(s)] for s in group.seqs]
-        logprobs = torch.log_softmax(logits[torch.tensor(order, device=logits.device)].float(),
-                                     dim=-1).cpu()
-        masks, broken = self.structured.masks(group.seqs, logprobs.device)
-        if broken:
-            return [self._fail(group.request_id,
-                               GrammarError(broken[0].constraint.error() or ""))]
-        if masks is not None:     # as transformers' logits processors: on the log-softmax
-            logprobs[masks.rows] = logprobs[masks.rows].masked_fill(~masks.allowed,
-                                                                    float("-inf"))
-        beam = group.beam
-        num_prompt = group.seqs[0].num_prompt_tokens
-        at_limit = (beam.gen_len + 1 >= group.params.max_tokens
-                    or num_prompt + beam.gen_len + 1 >= self.max_model_len)
-        step = beam.step(logprobs, length_limit=at_limit)
-        if not step.done:
-            refused = advance_beams(group, step, self.scheduler)
-            return [] if refused is None else [self._fail(group.request_id,
-                                                          GrammarError(refused))]
-        outs = beam_outputs(group, self.scheduler)
-        group.finished_time = time.time()
-        del self.requests[group.request_id]
-        self.counters.num_generated_tokens += sum(len(o.new_token_ids) for o in outs)
-        return outs
+        """One beam step (engine/forks.py); a matcher that failed ends the request."""
+        step = beam_step(group, [rows[id(s)] for s in group.seqs], logits,
+                         structured=self.structured, scheduler=self.scheduler,
+                         max_model_len=self.max_model_len)
+        if isinstance(step, GrammarError):
+            return [self._fail(group.request_id, step)]
+        if step:                            # the search ended: every beam, best first
+            del self.requests[group.request_id]
+            self.counters.num_generated_tokens += sum(len(o.new_token_ids) for o in step)
+        return step
 
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (also done when it is garbage

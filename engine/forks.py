@@ -13,13 +13,18 @@ parent that nobody continues is freed, and with it every block only it held.
 
 from __future__ import annotations
 
-from typing import Optional
+import time
+from typing import Optional, Union
+
+import torch
 
 from tokenrelay.engine.beam_search import BeamStep
+from tokenrelay.engine.grammar import GrammarError
 from tokenrelay.engine.outputs import CoreOutput
 from tokenrelay.engine.sampler import mix_seed
 from tokenrelay.engine.scheduler import Scheduler
 from tokenrelay.engine.sequence import Sequence, SequenceGroup
+from tokenrelay.engine.structured import StructuredOutputs
 
 
 def branch_seed(seed: int, index: int) -> int:
@@ -72,6 +77,32 @@ def advance_beams(group: SequenceGroup, step: BeamStep, scheduler: Scheduler) ->
     group.seqs = [s for s, _, _ in chosen]
     group.forked = True
     return refused
+
+
+def beam_step(group: SequenceGroup, rows: list[int], logits: torch.Tensor, *,
+              structured: StructuredOutputs, scheduler: Scheduler, max_model_len: int
+              ) -> Union[list[CoreOutput], GrammarError]:
+    """Rank the continuations of a beam group's sequences (their logits ``rows``, in
+    ``group.seqs`` order): fork and free beams and return nothing, or, when the search ended,
+    free every beam and return one output each, best first. A matcher that refuses its
+    token (or is broken) is returned as the GrammarError that ends the request."""
+    logprobs = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float(),
+                                 dim=-1).cpu()
+    masks, broken = structured.masks(group.seqs, logprobs.device)
+    if broken:
+        return GrammarError(broken[0].constraint.error() or "")
+    if masks is not None:     # as transformers' logits processors: on the log-softmax
+        logprobs[masks.rows] = logprobs[masks.rows].masked_fill(~masks.allowed, float("-inf"))
+    beam = group.beam
+    num_prompt = group.seqs[0].num_prompt_tokens
+    at_limit = (beam.gen_len + 1 >= group.params.max_tokens
+                or num_prompt + beam.gen_len + 1 >= max_model_len)
+    step = beam.step(logprobs, length_limit=at_limit)
+    if not step.done:
+        refused = advance_beams(group, step, scheduler)
+        return [] if refused is None else GrammarError(refused)
+    group.finished_time = time.time()
+    return beam_outputs(group, scheduler)
 
 
 def beam_outputs(group: SequenceGroup, scheduler: Scheduler) -> list[CoreOutput]:
