@@ -58,8 +58,8 @@ class FinishRules:
             else:
                 seq.token_ids[pos] = tok
                 num_tokens = pos + 1
-            seq.cumulative_logprob += lp
-            if p.logprobs is not None:
+            if lp is not None:
+                seq.cumulative_logprob += lp
                 seq.output_logprobs.append(top)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -82,10 +82,11 @@ class FinishRules:
                 last = finish_choice(self.scheduler, seq, reason, stop_reason, now)
                 if last:
                     ended.append(seq.request_id)
+            asked = lp is not None
             outs.append(CoreOutput(
-                seq.request_id, seq.index, [tok], [lp],
-                [top] if p.logprobs is not None else None, reason, stop_reason,
-                seq.num_prompt_tokens, n_out, seq.cumulative_logprob, text_ends, False, last))
+                seq.request_id, seq.index, [tok], [lp] if asked else [],
+                [top] if asked else None, reason, stop_reason, seq.num_prompt_tokens, n_out,
+                seq.cumulative_logprob if asked else None, text_ends, False, last))
         return outs, ended
 
 

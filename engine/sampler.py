@@ -11,7 +11,10 @@ are one sort for all rows that need them. The per-row Python loops are only the 
 seeding of random rows and the (rare) penalty rows.
 
 Logprobs are those of the raw model distribution (vLLM's default), before penalties,
-temperature and truncation: they describe the model, not the sampling knobs.
+temperature and truncation: they describe the model, not the sampling knobs. Only rows whose
+request asked for them (``params.logprobs`` set, 0 included) pay for them: the others get
+no chosen-token logprob (``None``; their choice's ``cumulative_logprob`` stays unknown, as in
+vLLM), so a step where nobody asked runs no log-sum-exp over the vocabulary.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]                          # of each chosen token
+    logprobs: list[Optional[float]]                # of each chosen token, where asked
     top_logprobs: list[Optional[dict[int, float]]]  # per row: top-N plus the chosen one, or None
 
 
@@ -80,7 +83,7 @@ class DeviceSample:
     """One step's draws, still where they were computed (no host sync yet)."""
 
     tokens: torch.Tensor                       # [n] int64
-    chosen: torch.Tensor                       # [n] float32, logprob of each token
+    chosen: Optional[torch.Tensor]             # [len(want)] float32, their tokens' logprobs
     want: list[int]                            # rows that asked for logprobs
     top_counts: list[int]                      # their top-N
     top_vals: Optional[torch.Tensor] = None    # [len(want), k]
@@ -96,13 +99,17 @@ class DeviceSample:
     def output(self) -> SamplerOutput:
         """The host lists (each ``tolist`` waits for its tensor: the step's one sync)."""
         token_list = self.tokens.tolist()
-        chosen_list = self.chosen.tolist()
-        top: list[Optional[dict[int, float]]] = [None] * len(token_list)
+        n = len(token_list)
+        chosen_list: list[Optional[float]] = [None] * n
+        top: list[Optional[dict[int, float]]] = [None] * n
+        if not self.want:
+            return SamplerOutput(token_list, chosen_list, top)
+        chosen = self.chosen.tolist()
         vals = self.top_vals.tolist() if self.top_vals is not None else None
         ids = self.top_ids.tolist() if self.top_ids is not None else None
         for j, (i, kk) in enumerate(zip(self.want, self.top_counts)):
             d = dict(zip(ids[j][:kk], vals[j][:kk])) if kk > 0 else {}
-            d[token_list[i]] = chosen_list[i]
+            d[token_list[i]] = chosen_list[i] = chosen[j]
             top[i] = d
         return SamplerOutput(token_list, chosen_list, top)
 
@@ -127,7 +134,6 @@ class Sampler:
         if n != len(batch.seqs):
             raise ValueError(f"sampler got {n} logits rows for {len(batch.seqs)} sequences")
         params = batch.params
-        lse = torch.logsumexp(logits, dim=-1)
 
         processed = self._apply_penalties_and_min_tokens(logits, batch)
         if masks is not None:
@@ -147,15 +153,22 @@ class Sampler:
                                             [batch.num_output_tokens[i] for i in random_rows],
                                             [params[i] for i in random_rows])
 
-        chosen = (logits.gather(1, tokens[:, None]).squeeze(1) - lse)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not want:
+            return DeviceSample(tokens, None, want, [])
         counts = [params[i].logprobs for i in want]
-        out = DeviceSample(tokens, chosen, want, counts)
-        k = max(counts, default=0)
-        if k > 0:
+        if len(want) == n:
+            asked, asked_tokens = logits, tokens
+        else:
             rows = _dev(want, logits.device)
-            vals, ids = logits[rows].topk(min(k, vocab), dim=-1)
-            out.top_vals, out.top_ids = vals - lse[rows, None], ids
+            asked, asked_tokens = logits[rows], tokens[rows]
+        lse = torch.logsumexp(asked, dim=-1)
+        chosen = asked.gather(1, asked_tokens[:, None]).squeeze(1) - lse
+        out = DeviceSample(tokens, chosen, want, counts)
+        k = max(counts)
+        if k > 0:
+            vals, ids = asked.topk(min(k, vocab), dim=-1)
+            out.top_vals, out.top_ids = vals - lse[:, None], ids
         return out
 
     # -- logits processing -----------------------------------------------------------------

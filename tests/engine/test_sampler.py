@@ -29,11 +29,32 @@ def logits(rows: int, seed: int = 0) -> torch.Tensor:
 def test_greedy_is_argmax_and_logprob_is_log_softmax():
     sampler = Sampler(V, eos_token_ids=[0])
     lg = logits(4)
-    out = sampler(lg, [seq(SamplingParams(temperature=0)) for _ in range(4)])
+    out = sampler(lg, [seq(SamplingParams(temperature=0, logprobs=0)) for _ in range(4)])
     assert out.token_ids == lg.argmax(-1).tolist()
     ref = torch.log_softmax(lg, -1).max(-1).values.tolist()
     assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(out.logprobs, ref))
-    assert out.top_logprobs == [None] * 4
+    assert out.top_logprobs == [{t: lp} for t, lp in zip(out.token_ids, out.logprobs)]
+
+
+def test_logprobs_only_for_the_rows_that_asked(monkeypatch):
+    """Nobody asked: no log-sum-exp over the vocabulary at all. Some asked: theirs only, the
+    same values as when every row asks."""
+    sampler = Sampler(V, eos_token_ids=[0])
+    lg = logits(4, seed=3)
+    calls = []
+    real = torch.logsumexp
+    monkeypatch.setattr(torch, "logsumexp", lambda x, *a, **k: calls.append(x.shape) or
+                        real(x, *a, **k))
+    none = sampler(lg, [seq(SamplingParams(temperature=0)) for _ in range(4)])
+    assert none.logprobs == [None] * 4 and none.top_logprobs == [None] * 4 and calls == []
+    mixed = sampler(lg, [seq(SamplingParams(temperature=0, logprobs=2 if i % 2 else None))
+                         for i in range(4)])
+    assert calls == [(2, V)]
+    every = sampler(lg, [seq(SamplingParams(temperature=0, logprobs=2)) for _ in range(4)])
+    assert mixed.token_ids == none.token_ids == every.token_ids
+    assert mixed.logprobs[0] is None and mixed.logprobs[2] is None
+    assert [mixed.logprobs[i] for i in (1, 3)] == [every.logprobs[i] for i in (1, 3)]
+    assert [mixed.top_logprobs[i] for i in (1, 3)] == [every.top_logprobs[i] for i in (1, 3)]
 
 
 def test_greedy_ties_go_to_the_lowest_token_id():
