@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from tokenrelay.engine.block_tables import BlockTables
 from tokenrelay.engine.sequence import Sequence
 
 
@@ -65,13 +66,16 @@ class PoolShape:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tables: Optional[BlockTables] = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, "
                              f"{block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.shape = PoolShape(num_blocks, block_size)
+        # Every block table, mirrored for the model runner (which reads the same object).
+        self.tables = tables if tables is not None else BlockTables()
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[Optional[int]] = [None] * num_blocks
@@ -201,6 +205,7 @@ class BlockManager:
                 f"{seq.request_id}: need {needed} blocks, {len(self.free_queue)} free")
         if needed == 0 and not cached:      # most decode steps: the last block has room
             return
+        start = len(seq.block_table)
         for b in cached:
             if self.ref_counts[b] == 0:
                 del self.free_queue[b]
@@ -215,9 +220,13 @@ class BlockManager:
             dst = self._take_fresh_block()
             seq.block_table[i] = dst
             self.pending_copies.append((src, dst))
+            if i < start:
+                self.tables.set(seq, i)
         total_tokens = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
         for _ in range(self.blocks_for(total_tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_fresh_block())
+        if len(seq.block_table) > start:
+            self.tables.extend(seq, start)
 
     def _take_fresh_block(self) -> int:
         block, _ = self.free_queue.popitem(last=False)
@@ -236,6 +245,7 @@ class BlockManager:
             raise ValueError("fork: the child must start with the parent's block table")
         for b in child.block_table:
             self.ref_counts[b] += 1
+        self.tables.copy(parent, child)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies decided since the last call, for the model runner."""
@@ -255,6 +265,7 @@ class BlockManager:
                     self.free_queue.move_to_end(block, last=False)
         seq.block_table = []
         seq.num_cached_blocks = 0
+        self.tables.release(seq)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish the sequence's newly completed blocks to the prefix cache.

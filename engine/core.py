@@ -23,6 +23,7 @@ import torch
 
 from tokenrelay.engine.beam_search import BeamSearch
 from tokenrelay.engine.block_manager import BlockManager
+from tokenrelay.engine.block_tables import BlockTables
 from tokenrelay.engine.config import EngineConfig
 from tokenrelay.engine.finish_rules import FinishRules, finish_choice
 from tokenrelay.engine.forks import beam_step, branch_seed, fork_samples
@@ -91,11 +92,13 @@ class EngineCore:
     def __init__(self, config: EngineConfig, *, tokenizer: Any, model: Optional[Any] = None,
                  on_parallel_failure: Optional[Callable[[str], None]] = None) -> None:
         self.config = config.resolve()
-        self.model_runner = ModelRunner(config, model, on_parallel_failure=on_parallel_failure)
+        tables = BlockTables()
+        self.model_runner = ModelRunner(config, model, on_parallel_failure=on_parallel_failure,
+                                        tables=tables)
         self.vocab_size = config.hf_config.vocab_size
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, tables=tables)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    typical_request_tokens=min(self.max_model_len, 512))

@@ -19,6 +19,7 @@ collective, the step runs as it is prepared.
 from __future__ import annotations
 
 import weakref
+from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -27,6 +28,7 @@ import torch
 from tokenrelay.engine.config import ACTIVATION_BYTES_PER_TOKEN, CudaMemory, EngineConfig, gpu_kv_budget
 from tokenrelay.engine.attention import AttentionMetadata
 from tokenrelay.engine.parallel.partition import Partition
+from tokenrelay.engine.block_tables import BlockTables
 from tokenrelay.engine.sequence import Sequence
 
 
@@ -58,27 +60,24 @@ class StepInputs:
     is_decode: bool
 
 
-def _padded_block_tables(seqs: list[Sequence]) -> torch.Tensor:
-    """``[B, max blocks]`` int32, each row zero-padded. Built from one flat list: torch.tensor
-    on a list of row lists checks every row as a sequence (about twice the host time at 256
-    sequences, where this runs every step)."""
-    width = max(len(s.block_table) for s in seqs)
-    flat: list[int] = []
-    for s in seqs:
-        flat.extend(s.block_table)
-        if len(s.block_table) < width:
-            flat.extend([0] * (width - len(s.block_table)))
-    return torch.tensor(flat, dtype=torch.int32).view(len(seqs), width)
+def _ints(values: list[int]) -> torch.Tensor:
+    """int64 host tensor from a list, through the ``array`` module: ``torch.tensor`` checks
+    each element's type and took several times longer for a step's 256 ids."""
+    return torch.frombuffer(array("q", values), dtype=torch.int64) if values else \
+        torch.zeros(0, dtype=torch.int64)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Optional[Any] = None,
                  group: Optional[Any] = None,
-                 on_parallel_failure: Optional[Callable[[str], None]] = None) -> None:
+                 on_parallel_failure: Optional[Callable[[str], None]] = None,
+                 tables: Optional[BlockTables] = None) -> None:
         """``group``: this rank's ``ParallelGroup`` when it is not rank 0 (engine/parallel/
         rank.py passes it); rank 0 of a tensor-parallel engine starts the other ranks itself and
-        calls ``on_parallel_failure`` (see engine/parallel/launch.py) if one of them fails."""
+        calls ``on_parallel_failure`` (see engine/parallel/launch.py) if one of them fails.
+        ``tables``: the block tables the BlockManager keeps (rank 0, which prepares steps)."""
         self.config = config
+        self.tables = tables
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         self.ranks = None
@@ -201,20 +200,22 @@ class ModelRunner:
         instead of only at the last of each sequence that completes its tokens."""
         bs = self.block_size
         is_decode = all(n == 1 for n in num_new_tokens)
-        block_tables = _padded_block_tables(seqs)
+        if self.tables is None:
+            raise RuntimeError("this ModelRunner prepares no steps (a tensor-parallel rank)")
+        block_tables = self.tables.gather(seqs)
         if is_decode:
             input_ids = [s.token_ids[-1] for s in seqs]
-            pos = [s.num_computed_tokens for s in seqs]
-            slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
-            seq_lens = [p + 1 for p in pos]
-            positions = torch.tensor(pos, dtype=torch.int64)
-            slot_mapping = torch.tensor(slots, dtype=torch.int64)
+            positions = _ints([s.num_computed_tokens for s in seqs])
+            slot_mapping = (block_tables.gather(1, (positions // bs)[:, None]).squeeze(1)
+                            .to(torch.int64) * bs + positions % bs)
             context_lens = positions.to(torch.int32)
-            seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+            seq_lens_t = (positions + 1).to(torch.int32)
+            seq_lens = None
             cu = torch.arange(len(seqs) + 1, dtype=torch.int32)
             sample_rows = list(range(len(seqs)))
             last = torch.arange(len(seqs), dtype=torch.int64)
             max_q = 1
+            max_k = int(seq_lens_t.max())
         else:
             input_ids: list[int] = []
             starts: list[int] = []
@@ -244,14 +245,15 @@ class ModelRunner:
             cu = cu64.to(torch.int32)
             last = torch.tensor(last_idx, dtype=torch.int64)
             max_q = max(num_new_tokens)
+            max_k = max(seq_lens)
         if all_logits:
             last = torch.arange(len(input_ids), dtype=torch.int64)
         copies = torch.tensor(block_copies or [], dtype=torch.int64).reshape(-1, 2)
         step = StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64), positions=positions,
+            input_ids=_ints(input_ids), positions=positions,
             slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens_t,
             context_lens=context_lens, cu_seqlens_q=cu, logits_indices=last,
-            block_copies=copies, max_seqlen_q=max_q, max_seqlen_k=max(seq_lens),
+            block_copies=copies, max_seqlen_q=max_q, max_seqlen_k=max_k,
             is_decode=is_decode)
         return step, sample_rows
 

@@ -77,6 +77,11 @@ class SamplingBatch:
         return cls(list(seqs), [s.params for s in seqs], [s.seed for s in seqs],
                    [s.num_output_tokens for s in seqs])
 
+    def processed_rows(self) -> list[int]:
+        """Rows whose logits ``min_tokens`` or a penalty may change: most steps, none."""
+        return [i for i, (p, n) in enumerate(zip(self.params, self.num_output_tokens))
+                if n < p.min_tokens or p.has_penalties]
+
 
 @dataclass
 class DeviceSample:
@@ -177,8 +182,8 @@ class Sampler:
         """Returns ``logits`` itself when nothing applies (the common case: no copy). The
         penalties read the sequences' tokens, so they run only in serial steps."""
         out = logits
-        for i, (seq, p, n_out) in enumerate(zip(batch.seqs, batch.params,
-                                                batch.num_output_tokens)):
+        for i in batch.processed_rows():
+            seq, p, n_out = batch.seqs[i], batch.params[i], batch.num_output_tokens[i]
             if n_out < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 banned = [t for t in banned if 0 <= t < self.vocab_size]
@@ -186,8 +191,7 @@ class Sampler:
                     if out is logits:
                         out = logits.clone()
                     out[i, banned] = float("-inf")
-            if (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                    or p.frequency_penalty != 0.0):
+            if p.has_penalties:
                 if out is logits:
                     out = logits.clone()
                 self._penalize_row(out, i, seq)

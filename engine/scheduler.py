@@ -188,13 +188,16 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n <= 0:
                 continue
-            while bm.num_blocks_needed(seq, n) > bm.num_free_blocks:
+            need = bm.num_blocks_needed(seq, n)
+            while need > bm.num_free_blocks:
                 budget += self._preempt_last(scheduled, preempted)
                 if seq.status is not SequenceStatus.RUNNING:
                     break
+                need = bm.num_blocks_needed(seq, n)     # a sibling's preemption may unshare
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            bm.allocate(seq, n)
+            if need:        # most decodes: the last block has room, nothing to allocate
+                bm.allocate(seq, n)
             scheduled[seq] = n
             budget -= n
 

@@ -74,6 +74,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.table_row = -1                     # its row in BlockManager.tables, once it has blocks
         self.block_hashes: list[int] = []       # chained hashes of full blocks, filled lazily
         self.num_cached_blocks = 0              # leading blocks already offered to the prefix cache
         self.status = SequenceStatus.WAITING
@@ -88,9 +89,7 @@ class Sequence:
         # Can its steps overlap (engine/overlap.py)? Not when the next draw needs this step's
         # token on the host: a grammar, beam search, penalties.
         self.overlappable = (params.structured_outputs is None and not params.use_beam_search
-                             and params.repetition_penalty == 1.0
-                             and params.presence_penalty == 0.0
-                             and params.frequency_penalty == 0.0)
+                             and not params.has_penalties)
         # Timing (wall clock, seconds):
         self.arrival_time = time.time()
         self.first_token_time: Optional[float] = None

@@ -168,5 +168,11 @@ class SamplingParams(BaseModel):
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """A penalty reads the tokens drawn so far, so the next draw needs them on the host."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
 
 SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)

@@ -59,7 +59,11 @@ def check_invariants(sched: Scheduler, live: list[Sequence]) -> None:
             assert len(contents) == 1, f"block {b} shared by sequences with different tokens"
     for s in live:
         if s.status is SequenceStatus.WAITING:
-            assert s.block_table == []
+            assert s.block_table == [] and s.table_row == -1
+        # The model runner's mirror of the tables is the tables (engine/block_tables.py).
+        assert bm.tables.row(s) == s.block_table, (s, bm.tables.row(s))
+    rows = [s.table_row for s in live if s.table_row >= 0]
+    assert len(rows) == len(set(rows)), "two live sequences share a block-table row"
     assert len(sched.running) <= sched.max_num_seqs
 
 
