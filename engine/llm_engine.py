@@ -30,7 +30,7 @@ from tokenrelay.engine.prompts import (PromptType, check_chat_template_kwargs, p
                             tool_call_format)
 from tokenrelay.protocol.sampling_params import min_tokens_fit
 from tokenrelay.protocol.tools import NO_TOOLS
-from tokenrelay.engine.request_checks import check_pool, check_width, resume_states
+from tokenrelay.engine.request_checks import check_logit_bias, check_pool, check_width, resume_states
 from tokenrelay.engine.request_checks import prompt_ids as prompt_ids_of
 from tokenrelay.engine.sampler import Sampler
 from tokenrelay.engine.sampling_params import SamplingParams
@@ -157,6 +157,7 @@ class LLMEngine:
             raise InvalidRequestError(f"min_tokens: {params.min_tokens} exceeds max_tokens "
                                       f"({params.max_tokens})")
         check_width(params, self.config)
+        check_logit_bias(params, self.vocab_size)
         prompt = prompt_of(prompt)
         prompt_ids = prompt_ids_of(prompt, self.tokenizer, self.vocab_size)
         states = resume_states(resume, params, self.vocab_size)

@@ -1,5 +1,5 @@
 """The checks ``LLMEngine.add_request`` runs before it changes anything: the prompt's ids, the
-number of choices, the resume states and whether the request could ever fit the KV pool. Each
+``logit_bias`` ids, the number of choices, the resume states and whether the request could ever fit the KV pool. Each
 raises InvalidRequestError / PromptTooLongError naming the field and giving the numbers."""
 
 from __future__ import annotations
@@ -37,6 +37,13 @@ def check_token_ids(field: str, ids: Any, vocab_size: int) -> None:
         if not 0 <= t < vocab_size:
             raise InvalidRequestError(
                 f"{field}: token id {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """The schema bounds ``logit_bias``'s keys and values; only the engine knows its vocabulary,
+    so an id past it is refused here (naming the field) rather than indexing past the logits."""
+    if params.logit_bias:
+        check_token_ids("logit_bias", sorted(params.logit_bias), vocab_size)
 
 
 def check_width(params: SamplingParams, config: Any) -> None:

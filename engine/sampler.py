@@ -10,8 +10,9 @@ The common paths are vectorized over the batch: greedy rows are one ``argmax``; 
 are one sort for all rows that need them. The per-row Python loops are only the generator
 seeding of random rows and the (rare) penalty rows.
 
-Logprobs are those of the raw model distribution (vLLM's default), before penalties,
-temperature and truncation: they describe the model, not the sampling knobs.
+Logprobs are those of the raw model distribution (vLLM's default, ``logprobs_mode=
+raw_logprobs``), before ``logit_bias``, penalties, temperature and truncation: they describe
+the model, not the sampling knobs.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ class Sampler:
         params = batch.params
         lse = torch.logsumexp(logits, dim=-1)
 
-        processed = self._apply_penalties_and_min_tokens(logits, batch)
+        processed = self._apply_logit_bias(logits, batch)
+        processed = self._apply_penalties_and_min_tokens(processed, batch)
         if masks is not None:
             processed = self._apply_masks(processed, logits, masks, batch)
         greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
@@ -159,6 +161,29 @@ class Sampler:
         return out
 
     # -- logits processing -----------------------------------------------------------------
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """OpenAI's ``logit_bias`` added to each row's logits, first of all processing (as vLLM
+        applies it before penalties, temperature and top-k/top-p; logprobs stay the raw
+        model's, see the module docstring). It reads only the params, never the sequence's
+        tokens, so it runs in overlapped steps too: one scatter-add, indices copied without a
+        host sync. Returns ``logits`` itself when no row has a bias (no copy)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        for i, p in enumerate(batch.params):
+            if p.logit_bias:
+                rows.extend([i] * len(p.logit_bias))
+                cols.extend(p.logit_bias)
+                vals.extend(p.logit_bias.values())
+        if not rows:
+            return logits
+        dev = logits.device
+        out = logits.clone()
+        out.index_put_((_dev(rows, dev), _dev(cols, dev)), _dev(vals, dev, out.dtype),
+                       accumulate=True)
+        return out
+
     def _apply_penalties_and_min_tokens(self, logits: torch.Tensor,
                                         batch: SamplingBatch) -> torch.Tensor:
         """Returns ``logits`` itself when nothing applies (the common case: no copy). The

@@ -29,10 +29,9 @@ COMPLETIONS_URL = "/v1/completions"
 _SAMPLING_PASSTHROUGH = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty",
                          "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
                          "stop_token_ids", "ignore_eos", "skip_special_tokens",
-                         "include_stop_str_in_output")
+                         "include_stop_str_in_output", "logit_bias")
 # Accepted only with the value that means "the default behaviour".
-_ONLY_DEFAULT = {"echo": (False, None), "best_of": (1, None), "suffix": (None, ""),
-                 "logit_bias": (None, {})}
+_ONLY_DEFAULT = {"echo": (False, None), "best_of": (1, None), "suffix": (None, "")}
 # Streaming fields: a batch line cannot stream, so there they too only take their defaults.
 _STREAM_DEFAULTS = {"stream": (False, None), "stream_options": (None,)}
 _IGNORED = ("model", "user", "service_tier", "store")
