@@ -52,6 +52,7 @@ class OpenAIRequest:
     user: Optional[str]
     tools: Any = None               # producer_sdk.openai.structured.ToolPlan when tools are given
     constraint_param: Optional[str] = None   # the field that asked for a constraint
+    echo: Optional[str] = None      # completions with echo: the prompt each choice's text starts with
 
     @property
     def chat(self) -> bool:
@@ -92,6 +93,7 @@ def parse_request(url: str, body: Any, *, streaming: bool) -> OpenAIRequest:
         req.update(_prompt(body.pop("prompt", None)))
     _max_tokens(body, req)
     _logprobs(url, body, req)
+    echo = _echo(url, body, req)
     for name in _SAMPLING_PASSTHROUGH:
         value = body.pop(name, None)
         if value is not None:
@@ -117,7 +119,31 @@ def parse_request(url: str, body: Any, *, streaming: bool) -> OpenAIRequest:
         raise LineError("unsupported_field", f"unsupported body field(s): {', '.join(sorted(body))}",
                         sorted(body)[0])
     return OpenAIRequest(url, req, model, stream, include_usage, user, plan,
-                         constraint.param if constraint is not None else None)
+                         constraint.param if constraint is not None else None, echo)
+
+
+def _echo(url: str, body: dict[str, Any], req: dict[str, Any]) -> Optional[str]:
+    """Completions' ``echo``: the prompt text the answer's text starts with, or None.
+
+    OpenAI's echo with logprobs also scores the prompt's tokens; our engine computes no
+    prompt logprobs, so that pair is refused rather than answered without them. A prompt of
+    token ids has no text here (the gateway holds no tokenizer), so it cannot be echoed."""
+    if url != COMPLETIONS_URL or "echo" not in body:
+        return None         # chat: echo stays in _ONLY_DEFAULT
+    echo = body.pop("echo")
+    if echo is None or echo is False:
+        return None
+    if echo is not True:
+        raise LineError("invalid_request", "echo must be a boolean", "echo")
+    if req.get("logprobs") is not None:
+        raise LineError("unsupported_field", "echo with logprobs needs the prompt's logprobs, "
+                        "which this engine does not compute; ask for echo or logprobs, not "
+                        "both", "echo")
+    if "prompt" not in req:
+        raise LineError("unsupported_field", "echo needs the prompt as text: a prompt of token "
+                        "ids cannot be echoed (send the text, or POST /detokenize it first)",
+                        "echo")
+    return req["prompt"]
 
 
 def _only_defaults(body: dict[str, Any], allowed: dict[str, tuple]) -> None:
