@@ -169,6 +169,7 @@ class FakeEngine:
         self.step_delay = step_delay
         self.fail_on = fail_on            # fail_on(scheduled ids) -> True makes step() raise
         self.tokenizer = FakeTokenizer()
+        self.vocab_size = FAKE_VOCAB_SIZE
         self.tool_call_format = tool_format     # what the visible "template" does with tools
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()

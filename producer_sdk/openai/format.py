@@ -201,6 +201,12 @@ def _template_kwargs(url: str, body: dict[str, Any], req: dict[str, Any]) -> Non
         req["chat_template_kwargs"] = template_vars
 
 
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages checked and normalized as a chat request's are (the gateway's
+    ``/tokenize`` takes them too); LineError naming the field."""
+    return _messages(messages)
+
+
 def _messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise LineError("invalid_request", "messages must be a non-empty array", "messages")
