@@ -1,6 +1,7 @@
 """The checks ``LLMEngine.add_request`` runs before it changes anything: the prompt's ids, the
-``logit_bias`` ids, the number of choices, the resume states and whether the request could ever fit the KV pool. Each
-raises InvalidRequestError / PromptTooLongError naming the field and giving the numbers."""
+``logit_bias`` ids, the number of choices, the resume states and whether the request could ever
+fit the KV pool. Each raises InvalidRequestError / PromptTooLongError naming the field and
+giving the numbers."""
 
 from __future__ import annotations
 
