@@ -1,8 +1,9 @@
 """The checks a request passes before it reaches the engine core, run by the front end
 (``LLMEngine.add_request``, ``EngineCoreClient.add_request``) before anything changes: its
-id, its sampling fields, the prompt's ids, the number of choices, the resume states and
-whether it could ever fit the KV pool. Each raises InvalidRequestError / PromptTooLongError
-naming the field and giving the numbers (or pydantic's ValidationError for a bad field)."""
+id, its sampling fields, the prompt's ids, the ``logit_bias`` ids, the number of choices, the
+resume states and whether it could ever fit the KV pool. Each raises InvalidRequestError /
+PromptTooLongError naming the field and giving the numbers (or pydantic's ValidationError for
+a bad field)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class RequestChecks:
         if not min_tokens_fit(params.min_tokens, params.max_tokens):  # the schema checks only when set
             raise InvalidRequestError(f"min_tokens: {params.min_tokens} exceeds max_tokens "
                                       f"({params.max_tokens})")
+        check_logit_bias(params, self.vocab_size)
         check_width(params, self.config)
         prompt = prompt_of(prompt)
         ids = prompt_ids(prompt, self.tokenizer, self.vocab_size)
@@ -89,6 +91,13 @@ def check_token_ids(field: str, ids: Any, vocab_size: int) -> None:
         if not 0 <= t < vocab_size:
             raise InvalidRequestError(
                 f"{field}: token id {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """The schema bounds ``logit_bias``'s keys and values; only the engine knows its vocabulary,
+    so an id past it is refused here (naming the field) rather than indexing past the logits."""
+    if params.logit_bias:
+        check_token_ids("logit_bias", sorted(params.logit_bias), vocab_size)
 
 
 def check_width(params: SamplingParams, config: Any) -> None:

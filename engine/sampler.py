@@ -10,11 +10,12 @@ The common paths are vectorized over the batch: greedy rows are one ``argmax``; 
 are one sort for all rows that need them. The per-row Python loops are only the generator
 seeding of random rows and the (rare) penalty rows.
 
-Logprobs are those of the raw model distribution (vLLM's default), before penalties,
-temperature and truncation: they describe the model, not the sampling knobs. Only rows whose
-request asked for them (``params.logprobs`` set, 0 included) pay for them: the others get
-no chosen-token logprob (``None``; their choice's ``cumulative_logprob`` stays unknown, as in
-vLLM), so a step where nobody asked runs no log-sum-exp over the vocabulary.
+Logprobs are those of the raw model distribution (vLLM's default, ``logprobs_mode=
+raw_logprobs``), before ``logit_bias``, penalties, temperature and truncation: they describe
+the model, not the sampling knobs. Only rows whose request asked for them (``params.logprobs``
+set, 0 included) pay for them: the others get no chosen-token logprob (``None``; their
+choice's ``cumulative_logprob`` stays unknown, as in vLLM), so a step where nobody asked runs
+no log-sum-exp over the vocabulary.
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ class Sampler:
             raise ValueError(f"sampler got {n} logits rows for {len(batch.seqs)} sequences")
         params = batch.params
 
-        processed = self._apply_penalties_and_min_tokens(logits, batch)
+        processed = self._apply_logit_bias(logits, batch)
+        processed = self._apply_penalties_and_min_tokens(processed, batch)
         if masks is not None:
             processed = self._apply_masks(processed, logits, masks, batch)
         greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0.0]
@@ -177,6 +179,29 @@ class Sampler:
         return out
 
     # -- logits processing -----------------------------------------------------------------
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """OpenAI's ``logit_bias`` added to each row's logits, first of all processing (as vLLM
+        applies it before penalties, temperature and top-k/top-p; logprobs stay the raw
+        model's, see the module docstring). It reads only the params, never the sequence's
+        tokens, so it runs in overlapped steps too: one scatter-add, indices copied without a
+        host sync. Returns ``logits`` itself when no row has a bias (no copy)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        for i, p in enumerate(batch.params):
+            if p.logit_bias:
+                rows.extend([i] * len(p.logit_bias))
+                cols.extend(p.logit_bias)
+                vals.extend(p.logit_bias.values())
+        if not rows:
+            return logits
+        dev = logits.device
+        out = logits.clone()
+        out.index_put_((_dev(rows, dev), _dev(cols, dev)), _dev(vals, dev, out.dtype),
+                       accumulate=True)
+        return out
+
     def _apply_penalties_and_min_tokens(self, logits: torch.Tensor,
                                         batch: SamplingBatch) -> torch.Tensor:
         """Returns ``logits`` itself when nothing applies (the common case: no copy). The

@@ -199,6 +199,17 @@ class Keys:
         exists the worker drains as on SIGTERM, then exits 0."""
         return f"{self.namespace}:drain:{self.queue}:{worker_id}"
 
+    @property
+    def tokenize_calls(self) -> str:
+        """Stream of the queue's tokenize/detokenize calls (``protocol/tokenize.py``), read by
+        its workers in the ``GROUP`` consumer group: the gateway's ``/tokenize`` answered with
+        the tokenizer and chat template the queue's jobs are tokenized with."""
+        return f"{self.namespace}:tokenize:{self.queue}"
+
+    def tokenize_reply(self, call_id: str) -> str:
+        """Stream the answer to one tokenize call is written to (one entry, short TTL)."""
+        return f"{self.namespace}:tokenize-reply:{self.queue}:{call_id}"
+
     # -- per-job keys (in the slot of the job's shard; shard None: where the job id goes)
     def results(self, job_id: str, shard: Optional[int] = None) -> str:
         return f"{self.namespace}:result:{self.tag(self._job_shard(job_id, shard))}:{job_id}"

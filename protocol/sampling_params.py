@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, field_serializer, field_validator,
+                      model_validator)
 
 from tokenrelay.protocol.structured_outputs import StructuredOutputsParams
 
@@ -28,7 +29,14 @@ MAX_N = 256
 # Beam search is deterministic: it scores every continuation by log-probability. Fields that
 # shape sampling or stopping in ways it cannot honour are refused with it instead of ignored.
 NOT_WITH_BEAM_SEARCH = ("stop", "stop_token_ids", "logprobs", "repetition_penalty",
-                         "presence_penalty", "frequency_penalty")
+                         "presence_penalty", "frequency_penalty", "logit_bias")
+
+# OpenAI's bounds on ``logit_bias``: at most this many entries, each bias in [-BOUND, BOUND].
+MAX_LOGIT_BIAS_ENTRIES = 300
+LOGIT_BIAS_BOUND = 100.0
+# A token id key longer than this many digits cannot be in any vocabulary (the engine checks
+# the real bound): refused here so a key of a million digits costs nothing to parse.
+_MAX_TOKEN_ID_DIGITS = 10
 
 # What a completion job without ``max_tokens`` generates: OpenAI's completions default.
 DEFAULT_MAX_TOKENS = 16
@@ -87,6 +95,12 @@ class SamplingParams(BaseModel):
     include_stop_str_in_output: bool = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     skip_special_tokens: bool = True
+    logit_bias: Optional[dict[int, float]] = Field(
+        default=None,
+        description="OpenAI's logit_bias: token id (an integer, or its decimal string as JSON "
+                    f"keys are) -> bias in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}] added to "
+                    f"that token's logit before sampling; at most {MAX_LOGIT_BIAS_ENTRIES} "
+                    "entries. Ids are checked against the model's vocabulary by the engine.")
     structured_outputs: Optional[StructuredOutputsParams] = Field(
         default=None,
         description="Constrain the output to a JSON schema, any JSON object, a regex, a choice "
@@ -128,6 +142,30 @@ class SamplingParams(BaseModel):
         if any(t < 0 for t in v):
             raise ValueError("token ids must be non-negative")
         return v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, v: Any) -> Optional[dict[int, float]]:
+        """OpenAI's map from token id to bias. JSON keys are strings (``{"50256": -100}``), so a
+        decimal string key is that id; an empty map is no bias (None), so that defaults compare
+        equal whichever way "no bias" was spelled."""
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise ValueError(f"must be a map of token id to bias, got {type(v).__name__}")
+        if len(v) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"has {len(v)} entries, over OpenAI's limit of "
+                             f"{MAX_LOGIT_BIAS_ENTRIES}")
+        out = {_token_id_key(k): _bias_value(k, b) for k, b in v.items()}
+        if len(out) != len(v):
+            raise ValueError("names a token id twice (as an integer and as a string)")
+        return out or None
+
+    @field_serializer("logit_bias")
+    def _logit_bias_out(self, v: Optional[dict[int, float]]) -> Optional[dict[str, float]]:
+        """On the wire the keys are strings, as in OpenAI's JSON: a msgpack reader in any
+        language (most refuse integer map keys by default) reads the job's params."""
+        return None if v is None else {str(k): b for k, b in v.items()}
 
     @model_validator(mode="after")
     def _min_le_max(self) -> "SamplingParams":
@@ -173,6 +211,28 @@ class SamplingParams(BaseModel):
         """A penalty reads the tokens drawn so far, so the next draw needs them on the host."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _token_id_key(key: Any) -> int:
+    """A ``logit_bias`` key: a non-negative integer, or its decimal digits as a string."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() \
+            and len(key) <= _MAX_TOKEN_ID_DIGITS:
+        return int(key)
+    if type(key) is int and 0 <= key < 10 ** _MAX_TOKEN_ID_DIGITS:
+        return key
+    raise ValueError(f"key {key!r:.40} is not a token id (a non-negative integer, as a decimal "
+                     f"string in JSON)")
+
+
+def _bias_value(key: Any, bias: Any) -> float:
+    """A ``logit_bias`` value: a finite number in OpenAI's [-100, 100] (a bool is no number)."""
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+        raise ValueError(f"bias of token {key!r:.40} must be a number, got "
+                         f"{type(bias).__name__}")
+    if not (math.isfinite(bias) and -LOGIT_BIAS_BOUND <= bias <= LOGIT_BIAS_BOUND):
+        raise ValueError(f"bias of token {key!r:.40} is {bias!r:.40}, outside "
+                         f"[-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}]")
+    return float(bias)
 
 
 SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)

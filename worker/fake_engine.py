@@ -8,6 +8,8 @@ continues exactly and tests can predict every token.
 
 Tokens are characters: token id = ``ord(char)``; outputs are lowercase letters. The tokenizer
 decodes an id to its character (``FakeTokenizer``), so logprobs' token texts are testable too.
+``logit_bias`` is validated as the real engine validates it (ids within the "vocabulary", every
+code point) but steers nothing: the output stays the pure function above.
 
 Choices: with ``n > 1`` choice i draws its tokens from (prompt, seed, i, position) -- greedy
 choices are identical, as a real engine's are -- one delta per running choice per step, and a
@@ -37,9 +39,14 @@ from typing import Any, Callable, Mapping, Optional, Union
 from tokenrelay.engine.errors import InvalidRequestError, PromptTooLongError
 from tokenrelay.engine.outputs import RequestDelta, RequestError, ResumeState
 from tokenrelay.engine.prompts import check_tools
+from tokenrelay.engine.request_checks import check_logit_bias
 from tokenrelay.engine.sampling_params import SamplingParams
 from tokenrelay.protocol.tools import HERMES
 from tokenrelay.worker.fake_structured import EOS, FakeConstraint
+
+
+# Token ids are characters, so the "vocabulary" is every Unicode code point.
+FAKE_VOCAB_SIZE = 0x110000
 
 
 class FakeTokenizer:
@@ -162,6 +169,7 @@ class FakeEngine:
         self.step_delay = step_delay
         self.fail_on = fail_on            # fail_on(scheduled ids) -> True makes step() raise
         self.tokenizer = FakeTokenizer()
+        self.vocab_size = FAKE_VOCAB_SIZE
         self.tool_call_format = tool_format     # what the visible "template" does with tools
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
@@ -183,6 +191,7 @@ class FakeEngine:
         if (params.beam_width or 0) > self.max_beam_width:
             raise InvalidRequestError(f"params.beam_width: {params.beam_width} is over "
                                       f"max_beam_width={self.max_beam_width}")
+        check_logit_bias(params, FAKE_VOCAB_SIZE)   # checked as the engine does; it steers nothing here
         if len(ids) + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}; together "

@@ -4,7 +4,9 @@ One thread runs the loop, in this order, each iteration (this file holds that or
 the loop does with what each step reports; each step lives in the module named beside it, its
 collaborators wired in worker/crew.py); a second one, the writer, builds and flushes the
 events of step N while the loop's thread runs step N+1 (worker/cycle.py says how and why each
-promise holds; ``--no-overlap-steps`` and a worker driven by hand do it all in series)::
+promise holds; ``--no-overlap-steps`` and a worker driven by hand do it all in series); a
+third answers the gateway's ``/tokenize`` calls from the engine's tokenizer
+(worker/tokenize_server.py), never touching the loop::
 
     liveness   heartbeat + worker id lease + drain flag, lease renewal    worker/liveness.py
     intake     own pending list after (re)connect, reclaims, new entries  worker/intake.py
@@ -38,6 +40,7 @@ from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.lanes import OUTSIDE_LAYOUT, unread_lanes
 from tokenrelay.protocol.shards import ShardCountMismatch, register_shards
 from tokenrelay.worker.admission import StartDeferred
+from tokenrelay.worker.tokenize_server import TokenizeServer
 from tokenrelay.worker.config import WorkerSettings
 from tokenrelay.worker.connection import (EXIT_CONFIG, REDIS_ERRORS, Backoff, ErrorKind,
                                           PermanentRedisError, RedisClient)
@@ -120,6 +123,7 @@ class Worker:
         self.writer: Writer[FlushReport] = Writer(f"writer-{self.worker_id}")
         self.cycle: Optional[StepCycle] = None   # a step and its flush, made with the crew
         self._fault_point = fault_point
+        self.tokenizing: Optional[TokenizeServer] = None   # /tokenize answers, once ready
         self.ready = threading.Event()
         self.exit_code = 0
         self.engine_broken = False
@@ -171,6 +175,8 @@ class Worker:
             self._crew().liveness.heartbeat()
             if overlaps(self.s, self.engine):
                 self.writer.open()
+            self.tokenizing = TokenizeServer(lambda: self.client, self.keys, self.engine,
+                                             self.worker_id, self.log, self.s.block_ms).start()
             self.ready.set()
             self.log.info("worker ready", lanes=self.keys.lanes(), metrics_port=self.s.metrics_port,
                           overlap_steps=self.writer.running)
@@ -210,6 +216,8 @@ class Worker:
         return self.exit_code == 0
 
     def _shutdown(self) -> None:
+        if self.tokenizing is not None:
+            self.tokenizing.close()
         self.writer.close()
         self.metrics.close()
         if self.client is not None:

@@ -28,6 +28,7 @@ class LineTag:
     top_logprobs: int = 0        # alternatives per token asked for (chat top_logprobs, or logprobs)
     tools: Any = None            # producer_sdk.openai.structured.ToolPlan: the answer may hold calls
     constraint_param: Optional[str] = None   # the body field that asked for a constraint
+    echo: Optional[str] = None   # completions with echo: the prompt each choice's text starts with
 
 
 
@@ -56,7 +57,7 @@ def _choice(chat: bool, tag: LineTag, out: CompletionOutput, top: int,
     lp = logprobs_body(chat, records, top) if records else None
     if tag.tools is not None:
         return whole_choice(tag.tools, job_id, out.index, out.text, lp, out.finish_reason)
-    return choice_body(chat, out.index, out.text, lp, out.finish_reason)
+    return choice_body(chat, out.index, (tag.echo or "") + out.text, lp, out.finish_reason)
 
 
 def error_line(custom_id: Optional[str], line: int, code: str, message: str,

@@ -340,7 +340,8 @@ def parse_line(obj: dict[str, Any], lineno: int) -> tuple[LineTag, dict[str, Any
                         "OpenAI requires): it names the model whose workers run the line",
                         "model")
     tag = LineTag(cid, lineno, req.url, model, kwargs.get("logprobs") is not None,
-                  kwargs.get("logprobs") or 0, parsed.tools, parsed.constraint_param)
+                  kwargs.get("logprobs") or 0, parsed.tools, parsed.constraint_param,
+                  parsed.echo)
     return tag, kwargs
 
 

@@ -34,6 +34,8 @@ from tokenrelay.producer_sdk.gateway.models import ModelDirectory
 from tokenrelay.producer_sdk.gateway.responses import (Answer, JobFeed, event_stream, first_item,
                                             whole_response)
 from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
+from tokenrelay.producer_sdk.gateway.tokenize import (DETOKENIZE_URL, TOKENIZE_URL, detokenize,
+                                                      tokenize)
 from tokenrelay.producer_sdk.openai.format import (CHAT_URL, COMPLETIONS_URL, LineError, model_body,
                                         parse_request)
 
@@ -72,7 +74,8 @@ def _register_errors(app: FastAPI, gw: Gateway) -> None:
         elif exc.status_code == 404:
             err = APIError(404, f"no such endpoint: {request.method} {request.url.path} "
                            f"(POST {COMPLETIONS_URL}, POST {CHAT_URL}, GET /v1/models, "
-                           f"GET /health, GET /metrics)", "invalid_request_error", None,
+                           f"POST {TOKENIZE_URL}, POST {DETOKENIZE_URL}, GET /health, "
+                           f"GET /metrics)", "invalid_request_error", None,
                            "unknown_url")
         else:
             err = APIError(exc.status_code, str(exc.detail), "invalid_request_error")
@@ -164,6 +167,22 @@ def create_app(settings: Optional[GatewaySettings] = None,
     @app.post(CHAT_URL)
     async def chat_completions(request: Request) -> Response:
         return await generate(request, CHAT_URL)
+
+    async def token_call(request: Request, handler: Any) -> JSONResponse:
+        """/tokenize and /detokenize: authenticated and routed by model like a generation
+        request, answered by a worker of the model (gateway/tokenize.py)."""
+        gw.priority(request)            # auth
+        body = _body(await request.body())
+        request.state.model = body.get("model") if isinstance(body, dict) else None
+        return JSONResponse(await handler(gw, body))
+
+    @app.post(TOKENIZE_URL)
+    async def tokenize_route(request: Request) -> JSONResponse:
+        return await token_call(request, tokenize)
+
+    @app.post(DETOKENIZE_URL)
+    async def detokenize_route(request: Request) -> JSONResponse:
+        return await token_call(request, detokenize)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:

@@ -72,6 +72,9 @@ class Gateway:
         self.cancels: Optional[Cancels] = None
         self.clients: dict[str, AsyncClient] = {}
         self._connecting = asyncio.Lock()
+        # /tokenize calls waiting at once: each blocks a pooled connection on its reply, so
+        # they take a quarter of the pool at most and generation requests keep the rest.
+        self.tokenize_slots = asyncio.Semaphore(max(1, settings.redis_max_connections // 4))
         self._last_try = 0.0
 
     # -- Redis, lazily

@@ -39,8 +39,11 @@ from tokenrelay.producer_sdk.openai.format import CHAT_URL, COMPLETIONS_URL
 
 REQUEST_ID = "x-request-id"
 GENERATION = frozenset({COMPLETIONS_URL, CHAT_URL})
-AUTHENTICATED = GENERATION | {"/v1/models"}
-ENDPOINTS = GENERATION | {"/v1/models", "/health", "/metrics"}
+# vLLM's /tokenize and /detokenize: answered by a worker, so counted like generation requests
+TOKEN_URLS = frozenset({"/tokenize", "/detokenize"})
+COUNTED = GENERATION | TOKEN_URLS
+AUTHENTICATED = COUNTED | {"/v1/models"}
+ENDPOINTS = COUNTED | {"/v1/models", "/health", "/metrics"}
 
 
 class BodyError(Exception):
@@ -137,7 +140,7 @@ class Guard:
             return
         if receive is None:             # the client left while sending its body
             return
-        if scope.get("method") == "POST" and path in GENERATION:
+        if scope.get("method") == "POST" and path in COUNTED:
             await self._counted(scope, receive, send_with_id)
         else:
             await self.app(scope, receive, send_with_id)
@@ -227,4 +230,5 @@ async def send_error(send: Any, error: APIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["Guard", "Body", "send_error", "REQUEST_ID", "ENDPOINTS", "GENERATION", "AUTHENTICATED"]
+__all__ = ["Guard", "Body", "send_error", "REQUEST_ID", "ENDPOINTS", "GENERATION", "TOKEN_URLS",
+           "COUNTED", "AUTHENTICATED"]

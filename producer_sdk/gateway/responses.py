@@ -97,6 +97,7 @@ class Choice:
     records: list[TokenLogprob] = field(default_factory=list)
     finish_reason: Optional[str] = None
     opened: bool = False            # chat: the role chunk was sent
+    echoed: bool = False            # completions with echo: the prompt was sent
     calls: Optional[CallReader] = None  # with tools: the calls read from the text so far
 
 
@@ -121,6 +122,7 @@ class Answer:
     def add(self, delta: Delta) -> list[dict[str, Any]]:
         """Fold one delta in; the chunk choices that relay it."""
         c = self.choice(delta.index)
+        echo = self._echo(c)
         records = token_logprobs_of(delta) if self.req.logprobs else []
         lp = logprobs_body(self.req.chat, records, self.top, c.text_len) if records else None
         c.records.extend(records)
@@ -134,11 +136,18 @@ class Answer:
             out.extend(relay(c.calls, self.job.id, delta.index, delta.text, lp,
                              delta.finish_reason))
             c.finish_reason = finish_reason(c.calls, delta.finish_reason)
-        elif delta.text or lp or delta.finish_reason:
+        elif echo or delta.text or lp or delta.finish_reason:
             c.finish_reason = delta.finish_reason
-            out.append(chunk_choice(self.req.chat, delta.index, delta.text, lp,
+            out.append(chunk_choice(self.req.chat, delta.index, echo + delta.text, lp,
                                     delta.finish_reason))
         return out
+
+    def _echo(self, c: Choice) -> str:
+        """The prompt, once per choice, in its first chunk (completions with ``echo``)."""
+        if self.req.echo is None or c.echoed:
+            return ""
+        c.echoed = True
+        return self.req.echo
 
     def closing(self, result: Result) -> list[dict[str, Any]]:
         """Chunk choices ending every choice the deltas did not end (and opening any that
@@ -154,8 +163,9 @@ class Answer:
                 c.finish_reason = finish_reason(c.calls, o.finish_reason)
             elif c.finish_reason is None:
                 c.finish_reason = o.finish_reason
-                out.append(chunk_choice(self.req.chat, o.index, None if self.req.chat else "",
-                                        None, o.finish_reason))
+                out.append(chunk_choice(self.req.chat, o.index,
+                                        None if self.req.chat else self._echo(c), None,
+                                        o.finish_reason))
         return out
 
     def chunk(self, choices: list[dict[str, Any]], usage: Any = ...) -> str:
@@ -175,7 +185,8 @@ class Answer:
                 choices.append(whole_choice(self.req.tools, self.job.id, o.index, o.text, lp,
                                             o.finish_reason))
                 continue
-            choices.append(choice_body(self.req.chat, o.index, o.text, lp, o.finish_reason))
+            choices.append(choice_body(self.req.chat, o.index, (self.req.echo or "") + o.text,
+                                       lp, o.finish_reason))
         return completion_body(self.req.chat, self.job.id, self.created, self.model, choices,
                                usage_of(result))
 

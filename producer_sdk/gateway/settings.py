@@ -91,6 +91,9 @@ class GatewaySettings(BackPressureSettings):
                                "requests) and a 503 (Redis unreachable).")
     models_refresh_s: float = Field(1.0, ge=0, description="Seconds the model list read from "
                                     "worker heartbeats is reused.")
+    tokenize_timeout_s: float = Field(10.0, gt=0, description="Seconds /tokenize and "
+                                      "/detokenize wait for a worker of the model to answer "
+                                      "(504 after).")
     log_level: str = Field("info", description="uvicorn log level: debug, info, warning, error.")
 
     _key_parts = field_validator("namespace")(key_part)

@@ -29,10 +29,9 @@ COMPLETIONS_URL = "/v1/completions"
 _SAMPLING_PASSTHROUGH = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty",
                          "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
                          "stop_token_ids", "ignore_eos", "skip_special_tokens",
-                         "include_stop_str_in_output")
+                         "include_stop_str_in_output", "logit_bias")
 # Accepted only with the value that means "the default behaviour".
-_ONLY_DEFAULT = {"echo": (False, None), "best_of": (1, None), "suffix": (None, ""),
-                 "logit_bias": (None, {})}
+_ONLY_DEFAULT = {"echo": (False, None), "best_of": (1, None), "suffix": (None, "")}
 # Streaming fields: a batch line cannot stream, so there they too only take their defaults.
 _STREAM_DEFAULTS = {"stream": (False, None), "stream_options": (None,)}
 _IGNORED = ("model", "user", "service_tier", "store")
@@ -53,6 +52,7 @@ class OpenAIRequest:
     user: Optional[str]
     tools: Any = None               # producer_sdk.openai.structured.ToolPlan when tools are given
     constraint_param: Optional[str] = None   # the field that asked for a constraint
+    echo: Optional[str] = None      # completions with echo: the prompt each choice's text starts with
 
     @property
     def chat(self) -> bool:
@@ -93,6 +93,7 @@ def parse_request(url: str, body: Any, *, streaming: bool) -> OpenAIRequest:
         req.update(_prompt(body.pop("prompt", None)))
     _max_tokens(body, req)
     _logprobs(url, body, req)
+    echo = _echo(url, body, req)
     for name in _SAMPLING_PASSTHROUGH:
         value = body.pop(name, None)
         if value is not None:
@@ -118,7 +119,31 @@ def parse_request(url: str, body: Any, *, streaming: bool) -> OpenAIRequest:
         raise LineError("unsupported_field", f"unsupported body field(s): {', '.join(sorted(body))}",
                         sorted(body)[0])
     return OpenAIRequest(url, req, model, stream, include_usage, user, plan,
-                         constraint.param if constraint is not None else None)
+                         constraint.param if constraint is not None else None, echo)
+
+
+def _echo(url: str, body: dict[str, Any], req: dict[str, Any]) -> Optional[str]:
+    """Completions' ``echo``: the prompt text the answer's text starts with, or None.
+
+    OpenAI's echo with logprobs also scores the prompt's tokens; our engine computes no
+    prompt logprobs, so that pair is refused rather than answered without them. A prompt of
+    token ids has no text here (the gateway holds no tokenizer), so it cannot be echoed."""
+    if url != COMPLETIONS_URL or "echo" not in body:
+        return None         # chat: echo stays in _ONLY_DEFAULT
+    echo = body.pop("echo")
+    if echo is None or echo is False:
+        return None
+    if echo is not True:
+        raise LineError("invalid_request", "echo must be a boolean", "echo")
+    if req.get("logprobs") is not None:
+        raise LineError("unsupported_field", "echo with logprobs needs the prompt's logprobs, "
+                        "which this engine does not compute; ask for echo or logprobs, not "
+                        "both", "echo")
+    if "prompt" not in req:
+        raise LineError("unsupported_field", "echo needs the prompt as text: a prompt of token "
+                        "ids cannot be echoed (send the text, or POST /detokenize it first)",
+                        "echo")
+    return req["prompt"]
 
 
 def _only_defaults(body: dict[str, Any], allowed: dict[str, tuple]) -> None:
@@ -174,6 +199,12 @@ def _template_kwargs(url: str, body: dict[str, Any], req: dict[str, Any]) -> Non
             raise LineError("invalid_request", "chat_template_kwargs must be an object, "
                                                f"on {CHAT_URL} only", "chat_template_kwargs")
         req["chat_template_kwargs"] = template_vars
+
+
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages checked and normalized as a chat request's are (the gateway's
+    ``/tokenize`` takes them too); LineError naming the field."""
+    return _messages(messages)
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:

@@ -227,10 +227,11 @@ def test_every_tokenrelay_variable_reaches_the_services_that_read_it():
         assert key in text or key == "HF_HUB_OFFLINE", f"{key} in .env.example is used nowhere"
 
 
-def test_every_worker_flag_in_the_readme_is_a_setting_compose_can_pass():
+def test_every_worker_flag_in_the_docs_is_a_setting_compose_can_pass():
     from tokenrelay.worker.config import WorkerSettings
-    readme = (REPO / "README.md").read_text()
-    table = readme[readme.index("### Worker options"):readme.index("## OpenAI-compatible")]
+    doc = (REPO / "docs" / "operations.md").read_text()
+    start = doc.index("### Worker options")
+    table = doc[start:doc.index("\n## ", start)]
     variables = re.findall(r"`(TOKENRELAY_[A-Z_]+)`", table)
     assert "TOKENRELAY_GPU_MEMORY_UTILIZATION" in variables
     assert "TOKENRELAY_KV_CACHE_MEMORY_BYTES" in variables

@@ -99,6 +99,8 @@ plausible_params = {
     "stop": st.lists(st.text(max_size=5), max_size=4), "n": st.integers(0, 4),
     "beam_width": st.one_of(st.none(), st.integers(0, 4)), "length_penalty": st.floats(-11, 11),
     "logprobs": st.integers(0, 30), "stop_token_ids": st.lists(st.integers(0, 300), max_size=4),
+    "logit_bias": st.dictionaries(st.one_of(st.integers(-2, 2**40), st.text(max_size=4)),
+                                  st.one_of(st.floats(-120, 120), st.booleans()), max_size=4),
     "structured_outputs": st.sampled_from([
         {"choice": ["yes", "no"]}, {"regex": "[a-z]{1,4}"}, {"json": {"type": "object"}},
         {"json_object": True}, {"regex": "("}, {"choice": []}, {"json": 3},

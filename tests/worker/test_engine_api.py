@@ -99,7 +99,8 @@ def test_resume_continues_exactly(eng):
     eng.add_request("full", "resume me please", greedy(6))
     full = [t for d in run(eng, {"full"})["full"] for t in d.new_token_ids]
     eng.add_request("cut", "resume me please", greedy(6))
-    first = [t for d in run_steps(eng, "cut", 2) for t in d.new_token_ids]
+    # The first two tokens delivered (a core in its own process may have run further ahead).
+    first = [t for d in run_steps(eng, "cut", 2) for t in d.new_token_ids][:2]
     eng.abort_request("cut")
     eng.add_request("rest", "resume me please", greedy(6),
                     resume=ResumeState(output_token_ids=first, output_text=""))
@@ -161,7 +162,8 @@ def test_n_choices_resume_per_choice(eng):
     eng.add_request("whole", "resume each choice", params)
     full = {i: tokens(d) for i, d in run_choices(eng, "whole").items()}
     eng.add_request("cut", "resume each choice", sampled(3, 6))
-    part = {i: tokens(d) for i, d in run_choices(eng, "cut", steps=2).items()}
+    # At most two tokens of each choice (a core in its own process may have run further).
+    part = {i: tokens(d)[:2] for i, d in run_choices(eng, "cut", steps=2).items()}
     eng.abort_request("cut")
     assert part and all(len(part.get(i, [])) < 6 for i in range(3))
     resume = [ResumeState(part.get(0, []), ""),
