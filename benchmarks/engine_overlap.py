@@ -2,8 +2,9 @@
 
 The real ``LLMEngine`` (scheduler, sampler, output processing, detokenizer) runs around a
 model whose forward pass takes a fixed device time and releases the GIL while it does, as a
-CUDA sync does: a ``time.sleep`` of ``--device-ms``. Its logits are cheap and deterministic (a
-token picked from the input token and position), so the host's cost is the engine's own.
+CUDA sync does (``EngineConfig.simulated_device_ms``, engine/simulated.py). Its logits are
+cheap and deterministic (a token picked from the input token and position), so the host's
+cost is the engine's own.
 
 For each setting (``2x256``: a 2 ms step at 256 decoding sequences) and each engine mode
 (``serial``: schedule, run, sample, process, one after the other; ``overlapped``: the engine
@@ -39,27 +40,6 @@ from tokenrelay.engine.sampling_params import SamplingParams
 MODES = ("serial", "overlapped", "process")
 
 
-class SimulatedDeviceModel:
-    """A model for ``LLMEngine(model=...)``: its forward sleeps ``device_s`` (the device's
-    time, the GIL released) and its logits put all mass on ``(7 * token + position) % vocab``,
-    so greedy decoding is deterministic and every step's tokens differ."""
-
-    def __init__(self, vocab_size: int, device_s: float) -> None:
-        self.vocab_size = vocab_size
-        self.device_s = device_s
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
-                 kv_caches: Any) -> torch.Tensor:
-        time.sleep(self.device_s)
-        return torch.stack([input_ids, positions], dim=1)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        target = (hidden[:, 0] * 7 + hidden[:, 1]) % self.vocab_size
-        logits = torch.zeros(hidden.shape[0], self.vocab_size)
-        logits[torch.arange(hidden.shape[0]), target] = 10.0
-        return logits
-
-
 @dataclass(frozen=True)
 class Setting:
     device_ms: float
@@ -79,6 +59,7 @@ class Result:
     tokens: int
     phases: Optional[dict[str, float]] = None   # overlapped: host ms per step by phase
     core_cpu_ms: Optional[float] = None         # process: the core's process, per step
+    lane_ms: Optional[float] = None             # overlapped: the device thread's busy time
 
     def line(self, s: Setting) -> str:
         core = self.core_cpu_ms
@@ -91,7 +72,15 @@ class Result:
                 f"CPU {total:.2f} ms/step{split} ({per_seq_us:.1f} us/seq/step)  "
                 f"wall/max(device, CPU) {self.wall_ms / best:.2f}  "
                 f"wall/device {self.wall_ms / s.device_ms:.2f}  ({self.steps} steps, "
-                f"{self.tokens} tokens)" + self._phase_text())
+                f"{self.tokens} tokens)" + self._lane_text(s) + self._phase_text())
+
+    def _lane_text(self, s: Setting) -> str:
+        """The device thread's busy time per step: the simulated wait plus the forward's and
+        the sampler's Python around it, which a GPU would run as device time."""
+        if self.lane_ms is None:
+            return ""
+        return (f"\n             device thread busy {self.lane_ms:.2f} ms/step; "
+                f"wall/busy {self.wall_ms / self.lane_ms:.2f}")
 
     def _phase_text(self) -> str:
         """The overlapped core's host ms per phase (engine/overlap.py ``PhaseClock``); on this
@@ -110,19 +99,15 @@ def parse_setting(text: str) -> Setting:
 
 def make_engine(checkpoint: Path, s: Setting, mode: str, max_tokens: int) -> Any:
     from tokenrelay.engine.config import EngineConfig
-    from tokenrelay.engine.model_config import ModelConfig
-    vocab = ModelConfig.from_pretrained(str(checkpoint)).vocab_size
     blocks_per_seq = -(-(16 + max_tokens + 2) // 16)
     config = EngineConfig(model=str(checkpoint), device="cpu", dtype="float32",
                           max_num_seqs=s.seqs, max_num_batched_tokens=max(2048, 16 * s.seqs),
                           num_kv_blocks=s.seqs * blocks_per_seq + 8, max_model_len=1024,
-                          async_scheduling=(mode != "serial"))
+                          async_scheduling=(mode != "serial"), simulated_device_ms=s.device_ms)
     if mode == "process":
         from tokenrelay.engine.core_client import EngineCoreClient
-        return EngineCoreClient(config, threads=1, model_factory=(
-            "benchmarks.engine_overlap:SimulatedDeviceModel",
-            {"vocab_size": vocab, "device_s": s.device_ms / 1000.0}))
-    return LLMEngine(config, model=SimulatedDeviceModel(vocab, s.device_ms / 1000.0))
+        return EngineCoreClient(config, threads=1)
+    return LLMEngine(config)
 
 
 def core_cpu_s(engine: Any) -> float:
@@ -149,18 +134,21 @@ def run_mode(checkpoint: Path, s: Setting, mode: str, steps: int) -> Result:
     tokens = 0
     if overlap is not None:
         overlap.phases.reset()
+    lane0 = overlap.lane.busy_s if overlap is not None else 0.0
     wall, cpu, core = time.perf_counter(), time.process_time(), core_cpu_s(engine)
     while tokens < steps * s.seqs:          # a process core's steps come several at a time
         tokens += sum(len(d.new_token_ids) for d in engine.step())
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     core = core_cpu_s(engine) - core
+    lane = (overlap.lane.busy_s - lane0) if overlap is not None else None
     done = tokens / s.seqs
     phases = overlap.phases.ms_per_step() if overlap is not None else None
     while engine.has_unfinished_requests():
         engine.step()
     engine.shutdown()
     return Result(mode, wall * 1000.0 / done, cpu * 1000.0 / done, round(done), tokens, phases,
-                  core * 1000.0 / done if mode == "process" else None)
+                  core * 1000.0 / done if mode == "process" else None,
+                  lane * 1000.0 / done if lane is not None else None)
 
 
 def checkpoint_dir(path: Optional[str]) -> Path:

@@ -89,6 +89,10 @@ class EngineConfig:
     # results are processed. None = on for one CUDA device, off on CPU (where the "device" is
     # these same cores and the overlap only moves work between threads).
     async_scheduling: Optional[bool] = None
+    # Serve a simulated device instead of the checkpoint's weights: each forward pass takes
+    # this many milliseconds, the GIL released (engine/simulated.py). For measuring the
+    # serving stack around a GPU-like step on any machine; its text means nothing.
+    simulated_device_ms: Optional[float] = None
     # Filled by resolve(): the checkpoint's config.json, parsed.
     hf_config: Optional[ModelConfig] = field(default=None, repr=False)
 
@@ -120,6 +124,8 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             from tokenrelay.engine.parallel.group import rank_devices
             rank_devices(self.device, self.tensor_parallel_size)    # enough devices?
+        if self.simulated_device_ms is not None and not self.simulated_device_ms >= 0:
+            raise ValueError(f"simulated_device_ms must be >= 0, got {self.simulated_device_ms}")
         if not self.tensor_parallel_timeout > 0:
             raise ValueError(f"tensor_parallel_timeout must be > 0 seconds, "
                              f"got {self.tensor_parallel_timeout}")

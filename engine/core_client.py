@@ -62,8 +62,7 @@ class EngineCoreClient:
     def __init__(self, config: EngineConfig, *, tokenizer: Optional[Any] = None,
                  on_failure: Optional[Callable[[str], None]] = None,
                  timeout_s: float = 30.0, start_timeout_s: float = 600.0,
-                 wait_s: float = 0.05, threads: int = 0,
-                 model_factory: Optional[tuple[str, dict[str, Any]]] = None) -> None:
+                 wait_s: float = 0.05, threads: int = 0) -> None:
         if tokenizer is None:
             from tokenrelay.engine.loader import load_tokenizer
             tokenizer = load_tokenizer(config.model)
@@ -78,7 +77,7 @@ class EngineCoreClient:
         self.conn = Connection(ours.detach())
         try:
             self.proc = spawn("tokenrelay.engine.core_process", [str(theirs.fileno())],
-                              CoreSpec(config, threads, model_factory), pass_fds=[theirs.fileno()])
+                              CoreSpec(config, threads), pass_fds=[theirs.fileno()])
         finally:
             theirs.close()
         atexit.register(self.shutdown)

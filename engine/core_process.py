@@ -22,7 +22,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn
 
 from tokenrelay.engine import core_wire as wire
 from tokenrelay.engine.config import EngineConfig
@@ -31,22 +31,10 @@ from tokenrelay.engine.lifeline import child_start, watch_lifeline
 
 @dataclass(frozen=True)
 class CoreSpec:
-    """What the core's process needs: the config, its share of the CPU threads and, instead
-    of the checkpoint's weights, an optional model built there (``module:callable`` and its
-    keyword arguments: the simulated device of benchmarks/engine_overlap.py)."""
+    """What the core's process needs: the config, and its share of the CPU threads."""
 
     config: EngineConfig
     threads: int = 0
-    model_factory: Optional[tuple[str, dict[str, Any]]] = None
-
-
-def build_model(factory: Optional[tuple[str, dict[str, Any]]]) -> Any:
-    if factory is None:
-        return None
-    import importlib
-    target, kwargs = factory
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)(**kwargs)
 
 
 class _Loop:
@@ -129,8 +117,7 @@ def core_main(spec: CoreSpec, lifeline: Any, fd: int) -> NoReturn:
         from tokenrelay.engine.core import EngineCore
         from tokenrelay.engine.loader import load_tokenizer
         config = spec.config
-        core = EngineCore(config, tokenizer=load_tokenizer(config.model),
-                          model=build_model(spec.model_factory))
+        core = EngineCore(config, tokenizer=load_tokenizer(config.model))
         bm = core.block_manager
         conn.send_bytes(wire.dumps((wire.READY, wire.CoreInfo(
             core.config, core.vocab_size, bm.num_blocks, bm.block_size, os.getpid(),

@@ -105,6 +105,10 @@ class ModelRunner:
     def _load(self, config: EngineConfig, model: Optional[Any]) -> None:
         group = self.group
         before = self._cuda_memory()                 # None on CPU
+        if model is None and config.simulated_device_ms is not None:
+            from tokenrelay.engine.simulated import SimulatedDeviceModel
+            model = SimulatedDeviceModel(config.hf_config.vocab_size,
+                                         config.simulated_device_ms / 1000.0)
         if model is None:
             from tokenrelay.engine.loader import load_model
             model = load_model(config.model, dtype=config.dtype, device=config.device,

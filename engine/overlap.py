@@ -99,11 +99,21 @@ class DeviceLane:
         self.cuda = device.type == "cuda"
         self._pool = None if self.cuda else ThreadPoolExecutor(
             1, thread_name_prefix="engine-device")
+        # Seconds the lane's thread spent on steps (CPU lane): on a simulated device, its
+        # "device time" is this, the wait and the Python around it that a GPU would run.
+        self.busy_s = 0.0
 
     def submit(self, job: Callable[[], Optional[DeviceSample]]) -> Any:
         if self._pool is None:
             return _Queued(job())
-        return self._pool.submit(job)
+        return self._pool.submit(self._timed, job)
+
+    def _timed(self, job: Callable[[], Optional[DeviceSample]]) -> Optional[DeviceSample]:
+        t0 = time.perf_counter()
+        try:
+            return job()
+        finally:
+            self.busy_s += time.perf_counter() - t0
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -119,6 +119,12 @@ class WorkerRun(WorkerIdentity):
         "the engine gives up on its group and the worker exits (a frozen rank); start-up gets "
         "at least 120 s.", json_schema_extra=unset("half the lease (--lease-ms): the wait and the "
                                                     "exit fit within it"))
+    simulated_device_ms: Optional[float] = Field(
+        None, ge=0, description="Serve a simulated device instead of the model's weights: "
+        "each engine step's forward pass takes this many ms (the checkpoint's tokenizer and "
+        "config are kept; the text means nothing). For measuring the serving stack around a "
+        "GPU-like step on any machine (benchmarks/simulated_gpu.py).",
+        json_schema_extra=unset("off: the model's weights"))
     engine_process: str = Field(
         "auto", pattern="^(auto|on|off)$",
         description="Run the engine core (schedule, run, sample) in a process of its own, so "

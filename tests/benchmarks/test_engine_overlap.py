@@ -34,7 +34,8 @@ def test_a_tiny_run_prints_both_modes_with_measured_figures(tmp_path, capsys):
 
 def test_the_simulated_model_is_deterministic_and_varies_by_position():
     import torch
-    model = bench.SimulatedDeviceModel(vocab_size=50, device_s=0.0)
+    from tokenrelay.engine.simulated import SimulatedDeviceModel
+    model = SimulatedDeviceModel(vocab_size=50, device_s=0.0)
     hidden = model(torch.tensor([3, 3]), torch.tensor([0, 1]), None, None)
     logits = model.compute_logits(hidden)
     assert logits.argmax(-1).tolist() == [21, 22]
