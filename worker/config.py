@@ -119,6 +119,10 @@ class WorkerRun(WorkerIdentity):
         "the engine gives up on its group and the worker exits (a frozen rank); start-up gets "
         "at least 120 s.", json_schema_extra=unset("half the lease (--lease-ms): the wait and the "
                                                     "exit fit within it"))
+    async_scheduling: Optional[bool] = Field(
+        None, description="Overlap the engine's steps: schedule and launch step N+1 before "
+        "step N's results are processed (engine/overlap.py).",
+        json_schema_extra=unset("the engine's: on for one CUDA device, off on CPU"))
     simulated_device_ms: Optional[float] = Field(
         None, ge=0, description="Serve a simulated device instead of the model's weights: "
         "each engine step's forward pass takes this many ms (the checkpoint's tokenizer and "
