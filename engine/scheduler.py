@@ -129,7 +129,13 @@ class Scheduler:
             per_request = max(1, self._request_blocks_sum // self._request_count)
         else:
             per_request = bm.blocks_for(self.typical_request_tokens)
-        return max(0, min(slots, headroom // per_request))
+        fit = headroom // per_request
+        if fit < 1 and slots > 0 and not self.running and not self.waiting:
+            # An idle engine always takes one: a pool smaller than the typical request
+            # (``min(max_model_len, 512)`` tokens) would otherwise never be offered any, and
+            # one that cannot fit is refused at add time with the numbers.
+            fit = 1
+        return max(0, min(slots, fit))
 
     def _preempt(self, seq: Sequence) -> list[Sequence]:
         """Send ``seq``'s whole group back to waiting; returns the sequences preempted."""
