@@ -178,8 +178,9 @@ def test_free_capacity_is_slots_bounded_by_blocks_after_waiting_prompts():
     # blocks, but an idle engine still offers one place (else its worker would never read a
     # job: a config with a small pool and a long max_model_len hung idle).
     assert sched.free_capacity() == 1
-    sched.add(make_seq("only", 20, max_tokens=12))
-    assert sched.free_capacity() == 0                   # busy: the typical request rules
+    sched = make_scheduler(num_blocks=24, block_size=4, max_num_seqs=8, budget=64)
+    sched.add(make_seq("big", 60, max_tokens=30))       # 90 tokens: 23 blocks a request
+    assert sched.free_capacity() == 0                   # not idle: the requests' size rules
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64,
                       typical_request_tokens=16)
     assert sched.free_capacity() == 8                   # 64 free / 4 each = 16, 8 slots
