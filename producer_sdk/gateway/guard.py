@@ -34,13 +34,19 @@ from tokenrelay.producer_sdk.gateway.auth import ApiKey, KeyRing, bearer_token
 from tokenrelay.producer_sdk.gateway.errors import (APIError, too_many_requests, too_many_slow_bodies,
                                                     unauthorized)
 from tokenrelay.producer_sdk.gateway.metrics import GatewayMetrics
+from tokenrelay.producer_sdk.gateway.resume import STREAMS_URL
 from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
 from tokenrelay.producer_sdk.openai.format import CHAT_URL, COMPLETIONS_URL
 
 REQUEST_ID = "x-request-id"
 GENERATION = frozenset({COMPLETIONS_URL, CHAT_URL})
 AUTHENTICATED = GENERATION | {"/v1/models"}
-ENDPOINTS = GENERATION | {"/v1/models", "/health", "/metrics"}
+ENDPOINTS = GENERATION | {"/v1/models", "/health", "/metrics", STREAMS_URL}
+
+
+def resumes(path: str) -> bool:
+    """``GET /v1/streams/<job id>``: a resumed generation, authenticated and counted as one."""
+    return path.startswith(STREAMS_URL + "/")
 
 
 class BodyError(Exception):
@@ -118,7 +124,8 @@ class Guard:
         state = scope.setdefault("state", {})
         state["request_id"] = rid
         path = scope.get("path", "")
-        label = path if path in ENDPOINTS else "other"     # bounded label values
+        resuming = resumes(path)
+        label = STREAMS_URL if resuming else path if path in ENDPOINTS else "other"   # bounded
 
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -128,7 +135,7 @@ class Guard:
             await send(message)
 
         try:
-            if path in AUTHENTICATED:
+            if path in AUTHENTICATED or resuming:
                 state["api_key"] = self.authenticate(headers)
             if scope.get("method") == "POST":
                 receive = await self._body(headers, receive)
@@ -137,7 +144,7 @@ class Guard:
             return
         if receive is None:             # the client left while sending its body
             return
-        if scope.get("method") == "POST" and path in GENERATION:
+        if (scope.get("method") == "POST" and path in GENERATION) or resuming:
             await self._counted(scope, receive, send_with_id)
         else:
             await self.app(scope, receive, send_with_id)
