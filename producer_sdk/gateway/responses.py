@@ -215,6 +215,7 @@ async def whole_response(answer: Answer, feed: JobFeed,
                          metrics: GatewayMetrics, poll_s: float = 0.5) -> Optional[dict]:
     """Wait for the job and build its body; None (and the job cancelled) when the client left.
     The feed is closed here, whatever happens."""
+    checked = time.monotonic()
     try:
         while True:
             item = await feed.next(poll_s)
