@@ -102,7 +102,9 @@ class Streams:
         self.ttl_ms = int(settings.resume_ttl_s * 1000)
         self.cancels = cancels
         self.metrics = metrics
-        self.owed: dict[str, tuple[str, Optional[Held]]] = {}     # job id -> (op, hold)
+        # (job id, token) -> (op, hold): one entry per connection, so the work owed for an
+        # old connection never overwrites the one owed for the connection that replaced it
+        self.owed: dict[tuple[str, str], tuple[str, Held]] = {}
         self.local: dict[str, Local] = {}
         self._wake = asyncio.Event()
         self._task: Optional[asyncio.Task] = None
@@ -194,11 +196,11 @@ class Streams:
             del self.local[held.job_id]
             local.closed.set()
         if ended:
-            self._owe(held.job_id, "end", None)
+            self._owe("end", held)
             return
         if self.grace_s <= 0:
             self._cancel(held.job_id, held.spec)
-        self._owe(held.job_id, "park", held)
+        self._owe("park", held)
 
     async def holder(self, job_id: str) -> Optional[str]:
         """The token of the connection holding a live stream (None: not live)."""
@@ -211,8 +213,8 @@ class Streams:
             self.metrics.cancelled.inc()
 
     # -- work owed, sent by one task
-    def _owe(self, job_id: str, op: str, held: Optional[Held]) -> None:
-        self.owed[job_id] = (op, held)
+    def _owe(self, op: str, held: Held) -> None:
+        self.owed[(held.job_id, held.token)] = (op, held)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(),
                                                                 name="tokenrelay-streams")
@@ -231,23 +233,22 @@ class Streams:
                 pause = min(pause * 2, MAX_PAUSE_S)
 
     async def _send_some(self) -> bool:
-        for job_id, (op, held) in list(self.owed.items()):
+        for owed, (op, held) in list(self.owed.items()):
             try:
                 await (self._park(held) if op == "park" else
-                       self._script(END_STREAM, self.key(job_id)))
+                       self._script(END_STREAM, self.key(held.job_id)))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("stream %s: could not %s it yet (retrying): %s", job_id, op, exc)
+                log.warning("stream %s: could not %s it yet (retrying): %s", held.job_id, op,
+                            exc)
                 return False
-            if self.owed.get(job_id) == (op, held):
-                del self.owed[job_id]
+            del self.owed[owed]
         return True
 
-    async def _park(self, held: Optional[Held]) -> None:
+    async def _park(self, held: Held) -> None:
         """Listed first (due when its grace ends), then parked: a gateway that dies between
         the two leaves a listed stream that is not parked, which the sweep drops."""
-        assert held is not None
         grace_ms = int(self.grace_s * 1000)
         if grace_ms > 0:        # no grace: cancelled already, parked only for the record
             await self.redis.zadd(parked_streams_key(self.namespace),
@@ -312,7 +313,7 @@ class Streams:
                 await self._send_some()
         if self.owed:
             log.error("gateway stopping with %d streams not parked or ended in Redis: %s",
-                      len(self.owed), ", ".join(list(self.owed)[:20]))
+                      len(self.owed), ", ".join(job for job, _ in list(self.owed)[:20]))
 
 
 __all__ = ["Held", "Local", "Streams", "claim_error", "new_token"]
