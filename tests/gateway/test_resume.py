@@ -349,3 +349,76 @@ def test_a_gateway_under_the_producer_acl_role_resumes(redis_server, slow_worker
     texts = [json.loads(d)["choices"][0]["text"] for _, d in first + rest if d != "[DONE]"]
     assert "".join(texts) == fake_completion("resume me", 30)
     assert [e for e in r.acl_log() if e.get("username") == "gw"] == []
+
+
+def test_resume_on_another_gateway_after_the_worker_died(tmp_path, gateway_factory):
+    """The client drops its connection, the worker serving the job is SIGKILLed, another
+    worker takes the job over while the client resumes on a second gateway process: the
+    resumed stream is exactly the rest (the fold skips what the new worker re-emits)."""
+    from tests.fault_harness import FaultEnv
+    env = FaultEnv(tmp_path)
+    other = None
+    try:
+        env.worker("w1", delay=0.05)
+        ns = env.keys.namespace
+        gw = gateway_factory(env.redis.url, namespace=ns, resume_grace_s=30.0)
+        other = GatewayProcess(tmp_path / "gw2.log", "--redis-url", env.redis.url,
+                               "--namespace", ns, "--models-refresh-s", "0",
+                               "--keepalive-s", "0.2", "--status-wait-s", "0.2",
+                               "--resume-grace-s", "30").wait_up()
+        body = completion_body(max_tokens=60, n=2, seed=21, temperature=1.0, logprobs=None,
+                               stream_options={"include_usage": True})
+        job_id, first = read_some(f"{gw.v1}/completions", body, 12)
+        assert env.held_by("w1"), "the job is not held by w1"
+        env.workers[0].kill()
+        env.worker("w2", delay=0.01)
+        resp, rest = read_all(f"{other.v1}/completions", body, {"Last-Event-ID": first[-1][0]})
+        assert resp.status_code == 200, resp.text
+        got: dict[int, str] = {}
+        for _, data in first + rest:
+            if data != "[DONE]":
+                for ch in json.loads(data)["choices"]:
+                    got[ch["index"]] = got.get(ch["index"], "") + ch["text"]
+        assert got == {i: fake_completion("resume me", 60, seed=21, greedy=False, choice=i)
+                       for i in range(2)}
+        assert json.loads(rest[-2][1])["usage"]["completion_tokens"] == 120
+        (report,) = env.streams([job_id]).values()
+        assert len(report.started) >= 2, "the job was not taken over"
+        _, replay = read_all(f"{other.v1}/streams/{job_id}", None)
+        assert first + rest == replay
+    finally:
+        if other is not None:
+            other.stop()
+        env.close()
+
+
+@pytest.mark.parametrize("cut", [2, 5, 9])
+def test_a_resumed_tool_call_stream_keeps_the_calls_ids_and_fragments(gw, cut):
+    """A forced tool call (the call reader's state, the call ids derived from the job) cut
+    at the role chunk, the call's first delta and amid its arguments: the parts together
+    are exactly a replay of the job, and hold the calls of an uninterrupted run."""
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "parameters": {
+            "type": "object", "additionalProperties": False, "required": ["city"],
+            "properties": {"city": {"type": "string", "minLength": 2, "maxLength": 12}}}}}
+    body = {"model": MODEL, "messages": CHAT, "tools": [weather], "tool_choice": "required",
+            "max_tokens": 200, "temperature": 1.0, "seed": 11, "stream": True}
+    url = f"{gw.v1}/chat/completions"
+
+    def calls(events: list[Event]) -> list[tuple[Any, ...]]:
+        found: dict[int, list] = {}
+        for _, data in events:
+            for ch in ([] if data == "[DONE]" else json.loads(data)["choices"]):
+                for d in ch["delta"].get("tool_calls") or []:
+                    entry = found.setdefault(d["index"], [d["function"].get("name"), ""])
+                    entry[1] += d["function"].get("arguments") or ""
+        return [tuple(found[i]) for i in sorted(found)]
+    _, whole = read_all(url, body)
+    job_id, first = read_some(url, body, cut)
+    resp, rest = read_all(url, body, {"Last-Event-ID": first[-1][0]})
+    assert resp.status_code == 200
+    assert calls(first + rest) == calls(whole) and calls(whole)
+    assert normalized(first + rest)[-2:] == normalized(whole)[-2:]    # finish, [DONE]
+    assert [p for p, _ in normalized(first + rest)] == [p for p, _ in normalized(whole)]
+    _, replay = read_all(f"{gw.v1}/streams/{job_id}", None)
+    assert first + rest == replay
