@@ -175,7 +175,8 @@ def create_app(settings: Optional[GatewaySettings] = None,
             int(time.time() * 1000 + (sub.ends_at - time.monotonic()) * 1000)
         spec = StreamSpec(url=req.url, body=render_body(req.url, body), created=answer.created,
                           model=answer.model, queue=sub.queue, shards=sub.job.keys.shards,
-                          shard=sub.job.shard, ends_ms=ends_ms)
+                          shard=sub.job.shard, ends_ms=ends_ms,
+                          deadline_ms=getattr(sub.job.request, "deadline_ms", None))
         try:
             return await gw.streams.open(sub.job.id, gw.owner(request), body_digest(body), spec)
         except BaseException as exc:
@@ -183,7 +184,7 @@ def create_app(settings: Optional[GatewaySettings] = None,
             raise api_error(exc, settings.retry_after_s) from None
 
     def leaving(held: Held) -> Any:
-        return lambda ended: gw.streams.left(held, ended)
+        return lambda ended, gave_up: gw.streams.left(held, ended, gave_up)
 
     def streaming(renderer: Renderer, feed: JobFeed, ready: list[str], first: Any,
                   held: Held) -> StreamingResponse:
@@ -237,6 +238,7 @@ def create_app(settings: Optional[GatewaySettings] = None,
                            f"(the workers' --result-ttl passed); send the request again "
                            f"without Last-Event-ID", "invalid_request_error", None,
                            "stream_gone")
+        job.state.start_deadline_ms = held.spec.deadline_ms    # kept as the first reader did
         return job
 
     @app.post(COMPLETIONS_URL)

@@ -41,10 +41,11 @@ class JobFeed:
     when nothing came within ``timeout``, or ``_END``; it raises what ended the job (APIError
     504 once the request's total time is up). ``close()`` must follow, once. ``on_close``
     (a resumable stream's) replaces the cancel of a job that did not end: it is called with
-    whether it ended."""
+    whether it ended and whether the feed gave up (the request's time ran out, its reader
+    lost Redis): then no resume is waited for."""
 
     def __init__(self, sub: Submitted, cancels: Cancels, retry_after_s: int = 1,
-                 on_close: Optional[Callable[[bool], None]] = None) -> None:
+                 on_close: Optional[Callable[[bool, bool], None]] = None) -> None:
         self.on_close = on_close
         self.job: AsyncJob = sub.job
         self.ends_at = sub.ends_at
@@ -56,6 +57,7 @@ class JobFeed:
         self.watch = self._watching.__enter__()
         self.cursor = StreamCursor(self.job, None)
         self.ended = False
+        self.gave_up = False
         self.closed = False
 
     async def next(self, timeout: float) -> Any:
@@ -74,11 +76,13 @@ class JobFeed:
             if self.ends_at is not None:
                 left = self.ends_at - time.monotonic()
                 if left <= 0:
+                    self.gave_up = True
                     raise timed_out(self.job.id, self.total_s, self.job.state.started)
                 wait = min(wait, left)
             try:
                 await self.hub.wait(self.watch, wait)
             except Exception as exc:    # its reader gave up (Redis gone past redis_retry_s)
+                self.gave_up = True
                 raise api_error(exc, self.retry_after_s) from None
         return None
 
@@ -90,7 +94,7 @@ class JobFeed:
         self.cursor.__exit__(None, None, None)
         self._watching.__exit__(None, None, None)
         if self.on_close is not None:
-            self.on_close(self.ended)
+            self.on_close(self.ended, self.gave_up)
         elif not self.ended:
             self.cancels.add(self.job.cancel_target)
 

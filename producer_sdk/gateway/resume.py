@@ -142,6 +142,7 @@ class StreamSpec(BaseModel):
     shards: int = Field(ge=1)
     shard: int = Field(ge=0)
     ends_ms: Optional[int] = None       # the request's total time, as epoch ms
+    deadline_ms: Optional[int] = None   # the job's start deadline, which its readers keep
 
     def cancel_target(self, namespace: str, job_id: str) -> CancelTarget:
         return cancel_target(Keys(namespace, self.queue, self.shards), job_id, self.shard)

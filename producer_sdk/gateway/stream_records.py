@@ -187,10 +187,12 @@ class Streams:
             return False
         return holder is not None and holder != held.token
 
-    def left(self, held: Held, ended: bool) -> None:
+    def left(self, held: Held, ended: bool, gave_up: bool = False) -> None:
         """The connection holding ``held`` is gone (returns at once). A job that ended: the
-        record says so. Otherwise the stream is parked for the grace (with no grace the job is
-        cancelled at once, as before resumable streams)."""
+        record says so. One whose stream gave up (its request's time ran out, Redis was gone
+        too long: the client got an error and ``[DONE]``) is cancelled at once, as is any with
+        no grace (as before resumable streams); the record then says its grace ran out.
+        Otherwise the stream is parked for the grace."""
         local = self.local.get(held.job_id)
         if local is not None and local.token == held.token:
             del self.local[held.job_id]
@@ -198,9 +200,9 @@ class Streams:
         if ended:
             self._owe("end", held)
             return
-        if self.grace_s <= 0:
+        if self.grace_s <= 0 or gave_up:
             self._cancel(held.job_id, held.spec)
-        self._owe("park", held)
+        self._owe("drop" if gave_up else "park", held)
 
     async def holder(self, job_id: str) -> Optional[str]:
         """The token of the connection holding a live stream (None: not live)."""
@@ -235,8 +237,8 @@ class Streams:
     async def _send_some(self) -> bool:
         for owed, (op, held) in list(self.owed.items()):
             try:
-                await (self._park(held) if op == "park" else
-                       self._script(END_STREAM, self.key(held.job_id)))
+                await (self._script(END_STREAM, self.key(held.job_id), self.ttl_ms)
+                       if op == "end" else self._park(held, op == "drop"))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -246,17 +248,21 @@ class Streams:
             del self.owed[owed]
         return True
 
-    async def _park(self, held: Held) -> None:
+    async def _park(self, held: Held, cancelled: bool) -> None:
         """Listed first (due when its grace ends), then parked: a gateway that dies between
-        the two leaves a listed stream that is not parked, which the sweep drops."""
-        grace_ms = int(self.grace_s * 1000)
+        the two leaves a listed stream that is not parked, which the sweep drops. A job
+        ``cancelled`` already is parked with no grace: a resume finds it ran out."""
+        grace_ms = 0 if cancelled else int(self.grace_s * 1000)
         if grace_ms > 0:        # no grace: cancelled already, parked only for the record
             await self.redis.zadd(parked_streams_key(self.namespace),
                                   {held.job_id: time.time() * 1000 + grace_ms})
             self.start_sweeper()
-        if await self._script(PARK_STREAM, self.key(held.job_id), held.token, grace_ms):
-            if self.metrics is not None and grace_ms > 0:
-                self.metrics.parked.inc()
+        ends = await self._script(PARK_STREAM, self.key(held.job_id), held.token, grace_ms,
+                                  self.ttl_ms)
+        if ends == -1 and grace_ms > 0:     # its record expired: nobody can resume it
+            self._cancel(held.job_id, held.spec)
+        elif ends > 0 and grace_ms > 0 and self.metrics is not None:
+            self.metrics.parked.inc()
 
     # -- the sweep
     def start_sweeper(self) -> None:

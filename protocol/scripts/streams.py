@@ -53,15 +53,19 @@ return {'claimed', rec[2], rec[5]}
 """)
 
 # KEYS: the stream's resume record.
-# ARGV: the token of the connection that left, the grace in ms.
-# Reply: the epoch ms the grace ends, or 0 when that connection no longer held the stream
-# (another resumed it, it ended, or the record is gone): then nothing is changed.
+# ARGV: the token of the connection that left, the grace in ms, the record's TTL in ms.
+# Reply: the epoch ms the grace ends (the record then lives the TTL from now, so it outlives
+# the grace), 0 when that connection no longer held the stream (another resumed it, or it
+# ended): then nothing is changed, -1 when the record is gone (it outlived its TTL: the caller
+# cancels the job at once, as nobody could resume it).
 PARK_STREAM = lua("park_stream", """
 local rec = redis.call('HMGET', KEYS[1], 'state', 'token')
+if not rec[1] then return -1 end
 if rec[1] ~= 'live' or rec[2] ~= ARGV[1] then return 0 end
 """ + _NOW + """
 local ends = now + tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'state', 'parked', 'until', ends)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return ends
 """)
 
@@ -81,15 +85,16 @@ return {'cancel', rec[3]}
 """)
 
 # KEYS: the stream's resume record.
-# ARGV: none.
+# ARGV: the record's TTL in ms.
 # Reply: 1 when the record now says ended, 0 when it is gone or its grace already ran out.
 # Written when a connection read the job's terminal event: the stream stays resumable for the
-# record's TTL and is never parked or cancelled again. No HSET on a missing key (it would
+# TTL from now and is never parked or cancelled again. No HSET on a missing key (it would
 # create a record without owner or TTL).
 END_STREAM = lua("end_stream", """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state or state == 'cancelled' then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'ended')
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """)
 

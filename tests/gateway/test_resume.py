@@ -422,3 +422,25 @@ def test_a_resumed_tool_call_stream_keeps_the_calls_ids_and_fragments(gw, cut):
     assert [p for p, _ in normalized(first + rest)] == [p for p, _ in normalized(whole)]
     _, replay = read_all(f"{gw.v1}/streams/{job_id}", None)
     assert first + rest == replay
+
+
+def test_a_resumed_stream_keeps_the_requests_deadline(redis_server, gateway_factory):
+    """No worker ever comes: the resumed stream still ends on the request's own time
+    (X-Request-Timeout), with the job cancelled, as the first connection would have."""
+    gw = gateway_factory(redis_server.url, resume_grace_s=10.0, routes=["fake=default"],
+                         wait_for_worker=True)
+    headers = {"X-Request-Timeout": "2"}
+    with httpx.stream("POST", f"{gw.v1}/completions", json=completion_body(max_tokens=5),
+                      headers=headers, timeout=30) as resp:
+        job_id = resp.headers["x-job-id"]
+        assert next(resp.iter_lines()).startswith(":")
+    t0 = time.monotonic()
+    resp, events = read_all(f"{gw.v1}/streams/{job_id}", None)
+    assert time.monotonic() - t0 < 10
+    if resp.status_code == 200:
+        assert events[-1] == (None, "[DONE]")
+        assert json.loads(events[-2][1])["error"]["code"] == "expired"
+    else:
+        assert resp.status_code == 504 and error_code(resp) == "expired"
+    wait_for(lambda: redis.Redis.from_url(redis_server.url).exists(KEYS.cancel(job_id)),
+             timeout=10, what="the cancel flag")

@@ -124,8 +124,8 @@ def test_claim_takes_a_live_or_parked_stream_and_refuses_others(r):
     assert r.hget(key, "token") == b"t1"                    # refused: nothing changed
     assert call(r, CLAIM_STREAM, key, "o", "t2", "d") == ["claimed", "live", SPEC]
     assert r.hget(key, "token") == b"t2"
-    assert call(r, PARK_STREAM, key, "t1", 5000) == 0        # t1 no longer holds it
-    assert call(r, PARK_STREAM, key, "t2", 5000) > 0
+    assert call(r, PARK_STREAM, key, "t1", 5000, 60000) == 0        # t1 no longer holds it
+    assert call(r, PARK_STREAM, key, "t2", 5000, 60000) > 0
     assert call(r, EXPIRE_PARKED, key)[0] == "wait"
     assert call(r, CLAIM_STREAM, key, "o", "t3", "") == ["claimed", "parked", SPEC]
     assert call(r, EXPIRE_PARKED, key) == ["skip"]           # resumed: the sweep lets it be
@@ -135,22 +135,31 @@ def test_claim_takes_a_live_or_parked_stream_and_refuses_others(r):
 
 def test_a_grace_that_ran_out_cancels_once_whoever_comes_first(r):
     key = record(r)
-    call(r, PARK_STREAM, key, "t1", 0)
+    call(r, PARK_STREAM, key, "t1", 0, 60000)
     assert call(r, CLAIM_STREAM, key, "o", "t2", "") == ["expired", SPEC]   # the resume: 410
     assert call(r, EXPIRE_PARKED, key) == ["skip"]           # and the sweep does not again
     assert call(r, CLAIM_STREAM, key, "o", "t3", "") == ["cancelled"]
     key = record(r)
-    call(r, PARK_STREAM, key, "t1", 0)
+    call(r, PARK_STREAM, key, "t1", 0, 60000)
     assert call(r, EXPIRE_PARKED, key) == ["cancel", SPEC]   # the sweep first
     assert call(r, CLAIM_STREAM, key, "o", "t2", "") == ["cancelled"]
-    assert call(r, END_STREAM, key) == 0                     # cancelled stays cancelled
+    assert call(r, END_STREAM, key, 60000) == 0              # cancelled stays cancelled
 
 
 def test_an_ended_stream_is_never_parked_and_end_creates_no_record(r):
     key = record(r)
-    assert call(r, END_STREAM, key) == 1
+    assert call(r, END_STREAM, key, 60000) == 1
+    assert 0 < r.pttl(key) <= 60000                          # resumable the TTL from its end
     assert call(r, CLAIM_STREAM, key, "o", "t2", "") == ["claimed", "ended", SPEC]
     assert r.hget(key, "state") == b"ended"
-    assert call(r, PARK_STREAM, key, "t2", 5000) == 0
+    assert call(r, PARK_STREAM, key, "t2", 5000, 60000) == 0
     missing = stream_session_key("ns", "gw-gone")
-    assert call(r, END_STREAM, missing) == 0 and not r.exists(missing)
+    assert call(r, END_STREAM, missing, 60000) == 0 and not r.exists(missing)
+    assert call(r, PARK_STREAM, missing, "t", 5000, 60000) == -1 and not r.exists(missing)
+
+
+def test_a_parked_record_outlives_its_grace(r):
+    key = record(r)
+    r.pexpire(key, 1000)
+    assert call(r, PARK_STREAM, key, "t1", 5000, 60000) > 0
+    assert r.pttl(key) > 5000
