@@ -88,9 +88,10 @@ class GatewaySettings(BackPressureSettings):
                                   "Last-Event-ID (on any gateway of the namespace); then it is "
                                   "cancelled. 0: cancelled at once.")
     resume_ttl_s: float = Field(3600.0, gt=0, description="Seconds a stream's resume record "
-                                "is kept: a stream that ended (or whose client is away within "
-                                "its grace) can be resumed that long, while its result stream "
-                                "lasts (the workers' --result-ttl).")
+                                "is kept, from the stream's start and again from its end or "
+                                "its client's disconnect: an ended stream can be resumed that "
+                                "long, while its result stream lasts (the workers' "
+                                "--result-ttl).")
     status_wait_s: float = Field(2.0, ge=0, description="Seconds a stream waits for its first "
                                  "token before it sends its headers: an error by then (an "
                                  "expired deadline) gets its HTTP status, a later one an SSE "
