@@ -444,3 +444,28 @@ def test_a_resumed_stream_keeps_the_requests_deadline(redis_server, gateway_fact
         assert resp.status_code == 504 and error_code(resp) == "expired"
     wait_for(lambda: redis.Redis.from_url(redis_server.url).exists(KEYS.cancel(job_id)),
              timeout=10, what="the cancel flag")
+
+
+def test_resume_and_grace_on_a_redis_cluster(redis_cluster, tmp_path, gateway_factory):
+    """On a 3-master cluster with a 3-shard queue: records live in their own slots (the job
+    id's tag), the parked set in another; a resume lands on a second gateway, a second
+    client that never comes back has its job cancelled by the sweep."""
+    from tests.fault_harness import FaultEnv
+    from tokenrelay.protocol.keys import Keys as QueueKeys
+    env = FaultEnv(tmp_path, namespace="rsm", shards=3, cluster=redis_cluster)
+    try:
+        env.worker("w1", delay=0.05)
+        gws = [gateway_factory(redis_cluster.url, namespace="rsm", shards=3, cluster="on",
+                               resume_grace_s=1.0) for _ in range(2)]
+        body = completion_body(logprobs=None)
+        job_id, first = read_some(f"{gws[0].v1}/completions", body, 4)
+        resp, rest = read_all(f"{gws[1].v1}/completions", body, {"Last-Event-ID": first[-1][0]})
+        assert resp.status_code == 200, resp.text
+        texts = [json.loads(d)["choices"][0]["text"] for _, d in first + rest if d != "[DONE]"]
+        assert "".join(texts) == fake_completion("resume me", 30)
+        gone, _ = read_some(f"{gws[1].v1}/completions", completion_body(max_tokens=3000), 3)
+        keys = QueueKeys("rsm", env.keys.queue, 3)
+        wait_for(lambda: env.r.exists(keys.cancel(gone)), timeout=15, what="the cancel flag")
+        assert env.r.hget(stream_session_key("rsm", gone), "state") == b"cancelled"
+    finally:
+        env.close()
