@@ -273,15 +273,21 @@ class Streams:
                 self._sweep_forever(), name="tokenrelay-stream-sweep")
 
     async def _sweep_forever(self) -> None:
+        """Every quarter grace (a second at most); while Redis fails, backing off to
+        ``MAX_PAUSE_S`` with one warning per failure streak, not one per round."""
         interval = max(0.05, min(1.0, self.grace_s / 4))
+        pause = interval
         while True:
             try:
                 await self.sweep()
+                pause = interval
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("parked streams: sweep failed (retrying): %s", exc)
-            await asyncio.sleep(interval)
+                if pause == interval:
+                    log.warning("parked streams: sweep failed (retrying): %s", exc)
+                pause = min(pause * 2, MAX_PAUSE_S)
+            await asyncio.sleep(pause)
 
     async def sweep(self) -> int:
         """Expire the parked streams whose grace ended (by the gateway's clock; each one's
