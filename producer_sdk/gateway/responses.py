@@ -32,6 +32,11 @@ from tokenrelay.producer_sdk.gateway.resume import Marks, bad_event_id, sse_even
 from tokenrelay.producer_sdk.openai.tool_calls import CallReader, finish_reason, relay, whole_choice
 
 KEEPALIVE = ": keep-alive\n\n"
+# Once an event with an id went out, a keep-alive is the comment line alone: the openai
+# package's SSE decoder (1.x, _streaming.SSEDecoder) dispatches an event at every blank line
+# once it holds a last event id, even with no data, and then fails to parse that empty data
+# as JSON; a comment line without a blank line is skipped by every SSE parser.
+KEEPALIVE_LINE = ": keep-alive\n"
 DONE = "data: [DONE]\n\n"
 _END = object()
 
@@ -350,17 +355,20 @@ async def event_stream(renderer: Renderer, feed: JobFeed, ready: list[str], firs
     cancelled, or parked for a resume). ``superseded`` is asked after each wait (it keeps its
     own pace): a stream another connection resumed ends with a ``stream_taken_over`` error
     event."""
+    ided = False                    # an event with an id went out on this connection
     try:
         for event in ready:
+            ided = True
             yield event
         item: Union[list[Delta], None, object] = first
         if first is _END:
             return
         while item is not _END:
             if item is None:
-                yield KEEPALIVE
+                yield KEEPALIVE_LINE if ided else KEEPALIVE
             else:
                 for event in renderer.deltas(item):  # type: ignore[arg-type]
+                    ided = True
                     yield event
             if superseded is not None and await superseded():
                 raise taken_over(feed.job.id)

@@ -469,3 +469,22 @@ def test_resume_and_grace_on_a_redis_cluster(redis_cluster, tmp_path, gateway_fa
         assert env.r.hget(stream_session_key("rsm", gone), "state") == b"cancelled"
     finally:
         env.close()
+
+
+def test_the_openai_client_reads_keep_alives_between_events_with_ids(
+        redis_server, start_worker, gateway_factory):
+    """Engine steps slower than --keepalive-s: keep-alives come between events with ids. The
+    openai package's SSE decoder dispatches an empty event at a blank line once it holds an
+    id (and fails to parse it), so after an id the keep-alive is the comment line alone."""
+    import openai
+    start_worker(engine=FakeEngine(step_delay=0.5))
+    gw = gateway_factory(redis_server.url, keepalive_s=0.1)
+    client = openai.OpenAI(base_url=gw.v1, api_key="none", max_retries=0, timeout=60)
+    chunks = list(client.completions.create(model=MODEL, prompt="slow", max_tokens=4,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == fake_completion("slow", 4)
+    with httpx.stream("POST", f"{gw.v1}/completions", timeout=30,
+                      json={**completion_body(max_tokens=3), "prompt": "slow"}) as resp:
+        raw = resp.read().decode()
+    after_id = raw[raw.index("id: "):]
+    assert ": keep-alive\n" in after_id and ": keep-alive\n\n" not in after_id
