@@ -305,11 +305,13 @@ class Renderer:
         return out + self._done()
 
     def failure(self, err: APIError) -> list[str]:
-        """A failure after the status was sent: an ``error`` event, then ``[DONE]``, neither
-        with an id: some failures are this connection's own (its total time, Redis gone, a
-        takeover), not the job's, so the client's Last-Event-ID stays on the job's last
-        event and a resume renders what the job itself says from there."""
-        return [sse(err.body()), DONE]
+        """A failure after the status was sent: an ``error`` event, then ``[DONE]``, both with
+        the id of the job's last event sent (none before the first): some failures are this
+        connection's own (its total time, Redis gone, a takeover), not the job's, so the
+        client's Last-Event-ID stays on the job's last event and a resume renders what the
+        job itself says from there."""
+        last = self.marks.last
+        return [sse(err.body(), last), sse_event(last, "[DONE]")]
 
 
 async def catch_up(renderer: Renderer, feed: JobFeed, wait_s: float) -> tuple[list[str], Any]:

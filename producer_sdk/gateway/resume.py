@@ -84,7 +84,8 @@ def check_job_id(job_id: str) -> str:
 
 class Marks:
     """Stamps each rendered event with its id; past ``after`` only (a resume), the others are
-    rendered for their state and not sent. ``reached`` once the stream got past ``after``."""
+    rendered for their state and not sent. ``reached`` once the stream got past ``after``;
+    ``last`` is the id of the job's last event the client has (None before the first)."""
 
     def __init__(self, job_id: str, after: Optional[EventId] = None) -> None:
         self.job_id = job_id
@@ -92,6 +93,7 @@ class Marks:
         self.t = 0
         self.k = 0
         self.reached = after is None
+        self.last: Optional[str] = None
 
     def delta(self, seq: int) -> None:
         """A new delta: its events are counted at ``seq + 1``. Before the resume point the
@@ -111,12 +113,14 @@ class Marks:
         place = (self.t, self.k)
         self.k += 1
         if self.reached:
-            return EventId(self.job_id, *place).text()
+            self.last = EventId(self.job_id, *place).text()
+            return self.last
         assert self.after is not None
         if place < self.after.place:
             return None
         if place == self.after.place:
             self.reached = True
+            self.last = self.after.text()
             return None
         raise bad_event_id(self.after.text(), "names no event of this stream")
 

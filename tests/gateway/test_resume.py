@@ -286,8 +286,9 @@ def test_a_trimmed_result_stream_is_410(gw, redis_server):
 
 
 def test_two_clients_resuming_at_once_the_newest_wins(gw):
-    """The older connection ends with a ``stream_taken_over`` error (without an id); the
-    newer one gets exactly the rest."""
+    """The older connection ends with a ``stream_taken_over`` error (carrying the id of the
+    last event it got: its Last-Event-ID stays on the job's events); the newer one gets
+    exactly the rest."""
     url = f"{gw.v1}/completions"
     body = completion_body(max_tokens=120, logprobs=None)
     job_id, first = read_some(url, body, 3)
@@ -307,9 +308,10 @@ def test_two_clients_resuming_at_once_the_newest_wins(gw):
     assert resp.status_code == 200
     texts = [json.loads(d)["choices"][0]["text"] for _, d in first + rest if d != "[DONE]"]
     assert "".join(texts) == fake_completion("resume me", 120)
-    tail = older["events"][-2:]
-    assert tail[0][0] is None and json.loads(tail[0][1])["error"]["code"] == "stream_taken_over"
-    assert tail[1] == (None, "[DONE]")
+    *got, error, done = older["events"]
+    last_id = got[-1][0] if got else first[-1][0]
+    assert error[0] == last_id and json.loads(error[1])["error"]["code"] == "stream_taken_over"
+    assert done == (last_id, "[DONE]")
     assert len(older["events"]) < len(rest)
 
 
@@ -438,7 +440,7 @@ def test_a_resumed_stream_keeps_the_requests_deadline(redis_server, gateway_fact
     resp, events = read_all(f"{gw.v1}/streams/{job_id}", None)
     assert time.monotonic() - t0 < 10
     if resp.status_code == 200:
-        assert events[-1] == (None, "[DONE]")
+        assert events[-1] == (None, "[DONE]")           # no event of the job came before
         assert json.loads(events[-2][1])["error"]["code"] == "expired"
     else:
         assert resp.status_code == 504 and error_code(resp) == "expired"

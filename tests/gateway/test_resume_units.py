@@ -61,7 +61,7 @@ def test_marks_after_an_id_send_exactly_the_events_after_it(cut):
     marks = Marks(JOB, parse_event_id(whole[cut]))
     again = stamped(marks, PLAN)
     assert again[:cut + 1] == [None] * (cut + 1) and again[cut + 1:] == whole[cut + 1:]
-    assert marks.reached
+    assert marks.reached and marks.last == whole[-1]
 
 
 def test_marks_refuse_an_id_the_stream_never_had_and_a_gap_before_it():
