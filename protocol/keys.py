@@ -254,6 +254,22 @@ def wake_key(namespace: str, slot_key: str, reader_id: str) -> str:
 WAKE_TTL_MS = 600_000
 
 
+def stream_session_key(namespace: str, job_id: str) -> str:
+    """A gateway stream's resume record (hash): who may resume the job's SSE stream, how it is
+    rendered, and whether a client holds it (``live``), left it within its grace (``parked``),
+    saw it end (``ended``) or let the grace pass (``cancelled``). Its own slot, tagged by the
+    job id: the gateway finds it from an SSE event id alone, before it knows the job's queue
+    (``protocol/scripts/streams.py``)."""
+    return f"{namespace}:gwstream:{{{job_id}}}"
+
+
+def parked_streams_key(namespace: str) -> str:
+    """Sorted set of the namespace's parked gateway streams: job id -> epoch ms its grace
+    ends. Every gateway sweeps it, so a parked job is cancelled on time even when the gateway
+    that parked it died."""
+    return f"{namespace}:gwparked"
+
+
 def dedupe_record(lane_key: str, entry_id: str) -> str:
     """The value of ``Keys.dedupe(job_id)``: which entry of which lane is this job."""
     return f"{lane_key}{DEDUPE_SEPARATOR}{entry_id}"

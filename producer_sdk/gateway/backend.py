@@ -28,6 +28,8 @@ from tokenrelay.producer_sdk.gateway.errors import (APIError, api_error, model_n
                                          unauthorized)
 from tokenrelay.producer_sdk.gateway.metrics import GatewayMetrics
 from tokenrelay.producer_sdk.gateway.models import HeartbeatDirectory, ModelDirectory, parse_routes
+from tokenrelay.producer_sdk.gateway.resume import owner_digest
+from tokenrelay.producer_sdk.gateway.stream_records import Streams
 from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
 from tokenrelay.producer_sdk.core.hub import ReadHub
 from tokenrelay.producer_sdk.openai.format import OpenAIRequest
@@ -70,6 +72,7 @@ class Gateway:
         self.redis: Any = None
         self.hub: Optional[ReadHub] = None
         self.cancels: Optional[Cancels] = None
+        self.streams: Optional[Streams] = None
         self.clients: dict[str, AsyncClient] = {}
         self._connecting = asyncio.Lock()
         # /tokenize calls waiting at once: each blocks a pooled connection on its reply, so
@@ -108,10 +111,15 @@ class Gateway:
             base = self.clients["default"] = self._new_client("default")
             self.hub = base.hub
             self.cancels = Cancels(base, self.metrics)
+            self.streams = Streams(self.redis, self.s.namespace, self.s, self.cancels,
+                                   self.metrics)
+            self.streams.start_sweeper()    # parked streams of any gateway, this one's too
             self._directory = self._given_directory or HeartbeatDirectory(
                 self.redis, self.s.namespace, self.routes, self.s.models_refresh_s)
 
     async def close(self) -> None:
+        if self.streams is not None:        # before the cancels: it may owe some
+            await self.streams.close()
         if self.cancels is not None:
             await self.cancels.close()
         if self.hub is not None:
@@ -153,6 +161,12 @@ class Gateway:
                 raise unauthorized()
             return self.s.default_priority
         return self.s.default_priority if key.priority is None else key.priority
+
+    def owner(self, request: Request) -> str:
+        """Who may resume the request's stream: its API key's digest ('-' with auth off)."""
+        self.priority(request)          # 401 without a key while keys are configured
+        key = getattr(request.state, "api_key", None)
+        return owner_digest(None if key is None else key.key)
 
     def timeouts(self, request: Request) -> tuple[float, Optional[float]]:
         """(start deadline, total) in seconds: ``--deadline-s`` and ``--request-timeout-s``,

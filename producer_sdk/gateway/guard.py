@@ -34,6 +34,7 @@ from tokenrelay.producer_sdk.gateway.auth import ApiKey, KeyRing, bearer_token
 from tokenrelay.producer_sdk.gateway.errors import (APIError, too_many_requests, too_many_slow_bodies,
                                                     unauthorized)
 from tokenrelay.producer_sdk.gateway.metrics import GatewayMetrics
+from tokenrelay.producer_sdk.gateway.resume import STREAMS_URL
 from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
 from tokenrelay.producer_sdk.openai.format import CHAT_URL, COMPLETIONS_URL
 
@@ -43,7 +44,12 @@ GENERATION = frozenset({COMPLETIONS_URL, CHAT_URL})
 TOKEN_URLS = frozenset({"/tokenize", "/detokenize"})
 COUNTED = GENERATION | TOKEN_URLS
 AUTHENTICATED = COUNTED | {"/v1/models"}
-ENDPOINTS = COUNTED | {"/v1/models", "/health", "/metrics"}
+ENDPOINTS = COUNTED | {"/v1/models", "/health", "/metrics", STREAMS_URL}
+
+
+def resumes(path: str) -> bool:
+    """``GET /v1/streams/<job id>``: a resumed generation, authenticated and counted as one."""
+    return path.startswith(STREAMS_URL + "/")
 
 
 class BodyError(Exception):
@@ -121,7 +127,8 @@ class Guard:
         state = scope.setdefault("state", {})
         state["request_id"] = rid
         path = scope.get("path", "")
-        label = path if path in ENDPOINTS else "other"     # bounded label values
+        resuming = resumes(path)
+        label = STREAMS_URL if resuming else path if path in ENDPOINTS else "other"   # bounded
 
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -131,7 +138,7 @@ class Guard:
             await send(message)
 
         try:
-            if path in AUTHENTICATED:
+            if path in AUTHENTICATED or resuming:
                 state["api_key"] = self.authenticate(headers)
             if scope.get("method") == "POST":
                 receive = await self._body(headers, receive)
@@ -140,7 +147,7 @@ class Guard:
             return
         if receive is None:             # the client left while sending its body
             return
-        if scope.get("method") == "POST" and path in COUNTED:
+        if (scope.get("method") == "POST" and path in COUNTED) or resuming:
             await self._counted(scope, receive, send_with_id)
         else:
             await self.app(scope, receive, send_with_id)

@@ -20,6 +20,12 @@ class GatewayMetrics:
         self.cancelled = Counter("tokenrelay_gateway_disconnect_cancels",
                                  "Jobs cancelled because their client went away",
                                  registry=self.registry)
+        self.parked = Counter("tokenrelay_gateway_streams_parked",
+                              "Streams whose client left, kept for --resume-grace-s",
+                              registry=self.registry)
+        self.resumes = Counter("tokenrelay_gateway_stream_resumes",
+                               "Streams a client resumed with Last-Event-ID",
+                               registry=self.registry)
         self.ttft = Histogram("tokenrelay_gateway_time_to_first_token_seconds",
                               "Request start to its first token", registry=self.registry,
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))

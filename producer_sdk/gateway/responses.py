@@ -28,9 +28,15 @@ from tokenrelay.producer_sdk.openai.format import (OpenAIRequest, choice_body, c
                                         usage_body)
 from tokenrelay.producer_sdk.gateway.errors import APIError, api_error, cancelled, timed_out
 from tokenrelay.producer_sdk.gateway.metrics import GatewayMetrics
+from tokenrelay.producer_sdk.gateway.resume import Marks, bad_event_id, sse_event
 from tokenrelay.producer_sdk.openai.tool_calls import CallReader, finish_reason, relay, whole_choice
 
 KEEPALIVE = ": keep-alive\n\n"
+# Once an event with an id went out, a keep-alive is the comment line alone: the openai
+# package's SSE decoder (1.x, _streaming.SSEDecoder) dispatches an event at every blank line
+# once it holds a last event id, even with no data, and then fails to parse that empty data
+# as JSON; a comment line without a blank line is skipped by every SSE parser.
+KEEPALIVE_LINE = ": keep-alive\n"
 DONE = "data: [DONE]\n\n"
 _END = object()
 
@@ -38,9 +44,14 @@ _END = object()
 class JobFeed:
     """A job's deltas for one answer: ``next(timeout)`` returns a list of deltas, ``None``
     when nothing came within ``timeout``, or ``_END``; it raises what ended the job (APIError
-    504 once the request's total time is up). ``close()`` must follow, once."""
+    504 once the request's total time is up). ``close()`` must follow, once. ``on_close``
+    (a resumable stream's) replaces the cancel of a job that did not end: it is called with
+    whether it ended and whether the feed gave up (the request's time ran out, its reader
+    lost Redis): then no resume is waited for."""
 
-    def __init__(self, sub: Submitted, cancels: Cancels, retry_after_s: int = 1) -> None:
+    def __init__(self, sub: Submitted, cancels: Cancels, retry_after_s: int = 1,
+                 on_close: Optional[Callable[[bool, bool], None]] = None) -> None:
+        self.on_close = on_close
         self.job: AsyncJob = sub.job
         self.ends_at = sub.ends_at
         self.total_s = None if sub.ends_at is None else round(sub.ends_at - time.monotonic(), 3)
@@ -51,6 +62,7 @@ class JobFeed:
         self.watch = self._watching.__enter__()
         self.cursor = StreamCursor(self.job, None)
         self.ended = False
+        self.gave_up = False
         self.closed = False
 
     async def next(self, timeout: float) -> Any:
@@ -69,11 +81,13 @@ class JobFeed:
             if self.ends_at is not None:
                 left = self.ends_at - time.monotonic()
                 if left <= 0:
+                    self.gave_up = True
                     raise timed_out(self.job.id, self.total_s, self.job.state.started)
                 wait = min(wait, left)
             try:
                 await self.hub.wait(self.watch, wait)
             except Exception as exc:    # its reader gave up (Redis gone past redis_retry_s)
+                self.gave_up = True
                 raise api_error(exc, self.retry_after_s) from None
         return None
 
@@ -84,7 +98,9 @@ class JobFeed:
         self.closed = True
         self.cursor.__exit__(None, None, None)
         self._watching.__exit__(None, None, None)
-        if not self.ended:
+        if self.on_close is not None:
+            self.on_close(self.ended, self.gave_up)
+        elif not self.ended:
             self.cancels.add(self.job.cancel_target)
 
 
@@ -168,11 +184,10 @@ class Answer:
                                         o.finish_reason))
         return out
 
-    def chunk(self, choices: list[dict[str, Any]], usage: Any = ...) -> str:
+    def chunk(self, choices: list[dict[str, Any]], usage: Any = ...) -> dict[str, Any]:
         if usage is ... and self.req.include_usage:
             usage = None
-        return sse(chunk_body(self.req.chat, self.job.id, self.created, self.model, choices,
-                              usage))
+        return chunk_body(self.req.chat, self.job.id, self.created, self.model, choices, usage)
 
     def whole(self, result: Result) -> dict[str, Any]:
         """The non-streamed response body."""
@@ -195,8 +210,8 @@ def usage_of(result: Result) -> dict[str, int]:
     return usage_body(result.usage.prompt_tokens, result.usage.completion_tokens)
 
 
-def sse(data: Any) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(data: Any, event_id: Optional[str] = None) -> str:
+    return sse_event(event_id, json.dumps(data, ensure_ascii=False, separators=(",", ":")))
 
 
 def finished_result(answer: Answer) -> Result:
@@ -256,35 +271,133 @@ async def first_item(feed: JobFeed, wait_s: float) -> Any:
         raise
 
 
-async def event_stream(answer: Answer, feed: JobFeed, first: Any, keepalive_s: float,
-                       metrics: GatewayMetrics) -> AsyncIterator[str]:
-    """The SSE body: chunks as deltas come, keep-alive comments while none does, the closing
-    chunks, the usage chunk when asked for, ``[DONE]``. A failure after the first byte is sent
-    as an ``error`` event (what the openai client raises from), and the job is cancelled
-    unless it ended. A client that leaves cancels the job (``feed.close``)."""
+class Renderer:
+    """The SSE events of one streamed answer, each with its id (``resume.Marks``); a resumed
+    stream renders every event again, for the answer's state, and returns only those past its
+    resume point. Token counts and time to first token are a request's own: a resume counts
+    neither again."""
+
+    def __init__(self, answer: Answer, marks: Marks, metrics: GatewayMetrics,
+                 resumed: bool = False) -> None:
+        self.answer = answer
+        self.marks = marks
+        self.metrics = metrics
+        self.resumed = resumed
+
+    def _event(self, data: Any) -> list[str]:
+        event_id = self.marks.stamp()
+        return [] if event_id is None else [sse(data, event_id)]
+
+    def _done(self) -> list[str]:
+        event_id = self.marks.stamp()
+        return [] if event_id is None else [sse_event(event_id, "[DONE]")]
+
+    def deltas(self, deltas: list[Delta]) -> list[str]:
+        out: list[str] = []
+        for delta in deltas:
+            if not self.answer.choices and not self.resumed:
+                self.metrics.ttft.observe(time.monotonic() - self.answer.started)
+            self.marks.delta(delta.seq)
+            for choice in self.answer.add(delta):
+                out += self._event(self.answer.chunk([choice]))
+        return out
+
+    def ending(self) -> list[str]:
+        """The closing chunks, the usage chunk when asked for, ``[DONE]``; APIError for a job
+        that failed or was cancelled."""
+        result = finished_result(self.answer)
+        if not self.resumed:
+            _count(self.metrics, result)
+        out: list[str] = []
+        for choice in self.answer.closing(result):
+            out += self._event(self.answer.chunk([choice]))
+        if self.answer.req.include_usage:
+            out += self._event(self.answer.chunk([], usage_of(result)))
+        return out + self._done()
+
+    def failure(self, err: APIError) -> list[str]:
+        """A failure after the status was sent: an ``error`` event, then ``[DONE]``, both with
+        the id of the job's last event sent (none before the first): some failures are this
+        connection's own (its total time, Redis gone, a takeover), not the job's, so the
+        client's Last-Event-ID stays on the job's last event and a resume renders what the
+        job itself says from there."""
+        last = self.marks.last
+        return [sse(err.body(), last), sse_event(last, "[DONE]")]
+
+
+async def catch_up(renderer: Renderer, feed: JobFeed, wait_s: float) -> tuple[list[str], Any]:
+    """A resumed stream, up to its resume point (within ``wait_s``, or until the job ended):
+    the events already due after it, and the feed's next item (``_END`` once the ending is
+    among them). APIError 400 for a point the stream never had, 410 for a result stream that
+    no longer holds the events before it (``Marks``); the feed is closed then. Past
+    ``wait_s`` the stream starts anyway (headers go out) and skips on from there."""
+    ends = time.monotonic() + wait_s
+    ready: list[str] = []
     try:
+        while not renderer.marks.reached:
+            item = await feed.next(max(0.0, ends - time.monotonic()))
+            if item is _END:
+                ready += _ending_or_failure(renderer)
+                if not renderer.marks.reached:
+                    raise bad_event_id(renderer.marks.after.text(),  # type: ignore[union-attr]
+                                       "names no event of this stream")
+                return ready, _END
+            ready += renderer.deltas(item or [])
+            if item is None and time.monotonic() >= ends:
+                break
+        return ready, None
+    except BaseException:
+        feed.close()
+        raise
+
+
+def _ending_or_failure(renderer: Renderer) -> list[str]:
+    try:
+        return renderer.ending()
+    except APIError as err:
+        return renderer.failure(err)
+
+
+async def event_stream(renderer: Renderer, feed: JobFeed, ready: list[str], first: Any,
+                       keepalive_s: float, superseded: Optional[Callable[[], Awaitable[bool]]]
+                       = None) -> AsyncIterator[str]:
+    """The SSE body: ``ready`` (a resume's events due at once), then chunks as deltas come,
+    keep-alive comments while none does, the closing chunks, the usage chunk when asked for,
+    ``[DONE]``. A failure after the first byte is sent as an ``error`` event (what the openai
+    client raises from). A client that leaves ends the feed (``feed.close``: its job is
+    cancelled, or parked for a resume). ``superseded`` is asked after each wait (it keeps its
+    own pace): a stream another connection resumed ends with a ``stream_taken_over`` error
+    event."""
+    ided = False                    # an event with an id went out on this connection
+    try:
+        for event in ready:
+            ided = True
+            yield event
         item: Union[list[Delta], None, object] = first
+        if first is _END:
+            return
         while item is not _END:
             if item is None:
-                yield KEEPALIVE
+                yield KEEPALIVE_LINE if ided else KEEPALIVE
             else:
-                for delta in item:  # type: ignore[union-attr]
-                    if not answer.choices:
-                        metrics.ttft.observe(time.monotonic() - answer.started)
-                    for choice in answer.add(delta):
-                        yield answer.chunk([choice])
+                for event in renderer.deltas(item):  # type: ignore[arg-type]
+                    ided = True
+                    yield event
+            if superseded is not None and await superseded():
+                raise taken_over(feed.job.id)
             item = await feed.next(keepalive_s)
-        result = finished_result(answer)
-        _count(metrics, result)
-        for choice in answer.closing(result):
-            yield answer.chunk([choice])
-        if answer.req.include_usage:
-            yield answer.chunk([], usage_of(result))
-        yield DONE
+        for event in renderer.ending():
+            yield event
     except APIError as err:
-        yield sse(err.body())
-        yield DONE
+        for event in renderer.failure(err):
+            yield event
     finally:
-        if not feed.ended:
-            metrics.cancelled.inc()
+        if not feed.ended and feed.on_close is None:
+            renderer.metrics.cancelled.inc()
         feed.close()
+
+
+def taken_over(job_id: str) -> APIError:
+    return APIError(409, f"another connection resumed the stream of job {job_id} "
+                    f"(Last-Event-ID); this one ends here", "invalid_request_error", None,
+                    "stream_taken_over")

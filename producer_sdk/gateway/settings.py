@@ -83,6 +83,15 @@ class GatewaySettings(BackPressureSettings):
                               "50 ms slices.")
     keepalive_s: float = Field(10.0, gt=0, description="Seconds between ': keep-alive' SSE "
                                "comments while a stream has nothing to send.")
+    resume_grace_s: float = Field(5.0, ge=0, le=3600, description="Seconds a streamed job "
+                                  "outlives its client's disconnect, waiting for a resume with "
+                                  "Last-Event-ID (on any gateway of the namespace); then it is "
+                                  "cancelled. 0: cancelled at once.")
+    resume_ttl_s: float = Field(3600.0, gt=0, description="Seconds a stream's resume record "
+                                "is kept, from the stream's start and again from its end or "
+                                "its client's disconnect: an ended stream can be resumed that "
+                                "long, while its result stream lasts (the workers' "
+                                "--result-ttl).")
     status_wait_s: float = Field(2.0, ge=0, description="Seconds a stream waits for its first "
                                  "token before it sends its headers: an error by then (an "
                                  "expired deadline) gets its HTTP status, a later one an SSE "

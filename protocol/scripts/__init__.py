@@ -18,10 +18,12 @@ seen) runs inside one script, atomically.
 - ``worker_id``: the worker id lease (``ID_CLAIM``, ``ID_RELEASE``);
 - ``cancel``: cancel by id, only for a job whose records exist (``CANCEL_KNOWN``);
 - ``readers``: a reader letting go of a lost job's stale dedupe record (``FORGET_STALE_RECORD``);
-- ``budget``: the recount of a shard's token budget counter (``RECOUNT_BUDGET``).
+- ``budget``: the recount of a shard's token budget counter (``RECOUNT_BUDGET``);
+- ``streams``: the gateway's resumable SSE streams (``CLAIM_STREAM``, ``PARK_STREAM``,
+  ``EXPIRE_PARKED``, ``END_STREAM``), one resume record each.
 
-Every script's keys share one hash slot (one queue shard's tag, see ``Keys``), as a Redis
-Cluster requires.
+Every script's keys share one hash slot (one queue shard's tag, see ``Keys``; the stream
+scripts touch their one record), as a Redis Cluster requires.
 """
 
 from tokenrelay.protocol.scripts.affinity import MOVE_UNREAD
@@ -36,15 +38,17 @@ from tokenrelay.protocol.scripts.readers import FORGET_STALE_RECORD
 from tokenrelay.protocol.scripts.resp import pack, text
 from tokenrelay.protocol.scripts.results import (BIND_AND_OWN, DEAD_LETTER, RELEASE_OWNER, REPLAY,
                                       WRITE_STEP)
+from tokenrelay.protocol.scripts.streams import CLAIM_STREAM, END_STREAM, EXPIRE_PARKED, PARK_STREAM
 from tokenrelay.protocol.scripts.worker_id import ID_CLAIM, ID_RELEASE
 
 ALL_SCRIPTS: tuple[LuaScript, ...] = (
     ENQUEUE, READ_NEW, READ_OWN_PENDING, RECLAIM, MOVE_MINE, ACK, WRITE_STEP, BIND_AND_OWN,
     RELEASE_OWNER, DEAD_LETTER, REPLAY, MOVE_UNREAD, ID_CLAIM, ID_RELEASE, FORGET_STALE_RECORD,
-    CANCEL_KNOWN, DROP_CONSUMER, RECOUNT_BUDGET)
+    CANCEL_KNOWN, DROP_CONSUMER, RECOUNT_BUDGET, CLAIM_STREAM, PARK_STREAM, EXPIRE_PARKED,
+    END_STREAM)
 
 __all__ = ["ACK", "ALL_SCRIPTS", "BIND_AND_OWN", "CANCEL_KNOWN", "CancelTarget", "cancel_target",
-           "CONTRACT_NAMES", "DROP_CONSUMER", "DEAD_LETTER", "ENQUEUE",
+           "CLAIM_STREAM", "CONTRACT_NAMES", "END_STREAM", "EXPIRE_PARKED", "PARK_STREAM", "DROP_CONSUMER", "DEAD_LETTER", "ENQUEUE",
            "FORGET_STALE_RECORD",
            "ID_CLAIM", "ID_RELEASE", "LuaScript", "MOVE_MINE", "MOVE_UNREAD", "READ_NEW",
            "READ_OWN_PENDING", "RECLAIM", "RECOUNT_BUDGET", "RELEASE_OWNER", "REPLAY",

@@ -67,7 +67,10 @@ ROLE_COMMANDS: dict[str, tuple[str, ...]] = {
                  # asyncio clients and the gateway: their shared readers' wake streams
                  "pexpire",
                  # the enqueue script: the token budget's counter; a known job's entry undone
-                 "incrby", "xdel"),
+                 "incrby", "xdel",
+                 # the gateway's resumable streams: their records (and the scripts' clock),
+                 # the parked streams every gateway sweeps
+                 "hset", "time", "zadd", "zrangebyscore", "zrem"),
     # tokenrelay admin ... and tokenrelay stats --queue Q
     "admin": ("evalsha", "eval", "xpending", "xrange", "xadd", "xdel", "xlen", "xinfo|groups",
               "get", "set", "exists", "del", "hget", "hset", "zrange", "zcount", "zcard",

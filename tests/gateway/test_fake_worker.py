@@ -297,8 +297,10 @@ def test_keepalive_comments_while_the_job_waits_in_its_queue(redis_server, start
 
 def test_disconnect_mid_stream_cancels_the_job(redis_server, start_worker,
                                                gateway_factory):
+    """With no resume grace (``--resume-grace-s 0``) a disconnect cancels at once, as before
+    resumable streams (tests/gateway/test_resume.py: the grace)."""
     start_worker(engine=FakeEngine(step_delay=0.02))
-    gw = gateway_factory(redis_server.url)
+    gw = gateway_factory(redis_server.url, resume_grace_s=0)
     r = redis.Redis.from_url(redis_server.url)
     with httpx.stream("POST", f"{gw.v1}/chat/completions", timeout=60, json={
             "model": MODEL, "messages": CHAT, "max_tokens": 3000, "stream": True}) as resp:

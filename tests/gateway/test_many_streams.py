@@ -27,6 +27,7 @@ STREAMS, ORDINARY, MAX_TOKENS = 300, 40, 2000
 def env(tmp_path):
     with worker_and_gateway(tmp_path, "many", "mq", "--redis-max-connections", "16",
                             "--reader-streams", "64", "--status-wait-s", "0.2",
+                            "--resume-grace-s", "0",
                             max_num_seqs=512) as pair:
         yield pair
 

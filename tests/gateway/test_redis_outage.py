@@ -85,7 +85,7 @@ def test_a_cancel_owed_while_redis_is_down_lands_when_it_is_back(tmp_path, worke
     srv = RedisServer(dir=tmp_path / "redis", port=free_port(),
                       extra_args=("--appendonly", "yes", "--appendfsync", "always")).start()
     gw = GatewayProcess(tmp_path / "gateway.log", "--redis-url", srv.url, "--namespace", "out",
-                        "--status-wait-s", "0.2")
+                        "--status-wait-s", "0.2", "--resume-grace-s", "0")
     try:
         flags = [f"--{k}={v}" for k, v in FAST_FLAGS.items()]
         worker_process("--model", "fake:step_delay=0.02", "--redis-url", srv.url,
