@@ -111,7 +111,7 @@ def test_kv_block_bytes_are_per_rank(tmp_path):
 
 
 def test_a_step_crosses_as_two_tensors_and_comes_back_equal():
-    from tokenrelay.engine.model_runner import StepInputs
+    from tokenrelay.engine.step_inputs import StepInputs
     from tokenrelay.engine.parallel.step import HEADER_LEN, pack, payload_len, unpack
     step = StepInputs(
         input_ids=torch.tensor([5, 6, 7, 8]), positions=torch.tensor([0, 1, 2, 9]),
