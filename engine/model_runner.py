@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tokenrelay.engine.config import ACTIVATION_BYTES_PER_TOKEN, CudaMemory, EngineConfig, gpu_kv_budget
-from tokenrelay.engine.attention import AttentionMetadata
+from tokenrelay.engine.layers.attention import AttentionMetadata
 from tokenrelay.engine.parallel.partition import Partition
 from tokenrelay.engine.block_tables import BlockTables
 from tokenrelay.engine.sequence import Sequence
@@ -135,7 +135,7 @@ class ModelRunner:
         if (self.device.type != "cuda" or getattr(self.config, "enforce_eager", False)
                 or getattr(ops, "name", None) != "triton" or self.group is not None):
             return None
-        from tokenrelay.engine.cuda_graphs import DecodeGraphRunner
+        from tokenrelay.engine.layers.cuda_graphs import DecodeGraphRunner
         max_blocks = -(-int(self.config.max_model_len) // self.block_size)
         graphs = DecodeGraphRunner(self.model, self.kv_caches, self.config.max_num_seqs,
                                    max_blocks, self.device)

@@ -34,3 +34,27 @@ def test_the_graph_counts_imports_inside_functions_and_under_type_checking():
 
 def test_no_import_circle_in_the_engine():
     assert_no_import_circle(import_graph(["engine"]))
+
+
+# What the forward pass (engine/layers/, engine/models/) may stand on besides itself: the model's
+# shape, the errors, and tensor parallelism's partition and process group.
+FORWARD_PASS = ("tokenrelay.engine.layers", "tokenrelay.engine.models")
+UNDER_THE_FORWARD_PASS = {"tokenrelay.engine.model_config", "tokenrelay.engine.errors",
+                          "tokenrelay.engine.parallel.group",
+                          "tokenrelay.engine.parallel.partition"}
+
+
+def test_the_forward_pass_reaches_nothing_of_the_step_side():
+    """engine/layers/ and engine/models/ compute a forward pass from the tensors they are given:
+    nothing they import, directly or through another module, is the scheduler, the blocks, the
+    sequences, the sampler, the ModelRunner or the engine's config."""
+    graph = import_graph(["engine"])
+    forward = {m for m in graph if m.startswith(FORWARD_PASS)}
+    assert {"tokenrelay.engine.layers.attention", "tokenrelay.engine.models.decoder"} <= forward
+    reached, todo = set(), sorted(forward)
+    while todo:
+        module = todo.pop()
+        for name in graph[module] - reached:
+            reached.add(name)
+            todo.append(name)
+    assert reached - forward - UNDER_THE_FORWARD_PASS == set()

@@ -12,7 +12,7 @@ import torch
 from tokenrelay.engine.config import EngineConfig
 from tokenrelay.engine.errors import UnsupportedModelError
 from tokenrelay.engine.model_config import ModelConfig
-from tokenrelay.engine.parallel.layers import SKIP, Slice, checkpoint_slice
+from tokenrelay.engine.layers.tensor_parallel import SKIP, Slice, checkpoint_slice
 from tokenrelay.engine.parallel.partition import Partition, check_size, fitting_sizes
 
 # SmolLM2-135M-Instruct's shapes (engine.fetch builds it): 9 query heads over 3 KV heads.
