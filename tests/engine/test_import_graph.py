@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.import_boundaries import assert_no_import_circle, circle_through, import_cycles, import_graph
+from tests.import_boundaries import (assert_no_import_circle, circle_through, import_cycles, import_graph,
+                                     isolated_import_failures)
 
 
 def test_the_check_fails_naming_a_path_around_the_circle():
@@ -34,6 +35,13 @@ def test_the_graph_counts_imports_inside_functions_and_under_type_checking():
 
 def test_no_import_circle_in_the_engine():
     assert_no_import_circle(import_graph(["engine"]))
+
+
+@pytest.mark.timeout(180)
+def test_every_engine_module_imports_as_the_first_one_loaded():
+    """The same at run time: a circle of top-level imports fails only when entered from the
+    right module, so each is imported first, alone."""
+    assert isolated_import_failures(sorted(import_graph(["engine"])), timeout=150) == {}
 
 
 # What the forward pass (engine/layers/, engine/models/) may stand on besides itself: the model's
