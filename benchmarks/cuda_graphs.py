@@ -3,8 +3,8 @@
 ``python -m benchmarks.engine --cuda-graphs [--model PATH] [--graphs-batch 32] [--graphs-tokens 128]``
 
 Why here and not in ``benchmarks.kernels``: this measures the engine (scheduler, model runner, the
-graph runner of engine/cuda_graphs.py) around the kernels, and ``kernels`` must not import the
-engine. Each request gets a 64-token prompt; prefill is left out of the clock, which starts once
+graph runner of engine/layers/cuda_graphs.py) around the kernels, and ``kernels`` must not import
+the engine. Each request gets a 64-token prompt; prefill is left out of the clock, which starts once
 every request has its first token and stops when the last one finishes.
 """
 

@@ -14,9 +14,7 @@ if not __name__.startswith("tokenrelay."):   # the bare folder, imported from th
     raise ImportError(f"import tokenrelay.{__name__} (commands: `tokenrelay ...`), not {__name__!r}: "
                       "our packages live under the tokenrelay namespace")
 
-import importlib
-from typing import Any
-
+from tokenrelay._lazy import lazy_exports
 from tokenrelay.engine.errors import InvalidRequestError, PromptTooLongError, UnsupportedModelError
 from tokenrelay.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -36,8 +34,4 @@ _LAZY = {
 __all__ = ["SamplingParams", "StructuredOutputsParams", "InvalidRequestError", "PromptTooLongError",
            "UnsupportedModelError", *_LAZY]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'tokenrelay.engine' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 import torch
 
-from tokenrelay.engine import cpu_gemm
+from tokenrelay.engine.layers import cpu_gemm
 from tokenrelay.engine.model_config import ModelConfig
 from tokenrelay.engine.parallel.partition import Partition, check_size
 
@@ -63,12 +63,12 @@ class EngineConfig:
     max_beam_width: int = 16
     attention_backend: str = "auto"
     # Unless True: on CUDA with the triton backend decode steps replay CUDA graphs
-    # (engine/cuda_graphs.py); on CPU in float32 decode attention and Q/K norm + RoPE run
-    # kernels compiled by torch.compile at start-up (engine/compiled_decode.py,
-    # engine/compiled_rope.py; seconds, once per process).
+    # (engine/layers/cuda_graphs.py); on CPU in float32 decode attention and Q/K norm + RoPE
+    # run kernels compiled by torch.compile at start-up (engine/layers/compiled_decode.py,
+    # engine/layers/compiled_rope.py; seconds, once per process).
     enforce_eager: bool = False
-    # CPU float32: keep packed copies of the projection weights (engine/cpu_gemm.py), 2-3x
-    # faster linears at decode batch sizes for about the weights' memory again.
+    # CPU float32: keep packed copies of the projection weights (engine/layers/cpu_gemm.py),
+    # 2-3x faster linears at decode batch sizes for about the weights' memory again.
     cpu_prepack_weights: bool = True
     # Which packed GEMM: "onednn", "mkl", or "auto" (time both per weight shape at load).
     cpu_gemm_backend: str = "auto"

@@ -6,8 +6,8 @@ parameter must be filled and every checkpoint tensor used, so a mismatched check
 with the offending names instead of producing silent garbage.
 
 A tensor-parallel rank reads only its slice of each split tensor (safetensors' ``get_slice``,
-narrowed as it is read, see ``engine.parallel.layers.checkpoint_slice``): no rank ever holds
-the whole model.
+narrowed as it is read, see ``engine.layers.tensor_parallel.checkpoint_slice``): no rank ever
+holds the whole model.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import torch
 from safetensors import safe_open
 
 from tokenrelay.engine.errors import UnsupportedModelError
+from tokenrelay.engine.layers.ops import get_ops
+from tokenrelay.engine.layers.tensor_parallel import SKIP, Slice, checkpoint_slice
 from tokenrelay.engine.model_config import ModelConfig
 from tokenrelay.engine.models.decoder import DecoderForCausalLM
-from tokenrelay.engine.models.ops import get_ops
-from tokenrelay.engine.parallel.layers import SKIP, Slice, checkpoint_slice
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -66,7 +66,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu", backend: str = "torch",
                compiled: bool = False, group: Any = None) -> DecoderForCausalLM:
     """Build the decoder for checkpoint folder ``path`` and fill it with its weights.
-    ``compiled``: see ``engine.models.ops.get_ops``; ``group``: this rank's
+    ``compiled``: see ``engine.layers.ops.get_ops``; ``group``: this rank's
     ``ParallelGroup`` (it then loads only its share)."""
     config = ModelConfig.from_pretrained(path)
     torch_dtype = resolve_dtype(dtype, config)

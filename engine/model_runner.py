@@ -20,44 +20,16 @@ from __future__ import annotations
 
 import weakref
 from array import array
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 from tokenrelay.engine.config import ACTIVATION_BYTES_PER_TOKEN, CudaMemory, EngineConfig, gpu_kv_budget
-from tokenrelay.engine.attention import AttentionMetadata
+from tokenrelay.engine.layers.attention import AttentionMetadata
 from tokenrelay.engine.parallel.partition import Partition
 from tokenrelay.engine.block_tables import BlockTables
 from tokenrelay.engine.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class Placeholders:
-    """Input ids the host does not know yet: ``input_ids[dst] = source[src]`` on the device,
-    ``source`` being the previous step's sampled ids, still where they were drawn."""
-
-    dst: torch.Tensor       # [P] int64, rows of the step's input_ids
-    src: torch.Tensor       # [P] int64, rows of ``source``
-    source: torch.Tensor    # [S] int64
-
-
-@dataclass
-class StepInputs:
-    """One step's inputs on the host: what rank 0 prepares and every other rank receives."""
-
-    input_ids: torch.Tensor        # [T] int64
-    positions: torch.Tensor        # [T] int64
-    slot_mapping: torch.Tensor     # [T] int64
-    block_tables: torch.Tensor     # [S, B] int32
-    seq_lens: torch.Tensor         # [S] int32
-    context_lens: torch.Tensor     # [S] int32
-    cu_seqlens_q: torch.Tensor     # [S + 1] int32
-    logits_indices: torch.Tensor   # [L] int64, the token rows whose logits are computed
-    block_copies: torch.Tensor     # [C, 2] int64 (src, dst), copied before the forward
-    max_seqlen_q: int
-    max_seqlen_k: int
-    is_decode: bool
+from tokenrelay.engine.step_inputs import Placeholders, StepInputs
 
 
 def _ints(values: list[int]) -> torch.Tensor:
@@ -163,7 +135,7 @@ class ModelRunner:
         if (self.device.type != "cuda" or getattr(self.config, "enforce_eager", False)
                 or getattr(ops, "name", None) != "triton" or self.group is not None):
             return None
-        from tokenrelay.engine.cuda_graphs import DecodeGraphRunner
+        from tokenrelay.engine.layers.cuda_graphs import DecodeGraphRunner
         max_blocks = -(-int(self.config.max_model_len) // self.block_size)
         graphs = DecodeGraphRunner(self.model, self.kv_caches, self.config.max_num_seqs,
                                    max_blocks, self.device)

@@ -50,12 +50,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from tokenrelay.engine.model_runner import ModelRunner, Placeholders, StepInputs
+from tokenrelay.engine.model_runner import ModelRunner
 from tokenrelay.engine.finish_rules import FinishRules
 from tokenrelay.engine.outputs import CoreOutput, StepCounters
 from tokenrelay.engine.sampler import DeviceSample, Sampler, SamplerOutput, SamplingBatch
 from tokenrelay.engine.scheduler import Scheduler, SchedulerOutput
 from tokenrelay.engine.sequence import Sequence
+from tokenrelay.engine.step_inputs import Placeholders, StepInputs
 
 PLACEHOLDER = -1        # a token drawn on the device and not yet known on the host
 

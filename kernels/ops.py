@@ -10,8 +10,7 @@ Triton's CPU interpreter. Exports resolve lazily so that importing the package (
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tokenrelay._lazy import lazy_exports
 
 OPS = (
     "store_kv",
@@ -37,14 +36,4 @@ _HOME = {
 
 __all__ = [*OPS, *(f"{name}_ref" for name in OPS), "OPS", "check_step_values"]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module 'tokenrelay.kernels.ops' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOME[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, _HOME, globals())

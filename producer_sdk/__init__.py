@@ -17,8 +17,7 @@ if not __name__.startswith("tokenrelay."):   # the bare folder, imported from th
     raise ImportError(f"import tokenrelay.{__name__} (commands: `tokenrelay ...`), not {__name__!r}: "
                       "our packages live under the tokenrelay namespace")
 
-import importlib
-from typing import Any
+from tokenrelay._lazy import lazy_exports
 
 _LAZY = {
     "Client": "tokenrelay.producer_sdk.client",
@@ -46,14 +45,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'tokenrelay.producer_sdk' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

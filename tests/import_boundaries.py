@@ -152,6 +152,36 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
+def circle_through(graph: dict[str, set[str]], members: list[str]) -> list[str]:
+    """One closed path through a circle that ``import_cycles`` found: from its first module,
+    breadth first inside the circle, back to that module (``[a, b, c, a]``)."""
+    start, inside = members[0], set(members)
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        reached = []
+        for node in frontier:
+            for child in sorted(graph[node] & inside):
+                if child == start:
+                    back = [node]
+                    while back[-1] != start:
+                        back.append(came_from[back[-1]])
+                    return [*reversed(back), start]
+                if child not in came_from:
+                    came_from[child] = node
+                    reached.append(child)
+        frontier = reached
+    raise ValueError(f"no circle through {members}")
+
+
+def assert_no_import_circle(graph: dict[str, set[str]]) -> None:
+    """Fail naming one path around each circle of ``graph``, ``a -> b -> c -> a``, and every
+    module caught in it."""
+    paths = [" -> ".join(circle_through(graph, members)) + f"  (all in it: {', '.join(members)})"
+             for members in import_cycles(graph)]
+    assert not paths, "import circles (lazy imports count):\n  " + "\n  ".join(paths)
+
+
 def isolated_import_failures(modules: list[str], timeout: float = 120) -> dict[str, str]:
     """Module -> error, for each of ``modules`` that fails to import as the first module of
     the repository loaded (one interpreter; the repository's modules are unloaded between

@@ -15,9 +15,9 @@ finds ours, not even from the repository root. The public names below load lazil
 
 from __future__ import annotations
 
-import importlib
 import os
-from typing import Any
+
+from tokenrelay._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -59,14 +59,4 @@ _LAZY = {
 
 __all__ = ["__version__", *_LAZY]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'tokenrelay' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

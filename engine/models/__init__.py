@@ -1,6 +1,6 @@
-"""Model implementations. One decoder covers every supported family (see ``decoder.py``)."""
+"""Model implementations. One decoder covers every supported family (see ``decoder.py``); the
+layers and ops it is built from are engine/layers/."""
 
 from tokenrelay.engine.models.decoder import DecoderForCausalLM
-from tokenrelay.engine.models.ops import Ops, get_ops
 
-__all__ = ["DecoderForCausalLM", "Ops", "get_ops"]
+__all__ = ["DecoderForCausalLM"]

@@ -11,7 +11,8 @@ gate/up into ``gate_up_proj``; :meth:`DecoderForCausalLM.hf_weight_target` maps 
 
 Tensor parallelism: given a ``ParallelGroup`` the model holds one rank's share of every split
 dimension (its :class:`Partition`) and its projections, embedding and LM head come from the
-parallel-layer factories of engine/parallel/layers.py; without one they are the plain layers.
+parallel-layer factories of engine/layers/tensor_parallel.py; without one they are the plain
+layers.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenrelay.engine import compiled_rope, cpu_gemm
-from tokenrelay.engine.attention import AttentionMetadata
-from tokenrelay.engine.layers import build_cos_sin_cache
+from tokenrelay.engine.layers import compiled_rope, cpu_gemm
+from tokenrelay.engine.layers.attention import AttentionMetadata
+from tokenrelay.engine.layers.linear import Linear, param
+from tokenrelay.engine.layers.ops import Ops, get_ops
+from tokenrelay.engine.layers.tensor_parallel import row_parallel, vocab_embedding
+from tokenrelay.engine.layers.torch_ops import build_cos_sin_cache
 from tokenrelay.engine.model_config import ModelConfig
-from tokenrelay.engine.linear import Linear, param
-from tokenrelay.engine.models.ops import Ops, get_ops
 from tokenrelay.engine.parallel.group import ParallelGroup
-from tokenrelay.engine.parallel.layers import row_parallel, vocab_embedding
 from tokenrelay.engine.parallel.partition import Partition
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -46,7 +47,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """This rank's query and KV heads (all of them at size 1): QKV column-parallel, the output
-    projection row-parallel (engine/parallel/layers.py)."""
+    projection row-parallel (engine/layers/tensor_parallel.py)."""
 
     def __init__(self, cfg: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device | str,
                  part: Partition, group: Optional[ParallelGroup] = None):
@@ -77,8 +78,8 @@ class Attention(nn.Module):
 
     def _qkv_compiled(self, qkv: torch.Tensor, positions: torch.Tensor,
                       cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """Split, Q/K norm and RoPE as one compiled kernel (engine/compiled_rope.py) where the
-        compiled CPU path is on; None elsewhere, or when it cannot compile."""
+        """Split, Q/K norm and RoPE as one compiled kernel (engine/layers/compiled_rope.py)
+        where the compiled CPU path is on; None elsewhere, or when it cannot compile."""
         if (self.ops.name != "torch-compiled" or qkv.dtype != torch.float32
                 or qkv.device.type != "cpu"):
             return None

@@ -33,10 +33,10 @@ import torch
 from tokenrelay.engine.config import EngineConfig
 from tokenrelay.engine.errors import TensorParallelError
 from tokenrelay.engine.lifeline import close_quietly, describe_exit, spawn
-from tokenrelay.engine.model_runner import StepInputs
 from tokenrelay.engine.parallel import step as step_wire
 from tokenrelay.engine.parallel.group import ParallelGroup, open_store, rank_devices, start_timeout
-from tokenrelay.engine.parallel.rank import RankSpec, hello_key
+from tokenrelay.engine.parallel.rank_spec import RankSpec, hello_key
+from tokenrelay.engine.step_inputs import StepInputs
 
 log = logging.getLogger("tokenrelay.engine.parallel")
 

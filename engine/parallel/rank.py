@@ -1,9 +1,9 @@
 """Ranks 1..N-1 of a tensor-parallel engine: ``python -m tokenrelay.engine.parallel.rank``, one small loop.
 
-Started by engine/parallel/launch.py: read the pickled :class:`RankSpec` from stdin and keep
-watching stdin (the lifeline: end of file means rank 0's process is gone), check in to the
-rendezvous store, join the process groups, load this rank's share of the model and its KV
-cache (engine/model_runner.py, the same class rank 0 runs), then serve: receive the prepared
+Started by engine/parallel/launch.py: read the pickled :class:`RankSpec` (rank_spec.py) from
+stdin and keep watching stdin (the lifeline: end of file means rank 0's process is gone), check
+in to the rendezvous store, join the process groups, load this rank's share of the model and its
+KV cache (engine/model_runner.py, the same class rank 0 runs), then serve: receive the prepared
 step, run the forward (joining its all-reduces and the logits gather), repeat until told to
 stop (the lifeline). There is no scheduler, sampler or tokenizer here; those live on rank 0.
 
@@ -17,30 +17,13 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
 
-from tokenrelay.engine.config import EngineConfig
 from tokenrelay.engine.lifeline import child_start, watch_lifeline
-from tokenrelay.engine.parallel.group import ParallelGroup, Rendezvous, open_store
-
-
-@dataclass(frozen=True)
-class RankSpec:
-    """What a spawned rank needs: the resolved config (``device`` already this rank's), its
-    rank, where to meet rank 0, and its share of the threads."""
-
-    config: EngineConfig
-    rank: int
-    rendezvous: Rendezvous
-    threads: int
-
-
-def hello_key(rank: int) -> str:
-    """The store key a rank sets once it is running (rank 0 waits for each)."""
-    return f"hello/{rank}"
+from tokenrelay.engine.parallel.group import ParallelGroup, open_store
+from tokenrelay.engine.parallel.rank_spec import RankSpec, hello_key
 
 
 def serve(runner: Any, group: ParallelGroup) -> NoReturn:

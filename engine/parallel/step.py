@@ -4,7 +4,7 @@ Per step rank 0 broadcasts a fixed-layout int64 *header* (what follows and how l
 is), then one int64 *payload* holding every input tensor back to back: token ids, positions,
 slot mapping, block tables, sequence and context lengths, query offsets, the rows whose logits
 are computed, and the copy-on-write block copies. Another rank rebuilds the same
-:class:`~engine.model_runner.StepInputs` from them and plans the step's attention itself (the
+:class:`~engine.step_inputs.StepInputs` from them and plans the step's attention itself (the
 plan is a function of those tensors). (A rank's loop ends with rank 0's process or its
 ``shutdown``, through the rank's lifeline: no message is needed, none can hang.)
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenrelay.engine.model_runner import StepInputs
 from tokenrelay.engine.parallel.group import ParallelGroup
+from tokenrelay.engine.step_inputs import StepInputs
 
 STEP = 1          # the header's kind: a step (the only kind so far)
 # Header layout: one int64 each.

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenrelay.engine import LLM, SamplingParams, attention
-from tokenrelay.engine.attention_plan import AttentionPlan
+from tokenrelay.engine import LLM, SamplingParams
+from tokenrelay.engine.layers import attention
+from tokenrelay.engine.layers.attention_plan import AttentionPlan
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -8,8 +8,8 @@ import importlib
 import pytest
 import torch
 
-from tokenrelay.engine.models import ops as ops_mod
-from tokenrelay.engine.models.ops import BackendUnavailableError, get_ops
+from tokenrelay.engine.layers import ops as ops_mod
+from tokenrelay.engine.layers.ops import BackendUnavailableError, get_ops
 
 
 def test_auto_without_cuda_is_the_torch_path(monkeypatch):

@@ -1,6 +1,6 @@
-"""Compiled CPU kernels (engine/compiled_decode.py, engine/compiled_rope.py): the same numbers
-as the eager paths (gather + SDPA; Q/K norm and RoPE op by op), a safe fallback when compiling
-fails, and wiring through ``enforce_eager``."""
+"""Compiled CPU kernels (engine/layers/compiled_decode.py, engine/layers/compiled_rope.py): the
+same numbers as the eager paths (gather + SDPA; Q/K norm and RoPE op by op), a safe fallback when
+compiling fails, and wiring through ``enforce_eager``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from tokenrelay.engine import attention, compiled_decode, compiled_rope
-from tokenrelay.engine.compiled import LazyCompiled
+from tokenrelay.engine.layers import attention, compiled_decode, compiled_rope
+from tokenrelay.engine.layers.compiled import LazyCompiled
 from tokenrelay.engine.llm import LLM
 from tokenrelay.engine.loader import load_model
 from tokenrelay.engine.sampling_params import SamplingParams
@@ -85,7 +85,7 @@ def test_a_failed_compile_falls_back_to_the_eager_path_for_good(monkeypatch, cap
     monkeypatch.setattr(state, "_get", broken)
     monkeypatch.setattr(compiled_decode, "_KERNEL", state)
     q, k_cache, v_cache, tables, seq_lens = _paged_batch([20, 3, 41], 8, 4, 32, 16, 3)
-    with torch.inference_mode(), caplog.at_level(logging.WARNING, "tokenrelay.engine.compiled"):
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, "tokenrelay.engine.layers.compiled"):
         eager = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.2)
         got = attention.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.2,
                                                compiled=True)

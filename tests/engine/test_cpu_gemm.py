@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenrelay.engine import cpu_gemm
+from tokenrelay.engine.layers import cpu_gemm
+from tokenrelay.engine.layers.linear import Linear
 from tokenrelay.engine.llm import LLM
 from tokenrelay.engine.loader import load_model
-from tokenrelay.engine.models.decoder import Linear
 from tokenrelay.engine.sampling_params import SamplingParams
 
 needs_packed_gemm = pytest.mark.skipif(not cpu_gemm.available(),

@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from tokenrelay.engine.attention import (AttentionMetadata, paged_decode_attention,
+from tokenrelay.engine.layers.attention import (AttentionMetadata, paged_decode_attention,
                               paged_prefill_attention, store_kv)
 from tokenrelay.engine.loader import load_model
-from tokenrelay.engine.models.ops import get_ops
+from tokenrelay.engine.layers.ops import get_ops
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 BLOCK = 4
@@ -230,7 +230,7 @@ def test_unknown_backend_is_rejected():
 
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_rotary_matches_complex_rotation(is_neox):
-    from tokenrelay.engine.layers import build_cos_sin_cache, rotary
+    from tokenrelay.engine.layers.torch_ops import build_cos_sin_cache, rotary
 
     torch.manual_seed(1)
     d = 8

@@ -12,7 +12,7 @@ import torch
 from tokenrelay.engine.config import EngineConfig
 from tokenrelay.engine.errors import UnsupportedModelError
 from tokenrelay.engine.model_config import ModelConfig
-from tokenrelay.engine.parallel.layers import SKIP, Slice, checkpoint_slice
+from tokenrelay.engine.layers.tensor_parallel import SKIP, Slice, checkpoint_slice
 from tokenrelay.engine.parallel.partition import Partition, check_size, fitting_sizes
 
 # SmolLM2-135M-Instruct's shapes (engine.fetch builds it): 9 query heads over 3 KV heads.
@@ -111,7 +111,7 @@ def test_kv_block_bytes_are_per_rank(tmp_path):
 
 
 def test_a_step_crosses_as_two_tensors_and_comes_back_equal():
-    from tokenrelay.engine.model_runner import StepInputs
+    from tokenrelay.engine.step_inputs import StepInputs
     from tokenrelay.engine.parallel.step import HEADER_LEN, pack, payload_len, unpack
     step = StepInputs(
         input_ids=torch.tensor([5, 6, 7, 8]), positions=torch.tensor([0, 1, 2, 9]),

@@ -47,7 +47,7 @@ def test_triton_backend_greedy_matches_transformers(tiny_checkpoint, arch):
 def test_decode_graph_runner_padding_matches_eager(tiny_checkpoint):
     """The CUDA-graph path's static buffers and padding (batch 3 -> 4, then 2, then 1 as requests
     finish), with replay standing in for an eager forward since CUDA graphs need a GPU."""
-    from tokenrelay.engine.cuda_graphs import DecodeGraphRunner, capture_sizes
+    from tokenrelay.engine.layers.cuda_graphs import DecodeGraphRunner, capture_sizes
 
     class EagerReplay(DecodeGraphRunner):
         replays = 0

@@ -1,7 +1,7 @@
 """Decode attention for CPU float32, compiled by torch.compile (inductor) to read the paged cache
 in place.
 
-The eager path (``engine.attention``) first copies each sequence's blocks into a contiguous
+The eager path (attention.py) first copies each sequence's blocks into a contiguous
 buffer and then runs SDPA on it: the K/V bytes cross the memory bus three times (read, write,
 read again), and decode attention is memory-bound. :func:`decode_math` states the same
 attention as plain tensor algebra over ``k_cache[blocks]``; inductor fuses the indexing into
@@ -13,7 +13,7 @@ time in the engine's decode steps. Run eagerly, the same code would materialize 
 One compiled graph serves every batch: the number of sequences, blocks per sequence and pool
 blocks are marked dynamic, and groups are padded to at least two sequences of two blocks
 (dynamo specializes sizes 0 and 1, which would mean more compiles). Compiling and its fallback:
-engine/compiled.py.
+compiled.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenrelay.engine.compiled import LazyCompiled, mark_dynamic
+from tokenrelay.engine.layers.compiled import LazyCompiled, mark_dynamic
 
 # Sequences per compiled call, sorted by length so a group pads little. Engine bench, three
 # alternating runs each: one call for the whole batch 499-523 output tok/s against 527-540 for

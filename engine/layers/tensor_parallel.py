@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenrelay.engine.linear import Linear
+from tokenrelay.engine.layers.linear import Linear
 from tokenrelay.engine.parallel.group import ParallelGroup
 from tokenrelay.engine.parallel.partition import Partition
 

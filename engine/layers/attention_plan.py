@@ -2,13 +2,13 @@
 
 The split depends only on block tables and lengths, which every layer of a step shares, so the
 ModelRunner builds one plan per step (``AttentionPlan.for_step``), stores it on the step's
-:class:`~engine.attention.AttentionMetadata` and every layer's attention reads it from there.
-The torch attention functions (engine/attention.py) use it; the triton kernels need none (they
+:class:`~engine.layers.attention.AttentionMetadata` and every layer's attention reads it from
+there. The torch attention functions (attention.py) use it; the triton kernels need none (they
 read the block tables on the device). A caller that calls an attention function without a plan
 (a test, a one-off) gets one built for that call.
 
 Decode groups come in two shapes, one per decode path: gather groups for the eager path and
-padded groups for the compiled kernel (engine/compiled_decode.py). Only the path that runs asks,
+padded groups for the compiled kernel (compiled_decode.py). Only the path that runs asks,
 and each is built at most once per step (at the first layer) and kept on the plan.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenrelay.engine import compiled_decode
+from tokenrelay.engine.layers import compiled_decode
 
 # Decode sequences are attended in groups of at most this many, sorted by length: padding to the
 # longest member of a group of similar lengths wastes little (one padded batch of 48 gathered ~2x

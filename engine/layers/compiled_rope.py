@@ -3,7 +3,7 @@
 Eagerly this is some twenty small ops per layer over strided views: 125 us a layer at a decode
 batch of 48, 8.9 ms at a 2048-token prefill chunk (bench model, 2 cores), against 38 us and
 0.32 ms compiled, which also writes q, k and v contiguous in the same pass. The math is the
-eager ops' (engine/layers.py: statistics in float32, weight applied after normalizing, NeoX
+eager ops' (torch_ops.py: statistics in float32, weight applied after normalizing, NeoX
 pairing of dims i and i + D/2), so the result agrees with them to float32 rounding.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenrelay.engine.compiled import LazyCompiled, mark_dynamic
+from tokenrelay.engine.layers.compiled import LazyCompiled, mark_dynamic
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The seven ops the decoder calls, chosen by backend name so Triton kernels can be swapped in.
 
-Signatures are fixed by docs/contracts.md; ``"torch"`` uses ``engine.layers``/``engine.attention``,
+Signatures are fixed by docs/contracts.md; ``"torch"`` uses torch_ops.py/attention.py,
 ``"triton"`` imports ``tokenrelay.kernels`` lazily (so a CPU-only install never needs Triton),
 ``"auto"`` is Triton when CUDA is available (an error naming the cause when the kernels cannot
 load: never a silent torch path on a GPU) and the torch ops elsewhere.
@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from tokenrelay.engine import attention, layers
-from tokenrelay.engine.attention import AttentionMetadata
-from tokenrelay.engine.attention_plan import AttentionPlan
+from tokenrelay.engine.layers import attention, torch_ops
+from tokenrelay.engine.layers.attention import AttentionMetadata
+from tokenrelay.engine.layers.attention_plan import AttentionPlan
 
 OP_NAMES = ("store_kv", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
             "fused_add_rms_norm", "rotary", "silu_and_mul")
@@ -73,8 +73,8 @@ def _torch_ops() -> Ops:
     return Ops(name="torch", store_kv=attention.store_kv,
                paged_decode_attention=attention.paged_decode_attention,
                paged_prefill_attention=attention.paged_prefill_attention,
-               rms_norm=layers.rms_norm, fused_add_rms_norm=layers.fused_add_rms_norm,
-               rotary=layers.rotary, silu_and_mul=layers.silu_and_mul, uses_plan=True)
+               rms_norm=torch_ops.rms_norm, fused_add_rms_norm=torch_ops.fused_add_rms_norm,
+               rotary=torch_ops.rotary, silu_and_mul=torch_ops.silu_and_mul, uses_plan=True)
 
 
 def _triton_ops() -> Ops:

@@ -1,6 +1,6 @@
 """The decoder's linear layer: ``y = x W^T (+ b)``, with a packed copy of W on CPU float32.
 
-Its own module so the tensor-parallel layers (engine/parallel/layers.py) can build on it.
+Its own module so the tensor-parallel layers (tensor_parallel.py) can build on it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenrelay.engine import cpu_gemm
+from tokenrelay.engine.layers import cpu_gemm
 
 
 def param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -28,7 +28,7 @@ class Linear(nn.Module):
         self.packed: cpu_gemm.PackedWeight | None = None     # see prepack()
 
     def prepack(self, backend: str = "auto") -> bool:
-        """Keep a packed copy of the weight for CPU float32 (engine/cpu_gemm.py); the weight
+        """Keep a packed copy of the weight for CPU float32 (cpu_gemm.py); the weight
         itself stays, for other row layouts and for whoever else reads it."""
         self.packed = cpu_gemm.pack(self.weight, self.bias, backend)
         return self.packed is not None

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from tokenrelay.engine.attention import AttentionMetadata
+from tokenrelay.engine.layers.attention import AttentionMetadata
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

@@ -2,12 +2,12 @@
 
 The cache of a layer is ``k_cache, v_cache: [num_blocks, block_size, Hkv, D]``. On CPU decode
 attention is memory-bound: the cost is moving K/V. In float32 with ``compiled=True`` decodes run
-the inductor kernel of engine/compiled_decode.py, which reads each block once in place. The
+the inductor kernel of compiled_decode.py, which reads each block once in place. The
 eager path (other dtypes, ``enforce_eager``, no compiler) sorts decodes by length and attends
 them in small groups: one gather of just the blocks they need into a reused buffer, padded only
 to the longest member, then one SDPA with an additive mask. Each prefill sequence runs its own
 unpadded causal SDPA. How a step's batch splits is the step's :class:`AttentionPlan`
-(engine/attention_plan.py): the ModelRunner builds it once per step and passes it down in the
+(attention_plan.py): the ModelRunner builds it once per step and passes it down in the
 metadata, so every layer reuses it.
 """
 
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenrelay.engine import compiled_decode
-from tokenrelay.engine.attention_plan import AttentionPlan, DecodeGroup
+from tokenrelay.engine.layers import compiled_decode
+from tokenrelay.engine.layers.attention_plan import AttentionPlan, DecodeGroup
 
 
 @dataclass
@@ -35,7 +35,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     is_decode: bool                 # every sequence has exactly one new token
-    # The step's attention plan (engine/attention_plan.py), built once by the ModelRunner for
+    # The step's attention plan (attention_plan.py), built once by the ModelRunner for
     # the torch backends and read by every layer; None for the triton kernels, which need none.
     plan: AttentionPlan | None = None
 
@@ -105,7 +105,7 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
             out: torch.Tensor, scale: float, compiled: bool) -> None:
     """One query per sequence: writes the rows of ``out`` that the plan's decodes hold.
 
-    ``compiled`` (CPU float32 only): the inductor kernel of engine/compiled_decode.py, which
+    ``compiled`` (CPU float32 only): the inductor kernel of compiled_decode.py, which
     reads the blocks in place; this eager path is the fallback when it cannot be built."""
     if not plan.decodes:
         return
