@@ -131,7 +131,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType,
                     params: Union[SamplingParams, Mapping[str, Any], None] = None,
                     priority: int = 0,
-                    resume: Union[ResumeState, Seq[ResumeState], None] = None) -> None:
+                    resume: Union[ResumeState, Seq[ResumeState], None] = None,
+                    owner: Optional[str] = None) -> None:
         """Queue a request. Raises InvalidRequestError / PromptTooLongError (with the numbers)
         or pydantic's ValidationError for bad sampling fields; on error nothing is changed.
 
@@ -139,7 +140,8 @@ class LLMEngine:
         ``finish_reason`` set already ended and is not run). Beam search is never resumed.
 
         A request with ``structured_outputs`` waits outside the scheduler until its grammar is
-        compiled (engine/structured.py); a spec known to fail raises GrammarError here."""
+        compiled (engine/structured.py); a spec known to fail raises GrammarError here.
+        ``owner`` (the job's producer) is whose turn its compile takes (engine/compile_queue.py)."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id: must be a non-empty string")
         if request_id in self.requests:
@@ -191,7 +193,7 @@ class LLMEngine:
                 seq.detokenizer.replay(list(state.output_token_ids), state.output_text)
             seqs.append(seq)
         if params.structured_outputs is not None:
-            self.structured.add(request_id, params.structured_outputs, seqs)
+            self.structured.add(request_id, params.structured_outputs, seqs, owner=owner)
         self.requests[request_id] = group
         if params.structured_outputs is None:
             for seq in seqs:
