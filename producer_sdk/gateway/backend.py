@@ -151,6 +151,13 @@ class Gateway:
             return self.s.default_priority
         return self.s.default_priority if key.priority is None else key.priority
 
+    @staticmethod
+    def producer(request: Request) -> Optional[str]:
+        """The producer id the caller's jobs carry: its API key's fingerprint (None with auth
+        off: every caller is then one anonymous producer to the workers)."""
+        key = getattr(request.state, "api_key", None)
+        return None if key is None else key.producer
+
     def timeouts(self, request: Request) -> tuple[float, Optional[float]]:
         """(start deadline, total) in seconds: ``--deadline-s`` and ``--request-timeout-s``,
         both lowered by an ``X-Request-Timeout`` header."""
@@ -217,7 +224,7 @@ class Gateway:
         try:
             job = await self.client(queue).submit(
                 **kwargs, job_id=f"gw-{secrets.token_hex(16)}", priority=priority,
-                model=req.model, queue=queue,
+                model=req.model, producer=self.producer(request), queue=queue,
                 deadline_s=start_s, stream=True, metadata=meta)
         except Exception as exc:
             raise api_error(rename_error(exc, req.constraint_param),
