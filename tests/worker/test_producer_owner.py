@@ -50,3 +50,13 @@ def test_a_bad_producer_is_refused_by_the_sdk_and_by_the_worker(bad):
 def test_a_client_with_a_bad_default_producer_does_not_start():
     with pytest.raises(ValueError, match="producer"):
         Client("redis://127.0.0.1:1", producer="has space")
+
+
+def test_the_clis_producer_flag_reaches_the_engine(start_worker, redis_server, capsys):
+    from tokenrelay.producer_sdk.cli.main import main
+    fake = FakeEngine()
+    start_worker(engine=fake)
+    assert main(["--redis-url", redis_server.url, "submit", "--producer", "cli-team",
+                 "--max-tokens", "2", "--timeout", "20", "hi"]) == 0
+    job_id = capsys.readouterr().err.split("job ", 1)[1].split()[0]
+    assert fake.owners[job_id] == "cli-team"
