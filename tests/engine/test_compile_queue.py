@@ -45,6 +45,14 @@ def submit(q: FairCompileQueue, rec: Recorder, owner: str, name: str) -> "Future
     return q.submit(owner, rec.task(name))
 
 
+def one_thread_busy(name: str) -> tuple[FairCompileQueue, Recorder, "Future[str]"]:
+    """A one-thread queue whose thread runs A's task ``name`` until its gate is set."""
+    q, rec = FairCompileQueue(threads=1), Recorder()
+    busy = submit(q, rec, "A", name)
+    rec.wait_started(1)
+    return q, rec, busy
+
+
 def test_owners_take_turns_and_a_newcomer_runs_next():
     q, rec = FairCompileQueue(threads=1), Recorder()
     futures = [submit(q, rec, "A", f"a{i}") for i in range(4)]
@@ -73,9 +81,7 @@ def test_an_owner_runs_at_most_its_cap_and_leaves_the_other_threads_free():
 
 
 def test_a_cancelled_task_never_runs_and_exceptions_reach_the_future():
-    q, rec = FairCompileQueue(threads=1), Recorder()
-    first = submit(q, rec, "A", "first")
-    rec.wait_started(1)
+    q, rec, first = one_thread_busy("first")
     dropped = submit(q, rec, "A", "dropped")
     failing = q.submit(None, lambda: 1 / 0)
     assert dropped.cancel()
@@ -87,9 +93,7 @@ def test_a_cancelled_task_never_runs_and_exceptions_reach_the_future():
 
 
 def test_close_cancels_what_waits_and_refuses_new_tasks():
-    q, rec = FairCompileQueue(threads=1), Recorder()
-    running = submit(q, rec, "A", "running")
-    rec.wait_started(1)
+    q, rec, running = one_thread_busy("running")
     waiting = submit(q, rec, "B", "waiting")
     q.close()
     with pytest.raises(CancelledError):
