@@ -28,7 +28,7 @@ from tokenrelay.producer_sdk.errors import RedisUnavailable
 from tokenrelay.producer_sdk.gateway.access_log import AccessLog
 from tokenrelay.producer_sdk.gateway.backend import Gateway
 from tokenrelay.producer_sdk.gateway.errors import APIError, api_error
-from tokenrelay.producer_sdk.gateway.guard import Guard
+from tokenrelay.producer_sdk.gateway.guard import ON_DISCONNECT, Guard
 from tokenrelay.producer_sdk.gateway.metrics import GatewayMetrics
 from tokenrelay.producer_sdk.gateway.models import ModelDirectory
 from tokenrelay.producer_sdk.gateway.responses import (Answer, JobFeed, event_stream, first_item,
@@ -147,6 +147,7 @@ def create_app(settings: Optional[GatewaySettings] = None,
         feed = JobFeed(sub, gw.cancels, settings.retry_after_s)
         headers = {"X-Job-Id": sub.job.id}
         if req.stream:
+            request.scope["state"][ON_DISCONNECT] = feed.close     # the cancel, at once
             first = await first_item(feed, settings.status_wait_s)
             return StreamingResponse(
                 event_stream(answer, feed, first, settings.keepalive_s, metrics),
