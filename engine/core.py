@@ -149,7 +149,8 @@ class EngineCore:
                 seq.token_ids.extend(state.output_token_ids)
             seqs.append(seq)
         if params.structured_outputs is not None:
-            self.structured.add(req.request_id, params.structured_outputs, seqs)
+            self.structured.add(req.request_id, params.structured_outputs, seqs,
+                                owner=req.owner)
         self.requests[req.request_id] = group
         if params.structured_outputs is None:
             for seq in seqs:

@@ -155,13 +155,15 @@ class EngineCoreClient:
     def add_request(self, request_id: str, prompt: PromptType,
                     params: Union[SamplingParams, Mapping[str, Any], None] = None,
                     priority: int = 0,
-                    resume: Union[ResumeState, Seq[ResumeState], None] = None) -> None:
+                    resume: Union[ResumeState, Seq[ResumeState], None] = None,
+                    owner: Optional[str] = None) -> None:
         """As ``LLMEngine.add_request``; checked here, queued for the core. A grammar the core
         refuses ends the request with an error delta instead of raising here."""
         self._check()
         if self.outputs.has(request_id):
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use")
         req, _ = self.checks.build(request_id, prompt, params, priority, resume)
+        req.owner = owner       # the job's producer: its grammar compile's turn (compile_queue)
         self.outputs.add(request_id, req.prompt_token_ids, req.params, req.resume)
         self._commands.append((wire.ADD, req))
 

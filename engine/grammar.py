@@ -4,8 +4,9 @@ A request's constraint (``SamplingParams.structured_outputs``) becomes an llguid
 ``LLMatcher`` bound to the engine's tokenizer. Building one is cheap for ordinary schemas but
 can take seconds for a hostile one (the lexer of ``a{1000}{1000}`` explodes on its first mask),
 so it never runs on the thread that steps the engine: ``GrammarCompiler.submit`` hands the work
-to a small thread pool (llguidance drops the GIL while it compiles) and returns a future; the
-engine keeps the request out of the scheduler until the future is done (engine/structured.py).
+to a few threads (llguidance drops the GIL while it compiles), shared fairly among the jobs'
+producers (engine/compile_queue.py), and returns a future; the engine keeps the request out of
+the scheduler until the future is done (engine/structured.py).
 
 What the pool does for one request (``_prepare``): the compiled template of its canonical spec
 (cached, ``_template``), then one deep copy per sequence that starts now, each with the tokens a
@@ -28,9 +29,10 @@ import copy
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Optional, Sequence
 
+from tokenrelay.engine.compile_queue import FairCompileQueue
 from tokenrelay.engine.errors import InvalidRequestError
 from tokenrelay.protocol.structured_outputs import StructuredOutputsParams, grammar_of, parser_limits
 
@@ -100,14 +102,14 @@ class GrammarCompiler:
     own, so two requests with one new spec compile it once."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], *,
-                 threads: int, timeout_s: float, cache_size: int = 256) -> None:
+                 threads: int, timeout_s: float, cache_size: int = 256,
+                 per_owner: Optional[int] = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.timeout_s = timeout_s
         self.cache_size = cache_size
-        self._threads = threads
-        self._pool: Optional[ThreadPoolExecutor] = None
+        self._queue = FairCompileQueue(threads, per_owner)
         self._lock = threading.Lock()
         self._templates: OrderedDict[str, Any] = OrderedDict()   # spec -> matcher | GrammarError
         self._compiling: dict[str, tuple[float, threading.Lock]] = {}
@@ -118,10 +120,11 @@ class GrammarCompiler:
         self.failures = 0
         self.compile_seconds = 0.0
 
-    def submit(self, spec: StructuredOutputsParams,
-               replays: Sequence[Sequence[int]]) -> "Future[list[Constraint]]":
+    def submit(self, spec: StructuredOutputsParams, replays: Sequence[Sequence[int]],
+               owner: Optional[str] = None) -> "Future[list[Constraint]]":
         """Start preparing one matcher per entry of ``replays`` (the tokens each sequence
-        already has). Raises GrammarError at once for a spec the cache knows fails."""
+        already has), queued fairly among owners (the jobs' producers; None: anonymous).
+        Raises GrammarError at once for a spec the cache knows fails."""
         key = spec.canonical
         with self._lock:
             known = self._templates.get(key)
@@ -130,9 +133,7 @@ class GrammarCompiler:
             if isinstance(known, GrammarError):
                 self.cache_hits += 1
                 raise GrammarError(str(known))
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="grammar")
-        return self._pool.submit(self._prepare, key, [list(r) for r in replays])
+        return self._queue.submit(owner, self._prepare, key, [list(r) for r in replays])
 
     def expire(self, key: str) -> GrammarError:
         """A request waited ``timeout_s`` for ``key``: when that spec's compile itself has run
@@ -147,16 +148,15 @@ class GrammarCompiler:
         return err
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self._queue.close()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"grammar_compiles": self.compiles, "grammar_cache_hits": self.cache_hits,
                     "grammar_failures": self.failures,
                     "grammar_compile_seconds": self.compile_seconds,
-                    "grammar_cache_size": len(self._templates)}
+                    "grammar_cache_size": len(self._templates),
+                    "grammar_compile_queued": self._queue.queued()}
 
     # -- on the pool's threads --------------------------------------------------------------
     def _prepare(self, key: str, replays: list[list[int]]) -> list[Constraint]:

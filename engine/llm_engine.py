@@ -78,7 +78,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType,
                     params: Union[SamplingParams, Mapping[str, Any], None] = None,
                     priority: int = 0,
-                    resume: Union[ResumeState, Seq[ResumeState], None] = None) -> None:
+                    resume: Union[ResumeState, Seq[ResumeState], None] = None,
+                    owner: Optional[str] = None) -> None:
         """Queue a request. Raises InvalidRequestError / PromptTooLongError (with the numbers)
         or pydantic's ValidationError for bad sampling fields; on error nothing is changed.
 
@@ -90,6 +91,7 @@ class LLMEngine:
         if self.outputs.has(request_id) or request_id in self.core.requests:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use")
         req, text = self.checks.build(request_id, prompt, params, priority, resume)
+        req.owner = owner       # the job's producer: its grammar compile's turn (compile_queue)
         self.core.add(req)
         self.outputs.add(request_id, req.prompt_token_ids, req.params, req.resume)
         self._prompts[request_id] = (text, req.prompt_token_ids, time.time())

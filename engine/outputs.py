@@ -96,6 +96,7 @@ class CoreRequest:
     params: Any
     priority: int = 0
     resume: Optional[list[ResumeState]] = None
+    owner: Optional[str] = None         # the job's producer: whose turn its grammar compile takes
 
 
 class CoreOutput(NamedTuple):

@@ -74,11 +74,13 @@ class StructuredOutputs:
 
     # -- requests waiting for their grammar ------------------------------------------------
     def add(self, request_id: str, spec: StructuredOutputsParams,
-            seqs: list[Sequence]) -> None:
+            seqs: list[Sequence], owner: Optional[str] = None) -> None:
         """Start preparing one matcher per sequence (each replays the tokens it already has:
-        a resumed choice's). Raises GrammarError when the spec is known to fail."""
+        a resumed choice's), queued fairly among owners (the job's producer: one producer's
+        backlog cannot hold every compile thread). Raises GrammarError when the spec is known
+        to fail."""
         replays = [s.output_token_ids for s in seqs]
-        future = self.compiler.submit(spec, replays)
+        future = self.compiler.submit(spec, replays, owner)
         self.waiting[request_id] = Waiting(request_id, seqs, spec.canonical, future,
                                            time.monotonic() + self.timeout_s)
 

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from tokenrelay.protocol.keys import MAX_SHARDS
 from tokenrelay.protocol.settings import default_cluster, default_redis_url, default_shards
+from tokenrelay.protocol.wire import PRODUCER_PATTERN
 
 
 
@@ -74,6 +75,10 @@ class ClientConfig(BaseModel):
         "its worker holds this many jobs and unread affinity jobs (producer_sdk/core/affinity.py)")
     affinity_ttl_s: float = Field(default=1.0, ge=0, description="seconds the live workers read "
                                   "for affinity routing are reused")
+    producer: Optional[str] = Field(default=None, pattern=PRODUCER_PATTERN, description="the "
+                                    "producer id every job of this client carries unless its "
+                                    "submit names another: workers share their grammar "
+                                    "compile threads fairly among producers")
 
     @field_validator("cluster", mode="before")
     @classmethod

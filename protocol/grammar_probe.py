@@ -14,7 +14,8 @@ ordinary text: the lexer states those build are the ones that explode.
 What it does not catch: a constraint whose lexer grows with the answer, such as
 ``(\\w+\\s?){1,1000}`` (each of up to 1,000 words a state of its own), fails at a worker after
 tens of tokens with a real vocabulary; with this one only after about a kilobyte and seconds of
-compile, too dear for every submit. The worker's per-job compile bound ends such a job alone.
+compile, too dear for every submit. The limit ``max_regex_expansion`` catches that kind from
+the pattern alone, before this probe runs (protocol/regex_size.py).
 """
 
 from __future__ import annotations

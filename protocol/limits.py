@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field
+
+from tokenrelay.protocol.regex_size import expansion
 
 MiB = 1024 * 1024
 
@@ -66,6 +68,13 @@ class Limits(BaseModel):
                                   "constraint.")
     max_regex_chars: int = Field(default=8192, ge=1, description="Longest regex constraint (or "
                                  "JSON whitespace_pattern).")
+    # (\w+\s?){1,1000} estimates 3,000,000 and fails at a worker's lexer after about a
+    # kilobyte of answer; (\w+\s?){1,700} estimates 1,470,000 and runs (protocol/regex_size.py).
+    max_regex_expansion: int = Field(default=2_000_000, ge=1, description="Largest estimated "
+                                     "lexer size of a regex constraint, JSON whitespace_pattern "
+                                     "or schema pattern: counted repetitions multiplied out, "
+                                     "squared where the body can end two ways "
+                                     "((\\w+\\s?){1,1000} is 3,000,000).")
     max_grammar_bytes: int = Field(default=64 * 1024, ge=1, description="Largest Lark / GBNF "
                                    "grammar constraint.")
     # tools (protocol/tools.py): rendered into the prompt by the chat template, and their
@@ -198,10 +207,40 @@ def _check_structured(spec: dict, limits: Limits) -> None:
         if isinstance(value, str) and len(value) > limits.max_regex_chars:
             raise _over(f"{_SO}.{name}", f"{name} has characters", len(value),
                         limits.max_regex_chars, "max_regex_chars")
+        if isinstance(value, str):
+            _check_expansion(value, f"{_SO}.{name}", limits)
     grammar = spec.get("grammar")
     if isinstance(grammar, str) and _utf8_len(grammar) > limits.max_grammar_bytes:
         raise _over(f"{_SO}.grammar", "grammar is UTF-8 bytes", _utf8_len(grammar),
                     limits.max_grammar_bytes, "max_grammar_bytes")
+
+
+def _check_expansion(pattern: str, field: str, limits: Limits) -> None:
+    """Refuse a regex whose estimated lexer size (protocol/regex_size.py: linear in its
+    length, no compile) is over ``max_regex_expansion``: the worker's lexer would give up on
+    it partway through an answer, after holding its threads (issue #42)."""
+    size = expansion(pattern)
+    if size is not None and size > limits.max_regex_expansion:
+        raise LimitExceeded(field, (
+            f"regex expands to about {size:,} lexer states, over the limit of "
+            f"{limits.max_regex_expansion:,} (max_regex_expansion): a counted repetition whose "
+            f"body can go on or start again on the same character, like (\\w+\\s?){{1,1000}}, "
+            f"makes the lexer track every count; end the body clearly (\\w+\\s, not "
+            f"\\w+\\s?) or lower the count"))
+
+
+def _schema_patterns(schema: Any) -> Iterator[str]:
+    """Every ``pattern`` string of a schema (iteratively: depth is bounded by the limits, not
+    the interpreter's stack)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                yield node["pattern"]
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def _json_or_none(text: str, limits: Limits) -> Any:
@@ -230,6 +269,8 @@ def _check_schema(schema: Any, limits: Limits) -> None:
     if size > limits.max_schema_bytes:
         raise _over(field, "schema packs to bytes", size, limits.max_schema_bytes,
                     "max_schema_bytes")
+    for pattern in _schema_patterns(schema):
+        _check_expansion(pattern, field, limits)
 
 
 def _check_tools(tools: list, limits: Limits) -> None:

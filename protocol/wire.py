@@ -57,6 +57,11 @@ def now_ms() -> int:
 # look like "gpt-4o" or "meta-llama/Llama-3.1-8B": any visible characters.
 MODEL_NAME_PATTERN = r"^[^\s\x00-\x1f\x7f]{1,256}$"
 
+# A producer's identity (``JobRequest.producer``): the fairness unit of a worker's grammar
+# compile queue (engine/compile_queue.py). Visible characters only, so it is safe in logs.
+MAX_PRODUCER_LEN = 128
+PRODUCER_PATTERN = rf"^[^\s\x00-\x1f\x7f]{{1,{MAX_PRODUCER_LEN}}}$"
+
 # W3C Trace Context (https://www.w3.org/TR/trace-context/): version-trace id-parent id-flags.
 TRACEPARENT_PATTERN = r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
 
@@ -112,6 +117,12 @@ class JobRequest(BaseModel):
     # wrong model (a queue's workers serve one model; this holds also across a worker's
     # restart with another model). Added to v1 additively: older workers reject the field.
     model: Optional[str] = Field(default=None, pattern=MODEL_NAME_PATTERN)
+    # Who submitted the job (the gateway: its API key's fingerprint; the SDK: the client's
+    # ``producer`` or submit(producer=)): a worker shares its grammar compile threads fairly
+    # among producers, so one producer's backlog of slow constraints cannot delay another's
+    # (issue #42). Jobs without it share one anonymous producer. Added to v1 additively:
+    # older workers reject the field.
+    producer: Optional[str] = Field(default=None, pattern=PRODUCER_PATTERN)
 
     @field_validator("job_id")
     @classmethod

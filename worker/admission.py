@@ -308,7 +308,8 @@ class Admission:
         try:
             resume = resume_state(job)
             self.engine.add_request(job.job_id, prompt, job.params,
-                                    priority=job.request.priority, resume=resume)
+                                    priority=job.request.priority, resume=resume,
+                                    owner=job.request.producer)
             job.in_engine = True
         except Exception as exc:
             self._refused(job, exc, "engine refused the job unexpectedly")

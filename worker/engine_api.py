@@ -28,7 +28,8 @@ class EngineAPI(Protocol):
 
     ``add_request`` raises ``engine.errors.PromptTooLongError`` / ``InvalidRequestError`` for a
     request it refuses (the worker ends that job alone; any other exception is treated the same
-    way, as ``internal``); ``step`` runs one scheduling step and returns at most one delta per
+    way, as ``internal``); ``owner`` is the job's producer, among whom the engine shares its
+    grammar compiles fairly; ``step`` runs one scheduling step and returns at most one delta per
     running request; an exception from ``step`` means the engine may be unusable (the worker
     hands its jobs back and exits 1). ``request_ids`` on that exception, when present, names
     the requests that caused it.
@@ -40,7 +41,8 @@ class EngineAPI(Protocol):
 
     def add_request(self, request_id: str, prompt: Union[str, list[int]],
                     params: SamplingParams, priority: int = 0,
-                    resume: Optional[ResumeState] = None) -> None: ...
+                    resume: Optional[ResumeState] = None,
+                    owner: Optional[str] = None) -> None: ...
 
     def abort_request(self, request_id: str) -> bool: ...
 

@@ -177,10 +177,14 @@ class FakeEngine:
         self.num_steps = 0
         self.added: list[str] = []        # request ids in add order (tests inspect it)
         self.aborted: list[str] = []
+        self.owners: dict[str, Optional[str]] = {}    # request id -> the owner it was added with
 
     # ------------------------------------------------------------------ contract
     def add_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
-                    priority: int = 0, resume: Optional[ResumeState] = None) -> None:
+                    priority: int = 0, resume: Optional[ResumeState] = None,
+                    owner: Optional[str] = None) -> None:
+        """The contract's add_request; ``owner`` is recorded (``owners``): the fake's walks
+        compile inline, so there is no compile queue to share."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running")
@@ -202,6 +206,7 @@ class FakeEngine:
         with self._lock:
             self._requests[request_id] = req
         self.added.append(request_id)
+        self.owners[request_id] = owner
 
     @staticmethod
     def _choices(params: SamplingParams,

@@ -31,6 +31,7 @@ from tokenrelay.producer_sdk.openai.structured import from_cli, rename_error
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.shards import ShardCountMismatch, registered_shards, resolve_shards
 from tokenrelay.protocol.topology import cluster_flag
+from tokenrelay.protocol.wire import PRODUCER_PATTERN
 
 SERVER_DEFAULT = unset("the worker's")
 
@@ -56,8 +57,15 @@ class BatchIdOption(CliSettings):
                                     json_schema_extra=unset("batch_<hash of the input file>"))
 
 
+class ProducerOption(CliSettings):
+    producer: Optional[str] = Field(None, pattern=PRODUCER_PATTERN, description="Who submits "
+                                    "(the jobs' producer id): workers share their grammar "
+                                    "compile threads fairly among producers.",
+                                    json_schema_extra=unset("none: the anonymous producer"))
+
+
 class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption, DurableOptions,
-                    BackPressureSettings):
+                    BackPressureSettings, ProducerOption):
     """``submit``: sampling parameters the CLI passes on (unset: the server's defaults)."""
 
     model: Optional[str] = Field(None, description="The served model to ask (as the gateway's "
@@ -111,7 +119,8 @@ class SubmitOptions(ConnectionSettings, JsonOutput, WaitOption, DurableOptions,
                                    json_schema_extra=unset("none"))
 
 
-class BatchOptions(ConnectionSettings, BatchIdOption, DurableOptions, BackPressureSettings):
+class BatchOptions(ConnectionSettings, BatchIdOption, DurableOptions, BackPressureSettings,
+                   ProducerOption):
     errors: Optional[str] = Field(None, description="Errors JSONL.",
                                   json_schema_extra=unset("OUTPUT with .errors.jsonl"))
     concurrency: int = Field(256, ge=1, description="Most jobs in flight.")
@@ -241,6 +250,8 @@ def client_settings(opts: ConnectionSettings) -> dict[str, Any]:
     out: dict[str, Any] = {"cluster": cluster_flag(opts.cluster), "shards": opts.shards}
     if isinstance(opts, BackPressureSettings):
         out.update(max_queued_jobs=opts.max_queued_jobs, max_queued_tokens=opts.max_queued_tokens)
+    if isinstance(opts, ProducerOption):
+        out["producer"] = opts.producer
     if isinstance(opts, DurableOptions):
         out.update(durable=opts.durable, durable_replicas=opts.durable_replicas,
                    durable_timeout_ms=opts.durable_timeout_ms,

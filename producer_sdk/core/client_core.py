@@ -108,7 +108,8 @@ class ClientCore(ABC, Generic[R]):
         self._making = threading.Lock()
         self._closed = False
         self._builder = PayloadBuilder(Keys(namespace, queue), limits=limits,
-                                       context_tokens=cfg.context_tokens)
+                                       context_tokens=cfg.context_tokens,
+                                       producer=cfg.producer)
         self._queues = QueueBook(namespace, queue, cfg.shards, cfg.max_queued_jobs,
                                  cfg.max_queued_tokens)
         self._affinity = AffinityRouter(Keys(namespace, queue), cfg.affinity_ttl_s,

@@ -8,6 +8,7 @@ With no key configured at all, auth is off. Keys are compared in constant time.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,13 @@ class KeyFileError(ValueError):
 class ApiKey:
     key: str
     priority: Optional[int]     # None: the gateway's --default-priority
+
+    @property
+    def producer(self) -> str:
+        """The key's producer id on its jobs (``JobRequest.producer``: the unit workers share
+        grammar compiles fairly among): a fingerprint of the key, since job payloads are
+        readable by every worker and operator and must never carry the secret itself."""
+        return "key-" + hashlib.sha256(self.key.encode()).hexdigest()[:16]
 
 
 def parse_key(entry: str, where: str) -> ApiKey:

@@ -50,6 +50,9 @@ ENDPOINTS = COUNTED | {"/v1/models", "/health", "/metrics", STREAMS_URL}
 def resumes(path: str) -> bool:
     """``GET /v1/streams/<job id>``: a resumed generation, authenticated and counted as one."""
     return path.startswith(STREAMS_URL + "/")
+# The request state's key for what runs the moment the client's disconnect is read (app.py: a
+# streamed answer's feed close, which parks or cancels its job).
+ON_DISCONNECT = "on_disconnect"
 
 
 class BodyError(Exception):
@@ -104,6 +107,22 @@ class Body:
         return replay
 
 
+def noticing_disconnect(receive: Any, state: dict) -> Any:
+    """``receive`` that runs the request's ``ON_DISCONNECT`` hook in the same turn of the event
+    loop that reads the client's disconnect. Why: otherwise a streamed answer owes its job's
+    cancel only once its task has been cancelled and has unwound, a turn later, and at 2,000
+    streams on a 2-core host a turn of the gateway's loop took tens of milliseconds, an engine
+    step or two (issue #42)."""
+    async def noticing() -> dict:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            hook = state.pop(ON_DISCONNECT, None)
+            if hook is not None:
+                hook()
+        return message
+    return noticing
+
+
 class Guard:
     """See the module docstring. ``in_flight`` counts generation requests being answered (their
     bodies arrived), ``slow_bodies`` the bodies read past their grace."""
@@ -148,7 +167,7 @@ class Guard:
         if receive is None:             # the client left while sending its body
             return
         if (scope.get("method") == "POST" and path in COUNTED) or resuming:
-            await self._counted(scope, receive, send_with_id)
+            await self._counted(scope, noticing_disconnect(receive, state), send_with_id)
         else:
             await self.app(scope, receive, send_with_id)
 

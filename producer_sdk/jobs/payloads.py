@@ -207,8 +207,10 @@ class PayloadBuilder:
 
     def __init__(self, keys: Keys, job_ids: Optional[JobIds] = None,
                  limits: Limits = DEFAULT_LIMITS,
-                 context_tokens: int = DEFAULT_CONTEXT_TOKENS) -> None:
+                 context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+                 producer: Optional[str] = None) -> None:
         self.keys = keys
+        self.producer = producer                # the client's default ``producer`` field
         self.limits = limits
         self.context_tokens = context_tokens    # what a chat job without max_tokens may fill
         self.params = ParamsCache(limits=limits)
@@ -274,6 +276,8 @@ class PayloadBuilder:
                 value = deadline
             else:
                 value = get(name, default)
+                if name == "producer" and value is None:
+                    value = self.producer
             if (value is None and default is None) or (empty_default and not value):
                 continue
             if name == "messages":

@@ -33,7 +33,8 @@ def submit(self, prompt: Optional[str] = None, *,
            chat_template_kwargs: Optional[dict[str, Any]] = None,
            tools: Optional[list[dict[str, Any]]] = None,
            traceparent: Optional[str] = None, routing_key: Optional[str] = None,
-           model: Optional[str] = None, queue: Optional[str] = None, block: bool = False,
+           model: Optional[str] = None, producer: Optional[str] = None,
+           queue: Optional[str] = None, block: bool = False,
            block_timeout: Optional[float] = None, durable: Optional[bool] = None,
            **sampling: Any) -> Any:
     """Enqueue one job. Sampling fields are validated first (ValueError names a bad one).
@@ -55,7 +56,9 @@ def submit(self, prompt: Optional[str] = None, *,
     ``model`` (a served model's name, the gateway's and the batch runner's ``model``) sends
     the job to the queue live workers serve that model on (ModelNotFound, nothing sent, when
     none does); the job carries it, and a worker of another model refuses the job rather than
-    answer it. ``queue`` sends the job to another queue of the client's namespace (with
+    answer it. ``producer`` (default: the client's ``producer``) names who submits the job:
+    workers share their grammar compile threads fairly among producers, so one producer's
+    backlog of slow constraints does not delay another's. ``queue`` sends the job to another queue of the client's namespace (with
     ``model`` too: that queue, the model still checked by the worker).
     ``durable`` (default: the client's ``durable``) waits until ``durable_replicas``
     replicas acknowledged the enqueue, else raises NotDurable with the job enqueued.

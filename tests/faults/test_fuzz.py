@@ -86,6 +86,8 @@ plausible = {
                              st.text(min_size=257, max_size=300)),
     "model": st.one_of(st.sampled_from(["fake", "smollm2"]), st.text(max_size=40), st.just(""),
                        st.text(min_size=257, max_size=300)),
+    "producer": st.one_of(st.sampled_from(["team-a", "key-0123456789abcdef"]),
+                          st.text(max_size=40), st.just(""), st.text(min_size=129, max_size=160)),
     "tools": st.lists(st.fixed_dictionaries({
         "type": st.sampled_from(["function", "x"]),
         "function": st.fixed_dictionaries({"name": st.text(max_size=12),
@@ -111,7 +113,7 @@ plausible_params = {
 # Every JobRequest field but job_id and params, which job_maps draws on their own.
 JOB_FIELDS = ("v", "prompt", "messages", "prompt_token_ids", "priority", "deadline_ms", "stream",
               "metadata", "submitted_ms", "chat_template_kwargs", "traceparent", "routing_key",
-              "tools", "model")
+              "tools", "model", "producer")
 
 
 def test_every_job_field_is_fuzzed():

@@ -69,6 +69,7 @@ def hostile_jobs() -> dict[str, dict]:
         "huge": {"structured_outputs": {"json": huge}},
         "deep": {"structured_outputs": {"json": deep}},
         "regex": {"structured_outputs": {"regex": "a{1000}{1000}"}},
+        "words": {"structured_outputs": {"regex": r"(\w+\s?){1,1000}"}},   # max_regex_expansion
         "choices": {"structured_outputs": {"choice": [f"option {i}" for i in range(20_000)]}},
     }
 

@@ -353,3 +353,23 @@ def test_prompt_cache_key_routes_by_affinity_and_user_does_not(redis_server, sta
             assert [e.worker_id for e in read_events(r, KEYS, job_id)
                     if e.type == "started"] == [home], (key, turn)
     r.close()
+
+
+def test_each_keys_jobs_carry_its_fingerprint_as_producer(redis_server, start_worker,
+                                                          gateway_factory):
+    """The worker shares grammar compiles fairly among producers (#42): the gateway's jobs
+    name their API key's producer, a fingerprint that never reveals the key."""
+    fake = FakeEngine()
+    start_worker(engine=fake)
+    gw = gateway_factory(redis_server.url, api_keys=["k-alpha", "k-beta"])
+    ids = {}
+    for key in ("k-alpha", "k-beta", "k-alpha"):
+        resp = httpx.post(f"{gw.v1}/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {key}"},
+                          json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert resp.status_code == 200
+        ids.setdefault(key, []).append(resp.headers["x-job-id"])
+    owners = {key: {fake.owners[j] for j in jobs} for key, jobs in ids.items()}
+    assert all(len(o) == 1 for o in owners.values())
+    alpha, beta = owners["k-alpha"].pop(), owners["k-beta"].pop()
+    assert alpha != beta and alpha.startswith("key-") and "alpha" not in alpha

@@ -89,3 +89,24 @@ def test_logprob_shapes_from_records_and_from_ids():
     assert [t.token for t in fallback.top_logprobs] == ["token_id:9", "token_id:7"]
     assert chat_logprobs([TokenLogprob(token_id=1, token="x", logprob=float("-inf"))],
                          0)["content"][0]["logprob"] == -9999.0
+
+
+def test_a_disconnect_runs_the_requests_hook_as_it_is_read():
+    """A streamed answer owes its job's cancel in the loop turn that reads the disconnect, not
+    a turn later once its task unwound (#42); the hook runs once, and for nothing else."""
+    import asyncio
+
+    from tokenrelay.producer_sdk.gateway.guard import ON_DISCONNECT, noticing_disconnect
+
+    async def run() -> list[str]:
+        messages: asyncio.Queue = asyncio.Queue()
+        ran: list[str] = []
+        state = {ON_DISCONNECT: lambda: ran.append("cancel owed")}
+        receive = noticing_disconnect(messages.get, state)
+        for kind in ("http.request", "http.disconnect", "http.disconnect"):
+            messages.put_nowait({"type": kind})
+            assert (await receive())["type"] == kind
+            ran.append(f"read {kind}")
+        return ran
+    assert asyncio.run(run()) == ["read http.request", "cancel owed", "read http.disconnect",
+                                  "read http.disconnect"]
