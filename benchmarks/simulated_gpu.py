@@ -168,7 +168,11 @@ class WorkerUnderTest:
             env={k: v for k, v in os.environ.items() if not k.startswith("TOKENRELAY_")})
         self.r = redis.Redis.from_url(self.srv.url)
         self.rounds = 0
-        self.run([Request([97, 98, 99], 4)] * 2, timeout=300)    # start-up and warm-up
+        try:
+            self.run([Request([97, 98, 99], 4)] * 2, timeout=300)    # start-up and warm-up
+        except BaseException:
+            self.close()        # a worker that never came up must not outlive the benchmark
+            raise
 
     def run(self, work: list[Request], timeout: float = 600) -> Run:
         m0, i0, c0, k0 = self.metrics(), self.info(), self.cpu(False), self.cpu(True)
