@@ -471,3 +471,52 @@ class FaultEnv:
         self.r.close()
         if self.redis is not None:
             self.redis.kill()
+
+
+# -- child processes and the takeover story (worker, tensor-parallel, engine-process tests) --
+
+def child_pids(parent: int, module: bytes) -> list[int]:
+    """Pids of ``parent``'s children whose command line names ``module``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and module in cmdline:
+            out.append(int(entry.name))
+    return out
+
+
+def log_events(log: str, prefix: str) -> list[dict]:
+    """The JSON log lines whose event starts with ``prefix``."""
+    import json
+    out = []
+    for line in log.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("event", "").startswith(prefix):
+            out.append(rec)
+    return out
+
+
+def assert_resumed_like_offline(reports: dict, jobs: Sequence[str], offline: Sequence[Any],
+                                held: Any, survivor: str) -> list:
+    """Every job ended by length with exactly the offline engine's tokens and text, and the
+    victim's jobs were resumed by ``survivor`` (some after tokens were delivered). Returns the
+    resumed reports."""
+    for job_id, out in zip(jobs, offline):
+        rep = reports[job_id]
+        assert rep.kind == "done:length"
+        assert rep.token_ids == list(out.outputs[0].token_ids), job_id
+        assert rep.text == out.outputs[0].text, job_id
+    resumed = [r for r in reports.values() if len(r.started) > 1]
+    assert held and resumed, "the victim held nothing when it failed: the test proved nothing"
+    assert all(r.started[-1].worker_id == survivor for r in resumed)
+    assert any(r.started[-1].resumed_tokens > 0 for r in resumed)
+    return resumed

@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from tests.fault_harness import wait_for
+from tests.fault_harness import (assert_resumed_like_offline, child_pids, log_events,
+                                 wait_for)
 from tests.faults.test_tensor_parallel_worker import gone
 
 CORE_MODULE = b"tokenrelay.engine.core_process"
@@ -25,33 +26,13 @@ CORE_MODULE = b"tokenrelay.engine.core_process"
 
 def core_pid(parent: int) -> int:
     """The pid of ``parent``'s engine core process."""
-    from pathlib import Path
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and CORE_MODULE in cmdline:
-            found.append(int(entry.name))
+    found = child_pids(parent, CORE_MODULE)
     assert len(found) == 1, found
     return found[0]
 
 
 def failure_lines(log: str) -> list[dict]:
-    import json
-    out = []
-    for line in log.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("event", "").startswith("engine core process"):
-            out.append(rec)
-    return out
+    return log_events(log, "engine core process")
 
 
 FLAGS = {"max-num-seqs": 32, "dtype": "float32", "engine-process": "on"}
@@ -85,14 +66,7 @@ def test_killed_core_ends_its_worker_and_another_resumes_its_jobs_exactly_once(
     from tokenrelay.engine.llm import LLM
     from tokenrelay.engine.sampling_params import SamplingParams
     offline = LLM(model, device="cpu", dtype="float32").generate(texts, SamplingParams(**params))
-    for job_id, out in zip(jobs, offline):
-        rep = reports[job_id]
-        assert rep.kind == "done:length"
-        assert rep.token_ids == list(out.outputs[0].token_ids), job_id
-        assert rep.text == out.outputs[0].text, job_id
-    resumed = [r for r in reports.values() if len(r.started) > 1]
-    assert held and resumed, "the victim held nothing when its core died: the test proved nothing"
-    assert all(r.started[-1].worker_id == survivor for r in resumed)
+    resumed = assert_resumed_like_offline(reports, jobs, offline, held, survivor)
     print(f"\nworker exited {exit_s:.2f} s after its core was killed; "
           f"{len(resumed)} jobs resumed by {survivor}")
 

@@ -10,7 +10,6 @@ worker (also when the worker is stopped with SIGTERM to its process group and dr
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -18,24 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_harness import wait_for
+from tests.fault_harness import (assert_resumed_like_offline, child_pids, log_events,
+                                 wait_for)
 
 
 def rank_pids(parent: int) -> list[int]:
     """Pids of the tensor-parallel ranks (``python -m tokenrelay.engine.parallel.rank``) of ``parent``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == parent and b"tokenrelay.engine.parallel.rank" in cmdline:
-            out.append(int(entry.name))
-    return out
+    return child_pids(parent, b"tokenrelay.engine.parallel.rank")
 
 
 def gone(pid: int) -> bool:
@@ -48,15 +36,7 @@ def gone(pid: int) -> bool:
 
 
 def failure_lines(log: str) -> list[dict]:
-    out = []
-    for line in log.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and rec.get("event", "").startswith("tensor-parallel engine"):
-            out.append(rec)
-    return out
+    return log_events(log, "tensor-parallel engine")
 
 
 @pytest.mark.timeout(240)
@@ -90,15 +70,7 @@ def test_killed_rank_ends_its_worker_and_another_resumes_its_jobs_exactly_once(
     from tokenrelay.engine.llm import LLM
     from tokenrelay.engine.sampling_params import SamplingParams
     offline = LLM(model, device="cpu", dtype="float32").generate(texts, SamplingParams(**params))
-    for job_id, out in zip(jobs, offline):
-        rep = reports[job_id]
-        assert rep.kind == "done:length"
-        assert rep.token_ids == list(out.outputs[0].token_ids), job_id
-        assert rep.text == out.outputs[0].text, job_id
-    resumed = [r for r in reports.values() if len(r.started) > 1]
-    assert held and resumed, "the victim held nothing when its rank died: the test proved nothing"
-    assert all(r.started[-1].worker_id == survivor for r in resumed)
-    assert any(r.started[-1].resumed_tokens > 0 for r in resumed)
+    resumed = assert_resumed_like_offline(reports, jobs, offline, held, survivor)
     print(f"\nworker exited {exit_s:.2f} s after its rank 1 was killed; "
           f"{len(resumed)} jobs resumed by {survivor}")
 

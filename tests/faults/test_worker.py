@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.fault_harness import FaultEnv, wait_for
+from tests.fault_harness import FaultEnv, assert_resumed_like_offline, wait_for
 from tokenrelay.worker.fake_engine import fake_completion
 
 
@@ -63,15 +63,7 @@ def test_sigkill_mid_stream_second_worker_resumes_exactly(env, tiny_checkpoint):
         for c in out.outputs:
             assert rep.choices[c.index].token_ids == c.token_ids, (job_id, c.index)
             assert rep.choices[c.index].text == c.text, (job_id, c.index)
-    for job_id, out in zip(jobs, offline):
-        rep = reports[job_id]
-        assert rep.kind == "done:length"
-        assert rep.token_ids == list(out.outputs[0].token_ids), job_id
-        assert rep.text == out.outputs[0].text, job_id
-    resumed = [r for r in reports.values() if len(r.started) > 1]
-    assert held and resumed, "the victim held nothing when killed: the test proved nothing"
-    assert all(r.started[-1].worker_id == survivor for r in resumed)
-    assert any(r.started[-1].resumed_tokens > 0 for r in resumed)
+    assert_resumed_like_offline(reports, jobs, offline, held, survivor)
 
 
 def started_ids(env, job_ids) -> dict[str, list[str]]:
