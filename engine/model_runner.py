@@ -108,7 +108,7 @@ class ModelRunner:
 
     def _wants_compiled(self) -> bool:
         """CPU float32 without ``enforce_eager``: decode attention and Q/K norm + RoPE through
-        inductor kernels (engine/compiled_decode.py, engine/compiled_rope.py)."""
+        inductor kernels (engine/layers/compiled_decode.py, engine/layers/compiled_rope.py)."""
         return (self.device.type == "cpu" and self.config.dtype == torch.float32
                 and not self.config.enforce_eager)
 

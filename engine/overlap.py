@@ -7,7 +7,7 @@ One call of :meth:`OverlappedCore.step` (``LLMEngine.step`` with ``async_schedul
    choice's ``token_ids`` as ``PLACEHOLDER``, so sizes, block needs and output positions
    (seeds, ``min_tokens``) are those the serial engine would see;
 2. prepare N+1 on the host and launch it (:class:`DeviceLane`): an input id that is still a
-   placeholder is filled on the device from N's sampled ids (``model_runner.Placeholders``);
+   placeholder is filled on the device from N's sampled ids (``step_inputs.Placeholders``);
    N+1's own draws get placeholders at once;
 3. wait for N's sampled ids (the step's one host sync), process them (tokens replace their
    placeholders, finish rules) and return N's outputs (ids: the output processor makes the
