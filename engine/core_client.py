@@ -63,6 +63,7 @@ class EngineCoreClient:
                  on_failure: Optional[Callable[[str], None]] = None,
                  timeout_s: float = 30.0, start_timeout_s: float = 600.0,
                  wait_s: float = 0.05, threads: int = 0) -> None:
+        config.resolve()        # a missing or unsupported checkpoint says so here, at once
         if tokenizer is None:
             from tokenrelay.engine.loader import load_tokenizer
             tokenizer = load_tokenizer(config.model)

@@ -41,6 +41,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, model: Optional[Any] = None,
                  tokenizer: Optional[Any] = None,
                  on_parallel_failure: Optional[Callable[[str], None]] = None) -> None:
+        config.resolve()        # a missing or unsupported checkpoint says so before its tokenizer
         if tokenizer is None:
             from tokenrelay.engine.loader import load_tokenizer
             tokenizer = load_tokenizer(config.model)
