@@ -146,9 +146,9 @@ def floor_reader(url: str) -> "threading.Thread":
             self.stamps: list[float] = []  # each event's ts: one a step, their gaps the steps
 
         def _event(self, key: str, ev: Any, now: float) -> None:
-            if ev.type == "token":
-                self.delays += [now - ev.ts] * (len(ev.token_ids) - 1)
-                self.stamps.append(ev.ts)
+            if ev.get("type") == "token":
+                self.delays += [now - ev["ts"]] * (len(ev["token_ids"]) - 1)
+                self.stamps.append(ev["ts"])
             super()._event(key, ev, now)
     return FloorReader(url, Keys(), [JOB_ID])
 

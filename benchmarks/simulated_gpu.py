@@ -18,10 +18,13 @@ process keeps the output processing, the events and Redis). Their "alone" baseli
 engine stepping in this process without Redis.
 
 Prints token events/s of each and the ratio to its engine alone (target >= 0.95 at 10 ms x
-128 and 5 ms x 256), and where the time goes: the worker's CPU seconds (user + system,
-psutil; its engine core's process apart) and the redis-server's (``INFO cpu``) per engine step
-(tokens / sequences), flush round trips and Redis commands per step (the worker's metrics and
-``INFO stats``), and token delivery p50/p99 (from the step's end to the reader).
+128 and 5 ms x 256), and where the time goes, per engine step (tokens / sequences): the
+worker's CPU (user + system, psutil; its engine core's process apart) and, of it, the events,
+flush and accounting (the worker's ``tokenrelay_step_events_cpu_seconds``); the
+redis-server's (``INFO cpu``); the reader's (this process's, which does nothing else
+meanwhile; it decodes events as the SDK does, raw msgpack maps); flush round trips and Redis
+commands (the worker's metrics and ``INFO stats``); and token delivery p50/p99 (from the
+step's end to the reader).
 """
 
 from __future__ import annotations
@@ -69,8 +72,10 @@ class Run:
     wall: float
     steps: float
     worker_cpu: float
+    events_cpu: float       # of worker_cpu: events, flush and accounting (the writer's thread)
     core_cpu: float
     redis_cpu: float
+    reader_cpu: float
     flushes: float
     commands: float
     delays: list[float]
@@ -177,15 +182,18 @@ class WorkerUnderTest:
     def run(self, work: list[Request], timeout: float = 600) -> Run:
         m0, i0, c0, k0 = self.metrics(), self.info(), self.cpu(False), self.cpu(True)
         self.rounds += 1
+        r0 = time.process_time()        # this process does nothing but read meanwhile
         events, delays, wall = _submit_and_read(self.r, self.srv.url, Keys(),
                                                 f"r{self.rounds}", work, timeout=timeout)
+        reader = time.process_time() - r0
         m1, i1, c1, k1 = self.metrics(), self.info(), self.cpu(False), self.cpu(True)
         # Engine steps: every sequence gets one token a step (a core in its own process
         # hands the worker several steps at a time, so its step count is not the engine's).
         steps = max(1.0, events * wall / max(1, len(work)))
         # max(0, ...): a delta of two sums of rounded clock ticks can come out as -1e-17
-        return Run(events, wall, steps, max(0.0, c1 - c0) / steps, max(0.0, k1 - k0) / steps,
-                   max(0.0, i1["cpu"] - i0["cpu"]) / steps,
+        return Run(events, wall, steps, max(0.0, c1 - c0) / steps,
+                   (m1["events_cpu"] - m0["events_cpu"]) / steps, max(0.0, k1 - k0) / steps,
+                   max(0.0, i1["cpu"] - i0["cpu"]) / steps, reader / steps,
                    (m1["flushes"] - m0["flushes"]) / steps,
                    (i1["commands"] - i0["commands"]) / steps, delays)
 
@@ -206,7 +214,8 @@ class WorkerUnderTest:
 
     def metrics(self) -> dict[str, float]:
         names = {"tokenrelay_engine_step_seconds_count": "steps",
-                 "tokenrelay_step_redis_seconds_count": "flushes"}
+                 "tokenrelay_step_redis_seconds_count": "flushes",
+                 "tokenrelay_step_events_cpu_seconds_total": "events_cpu"}
         out = {v: 0.0 for v in names.values()}
         deadline = time.monotonic() + 30
         while True:
@@ -275,8 +284,11 @@ def report(s: Setting, alone: dict[str, list[float]], runs: dict[str, list[Run]]
         lines.append(
             f"  {mode:14s} through Redis {med([r.events_per_s for r in rs]):9.0f} events/s, "
             f"ratio {ratio:.3f}; per step: worker CPU {med([r.worker_cpu for r in rs]) * 1e3:.2f}"
-            f" ms ({per_seq:.1f} us/seq){core_text}, redis CPU "
-            f"{med([r.redis_cpu for r in rs]) * 1e3:.2f} ms, "
+            f" ms ({per_seq:.1f} us/seq; of which events and flush "
+            f"{med([r.events_cpu for r in rs]) * 1e3:.2f} ms, "
+            f"{med([r.events_cpu for r in rs]) * 1e6 / s.seqs:.1f} us/seq){core_text}, redis CPU "
+            f"{med([r.redis_cpu for r in rs]) * 1e3:.2f} ms, reader CPU "
+            f"{med([r.reader_cpu for r in rs]) * 1e3:.2f} ms, "
             f"{med([r.flushes for r in rs]):.2f} flush round trips, "
             f"{med([r.commands for r in rs]):.1f} redis commands; delivery p50 "
             f"{pct(delays, 0.5):.2f} ms p99 {pct(delays, 0.99):.2f} ms")

@@ -100,6 +100,10 @@ class WorkerMetrics:
                                     registry=r)
         self.engine_step = Histogram("tokenrelay_engine_step_seconds",
                                      "Duration of engine.step().", buckets=_ITL, registry=r)
+        self.events_cpu = Counter("tokenrelay_step_events_cpu_seconds",
+                                  "CPU seconds spent turning engine deltas into events, "
+                                  "flushing them to Redis and accounting the step (the "
+                                  "writer's thread when steps overlap).", registry=r)
         self.structured_mask = Counter("tokenrelay_structured_mask_seconds",
                                        "Time computing structured-output token masks.",
                                        registry=r)

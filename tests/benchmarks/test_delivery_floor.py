@@ -46,9 +46,7 @@ def test_the_wake_probe_times_each_ping_after_its_silence(redis_server):
 def test_the_reader_weighs_an_event_by_its_tokens():
     reader = floor.floor_reader("redis://127.0.0.1:1/0")
     key = next(iter(reader.last))
-
-    class Ev:
-        type, ts, token_ids = "token", 100.0, [5, 5, 5]
-    reader._event(key, Ev(), 100.002)
+    # an event as the reader takes it: the raw msgpack map, as the SDK reads it
+    reader._event(key, {"type": "token", "ts": 100.0, "token_ids": [5, 5, 5]}, 100.002)
     assert len(reader.delays) == 3 and reader.tokens == 3
     assert all(abs(d - 0.002) < 1e-9 for d in reader.delays)

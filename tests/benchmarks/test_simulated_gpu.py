@@ -28,8 +28,11 @@ def test_a_tiny_run_prints_every_mode_with_measured_figures(capsys, tmp_path):
         assert 0.05 < ratio < 3.0, line
         flushes = float(re.search(r"([\d.]+) flush round trips", line).group(1))
         assert flushes >= 0.5, line           # about one per step, counted by the worker
-        assert re.search(r"worker CPU [\d.]+ ms \([\d.]+ us/seq\)", line), line
-        assert re.search(r"redis CPU [\d.]+ ms", line), line
+        assert re.search(r"worker CPU [\d.]+ ms \([\d.]+ us/seq; of which events and flush "
+                         r"[\d.]+ ms, [\d.]+ us/seq\)", line), line
+        events = float(re.search(r"events and flush ([\d.]+) ms", line).group(1))
+        assert events > 0, line               # the worker's metric counts every flush
+        assert re.search(r"redis CPU [\d.]+ ms, reader CPU [\d.]+ ms", line), line
         assert re.search(r"p99 [\d.]+ ms", line), line
     assert "load average:" in out
 
