@@ -232,12 +232,14 @@ class OverlappedCore:
             return None
         dst: list[int] = []
         src: list[int] = []
+        row_of = prev.row_of
         offset = 0
         for s, n in zip(out.seqs, out.num_new_tokens):
-            if s.token_ids[-1] == PLACEHOLDER and s.num_computed_tokens + n == s.num_tokens:
-                dst.append(offset + n - 1)
-                src.append(prev.row_of[id(s)])
             offset += n
+            toks = s.token_ids
+            if toks[-1] == PLACEHOLDER and s.num_computed_tokens + n == len(toks):
+                dst.append(offset - 1)
+                src.append(row_of[id(s)])
         if not dst:
             return None
         return torch.tensor(dst, dtype=torch.int64), torch.tensor(src, dtype=torch.int64)

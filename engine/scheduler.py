@@ -178,14 +178,31 @@ class Scheduler:
         preempted: list[Sequence] = []
 
         live = [s for s in self.running if s not in hold] if hold else self.running
-        decodes = [s for s in live if s.num_uncomputed_tokens == 1]
-        chunks = [s for s in live if s.num_uncomputed_tokens > 1]
+        decodes: list[Sequence] = []
+        chunks: list[Sequence] = []
+        for s in live:
+            left = len(s.token_ids) - s.num_computed_tokens
+            if left == 1:
+                decodes.append(s)
+            elif left > 1:
+                chunks.append(s)
+        num_decodes = len(decodes)
+        bs, refs = bm.block_size, bm.ref_counts
         done_groups: set[int] = set()
-        for seq in decodes + chunks:
+        for k, seq in enumerate(decodes + chunks):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if k < num_decodes and seq.group.beam is None:
+                # The steady state, inline: a decode whose next slot is in a block it alone
+                # holds takes one token and allocates nothing (what the general path below
+                # decides for it, without its calls: this runs for every sequence, every step).
+                c, table = seq.num_computed_tokens, seq.block_table
+                if c < len(table) * bs and not (c % bs and refs[table[c // bs]] > 1):
+                    scheduled[seq] = 1
+                    budget -= 1
+                    continue
             if seq.group.lockstep and seq.num_uncomputed_tokens == 1:
                 if id(seq.group) not in done_groups:
                     done_groups.add(id(seq.group))
@@ -319,11 +336,13 @@ class Scheduler:
         the scheduled tokens now have KV; publish full blocks. A sequence that ended in the
         meantime is skipped: its blocks are already freed."""
         bm = self.block_manager
+        bs, caching = bm.block_size, bm.enable_prefix_caching
         for seq, n in zip(out.seqs, out.num_new_tokens):
             if seq.status is SequenceStatus.FINISHED:
                 continue
             seq.num_computed_tokens += n
-            bm.cache_full_blocks(seq)
+            if caching and seq.num_computed_tokens // bs > seq.num_cached_blocks:
+                bm.cache_full_blocks(seq)       # a block filled up (most steps: none)
         self._record_peaks()
 
     # -- statistics ------------------------------------------------------------------------
