@@ -226,6 +226,7 @@ class EngineCoreClient:
     def _receive(self, deltas: list[RequestDelta], wait: float) -> bool:
         """Process every message waiting (up to ``wait`` for the first); True if any came."""
         got = False
+        steps: list[list[CoreOutput]] = []
         try:
             while self.conn.poll(wait):
                 wait = 0.0
@@ -235,20 +236,25 @@ class EngineCoreClient:
                 if msg[0] == wire.FAILED:
                     self._stopped = True        # it exits by itself; not a death to report
                     raise EngineCoreError(f"engine core step failed: {msg[1]}", msg[2])
-                self._on_outputs(wire.unpack_outputs(msg[1]), msg[2], deltas)
+                self._on_status(msg[2])
+                outs = wire.unpack_outputs(msg[1])
+                if outs:
+                    steps.append(outs)
         except (EOFError, OSError) as exc:
             self._fail(self._gone(exc))
             self._check()
+        if steps:
+            self._on_outputs(steps, deltas)
         return got
 
-    def _on_outputs(self, outs: list[CoreOutput], status: wire.Status,
-                    deltas: list[RequestDelta]) -> None:
+    def _on_status(self, status: wire.Status) -> None:
         self._status = status
         if status.stats is not None:
             self._stats = status.stats
-        if not outs:
-            return
-        done = self.outputs.process(outs)
+
+    def _on_outputs(self, steps: list[list[CoreOutput]], deltas: list[RequestDelta]) -> None:
+        """Every step that arrived, processed at once (``OutputProcessor.process_steps``)."""
+        done = self.outputs.process_steps(steps)
         for request_id, index, stop in done.stops:
             self._commands.append((wire.FINISH, request_id, index, stop))
         deltas.extend(done.deltas)

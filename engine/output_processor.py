@@ -77,6 +77,33 @@ class OutputProcessor:
                 d.replay(list(state.output_token_ids), state.output_text)
         return d
 
+    def process_steps(self, steps: list[list[CoreOutput]]) -> Processed:
+        """Several core steps' outputs at once (a core in another process that ran ahead of
+        this one). A choice whose request has no stop strings is detokenized once for all its
+        new tokens: the detokenizer's deltas join to the same text whether it takes the tokens
+        one step at a time or together, and no text can end such a choice early. So a front end
+        that fell behind pays once per choice per call, not once per step, and catches up.
+        Choices with stop strings (whose tokens after a hit must be dropped), beams, errors go
+        step by step, as ``process``."""
+        if len(steps) == 1:
+            return self.process(steps[0])
+        joined: dict[tuple[str, int], CoreOutput] = {}
+        each: list[list[CoreOutput]] = []
+        for outs in steps:
+            rest = []
+            for o in outs:
+                live = self.live.get(o.request_id)
+                if live is None or live.params.stop or o.whole or o.error is not None:
+                    rest.append(o)
+                    continue
+                key = (o.request_id, o.index)
+                before = joined.get(key)
+                joined[key] = o if before is None else join_outputs(before, o)
+            each.append(rest)
+        done = [self.process(list(joined.values()))] + [self.process(r) for r in each if r]
+        return Processed([d for p in done for d in p.deltas], [s for p in done for s in p.stops],
+                         [e for p in done for e in p.ended])
+
     def process(self, outs: list[CoreOutput]) -> Processed:
         """Detokenize one core step's outputs in one batched pass and apply stop strings.
         Outputs of requests no longer live here (aborted, or a choice a stop string ended
@@ -123,6 +150,15 @@ class OutputProcessor:
                 del self.live[o.request_id]
                 ended.append(o.request_id)
         return Processed(deltas, stops, ended)
+
+
+def join_outputs(a: CoreOutput, b: CoreOutput) -> CoreOutput:
+    """One choice's outputs of two consecutive core steps as one: the tokens and logprobs
+    joined, the rest (finish, counts) the later's."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else \
+        (a.logprobs or []) + (b.logprobs or [])
+    return b._replace(new_token_ids=a.new_token_ids + b.new_token_ids,
+                      token_logprobs=a.token_logprobs + b.token_logprobs, logprobs=logprobs)
 
 
 def _error_delta(o: CoreOutput) -> RequestDelta:
