@@ -152,18 +152,21 @@ def test_a_second_entry_reusing_a_live_job_id_is_rejected(start_worker, r):
     """Finding 4: a raw XADD reusing a running job's id was taken over by a second worker:
     the victim's stream continued on the attacker's prompt and metadata."""
     start_worker(engine=FakeEngine(step_delay=0.02), worker_id="w1")
-    start_worker(worker_id="w2")
     victim_entry = submit(r, KEYS, None, raw=raw_job("victim", "victim prompt",
-                                                     params={"max_tokens": 60, "temperature": 0},
+                                                     params={"max_tokens": 150, "temperature": 0},
                                                      metadata={"owner": "alice"}))
     wait_for(lambda: len(read_events(r, KEYS, "victim")) > 2, 10, what="victim running")
+    # The second worker starts once w1 runs the victim (started before, it could take the
+    # victim itself): the duplicate then meets a live job whichever worker reads it.
+    start_worker(worker_id="w2")
     attacker = submit(r, KEYS, None, raw=raw_job("victim", "attacker prompt",
                                                  metadata={"owner": "mallory"}))
+    assert not any(e.type == "done" for e in read_events(r, KEYS, "victim"))   # still live
     events = wait_for_terminal(r, KEYS, "victim", 20)["victim"]
     done = only_terminal(events)
     assert done.type == "done" and done.metadata == {"owner": "alice"}
     assert "".join(e.text for e in events if e.type == "token") == \
-        fake_completion("victim prompt", 60)
+        fake_completion("victim prompt", 150)
     assert [e.worker_id for e in events if e.type == "started"] == ["w1"]
     wait_for(lambda: letters(r), 10, what="the duplicate dead-lettered")
     (dead,) = letters(r)
