@@ -176,7 +176,7 @@ class Reader(threading.Thread):
         for stream, entries in streams:
             key = stream.decode()
             skip = seen.get(key, 0)
-            if skip >= len(entries):
+            if not entries or skip >= len(entries):
                 continue
             taken[key] = len(entries)
             if not self.live or self.live[-1] != key:
