@@ -2,7 +2,7 @@
 ordinary requests beside them.
 
 ``python -m benchmarks.gateway_load [--streams 2000] [--abandon 0.5] [--workers 2]
-[--ordinary 200] [--reader-wake on|off|both] [--idle 500] [--json FILE]``
+[--ordinary 200] [--reader-wake on|off|both] [--idle 500] [--resume-grace-s 0] [--json FILE]``
 
 Starts a private redis-server, ``--workers`` ``tokenrelay worker --model fake:`` processes and
 one ``tokenrelay gateway``; opens ``--streams`` streamed completions at once, of
@@ -11,7 +11,9 @@ their ``--held-tokens`` to the end; once every stream has its headers, ``--ordin
 non-streamed requests (8 tokens) go in beside the held ones at ``--ordinary-rate`` per second. Printed: answers by status (no 5xx is the target),
 time to first chunk of the held streams (and the workers' own, from enqueue), latency of the ordinary requests (p50 / p99), for
 each abandoned job the tokens generated after its client read its last chunk (a fake engine
-makes one token per job per step: the steps its cancel took), the gateway's peak RSS and its
+makes one token per job per step: the steps its cancel took; the gateway runs with ``--resume-grace-s 0`` unless told otherwise,
+since under a grace an abandoned stream is parked, not cancelled, and the figure would be the
+grace), the gateway's peak RSS and its
 peak Redis connections, Redis commands/s, the gateway's own time to first token (from the
 request's arrival, its histogram), the CPU seconds each process used (the host is shared:
 on a small one the client, gateway, workers and Redis compete for the cores). Then an idle phase: ``--idle`` streams wait in a
@@ -88,7 +90,7 @@ def start_stack(args: argparse.Namespace, wake: bool) -> Stack:
     stack.gateway = subprocess.Popen([
         sys.executable, "-m", "tokenrelay.producer_sdk.gateway", "--redis-url", server.url, "--namespace",
         NS, "--port", str(port), "--log-level", "warning", "--routes", "idle=idleq",
-        "--max-in-flight", "8192", "--reader-wake" if wake else "--no-reader-wake"], **quiet)
+        "--max-in-flight", "8192", "--resume-grace-s", str(args.resume_grace_s), "--reader-wake" if wake else "--no-reader-wake"], **quiet)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -331,6 +333,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--step-delay", type=float, default=0.02)
     p.add_argument("--idle", type=int, default=500, help="streams of the idle phase (0: none)")
     p.add_argument("--reader-wake", choices=["on", "off", "both"], default="on")
+    p.add_argument("--resume-grace-s", type=float, default=0.0,
+                   help="the gateway's; 0: an abandoned stream's job is cancelled at once")
     p.add_argument("--json", help="write the figures here too")
     args = p.parse_args(argv)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.reader_wake]

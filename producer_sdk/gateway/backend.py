@@ -19,7 +19,8 @@ from fastapi import Request
 from redis.exceptions import RedisError
 
 from tokenrelay.producer_sdk.aio import AsyncClient
-from tokenrelay.producer_sdk.core.client_core import make_async_redis
+from tokenrelay.producer_sdk.client import Client
+from tokenrelay.producer_sdk.core.client_core import make_async_redis, make_redis
 from tokenrelay.producer_sdk.config import ClientConfig
 from tokenrelay.producer_sdk.errors import RedisUnavailable
 from tokenrelay.producer_sdk.gateway.auth import KeyRing, load_keys
@@ -38,9 +39,6 @@ from tokenrelay.protocol.structured_outputs import StructuredOutputsParams
 from tokenrelay.protocol.topology import cluster_flag, detect_cluster, redact_url
 
 TIMEOUT_HEADER = "x-request-timeout"
-# The cancels' own pool: Cancels sends one pipeline at a time; the second connection replaces
-# one a restarted server closed without waiting.
-CANCEL_CONNECTIONS = 2
 WAIT_HEADER = "x-wait-for-worker"
 
 
@@ -125,7 +123,7 @@ class Gateway:
             await self.streams.close()
         if self.cancels is not None:
             await self.cancels.close()
-            await self.cancels.client.close()
+            self.cancels.client.close()
         if self.hub is not None:
             await self.hub.close()
         if self.redis is not None:
@@ -143,16 +141,16 @@ class Gateway:
         assert self._directory is not None, "Gateway.ready() not awaited"
         return self._directory
 
-    def _cancel_client(self, cluster: bool) -> AsyncClient:
-        """The client cancels are sent with, on a pool of its own (``CANCEL_CONNECTIONS``): a
+    def _cancel_client(self, cluster: bool) -> Client:
+        """The blocking client ``Cancels``' thread sends with, on connections of its own: a
         cancel must not wait for a connection behind the submits and reads of thousands of
-        streams. At 2,000 streams the shared pool's 64 connections were all taken while the
-        streams opened, and a cancel waited up to 3.6 s for one (issue #42)."""
-        config = self.config.model_copy(update={"max_connections": CANCEL_CONNECTIONS})
-        settings = config.model_dump(exclude={"queue", "namespace", "redis_url", "shards"})
-        return AsyncClient(self.s.redis_url, namespace=self.s.namespace,
-                           redis_client=make_async_redis(config, cluster), shards=self.s.shards,
-                           **settings)
+        streams (at 2,000 streams the shared pool's 64 connections were all taken while the
+        streams opened, and a cancel waited up to 3.6 s for one), nor for turns of the event
+        loop (cancels.py; issue #42)."""
+        settings = self.config.model_dump(exclude={"queue", "namespace", "redis_url", "shards"})
+        return Client(self.s.redis_url, namespace=self.s.namespace,
+                      redis_client=make_redis(self.config, cluster), shards=self.s.shards,
+                      **settings)
 
     def _new_client(self, queue: str) -> AsyncClient:
         settings = self.config.model_dump(exclude={"queue", "namespace", "redis_url", "shards"})

@@ -51,7 +51,8 @@ def resumes(path: str) -> bool:
     """``GET /v1/streams/<job id>``: a resumed generation, authenticated and counted as one."""
     return path.startswith(STREAMS_URL + "/")
 # The request state's key for what runs the moment the client's disconnect is read (app.py: a
-# streamed answer's feed close, which parks or cancels its job).
+# streamed answer's feed close, which parks or cancels its job); the gateway's own server runs
+# it sooner, from connection_lost (http.py).
 ON_DISCONNECT = "on_disconnect"
 
 

@@ -1,4 +1,5 @@
-"""The gateway's HTTP server: uvicorn, with a deadline on a request's headers.
+"""The gateway's HTTP server: uvicorn, with a deadline on a request's headers, and a request's
+disconnect hook run the moment its connection is lost.
 
 uvicorn's h11 protocol waits for a request's headers as long as a client cares to dribble
 them (a connection that sends nothing at all stays open too): a few hundred slow clients
@@ -6,6 +7,12 @@ them (a connection that sends nothing at all stays open too): a few hundred slow
 connection whose request headers are not complete ``header_timeout_s`` after it opened, or
 after the first byte of its next request; slow bodies are the ASGI guard's
 (``producer_sdk/gateway/guard.py``).
+
+A streamed answer's ``ON_DISCONNECT`` hook (guard.py: its feed's close, which cancels or parks
+its job) runs in ``connection_lost`` itself, not a turn of the event loop later when the
+request's task wakes to read the disconnect: at 2,000 streams on a 2-core host that turn took
+12 ms at the median and 95 ms at p99, up to 5 engine steps (issue #42). The guard's own hook
+call stays for servers other than this one; the hook is popped, so it runs once.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Any, Optional
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from tokenrelay.producer_sdk.gateway.guard import ON_DISCONNECT
 from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
 
 log = logging.getLogger("tokenrelay.producer_sdk.gateway")
@@ -41,7 +49,12 @@ class HeaderDeadline(H11Protocol):
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._disarm()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and not cycle.response_complete:
+            hook = cycle.scope.get("state", {}).pop(ON_DISCONNECT, None)
+            if hook is not None:
+                hook()
 
     def _arm(self) -> None:
         self._disarm()

@@ -367,12 +367,14 @@ async def event_stream(renderer: Renderer, feed: JobFeed, ready: list[str], firs
     client raises from). A client that leaves ends the feed (``feed.close``: its job is
     cancelled, or parked for a resume). ``superseded`` is asked after each wait (it keeps its
     own pace): a stream another connection resumed ends with a ``stream_taken_over`` error
-    event."""
+    event. The events of one wake go out as one chunk (one send, one write on the socket):
+    with 2,000 streams on a busy loop a wake carries several deltas, and a send per event was
+    CPU that made every turn of the loop, a disconnect's noticed among them, slower (#42)."""
     ided = False                    # an event with an id went out on this connection
     try:
-        for event in ready:
+        if ready:
             ided = True
-            yield event
+            yield "".join(ready)
         item: Union[list[Delta], None, object] = first
         if first is _END:
             return
@@ -380,17 +382,16 @@ async def event_stream(renderer: Renderer, feed: JobFeed, ready: list[str], firs
             if item is None:
                 yield KEEPALIVE_LINE if ided else KEEPALIVE
             else:
-                for event in renderer.deltas(item):  # type: ignore[arg-type]
+                events = renderer.deltas(item)  # type: ignore[arg-type]
+                if events:
                     ided = True
-                    yield event
+                    yield "".join(events)
             if superseded is not None and await superseded():
                 raise taken_over(feed.job.id)
             item = await feed.next(keepalive_s)
-        for event in renderer.ending():
-            yield event
+        yield "".join(renderer.ending())
     except APIError as err:
-        for event in renderer.failure(err):
-            yield event
+        yield "".join(renderer.failure(err))
     finally:
         if not feed.ended and feed.on_close is None:
             renderer.metrics.cancelled.inc()
