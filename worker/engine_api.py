@@ -104,12 +104,20 @@ def load_engine(settings: WorkerSettings) -> EngineAPI:
 
 
 def wants_core_process(settings: WorkerSettings) -> bool:
-    """``--engine-process``: auto is on beside a GPU (the step's Python and the worker's must
-    not share a GIL there) and off on a CPU, where the step's kernels hold the cores and a
-    second process only competes for them (docs/architecture.md has the figures)."""
-    if settings.engine_process != "auto":
-        return settings.engine_process == "on"
-    device = settings.device
+    """``--engine-process`` of these settings, resolved (``core_process_on``)."""
+    return core_process_on(settings.engine_process, settings.device)
+
+
+def core_process_on(choice: str, device: Optional[str]) -> bool:
+    """``--engine-process`` resolved: auto is on beside a GPU (the step's Python and the
+    worker's must not share a GIL there) and off on a CPU, where the step's kernels hold the
+    cores and a second process only competes for them (docs/architecture.md has the
+    figures). ``device`` None: CUDA when torch sees one. The worker and benchmarks.worker
+    (whose in-process baseline must run the same kind of engine) both resolve it here."""
+    if choice not in ("auto", "on", "off"):
+        raise ValueError(f"--engine-process {choice!r}: expected auto, on or off")
+    if choice != "auto":
+        return choice == "on"
     if device is None:
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
