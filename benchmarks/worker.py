@@ -237,7 +237,9 @@ class Reader(threading.Thread):
 
 
 class WorkerProcess:
-    """One ``tokenrelay worker`` on a private redis-server, warmed up, reused across rounds."""
+    """One ``tokenrelay worker`` on a private redis-server, reused across rounds; started
+    here, ready once ``warm_up`` returned (meanwhile the caller may build its own engine:
+    beside a GPU each load and graph capture takes many seconds)."""
 
     def __init__(self, model: str, args: argparse.Namespace) -> None:
         from devtools.redis_server import RedisServer, free_port
@@ -254,7 +256,10 @@ class WorkerProcess:
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.r = redis.Redis.from_url(self.srv.url)
         self.rounds = 0
-        self.run([Request([11, 12, 13, 14], 4)] * 2, timeout=600)  # warm-up (and model load)
+
+    def warm_up(self) -> None:
+        """Wait for the model load: one tiny job through Redis."""
+        self.run([Request([11, 12, 13, 14], 4)] * 2, timeout=600)
 
     def run(self, work: list[Request], timeout: float = 1800
             ) -> tuple[float, list[float], float, float]:
@@ -437,8 +442,11 @@ def measure(argv: list[str], on_round: Callable[[str], None] = print) -> Figures
     fig = Figures(engine=engine_kind(args))
     on_round(f"engine: {fig.engine}, in the worker and in-process alike")
     worker = WorkerProcess(model, args)
-    local = None if args.skip_in_process else InProcess(model, args)
+    local = None
     try:
+        if not args.skip_in_process:
+            local = InProcess(model, args)
+        worker.warm_up()
         for rnd in range(args.rounds):  # alternate, so load drift on a shared box hits both
             # Fresh token ids each round (same lengths): both engines' prefix caches outlive a
             # round, and a repeat would skip the prefill.
