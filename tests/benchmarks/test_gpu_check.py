@@ -46,8 +46,11 @@ def test_dry_run_runs_every_section_and_writes_the_report(tmp_path):
     assert report["sections"]["worker_stream"]["worker_exit"] == 0
     keep_up = report["sections"]["keep_up"]
     assert list(keep_up["rows"]) == ["bench", "1.1B"]
-    for row in keep_up["rows"].values():        # one token event per token of the workload
-        assert row["delivery_ms"]["events"] == _quick_output_tokens(row["argv"])
+    for row in keep_up["rows"].values():
+        # One token event per token in-process; a front end whose core ran ahead of it merges
+        # a choice's steps into one event (EngineCoreClient.step).
+        tokens, events = _quick_output_tokens(row["argv"]), row["delivery_ms"]["events"]
+        assert (events == tokens) if "LLMEngine" in row["engine"] else (0 < events <= tokens)
         assert 0 < row["delivery_ms"]["p50"] <= row["delivery_ms"]["p99"]
         assert row["ratio"] > 0 and row["floor_ms"]["p50"] > 0
         assert 0 < row["wake_ms"]["p50"] <= row["wake_ms"]["p99"]

@@ -231,17 +231,22 @@ def test_a_killed_front_end_takes_its_core_within_a_second(checkpoint, tmp_path)
             os.kill(core_pid, signal.SIGKILL)
 
 
-def _core_messages(client: EngineCoreClient, request_id: str) -> list[tuple[int, int]]:
-    """From now on, for each output message of the core: (the adds the core had applied when
-    it sent it, the tokens it carried for ``request_id``). A spy on the client's receive."""
+def _core_messages(monkeypatch: pytest.MonkeyPatch, request_id: str) -> list[tuple[int, int]]:
+    """From now on, for each output message the core sends this process: (the adds the core
+    had applied when it sent it, the tokens it carried for ``request_id``). A spy on the
+    wire's one decoder, so it sees every message whatever the client does with it."""
+    from tokenrelay.engine import core_wire as wire
     seen: list[tuple[int, int]] = []
-    receive = client._on_outputs
+    loads = wire.loads
 
-    def spy(outs: list, status: Any, deltas: list) -> None:
-        seen.append((status.adds_applied,
-                     sum(len(o.new_token_ids) for o in outs if o.request_id == request_id)))
-        receive(outs, status, deltas)
-    client._on_outputs = spy            # type: ignore[method-assign]
+    def spy(frame: bytes) -> tuple:
+        msg = loads(frame)
+        if msg[0] == wire.OUTPUTS:
+            outs = wire.unpack_outputs(msg[1])
+            seen.append((msg[2].adds_applied, sum(len(o.new_token_ids) for o in outs
+                                                   if o.request_id == request_id)))
+        return msg
+    monkeypatch.setattr(wire, "loads", spy)
     return seen
 
 
@@ -257,7 +262,8 @@ def _step_until(client: EngineCoreClient, done: Any, what: str) -> list[RequestD
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_an_abort_reaches_the_core_with_the_next_step_and_frees_the_request(checkpoint,
-                                                                            overlap):
+                                                                            overlap,
+                                                                            monkeypatch):
     """The bound across the boundary (EngineCoreClient's docstring): after ``abort_request``
     no delta of the request comes back; the abort leaves with the next ``step()``; the core
     applies it before its next step, so no step it runs after that carries the request
@@ -270,7 +276,7 @@ def test_an_abort_reaches_the_core_with_the_next_step_and_frees_the_request(chec
             client.add_request(rid, f"keeps streaming: {rid}", params)
         _step_until(client, lambda got: sum(len(d.new_token_ids) for d in got
                                             if d.request_id == "victim") >= 5, "5 tokens")
-        seen = _core_messages(client, "victim")
+        seen = _core_messages(monkeypatch, "victim")
         assert client.abort_request("victim")
         client.add_request("marker", "rides with the abort", SamplingParams(max_tokens=1))
         after = client.step()
