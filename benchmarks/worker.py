@@ -1,6 +1,7 @@
 """``python -m benchmarks.worker``: what does going through Redis cost?
 
-Runs one workload in-process on ``LLMEngine`` (step until done) and through Redis (a private
+Runs one workload in-process (this process steps the engine until done: ``LLMEngine``, or
+``EngineCoreClient`` with ``--engine-process`` on, the worker's kind) and through Redis (a private
 redis-server, one ``tokenrelay worker`` subprocess, all jobs submitted at once, a reader
 following every result stream), alternating for ``--rounds``. Also prints the share of wall time
 the worker spent inside ``engine.step()`` (from its metrics): on a shared, loaded machine the
@@ -83,6 +84,18 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def core_process(args: argparse.Namespace) -> bool:
+    """``--engine-process`` resolved as the worker resolves it (auto: on for CUDA)."""
+    from tokenrelay.worker.engine_api import core_process_on
+    return core_process_on(args.engine_process, args.device)
+
+
+def engine_kind(args: argparse.Namespace) -> str:
+    """Which engine both sides run, for the printed figures."""
+    return ("engine core in its own process (EngineCoreClient)" if core_process(args)
+            else "engine core in the caller's process (LLMEngine)")
+
+
 def params(req: Request) -> dict[str, Any]:
     return {"max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True}
 
@@ -91,20 +104,57 @@ def params(req: Request) -> dict[str, Any]:
 # in-process
 # ------------------------------------------------------------------------------------------
 
-def run_in_process(model: str, work: list[Request], args: argparse.Namespace
-                   ) -> tuple[float, float]:
-    """(output tok/s, output tokens per CPU-second of this process)."""
-    from tokenrelay.engine.config import EngineConfig
-    from tokenrelay.engine.llm_engine import LLMEngine
+class InProcess:
+    """The baseline: the engine stepped in a loop by this process, no Redis, built and warmed
+    up once and reused across rounds (as the worker is: on a GPU each start costs a model
+    load and graph capture). The same kind of engine the worker runs: an ``EngineCoreClient``
+    when ``--engine-process`` resolves to on, so the ratio compares like with like."""
+
+    def __init__(self, model: str, args: argparse.Namespace) -> None:
+        from tokenrelay.engine.config import EngineConfig
+        config = EngineConfig(model=model, **engine_kwargs(args))
+        if core_process(args):
+            self.engine: Any = _core_client(config, args.threads)
+        else:
+            from tokenrelay.engine.llm_engine import LLMEngine
+            self.engine = LLMEngine(config)
+        self.run([Request([11, 12, 13, 14], 4)] * 2)                    # warm-up
+
+    def run(self, work: list[Request]) -> tuple[float, float]:
+        """(output tok/s, output tokens per CPU-second of this process and its engine
+        core's, when that has a process of its own)."""
+        t0, c0 = time.perf_counter(), self.cpu_seconds()
+        tokens = _drive(self.engine, work)
+        return tokens / (time.perf_counter() - t0), tokens / (self.cpu_seconds() - c0)
+
+    def cpu_seconds(self) -> float:
+        core = getattr(self.engine, "proc", None)
+        return time.process_time() + (cpu_seconds([core.pid]) if core is not None else 0.0)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def _core_client(config: Any, threads: int) -> Any:
+    """An EngineCoreClient whose core's process runs under the worker's OpenMP settings
+    (worker/engine_api.openmp_defaults), as the worker's core does: with OpenMP's default
+    long spin the core's threads kept both cores of a 2-core host busy between steps and
+    starved this process, the front end (in-process 45-220 tok/s against 165-445 through
+    Redis, 2026-12-05)."""
+    from tokenrelay.engine.core_client import EngineCoreClient
+    from tokenrelay.worker.engine_api import openmp_defaults
+    added = {k: v for k, v in openmp_defaults().items() if k not in os.environ}
+    os.environ.update(added)                    # the core's process inherits them
+    try:
+        return EngineCoreClient(config, threads=threads)
+    finally:
+        for name in added:
+            del os.environ[name]
+
+
+def _drive(eng: Any, work: list[Request]) -> int:
     from tokenrelay.engine.sampling_params import SamplingParams
-    eng = LLMEngine(EngineConfig(model=model, **engine_kwargs(args)))
-    _drive(eng, [Request([11, 12, 13, 14], 4)] * 2, SamplingParams)  # warm-up
-    t0, c0 = time.perf_counter(), time.process_time()
-    tokens = _drive(eng, work, SamplingParams)
-    return tokens / (time.perf_counter() - t0), tokens / (time.process_time() - c0)
 
-
-def _drive(eng: Any, work: list[Request], SamplingParams: Any) -> int:
     base = f"r{time.monotonic_ns()}-"
     for i, req in enumerate(work):
         eng.add_request(base + str(i), list(req.prompt_token_ids),
@@ -203,7 +253,9 @@ class Reader(threading.Thread):
 
 
 class WorkerProcess:
-    """One ``tokenrelay worker`` on a private redis-server, warmed up, reused across rounds."""
+    """One ``tokenrelay worker`` on a private redis-server, reused across rounds; started
+    here, ready once ``warm_up`` returned (meanwhile the caller may build its own engine:
+    beside a GPU each load and graph capture takes many seconds)."""
 
     def __init__(self, model: str, args: argparse.Namespace) -> None:
         from devtools.redis_server import RedisServer, free_port
@@ -215,16 +267,20 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenrelay.worker", "--model", model, "--redis-url", self.srv.url,
              "--worker-id", "bench", "--log-level", "warning", "--metrics-port",
-             str(self.metrics_port), "--metrics-host", "127.0.0.1", *worker_flags(args)],
+             str(self.metrics_port), "--metrics-host", "127.0.0.1", *worker_flags(args),
+             "--engine-process", "on" if core_process(args) else "off"],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.r = redis.Redis.from_url(self.srv.url)
         self.rounds = 0
-        self.run([Request([11, 12, 13, 14], 4)] * 2, timeout=600)  # warm-up (and model load)
+
+    def warm_up(self) -> None:
+        """Wait for the model load: one tiny job through Redis."""
+        self.run([Request([11, 12, 13, 14], 4)] * 2, timeout=600)
 
     def run(self, work: list[Request], timeout: float = 1800
             ) -> tuple[float, list[float], float, float]:
         """(output tok/s, delivery delays, share of the wall time the worker spent in steps,
-        output tokens per CPU-second of the worker and redis-server together)."""
+        output tokens per CPU-second of the worker, its core and redis-server together)."""
         before, cpu0 = self.step_seconds(), self.cpu_seconds()
         self.rounds += 1
         # The reader thread shares this process with torch and the in-process run: keep full
@@ -240,12 +296,11 @@ class WorkerProcess:
         return tps, delays, (self.step_seconds() - before) / wall, tps * wall / cpu
 
     def cpu_seconds(self) -> float:
+        """The worker's, its engine core's (when in a process of its own) and redis-server's."""
         import psutil
-        total = 0.0
-        for pid in (self.proc.pid, self.srv.proc.pid):
-            t = psutil.Process(pid).cpu_times()
-            total += t.user + t.system
-        return total
+        pids = [self.proc.pid, self.srv.proc.pid]
+        pids += [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+        return cpu_seconds(pids)
 
     def step_seconds(self) -> float:
         import urllib.request
@@ -264,6 +319,16 @@ class WorkerProcess:
         self._log.close()
         self._tmp.cleanup()
         self.srv.stop()
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far."""
+    import psutil
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
 
 
 def stop_process(proc: subprocess.Popen, timeout: float) -> None:
@@ -319,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--num-kv-blocks", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--engine-process", choices=("auto", "on", "off"), default="auto",
+                   help="the engine core in its own process, in the worker and the "
+                   "in-process baseline alike (auto: on for CUDA, as the worker's default)")
     p.add_argument("--skip-in-process", action="store_true")
     p.add_argument("--rounds", type=int, default=1, help="alternate in-process and Redis runs")
     p.add_argument("--no-floor", action="store_true", help="skip the delivery floor "
@@ -351,6 +419,7 @@ class Figures:
     in_step: list[float] = field(default_factory=list)
     delays: list[float] = field(default_factory=list)
     floor: Optional["Floor"] = None
+    engine: str = ""            # engine_kind(): which engine both sides ran
 
     def ratio(self, per_cpu: bool = False) -> Optional[float]:
         """Median over rounds of through-Redis / in-process (wall, or per CPU-second)."""
@@ -361,7 +430,7 @@ class Figures:
 
     def summary(self) -> list[str]:
         med = statistics.median
-        lines = []
+        lines = [f"engine            : {self.engine}"] if self.engine else []
         if self.in_process:
             lines += [f"in-process engine : {med(a[0] for a in self.in_process):8.1f} output tok/s "
                       f"(median)",
@@ -386,16 +455,21 @@ def measure(argv: list[str], on_round: Callable[[str], None] = print) -> Figures
     on_round(f"workload: {len(work)} requests, {sum(len(w.prompt_token_ids) for w in work)} "
              f"prompt tokens, {sum(w.max_tokens for w in work)} output tokens; model {model} on "
              f"{args.device}, {args.dtype}")
-    fig = Figures()
+    fig = Figures(engine=engine_kind(args))
+    on_round(f"engine: {fig.engine}, in the worker and in-process alike")
     worker = WorkerProcess(model, args)
+    local = None
     try:
+        if not args.skip_in_process:
+            local = InProcess(model, args)
+        worker.warm_up()
         for rnd in range(args.rounds):  # alternate, so load drift on a shared box hits both
-            # Fresh token ids each round (same lengths): the worker's prefix cache outlives a
-            # round, the in-process engine does not, and a repeat would skip the worker's prefill.
+            # Fresh token ids each round (same lengths): both engines' prefix caches outlive a
+            # round, and a repeat would skip the prefill.
             work_r = [Request([5 + (t - 5 + 7919 * rnd) % (vocab - 5) for t in w.prompt_token_ids],
                               w.max_tokens) for w in work]
-            if not args.skip_in_process:
-                fig.in_process.append(run_in_process(model, work_r, args))
+            if local is not None:
+                fig.in_process.append(local.run(work_r))
             tps, d, share, per_cpu = worker.run(work_r)
             fig.through_redis.append((tps, per_cpu))
             fig.in_step.append(share)
@@ -407,6 +481,8 @@ def measure(argv: list[str], on_round: Callable[[str], None] = print) -> Figures
                          f"{tps / a:.3f} wall, {per_cpu / a_cpu:.3f} per CPU-s")
             on_round(line + f"; worker inside engine.step {share:.1%} of the wall time")
     finally:
+        if local is not None:
+            local.close()
         worker.close()
     if not args.no_floor:
         from benchmarks.delivery_floor import measure_floor

@@ -9,8 +9,15 @@ building, its Redis writes) no longer takes the GIL from the step.
 
 ``step()`` sends the commands made since the last call (adds, aborts, the stop strings the
 previous outputs hit) as one message, then returns the deltas of every output message that
-arrived, merged to one delta per choice; it waits at most ``wait_s`` for the first. Aborts
-therefore reach the core before its next step once ``step()`` is called.
+arrived, merged to one delta per choice; it waits at most ``wait_s`` for the first.
+
+Aborts, the bound across the boundary: ``abort_request`` forgets the request here at once, so
+no delta of it comes back after the call, even from outputs the core sent before it heard
+(it runs ahead of this process and its outputs may be queued on the socket: they are dropped
+here). The abort leaves with the next ``step()``'s commands and the core applies every command
+before its next step, so it frees the request (its slot, its blocks) after at most the step
+it had in flight: within two steps of the call, counting the ``step()`` that sends it.
+tests/engine/test_core_process.py holds it to that.
 
 Failure: the core's process ending (a SIGKILL, a crash) or going silent for ``timeout_s``
 while it has work (SIGSTOP, a hang) fails the engine: ``on_failure(message)`` is called once

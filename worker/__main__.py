@@ -33,14 +33,9 @@ def main(argv: Optional[list[str]] = None,
         parser.error("--model (or TOKENRELAY_MODEL) is required")
     from tokenrelay.protocol.grammar_probe import skip_in_this_process
     skip_in_this_process()      # its engine compiles constraints with the model's tokenizer
-    # OpenMP threads that spin long after each parallel region starve the Redis flush, the
-    # server and readers on small CPU hosts (p99 token delivery 10 ms -> 5 ms on 2 cores); threads
-    # that sleep at once pay a wake-up at every barrier of the compiled CPU kernels (throughput
-    # through Redis fell to 0.86 of in-process). GNU OpenMP's short spin before sleeping
-    # (20,000 iterations, ~0.2 ms) keeps both: 0.94-0.96 of in-process, p99 1.7-3 ms (benchmarks.worker,
-    # 2 cores). Must be set before torch loads its OpenMP runtime; explicit settings win.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+    from tokenrelay.worker.engine_api import openmp_defaults
+    for name, value in openmp_defaults().items():   # before torch loads its OpenMP runtime
+        os.environ.setdefault(name, value)
     from tokenrelay.worker.logs import configure_logging, get_logger
     configure_logging(settings.log_level)
     from tokenrelay.worker.preflight import check_redis

@@ -229,3 +229,73 @@ def test_a_killed_front_end_takes_its_core_within_a_second(checkpoint, tmp_path)
         front.kill()
         if core_pid is not None and _pid_alive(core_pid):
             os.kill(core_pid, signal.SIGKILL)
+
+
+def _core_messages(monkeypatch: pytest.MonkeyPatch, request_id: str) -> list[tuple[int, int]]:
+    """From now on, for each output message the core sends this process: (the adds the core
+    had applied when it sent it, the tokens it carried for ``request_id``). A spy on the
+    wire's one decoder, so it sees every message whatever the client does with it."""
+    from tokenrelay.engine import core_wire as wire
+    seen: list[tuple[int, int]] = []
+    loads = wire.loads
+
+    def spy(frame: bytes) -> tuple:
+        msg = loads(frame)
+        if msg[0] == wire.OUTPUTS:
+            outs = wire.unpack_outputs(msg[1])
+            seen.append((msg[2].adds_applied, sum(len(o.new_token_ids) for o in outs
+                                                   if o.request_id == request_id)))
+        return msg
+    monkeypatch.setattr(wire, "loads", spy)
+    return seen
+
+
+def _step_until(client: EngineCoreClient, done: Any, what: str) -> list[RequestDelta]:
+    """Step until ``done(deltas so far)``; the deltas."""
+    got: list[RequestDelta] = []
+    deadline = time.monotonic() + 60
+    while not done(got):
+        assert time.monotonic() < deadline, f"never: {what}"
+        got += client.step()
+    return got
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_abort_reaches_the_core_with_the_next_step_and_frees_the_request(checkpoint,
+                                                                            overlap,
+                                                                            monkeypatch):
+    """The bound across the boundary (EngineCoreClient's docstring): after ``abort_request``
+    no delta of the request comes back; the abort leaves with the next ``step()``; the core
+    applies it before its next step, so no step it runs after that carries the request
+    (what it ran meanwhile is dropped here); and its blocks and capacity come back."""
+    client = EngineCoreClient(config(checkpoint, async_scheduling=overlap), threads=1)
+    try:
+        idle = client.free_capacity()
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        for rid in ("victim", "other0", "other1"):
+            client.add_request(rid, f"keeps streaming: {rid}", params)
+        _step_until(client, lambda got: sum(len(d.new_token_ids) for d in got
+                                            if d.request_id == "victim") >= 5, "5 tokens")
+        seen = _core_messages(monkeypatch, "victim")
+        assert client.abort_request("victim")
+        client.add_request("marker", "rides with the abort", SamplingParams(max_tokens=1))
+        after = client.step()
+        assert not client._commands, "the abort did not leave with the next step()"
+        marker = client._adds_sent      # the core's count of adds once it applied the abort
+        after += _step_until(client, lambda got: sum(a >= marker for a, _ in seen) >= 5,
+                             "5 core steps after the abort")
+        assert [d for d in after if d.request_id == "victim"] == []
+        late = [tokens for applied, tokens in seen if applied >= marker and tokens]
+        assert late == [], f"the core still ran the aborted request: {seen}"
+        assert not client.abort_request("victim")
+        for rid in ("other0", "other1"):
+            client.abort_request(rid)
+        _step_until(client, lambda got: client.stats()["kv_blocks_used"] == 0
+                    and not client._status.busy, "the core idle with every block free")
+        stats = client.stats()
+        assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+        # Its slot is back: at least the idle core's capacity (more once the pool's average
+        # request is known to be smaller than the scheduler's first guess).
+        assert client.free_capacity() >= idle
+    finally:
+        client.shutdown()

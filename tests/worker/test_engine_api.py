@@ -197,3 +197,18 @@ def test_beam_search_returns_every_beam_in_one_final_step(eng):
     again = [d for _ in iter(eng.has_unfinished_requests, False) for d in eng.step()
              if d.request_id == "again"]
     assert [d.new_token_ids for d in again] == [d.new_token_ids for d in beams]
+
+
+@pytest.mark.parametrize("choice, device, on", [
+    ("auto", "cuda", True), ("auto", "cuda:1", True), ("auto", "cpu", False),
+    ("on", "cpu", True), ("off", "cuda", False),
+])
+def test_engine_process_resolves_as_the_worker_and_its_benchmark_need(choice, device, on):
+    from tokenrelay.worker.engine_api import core_process_on
+    assert core_process_on(choice, device) is on
+
+
+def test_an_unknown_engine_process_choice_says_what_is_expected():
+    from tokenrelay.worker.engine_api import core_process_on
+    with pytest.raises(ValueError, match="expected auto, on or off"):
+        core_process_on("yes", "cuda")
