@@ -61,7 +61,11 @@ def test_killed_core_ends_its_worker_and_another_resumes_its_jobs_exactly_once(
     assert len(lines) == 1, workers[victim].log()[-3000:]
     assert "SIGKILL" in lines[0]["cause"], lines[0]
 
-    reports = env.wait_ended(jobs, timeout=150)
+    try:
+        reports = env.wait_ended(jobs, timeout=150)
+    except TimeoutError as exc:     # say what each worker did (it failed once in a full run)
+        raise AssertionError(f"{exc}\n--- {survivor} log:\n{workers[survivor].log()[-6000:]}"
+                             f"\n--- {victim} log:\n{workers[victim].log()[-3000:]}") from None
     env.assert_exactly_once(reports)
     from tokenrelay.engine.llm import LLM
     from tokenrelay.engine.sampling_params import SamplingParams
