@@ -20,7 +20,8 @@ it had in flight: within two steps of the call, counting the ``step()`` that sen
 tests/engine/test_core_process.py holds it to that.
 
 Failure: the core's process ending (a SIGKILL, a crash) or going silent for ``timeout_s``
-while it has work (SIGSTOP, a hang) fails the engine: ``on_failure(message)`` is called once
+while it has work (stopped by SIGSTOP, or wedged whole: a thread of the core's says it lives
+during a long step, so a slow step is never taken for a dead core) fails the engine: ``on_failure(message)`` is called once
 (the worker's exits at once, like a tensor-parallel rank's death: the jobs' leases lapse and
 other workers resume them exactly once), the core is killed, and every later call raises
 ``EngineCoreError``. A step the core itself failed raises ``EngineCoreError`` naming the
@@ -243,6 +244,8 @@ class EngineCoreClient:
                 if msg[0] == wire.FAILED:
                     self._stopped = True        # it exits by itself; not a death to report
                     raise EngineCoreError(f"engine core step failed: {msg[1]}", msg[2])
+                if msg[0] == wire.ALIVE:
+                    continue                    # a long step: the core's process runs
                 self._on_status(msg[2])
                 outs = wire.unpack_outputs(msg[1])
                 if outs:

@@ -5,7 +5,8 @@ the lifeline; SIGINT/SIGTERM ignored). It loads the model, says READY, then runs
 busy loop: take every command waiting on the socket, run one step if there is work, send
 its outputs, repeat. It never waits for the front end: the outputs of step N are on their
 way while step N+1 runs (and, with ``async_scheduling``, while step N+2 is scheduled). When
-there is no work it blocks on the socket, waking every ``ALIVE_EVERY_S`` to say it lives.
+there is no work it blocks on the socket, waking every ``ALIVE_EVERY_S`` to say it lives; during
+a step longer than that, a thread of its own says it (``_Loop.beat``).
 
 It ends when the front end says STOP, when the socket or the lifeline closes (the front
 end's process is gone: a worker SIGKILLed leaves no process holding the GPU), or when a step
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -40,12 +42,13 @@ class CoreSpec:
 class _Loop:
     """The busy loop around one EngineCore."""
 
-    def __init__(self, core: Any, conn: Connection) -> None:
+    def __init__(self, core: Any, conn: Connection, sending: threading.Lock) -> None:
         self.core = core
         self.conn = conn
         self.adds = 0
         self.last_sent = 0.0
         self.last_stats = 0.0
+        self.sending = sending              # the loop's sends, the beat's and FAILED's
 
     def apply(self, commands: list[tuple]) -> None:
         """Adds, aborts and finishes in the order the front end made them. A request the
@@ -76,8 +79,26 @@ class _Loop:
             stats, self.last_stats = self.core.stats(), now
         status = wire.Status(self.core.free_capacity(), self.adds, self.core.has_unfinished(),
                              stats)
-        self.conn.send_bytes(wire.dumps((wire.OUTPUTS, wire.pack_outputs(outs), status)))
-        self.last_sent = now
+        self._send(wire.dumps((wire.OUTPUTS, wire.pack_outputs(outs), status)))
+
+    def _send(self, frame: bytes) -> None:
+        with self.sending:
+            self.conn.send_bytes(frame)
+            self.last_sent = time.monotonic()
+
+    def beat(self) -> None:
+        """The beat thread: while the process runs, the front end hears from it at least
+        every ``ALIVE_EVERY_S``, also during a step longer than its deadline (a first compile
+        of a new shape, a long prefill on a loaded host: a healthy core was once killed as
+        hung). A stopped (SIGSTOP) or dead process stops beating, so the deadline still
+        catches it; a step that hangs while the process runs is not caught by it."""
+        try:
+            while True:
+                time.sleep(wire.ALIVE_EVERY_S / 2)
+                if time.monotonic() - self.last_sent >= wire.ALIVE_EVERY_S:
+                    self._send(wire.dumps((wire.ALIVE,)))
+        except OSError:
+            return                      # the front end is gone: the main thread exits
 
     def receive(self, timeout: float) -> bool:
         """Apply every command waiting (waiting up to ``timeout`` for the first); False when
@@ -109,6 +130,7 @@ def core_main(spec: CoreSpec, lifeline: Any, fd: int) -> NoReturn:
     """The core's life, from its spec to STOP or the end of the front end's process."""
     watch_lifeline(lifeline, "core-lifeline")
     conn = Connection(socket.socket(fileno=fd).detach())
+    sending = threading.Lock()
     step_error = False
     try:
         import torch
@@ -123,7 +145,9 @@ def core_main(spec: CoreSpec, lifeline: Any, fd: int) -> NoReturn:
             core.config, core.vocab_size, bm.num_blocks, bm.block_size, os.getpid(),
             core.free_capacity(), core.stats()))))
         step_error = True
-        _Loop(core, conn).run()
+        loop = _Loop(core, conn, sending)
+        threading.Thread(target=loop.beat, name="core-beat", daemon=True).start()
+        loop.run()
         core.shutdown()
         os._exit(0)
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -137,7 +161,8 @@ def core_main(spec: CoreSpec, lifeline: Any, fd: int) -> NoReturn:
               file=sys.stderr, flush=True)
         traceback.print_exc(file=sys.stderr)
         try:
-            conn.send_bytes(wire.dumps((wire.FAILED, message, ids)))
+            with sending:               # not inside a beat's frame
+                conn.send_bytes(wire.dumps((wire.FAILED, message, ids)))
         except OSError:
             pass
         sys.stderr.flush()

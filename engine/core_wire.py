@@ -14,6 +14,7 @@ front -> core:  (COMMANDS, [(ADD, CoreRequest) | (ABORT, id) | (FINISH, id, inde
 core -> front:  (READY, CoreInfo)                            once, after the model loaded
                 (OUTPUTS, [CoreOutput as a tuple], Status)            a step's outputs (maybe none)
                 (FAILED, message, request_ids)               a step raised; the core exits
+                (ALIVE,)                                     the process runs (a long step)
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ from tokenrelay.engine.outputs import CoreOutput
 
 
 COMMANDS, STOP, READY, OUTPUTS, FAILED = "commands", "stop", "ready", "outputs", "failed"
+ALIVE = "alive"
 ADD, ABORT, FINISH = "add", "abort", "finish"
 
 # The core's statistics ride along with its outputs at most this often.
 STATS_EVERY_S = 0.5
 # An idle or waiting core still says it is alive this often (the front end's deadline for a
-# wedged core counts from the last message).
-ALIVE_EVERY_S = 0.2
+# wedged core counts from the last message); during a long step (a first compile, a long
+# prefill) a thread of its own says it, at most this long after the last message.
+ALIVE_EVERY_S = 0.1
 
 
 @dataclass(frozen=True)

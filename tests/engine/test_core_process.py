@@ -182,6 +182,22 @@ def test_a_stopped_core_is_detected_by_the_deadline_and_killed(checkpoint):
         client.shutdown()
 
 
+def test_a_step_longer_than_the_deadline_is_not_taken_for_a_dead_core(checkpoint):
+    """A healthy core in a long step (a first compile, a long prefill on a loaded host) keeps
+    its front end's deadline: its beat thread says it lives. Without the beat, a 0.5 s step
+    under a 0.3 s deadline killed the core (as it did to workers in two full test runs)."""
+    failures: list[str] = []
+    client = EngineCoreClient(config(checkpoint, simulated_device_ms=500.0), threads=1,
+                              on_failure=failures.append, timeout_s=0.3)
+    try:
+        out = drive(client, [("slow", "a slow step", SamplingParams(
+            max_tokens=3, temperature=0.0, ignore_eos=True), None)])
+        assert out[("slow", 0)].num_output_tokens == 3
+        assert not failures and client.error is None
+    finally:
+        client.shutdown()
+
+
 def test_a_core_that_cannot_start_says_why(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(Exception):
