@@ -171,6 +171,13 @@ class BlockManager:
         i = c // self.block_size
         return i < len(seq.block_table) and self.ref_counts[seq.block_table[i]] > 1
 
+    def decode_fits(self, seq: Sequence) -> bool:
+        """Does one more token go into a slot ``seq`` already holds alone (no fresh block, no
+        copy on write)? ``num_blocks_needed(seq, 1) == 0`` in one cheap test: the scheduler
+        asks it of every decoding sequence every step."""
+        c, table, bs = seq.num_computed_tokens, seq.block_table, self.block_size
+        return c < len(table) * bs and not (c % bs and self.ref_counts[table[c // bs]] > 1)
+
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int,
                           cached_blocks: Iterable[int] = ()) -> int:
         """Free-queue blocks an ``allocate`` call would consume (fresh, copied, revived)."""

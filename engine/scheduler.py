@@ -187,22 +187,19 @@ class Scheduler:
             elif left > 1:
                 chunks.append(s)
         num_decodes = len(decodes)
-        bs, refs = bm.block_size, bm.ref_counts
         done_groups: set[int] = set()
         for k, seq in enumerate(decodes + chunks):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if k < num_decodes and seq.group.beam is None:
-                # The steady state, inline: a decode whose next slot is in a block it alone
-                # holds takes one token and allocates nothing (what the general path below
-                # decides for it, without its calls: this runs for every sequence, every step).
-                c, table = seq.num_computed_tokens, seq.block_table
-                if c < len(table) * bs and not (c % bs and refs[table[c // bs]] > 1):
-                    scheduled[seq] = 1
-                    budget -= 1
-                    continue
+            if k < num_decodes and seq.group.beam is None and bm.decode_fits(seq):
+                # The steady state in one test: a decode whose next slot it holds alone takes
+                # one token and allocates nothing, what the general path below decides for
+                # it, without its calls (this runs for every sequence, every step).
+                scheduled[seq] = 1
+                budget -= 1
+                continue
             if seq.group.lockstep and seq.num_uncomputed_tokens == 1:
                 if id(seq.group) not in done_groups:
                     done_groups.add(id(seq.group))

@@ -139,3 +139,27 @@ def test_prefix_caching_off_never_matches():
     run_prefill(bm, a)
     assert bm.match_prefix(seq(list(range(10)))) == []
     assert bm.prefix_cache_hit_rate() == 0.0
+
+
+@pytest.mark.parametrize("prompt_len", [3, 4, 5, 8, 9])
+def test_decode_fits_is_needing_no_block_for_one_more_token(prompt_len):
+    """The scheduler's steady-state test is the general rule's answer for one token: as a
+    sequence grows, when a block fills, and when a fork shares its partly filled last block."""
+    bm = BlockManager(num_blocks=32, block_size=4, enable_prefix_caching=False)
+    s = seq(list(range(prompt_len)))
+    bm.allocate(s, prompt_len)
+    s.num_computed_tokens = prompt_len - 1          # its last token decodes next
+    seen = set()
+    for _ in range(9):
+        fits = bm.decode_fits(s)
+        assert fits == (bm.num_blocks_needed(s, 1) == 0)
+        seen.add(fits)
+        if bm.num_blocks_needed(s, 1):
+            bm.allocate(s, 1)
+        s.num_computed_tokens += 1
+        s.token_ids.append(7)
+    assert seen == {True, False}
+    child = s.fork(1, seed=1)
+    bm.fork(s, child)                               # the last block is shared now
+    assert bm.decode_fits(s) == (bm.num_blocks_needed(s, 1) == 0)
+    assert bm.decode_fits(child) == (bm.num_blocks_needed(child, 1) == 0)
