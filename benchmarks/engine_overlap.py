@@ -59,7 +59,7 @@ class Result:
     tokens: int
     phases: Optional[dict[str, float]] = None   # overlapped: host ms per step by phase
     core_cpu_ms: Optional[float] = None         # process: the core's process, per step
-    lane_ms: Optional[float] = None             # overlapped: the device thread's busy time
+    lane_ms: Optional[float] = None             # overlapped: the device's busy time
 
     def line(self, s: Setting) -> str:
         core = self.core_cpu_ms
@@ -75,11 +75,11 @@ class Result:
                 f"{self.tokens} tokens)" + self._lane_text(s) + self._phase_text())
 
     def _lane_text(self, s: Setting) -> str:
-        """The device thread's busy time per step: the simulated wait plus the forward's and
-        the sampler's Python around it, which a GPU would run as device time."""
+        """The simulated device's busy time per step (its stream's clock, engine/simulated.py:
+        the step's Python runs on the host, as on a GPU); wall/busy 1.0: it never idled."""
         if self.lane_ms is None:
             return ""
-        return (f"\n             device thread busy {self.lane_ms:.2f} ms/step; "
+        return (f"\n             device busy {self.lane_ms:.2f} ms/step; "
                 f"wall/busy {self.wall_ms / self.lane_ms:.2f}")
 
     def _phase_text(self) -> str:

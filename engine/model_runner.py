@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from array import array
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -30,6 +30,9 @@ from tokenrelay.engine.parallel.partition import Partition
 from tokenrelay.engine.block_tables import BlockTables
 from tokenrelay.engine.sequence import Sequence
 from tokenrelay.engine.step_inputs import Placeholders, StepInputs
+
+if TYPE_CHECKING:
+    from tokenrelay.engine.simulated import SimulatedStream
 
 
 def _ints(values: list[int]) -> torch.Tensor:
@@ -105,6 +108,13 @@ class ModelRunner:
         self.decode_graphs = self._maybe_capture_decode_graphs()
         with torch.inference_mode():
             self._warm_up_compiled()
+
+    @property
+    def simulated_stream(self) -> Optional["SimulatedStream"]:
+        """The simulated device's stream when the model is simulated (engine/simulated.py):
+        the overlapped core launches on it as it would on a CUDA stream."""
+        from tokenrelay.engine.simulated import SimulatedDeviceModel
+        return self.model.stream if isinstance(self.model, SimulatedDeviceModel) else None
 
     def _wants_compiled(self) -> bool:
         """CPU float32 without ``enforce_eager``: decode attention and Q/K norm + RoPE through

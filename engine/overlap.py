@@ -56,6 +56,7 @@ from tokenrelay.engine.outputs import CoreOutput, StepCounters
 from tokenrelay.engine.sampler import DeviceSample, Sampler, SamplerOutput, SamplingBatch
 from tokenrelay.engine.scheduler import Scheduler, SchedulerOutput
 from tokenrelay.engine.sequence import Sequence
+from tokenrelay.engine.simulated import SimulatedStream
 from tokenrelay.engine.step_inputs import Placeholders, StepInputs
 
 PLACEHOLDER = -1        # a token drawn on the device and not yet known on the host
@@ -91,20 +92,45 @@ class _Queued:
         return self.sample
 
 
+class _Simulated:
+    """A step launched on a simulated device (engine/simulated.py): its Python ran at launch,
+    as a GPU step's does; ``result`` sleeps until the stream's clock says its device work is
+    done (the sync)."""
+
+    def __init__(self, stream: SimulatedStream, sample: Optional[DeviceSample]) -> None:
+        self.stream = stream
+        self.ready_at = stream.ready_at
+        self.sample = sample
+
+    def result(self) -> Optional[DeviceSample]:
+        self.stream.wait_until(self.ready_at)
+        return self.sample
+
+
 class DeviceLane:
     """Where launched steps run, in launch order. On CUDA the host queues the kernels and goes
-    on; on CPU (or a simulated device) one background thread runs them, the GIL released in
-    torch's kernels or the simulated wait."""
+    on; on a simulated device likewise (its stream keeps the device's clock); on CPU one
+    background thread runs them, the GIL released in torch's kernels."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, simulated: Optional[SimulatedStream] = None) -> None:
         self.cuda = device.type == "cuda"
-        self._pool = None if self.cuda else ThreadPoolExecutor(
+        self.simulated = simulated
+        self._pool = None if self.cuda or simulated is not None else ThreadPoolExecutor(
             1, thread_name_prefix="engine-device")
-        # Seconds the lane's thread spent on steps (CPU lane): on a simulated device, its
-        # "device time" is this, the wait and the Python around it that a GPU would run.
-        self.busy_s = 0.0
+        self._thread_busy_s = 0.0
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds of device work so far: the simulated stream's, or the CPU lane thread's
+        time on steps (torch's kernels and the Python around them). 0 on CUDA."""
+        if self.simulated is not None:
+            return self.simulated.busy_s
+        return self._thread_busy_s
 
     def submit(self, job: Callable[[], Optional[DeviceSample]]) -> Any:
+        if self.simulated is not None:
+            with self.simulated.deferred():
+                return _Simulated(self.simulated, job())
         if self._pool is None:
             return _Queued(job())
         return self._pool.submit(self._timed, job)
@@ -114,7 +140,7 @@ class DeviceLane:
         try:
             return job()
         finally:
-            self.busy_s += time.perf_counter() - t0
+            self._thread_busy_s += time.perf_counter() - t0
 
     def shutdown(self) -> None:
         if self._pool is not None:
@@ -158,7 +184,7 @@ class OverlappedCore:
         self.sampler = sampler
         self.rules = rules
         self.max_model_len = max_model_len
-        self.lane = DeviceLane(runner.device)
+        self.lane = DeviceLane(runner.device, simulated=runner.simulated_stream)
         self.flight: Optional[InFlight] = None
         self.counters = counters
         self.phases = PhaseClock()
