@@ -19,7 +19,9 @@ turning its ids into text, engine/core_client.py) it prefills every sequence, th
   does not add to) and per sequence per step; in ``process`` mode the core's process and this
   one (the output processor) each, and their sum.
 
-Figures are wall-clock on a shared host: other processes' load shows up as CPU time.
+Every mode runs under the worker's heap settings (tokenrelay/heap.py: the heap frozen once the
+engine is loaded, young collections every 10,000 allocations). Figures are wall-clock on a
+shared host: other processes' load shows up as CPU time.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 
 from tokenrelay.engine.llm_engine import LLMEngine
 from tokenrelay.engine.sampling_params import SamplingParams
+from tokenrelay.heap import serve_heap, thaw_heap
 
 MODES = ("serial", "overlapped", "process")
 
@@ -124,6 +127,7 @@ def run_mode(checkpoint: Path, s: Setting, mode: str, steps: int) -> Result:
     """Prefill ``s.seqs`` sequences, then time ``steps`` decode steps."""
     max_tokens = steps + 16
     engine = make_engine(checkpoint, s, mode, max_tokens)
+    serve_heap()                            # the worker's heap settings (tokenrelay/heap.py)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(s.seqs):
         engine.add_request(f"r{i}", [5 + (i * 13 + k) % 500 for k in range(16)], params)
@@ -146,6 +150,7 @@ def run_mode(checkpoint: Path, s: Setting, mode: str, steps: int) -> Result:
     while engine.has_unfinished_requests():
         engine.step()
     engine.shutdown()
+    thaw_heap()
     return Result(mode, wall * 1000.0 / done, cpu * 1000.0 / done, round(done), tokens, phases,
                   core * 1000.0 / done if mode == "process" else None,
                   lane * 1000.0 / done if lane is not None else None)

@@ -285,7 +285,7 @@ class WorkerProcess:
         self.rounds += 1
         # The reader thread shares this process with torch and the in-process run: keep full
         # collections of that heap out of its measurements, as the worker does for itself.
-        from tokenrelay.worker.service import freeze_heap, thaw_heap
+        from tokenrelay.heap import freeze_heap, thaw_heap
         freeze_heap()
         try:
             tps, delays, wall = _submit_and_read(self.r, self.srv.url, Keys(), f"r{self.rounds}",

@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 from tokenrelay.engine import core_wire as wire
 from tokenrelay.engine.config import EngineConfig
 from tokenrelay.engine.lifeline import child_start, watch_lifeline
+from tokenrelay.heap import serve_heap
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ def core_main(spec: CoreSpec, lifeline: Any, fd: int) -> NoReturn:
             core.config, core.vocab_size, bm.num_blocks, bm.block_size, os.getpid(),
             core.free_capacity(), core.stats()))))
         step_error = True
+        serve_heap()            # as the worker does (tokenrelay/heap.py); it ends by os._exit
         loop = _Loop(core, conn, sending)
         threading.Thread(target=loop.beat, name="core-beat", daemon=True).start()
         loop.run()

@@ -30,12 +30,12 @@ plain server) exit 78 after one clear line.
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from typing import Any, Callable, Optional
 
 from tokenrelay.engine.errors import UnsupportedModelError
+from tokenrelay.heap import serve_heap, thaw_heap
 from tokenrelay.protocol.keys import Keys
 from tokenrelay.protocol.lanes import OUTSIDE_LAYOUT, unread_lanes
 from tokenrelay.protocol.shards import ShardCountMismatch, register_shards
@@ -60,26 +60,6 @@ from tokenrelay.worker.writer import Writer
 
 EXIT_ID_IN_USE = 3
 EXIT_ENGINE_FAILED = 1
-
-
-def freeze_heap() -> None:
-    """Move every object alive now (torch, the tokenizer, the model's modules: hundreds of
-    thousands of long-lived objects) out of the garbage collector's generations.
-
-    Why: a full collection walks all of them; measured 136 ms in the bench worker, i.e. a stall
-    of every running stream whenever one landed between a step and its write. After the freeze
-    collections only look at what the loop itself allocates (events, deltas), well under 1 ms.
-    ``thaw_heap`` undoes it when the loop ends."""
-    gc.collect()
-    gc.freeze()
-
-
-def thaw_heap() -> None:
-    """Hand the frozen objects back to the collector. Frozen objects are never collected, not
-    even at interpreter exit, so without this, extension objects caught in reference cycles
-    (triton's, imported by torch's compiler) outlive their modules and nanobind prints pages of
-    "leaked instances" at exit."""
-    gc.unfreeze()
 
 
 def registered_keys(client: Any, keys: Keys, shards: Optional[int], log: Any) -> Keys:
@@ -169,7 +149,7 @@ class Worker:
             if not self._connect() or not self._claim_worker_id():
                 return self.exit_code
             self.metrics.serve(self.s.metrics_port, self.s.metrics_host)
-            freeze_heap()
+            serve_heap()
             # The freeze's full collection can take a second in a process holding a model:
             # beat again, so a worker that says it is ready has a fresh heartbeat.
             self._crew().liveness.heartbeat()

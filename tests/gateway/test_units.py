@@ -110,18 +110,3 @@ def test_a_disconnect_runs_the_requests_hook_as_it_is_read():
         return ran
     assert asyncio.run(run()) == ["read http.request", "cancel owed", "read http.disconnect",
                                   "read http.disconnect"]
-
-
-@pytest.mark.timeout(10)
-def test_the_gateway_collects_its_young_generation_less_often() -> None:
-    """``tune_gc`` (the gateway's entry point) raises only the young generation's threshold."""
-    import gc
-
-    from tokenrelay.producer_sdk.gateway.__main__ import YOUNG_GC_THRESHOLD, tune_gc
-    before = gc.get_threshold()
-    try:
-        tune_gc()
-        assert gc.get_threshold() == (YOUNG_GC_THRESHOLD, *before[1:])
-        assert YOUNG_GC_THRESHOLD > before[0]
-    finally:
-        gc.set_threshold(*before)
