@@ -141,6 +141,10 @@ def render(report: dict[str, Any]) -> str:
                                        for c in s.get("cases", [])]
         elif name == "parity":
             lines += ["[parity]"] + [f"  {x}" for x in s.get("lines", [])]
+        elif name == "gpu_busy":
+            lines += ["[gpu_busy] the host's functions by own time, ms per step (cProfile)"]
+            lines += [f"  {row}: " + ", ".join(f"{fn} {ms}" for fn, ms in r.get("host_top") or [])
+                      for row, r in s.get("rows", {}).items()]
         elif name in ("keep_up", "kernel_roofline"):
             lines += [f"[{name}]"] + [f"  {x}" for x in s.get("lines", [])]
         if "traceback" in s:

@@ -151,11 +151,31 @@ def _decode_steps(engine: Any, n: int, steps: int, device: str) -> dict[str, flo
     phases = clock.ms_per_step() if clock is not None else None
     busy = _profiled_busy(engine, steps, device)
     syncs = _sync_warnings(engine, 5, device)
+    host = _host_profile(engine, 10)
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
-    return {"ms_per_step": wall_ms, "busy": busy, "host_ms_per_step": phases, "syncs": syncs}
+    return {"ms_per_step": wall_ms, "busy": busy, "host_ms_per_step": phases, "syncs": syncs,
+            "host_top": host}
+
+
+def _host_profile(engine: Any, steps: int, top: int = 12) -> list[tuple[str, float]]:
+    """Where the host's time goes, function by function: cProfile over ``steps`` steps, the
+    ``top`` functions by their own time, in ms per step (cProfile's overhead included: read
+    them against each other). The phase clock says which phase is slow; this says why, so one
+    GPU run is enough to know what to cut in the launch and output phases."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats       # {(file, line, name): (cc, nc, tottime, cum, callers)}
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return [(f"{Path(f).name}:{line}({name})", round(1000 * v[2] / steps, 3))
+            for (f, line, name), v in rows]
 
 
 def _sync_warnings(engine: Any, steps: int, device: str) -> dict[str, Any] | None:
