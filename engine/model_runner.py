@@ -30,6 +30,7 @@ from tokenrelay.engine.parallel.partition import Partition
 from tokenrelay.engine.block_tables import BlockTables
 from tokenrelay.engine.sequence import Sequence
 from tokenrelay.engine.step_inputs import Placeholders, StepInputs
+from tokenrelay.engine.upload import upload
 
 if TYPE_CHECKING:
     from tokenrelay.engine.simulated import SimulatedStream
@@ -254,29 +255,24 @@ class ModelRunner:
 
     def _device_inputs(self, step: StepInputs, fill: Optional[Placeholders] = None
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """(input_ids, positions, meta with the step's plan, logits indices) on the device;
-        ``fill`` writes the previous step's sampled ids where the host had placeholders."""
+        """(input_ids, positions, meta with the step's plan, logits indices) on the device, in
+        one host-to-device copy (engine/upload.py); ``fill`` writes the previous step's
+        sampled ids where the host had placeholders."""
         self._check_step(step)
-        to = self._to_device
+        host = [step.slot_mapping, step.block_tables, step.seq_lens, step.context_lens,
+                step.cu_seqlens_q, step.input_ids, step.positions, step.logits_indices]
+        if fill is not None:
+            host += [fill.dst, fill.src]
+        slots, tables, seq_lens, context_lens, cu, ids, positions, last, *rows = \
+            upload(host, self.device)
         meta = self._with_plan(AttentionMetadata(
-            slot_mapping=to(step.slot_mapping), block_tables=to(step.block_tables),
-            seq_lens=to(step.seq_lens), context_lens=to(step.context_lens),
-            cu_seqlens_q=to(step.cu_seqlens_q), max_seqlen_q=step.max_seqlen_q,
+            slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
+            context_lens=context_lens, cu_seqlens_q=cu, max_seqlen_q=step.max_seqlen_q,
             max_seqlen_k=step.max_seqlen_k, is_decode=step.is_decode,
         ))
-        ids = to(step.input_ids)
         if fill is not None:
-            ids[to(fill.dst)] = fill.source[to(fill.src)]
-        return ids, to(step.positions), meta, to(step.logits_indices)
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the step's device. On CUDA through pinned memory: a copy from
-        pageable memory may make the host wait for the stream (the step in flight), which
-        would undo the overlap; a pinned one is queued and the host goes on. The caching host
-        allocator keeps the pinned block until the copy has run."""
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+            ids[rows[0]] = fill.source[rows[1]]
+        return ids, positions, meta, last
 
     @torch.inference_mode()
     def copy_blocks(self, copies: torch.Tensor) -> None:
