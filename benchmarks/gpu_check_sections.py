@@ -129,21 +129,27 @@ def kernel_roofline(plan: Plan) -> Outcome:
     the memory-bound ones, TFLOP/s against SDPA for prefill, each run once under CUDA's sync
     debug mode; the attention kernels and the memory-bound ones swept over their constants.
     Issue #38's targets: decode >= 85% of copy at batch >= 8 and <= 20 us at batch 1 (4k context), the
-    others >= 70% of copy, prefill >= 0.8x SDPA; and no launcher syncs."""
+    others >= 70% of copy, prefill >= 0.8x SDPA; and no launcher syncs. The decode sweep's
+    fused-merge rows must give the two-kernel path's bits, leave their counters at 0 and not
+    sync: a correctness check, so it fails a dry run too."""
     from benchmarks.kernel_roofline import run
 
     result = run(plan.dry, plan.device)
     rows = result["rows"]
     missed = [f"{r['kernel']} {r['case']}" for r in rows if r["met"] is False]
     synced = [f"{r['kernel']} {r['case']}" for r in rows if r["syncs"] not in ("none", "n/a")]
+    fused_bad = [f"{x['config']} {x['case']}" for x in result["sweep"] if "same_bits" in x
+                 and not (x["same_bits"] and x["counters_zero"] and x["syncs"] in ("none", "n/a"))]
     met = sum(r["met"] is True for r in rows)
     targets = sum(r["met"] is not None for r in rows)
     note = " (dry run: interpreted on CPU, not a measurement)" if plan.dry else ""
     summary = (f"copy {result['copy_gbs']:.1f} GB/s; {met} of {targets} targets met"
                + (f" (missed: {', '.join(missed)})" if missed and not plan.dry else "")
                + (f"; launchers that sync: {', '.join(synced)}" if synced else
-                  "; no launcher syncs" if not plan.dry else "") + note)
-    ok = plan.dry or (not missed and not synced)       # a dry run has no target to meet
+                  "; no launcher syncs" if not plan.dry else "")
+               + (f"; fused decode merge wrong (bits, counters or syncs): {', '.join(fused_bad)}"
+                  if fused_bad else "") + note)
+    ok = (plan.dry or (not missed and not synced)) and not fused_bad   # dry: no target to meet
     return Outcome("pass" if ok else "fail", summary, result)
 
 

@@ -24,7 +24,7 @@ FULL = dict(heads=32, kv_heads=8, head_dim=128, hidden=4096, inter=14336, page=1
             pool_blocks=160_000, decode_ctx=4096, decode_batches=(1, 8, 32, 64),
             prefill_spans=[(1024, 512), (0, 1000), (3000, 1), (200, 300)], tokens=2048)
 SMALL = dict(heads=8, kv_heads=2, head_dim=32, hidden=64, inter=48, page=16,
-             pool_blocks=24, decode_ctx=40, decode_batches=(3,),
+             pool_blocks=24, decode_ctx=100, decode_batches=(3,),
              prefill_spans=[(0, 5), (20, 7), (3, 1)], tokens=5)
 
 

@@ -37,14 +37,21 @@ PREFILL_TARGET = 0.8                               # of SDPA's TFLOP/s
 # from the default (native dots, table prefetch, 64 tokens, 4 warps, 3 stages, 4 per SM).
 # Shared memory on sm_90 (bf16, this build): n64 s3 78 KB (2 programs an SM), n64 s4 110 KB,
 # n32 s3 45 KB (5 an SM), n32 s4 61 KB (3 an SM), n128 s3 143 KB (1 an SM).
-_D1618 = dict(BLOCK_N=64, NUM_WARPS=4, NUM_STAGES=2, PREFETCH_ROWS=False, PROGRAMS_PER_SM=4)
+# "fused merge" rows merge the splits in the split kernel (FUSED_MERGE: one launch, the last
+# program of each (sequence, KV head) merges), each beside its two-kernel twin; the module's
+# default is "default, split 512, 2 per SM". They also check, on the GPU, that the fused path
+# gives the two-kernel path's bits, leaves its counters at 0 after the replays, and never syncs.
+_D1618 = dict(BLOCK_N=64, NUM_WARPS=4, NUM_STAGES=2, PREFETCH_ROWS=False, PROGRAMS_PER_SM=4,
+              FUSED_MERGE=False)
 _DDEF = dict(_D1618, NUM_STAGES=3, PREFETCH_ROWS=True)
+_DFUSED = dict(_DDEF, PROGRAMS_PER_SM=2, FUSED_MERGE=True)
 SWEEP = (
     ("1618: tf32, no prefetch, n64 w4 s2", _D1618, False, 256),
     ("native, no prefetch, n64 w4 s2", _D1618, True, 256),
     ("native, prefetch, n64 w4 s2", dict(_DDEF, NUM_STAGES=2), True, 256),
     ("default: native, prefetch, n64 w4 s3", _DDEF, True, 256),
     ("default, 2 per SM", dict(_DDEF, PROGRAMS_PER_SM=2), True, 256),
+    ("fused merge, 2 per SM", _DFUSED, True, 256),
     ("default, s4, 2 per SM", dict(_DDEF, NUM_STAGES=4, PROGRAMS_PER_SM=2), True, 256),
     ("default, w8", dict(_DDEF, NUM_WARPS=8), True, 256),
     ("default, n32", dict(_DDEF, BLOCK_N=32), True, 256),
@@ -56,9 +63,13 @@ SWEEP = (
      True, 256),
     ("default, split 512", _DDEF, True, 512),
     ("default, split 512, 2 per SM", dict(_DDEF, PROGRAMS_PER_SM=2), True, 512),
+    ("fused merge, split 512, 2 per SM", _DFUSED, True, 512),
     ("default, split 128", _DDEF, True, 128),
+    ("default, split 128, 2 per SM", dict(_DDEF, PROGRAMS_PER_SM=2), True, 128),
+    ("fused merge, split 128, 2 per SM", _DFUSED, True, 128),
 )
-DRY_SWEEP = tuple((name, consts, native, 64) for name, consts, native, _ in (SWEEP[0], SWEEP[3]))
+DRY_SWEEP = tuple((name, consts, native, 64) for name, consts, native, _ in
+                  (SWEEP[0], SWEEP[3], next(c for c in SWEEP if c[1]["FUSED_MERGE"])))
 # Prefill configs: (name, prefill_attention constants, native dots). 16:18: 128 rows x 8 warps
 # 41.3 TFLOP/s with tf32 dots, 64 x 4 39.4.
 _P1618 = dict(TILE_ROWS=128, NUM_WARPS=8, BLOCK_N=64, NUM_STAGES=2, PREFETCH_ROWS=False)
@@ -123,7 +134,8 @@ def timer(fn: Callable[[], Any], device: str) -> float:
 def graph_timer(fn: Callable[[], Any], device: str, reps: int = 50) -> float:
     """Median milliseconds of one CUDA-graph replay of ``fn`` (L2 flushed before each by a read
     of 256 MB, which leaves no dirty line to write back, outside the timed span); ``timer`` on
-    CPU."""
+    CPU. Captured on the stream it warmed up on: state a launcher keeps per stream (decode's
+    fused-merge counters) then exists before capture, so no allocation lands in the graph."""
     if device != "cuda":
         return timer(fn, device)
     flush = torch.zeros(64 << 20, dtype=torch.int32, device=device)
@@ -133,7 +145,7 @@ def graph_timer(fn: Callable[[], Any], device: str, reps: int = 50) -> float:
         fn()                                         # warm: compiled, allocator primed
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         fn()
     times = []
     for _ in range(reps):
@@ -281,9 +293,31 @@ def _timed(fn: Callable[[], Any], device: str) -> tuple[float, str]:
         return float("nan"), f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:60]}"
 
 
+def fused_checks(case, split: int, device: str) -> dict[str, Any]:
+    """For a fused-merge row, under its constants: whether its output has the two-kernel path's
+    bits (same constants otherwise), whether every ticket counter is back at 0 after the row's
+    eager calls and graph replays, and the syncs (CUDA's sync debug mode)."""
+    from tokenrelay.kernels import decode_attention as decode
+
+    def call() -> torch.Tensor:
+        return decode.paged_decode_attention(*case.args, split_tokens=split)
+
+    try:
+        syncs = syncs_of(call, device)
+        fused = call()
+        with _constants(decode, FUSED_MERGE=False):
+            two = call()
+        counters = [*decode._COUNTERS.values(), *decode._RETIRED]
+        return {"same_bits": bool(torch.equal(fused, two)),
+                "counters_zero": all(not bool(c.any()) for c in counters), "syncs": syncs}
+    except Exception as exc:  # noqa: BLE001 - reported in the row
+        return {"same_bits": False, "counters_zero": False,
+                "syncs": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:60]}"}
+
+
 def decode_sweep(cases: list, device: str, copy: float, configs: tuple) -> list[dict]:
     """Decode attention at each config (tile, warps, stages, table prefetch, dots, programs per
-    SM, split size): which constants to keep."""
+    SM, split size, fused merge): which constants to keep. Fused-merge rows add fused_checks."""
     from tokenrelay.kernels import decode_attention as decode, paged_tile
 
     out = []
@@ -292,9 +326,20 @@ def decode_sweep(cases: list, device: str, copy: float, configs: tuple) -> list[
             for case in cases:
                 ms, error = _timed(lambda: decode.paged_decode_attention(
                     *case.args, split_tokens=split), device)
-                out.append({"config": name, "case": case.label, "us": ms * 1000,
-                            "of_copy": case.nbytes / ms / 1e6 / copy, "error": error})
+                row = {"config": name, "case": case.label, "us": ms * 1000,
+                       "of_copy": case.nbytes / ms / 1e6 / copy, "error": error}
+                if consts.get("FUSED_MERGE"):
+                    row.update(fused_checks(case, split, device))
+                out.append(row)
     return out
+
+
+def _fused_note(row: dict) -> str:
+    if "same_bits" not in row:
+        return ""
+    yes = {True: "yes", False: "NO"}
+    return (f" bits = two-kernel: {yes[row['same_bits']]}; counters 0: "
+            f"{yes[row['counters_zero']]}; syncs: {row['syncs']}")
 
 
 def prefill_sweep(case, device: str, configs: tuple) -> list[dict]:
@@ -356,7 +401,7 @@ def report_lines(rows: list[Row], copy: float, notes: dict[str, str],
     lines += [r.line() for r in rows]
     lines.append("decode sweep (config; the 16:18 kernel first): us, % of copy")
     lines += [f"  {x['config'][:40]:40} {x['case'][:18]:18} {x['us']:8.1f} us "
-              f"{100 * x['of_copy']:4.0f}% {x['error']}" for x in sweep]
+              f"{100 * x['of_copy']:4.0f}% {x['error']}{_fused_note(x)}" for x in sweep]
     lines.append("prefill sweep (config; the 16:18 kernel first): us, TFLOP/s")
     lines += [f"  {p['config'][:44]:44} {p['us']:8.1f} us {p['tflops']:6.1f} TFLOP/s "
               f"{p['error']}" for p in prefill]

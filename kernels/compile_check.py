@@ -42,11 +42,12 @@ def _specs(dt: str) -> list[tuple[str, str, dict, dict]]:
          dict(ROW=1024, BLOCK_T=8, BLOCK_ROW=1024)),
         *[("tokenrelay.kernels.decode_attention", "_decode_split_kernel",
            dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                out_ptr=p, part_out_ptr="*fp32", part_lse_ptr="*fp32", qk_scale=f32, max_splits=i32,
-                q_stride_b=i32, q_stride_h=i32, bt_stride=i32, **cache),
+                out_ptr=p, part_out_ptr="*fp32", part_lse_ptr="*fp32", counters_ptr="*i32",
+                qk_scale=f32, max_splits=i32, q_stride_b=i32, q_stride_h=i32, bt_stride=i32,
+                **cache),
            dict(attn, BLOCK_G=16, SPLIT_TILES=4, DIRECT=direct, NATIVE=dt != "fp32",
-                PREFETCH_ROWS=True))
-          for direct in (True, False)],
+                PREFETCH_ROWS=True, FUSED=fused))
+          for direct, fused in ((True, False), (False, False), (False, True))],
         ("tokenrelay.kernels.decode_attention", "_decode_merge_kernel",
          dict(out_ptr=p, part_out_ptr="*fp32", part_lse_ptr="*fp32", seq_lens_ptr="*i32",
               max_splits=i32),
@@ -101,7 +102,8 @@ def compile_all(arch: int = 90, dtype: str = "bf16") -> list[tuple[str, float, d
                                   target=GPUTarget("cuda", arch, 32),
                                   options=dict(num_warps=getattr(mod, "NUM_WARPS", 4),
                                                num_stages=getattr(mod, "NUM_STAGES", 2)))
-        label = name if "DIRECT" not in constexprs else f"{name}[DIRECT={constexprs['DIRECT']}]"
+        label = name if "DIRECT" not in constexprs else (
+            f"{name}[DIRECT={constexprs['DIRECT']}, FUSED={constexprs['FUSED']}]")
         ptx = compiled.asm["ptx"]
         notes = {k: ptx.count(k) for k in ("ld.global.v4", "cp.async.cg", "mma.sync", "wgmma.mma_async")}
         notes["shared KB"] = compiled.metadata.shared // 1024   # what caps programs per SM

@@ -42,7 +42,10 @@ def test_roofline_runs_every_kernel_on_cpu_at_tiny_sizes():
     assert all(r["ms"] > 0 and r["syncs"] == "n/a" for r in result["rows"])
     assert result["sweep"] and result["prefill_sweep"] and result["pointwise_sweep"]
     assert result["notes"]["sdpa_backend"] == "default"
-    assert len({s["config"] for s in result["sweep"]}) == 2
+    assert len({s["config"] for s in result["sweep"]}) == 3
+    fused = [s for s in result["sweep"] if "same_bits" in s]
+    assert fused and all(s["config"].startswith("fused merge") for s in fused)
+    assert all(s["same_bits"] and s["counters_zero"] and s["syncs"] == "n/a" for s in fused)
     assert {s["kernel"] for s in result["pointwise_sweep"]} == {
         "store_kv", "rms_norm", "fused_add_rms_norm", "rotary"}
     assert not any(s["error"] for s in
@@ -79,8 +82,32 @@ def test_every_sweep_config_names_constants_the_kernels_have():
 
     for _, consts, _, split in SWEEP:
         assert all(hasattr(decode_attention, name) for name in consts) and split % 64 == 0
+        assert "FUSED_MERGE" in consts        # explicit: a row never follows the module default
     for _, consts, _ in PREFILL_SWEEP:
         assert all(hasattr(prefill_attention, name) for name in consts)
     modules = {"store_kv": store_kv, "norm": norm, "rotary": rotary}
     for name in POINTWISE_SWEEP:
         assert hasattr(modules[name], "ELEMS_PER_PROGRAM") and hasattr(modules[name], "NUM_WARPS")
+
+
+def test_the_dry_run_decode_case_takes_the_split_path():
+    """The dry run's decode case must span more than one 64-token split, or the sweep's
+    fused-merge row (and every split row) would only run the direct store."""
+    import torch
+
+    from benchmarks.kernel_cases import all_cases
+    from benchmarks.kernel_roofline import DRY_SWEEP
+
+    case = next(c for c in all_cases(True, torch.float32, "cpu")
+                if c.kernel == "paged_decode_attention")
+    table, page = case.args[3], case.args[1].shape[1]
+    assert {split for *_, split in DRY_SWEEP} == {64} and table.shape[1] * page > 64
+    assert int(case.args[4].max()) > 64
+
+
+def test_fused_rows_report_their_checks():
+    from benchmarks.kernel_roofline import _fused_note
+
+    assert _fused_note({"config": "default"}) == ""
+    note = _fused_note({"same_bits": True, "counters_zero": False, "syncs": "none"})
+    assert note == " bits = two-kernel: yes; counters 0: NO; syncs: none"

@@ -108,6 +108,25 @@ def test_no_launcher_reads_a_tensor_value(host_reads):
         assert host_reads.reads == [], f"{name} read values on the host: {host_reads.reads}"
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["two-kernel-merge", "fused-merge"])
+def test_decode_splits_read_no_tensor_value(host_reads, monkeypatch, fused):
+    """Decode with its context in splits (64 tokens: the case above fits one split and stores
+    directly), merged by the second kernel or in the split kernel (FUSED_MERGE), whose first
+    call allocates the ticket counters: nothing of it reads a value on the host."""
+    from tokenrelay.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "FUSED_MERGE", fused)
+    monkeypatch.setattr(decode_attention, "_COUNTERS", {})
+    monkeypatch.setattr(decode_attention, "_RETIRED", [])
+    args = dict(_every_op())["paged_decode_attention"]
+    for _ in range(2):                                  # allocates the counters, then reuses them
+        with host_reads:
+            out = kernels.paged_decode_attention(*args, num_splits=2, split_tokens=64)
+        assert host_reads.reads == [], f"decode read values on the host: {host_reads.reads}"
+    assert bool(decode_attention._COUNTERS) is fused
+    torch.testing.assert_close(out, kernels.paged_decode_attention_ref(*args))
+
+
 def test_the_debug_flag_brings_the_value_checks_back(host_reads, monkeypatch):
     """The recorder does see reads (so the test above can fail), and the flag does check."""
     monkeypatch.setattr(_validate, "DEBUG_VALUE_CHECKS", True)
