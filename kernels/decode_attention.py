@@ -260,9 +260,13 @@ def merge_counters(device: torch.device, needed: int) -> torch.Tensor:
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_splits: int, num_sms: int) -> int:
     """Programs per (sequence, KV head): enough for every SM to hold PROGRAMS_PER_SM, never more
-    than the table's capacity has splits (``max_splits``). Shapes only: no device sync."""
-    wanted = triton.cdiv(num_sms * PROGRAMS_PER_SM, max(batch * num_kv_heads, 1))
-    return int(max(1, min(wanted, max_splits)))
+    than the table's capacity has splits (``max_splits``), and none without a split of a full
+    table to take. Shapes only: no device sync."""
+    wanted = max(1, min(triton.cdiv(num_sms * PROGRAMS_PER_SM, max(batch * num_kv_heads, 1)),
+                        max_splits))
+    # Each program takes ceil(max_splits / programs) splits; as many programs as that share
+    # needs, so none is left idle (8 splits over 5 programs would be 2, 2, 2, 2 and nothing).
+    return int(triton.cdiv(max_splits, triton.cdiv(max_splits, wanted)))
 
 
 def _config(head_dim: int, split_tokens: int) -> tuple[int, int]:

@@ -178,6 +178,10 @@ def test_choose_num_splits_fills_what_the_sms_hold(monkeypatch):
     monkeypatch.setattr(decode_attention, "PROGRAMS_PER_SM", 2)
     assert choose_num_splits(64, 8, 16, 132) == 1             # 512 pairs fill 264 slots already
     assert choose_num_splits(32, 8, 16, 132) == 2
+    # batch 8 at 4k in splits of 512: 5 programs would share 8 splits as 2, 2, 2, 2 and one
+    # idle; 4 take the same shares with no idle program
+    assert choose_num_splits(8, 8, 8, 132) == 4
+    assert choose_num_splits(1, 1, 10, 3) == 5                  # not 6 (2, 2, 2, 2, 2 and none)
 
 
 # ---------------------------------------------------------------- prefill
