@@ -68,7 +68,9 @@ class DecodeGraphRunner:
                 self._forward(size)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # Captured on the warm-up stream: what a kernel keeps per stream (decode attention's
+        # merge counters, kernels/decode_attention.py) was made while warming up, not in the graph.
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
             out = self._forward(size)
         self._pool = graph.pool()
         return graph.replay, out
