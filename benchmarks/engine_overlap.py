@@ -27,6 +27,7 @@ shared host: other processes' load shows up as CPU time.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import tempfile
 import time
@@ -127,6 +128,7 @@ def run_mode(checkpoint: Path, s: Setting, mode: str, steps: int) -> Result:
     """Prefill ``s.seqs`` sequences, then time ``steps`` decode steps."""
     max_tokens = steps + 16
     engine = make_engine(checkpoint, s, mode, max_tokens)
+    thresholds = gc.get_threshold()
     serve_heap()                            # the worker's heap settings (tokenrelay/heap.py)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(s.seqs):
@@ -151,6 +153,7 @@ def run_mode(checkpoint: Path, s: Setting, mode: str, steps: int) -> Result:
         engine.step()
     engine.shutdown()
     thaw_heap()
+    gc.set_threshold(*thresholds)
     return Result(mode, wall * 1000.0 / done, cpu * 1000.0 / done, round(done), tokens, phases,
                   core * 1000.0 / done if mode == "process" else None,
                   lane * 1000.0 / done if lane is not None else None)

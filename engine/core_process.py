@@ -142,11 +142,13 @@ def core_main(spec: CoreSpec, lifeline: Any, fd: int) -> NoReturn:
         config = spec.config
         core = EngineCore(config, tokenizer=load_tokenizer(config.model))
         bm = core.block_manager
+        # As the worker does (tokenrelay/heap.py), before READY: its full collection can take
+        # a second, and the front end's deadline starts at READY. It ends by os._exit.
+        serve_heap()
         conn.send_bytes(wire.dumps((wire.READY, wire.CoreInfo(
             core.config, core.vocab_size, bm.num_blocks, bm.block_size, os.getpid(),
             core.free_capacity(), core.stats()))))
         step_error = True
-        serve_heap()            # as the worker does (tokenrelay/heap.py); it ends by os._exit
         loop = _Loop(core, conn, sending)
         threading.Thread(target=loop.beat, name="core-beat", daemon=True).start()
         loop.run()
