@@ -473,6 +473,44 @@ class FaultEnv:
             self.redis.kill()
 
 
+class RepeatedKills:
+    """A worker SIGKILLed ``after_ready_s`` after each start logged "worker ready", or at once
+    when it died by itself, and started again: the soaks' fault. ``due()`` releases the soak's
+    work in waves, one per kill, each once the new start is ready, so every wave meets a fresh
+    worker mid-stream and the kills happen however fast the host runs the jobs (on a loaded
+    host the other worker alone finished a whole soak before the third restart was ready)."""
+
+    def __init__(self, harness: "FaultEnv", worker_id: str, after_ready_s: float = 1.0,
+                 may_die: bool = False, **start: Any) -> None:
+        """``start``: ``FaultEnv.worker``'s arguments, for every start."""
+        self.env, self.worker_id, self.after_ready_s, self.start = (harness, worker_id,
+                                                                    after_ready_s, start)
+        self.may_die = may_die          # False: a worker that exits by itself fails the test
+        self.worker = harness.worker(worker_id, **start)
+        self.ready_at: Optional[float] = time.monotonic()
+        self.kills = 0
+
+    def tick(self) -> None:
+        """Kill and restart when due; note the moment a restart says it is ready."""
+        alive = self.worker.proc.poll() is None
+        assert alive or self.may_die, (f"{self.worker_id} exited by itself "
+                                       f"({self.worker.proc.returncode}):\n"
+                                       f"{self.worker.log()[-3000:]}")
+        if alive and self.ready_at is None and "worker ready" in self.worker.log():
+            self.ready_at = time.monotonic()
+        if not alive or (self.ready_at is not None
+                         and time.monotonic() > self.ready_at + self.after_ready_s):
+            self.worker.kill()                          # SIGKILL, whatever it was doing
+            self.kills += 1
+            self.worker = self.env.worker(self.worker_id, wait=False, **self.start)
+            self.ready_at = None
+
+    def due(self, wave: int) -> bool:
+        """Whether wave ``wave`` (0 first) may go in: after ``wave`` kills, with the worker
+        started since then ready."""
+        return self.kills >= wave and self.ready_at is not None
+
+
 # -- child processes and the takeover story (worker, tensor-parallel, engine-process tests) --
 
 def child_pids(parent: int, module: bytes) -> list[int]:

@@ -2,12 +2,14 @@
 
 1. From an AOF that lost the last acknowledged step (``appendfsync everysec`` and a power cut,
    simulated: the AOF directory is copied right after one step landed, the worker writes the
-   next one, Redis is SIGKILLed and restarted on the same port from the older copy). The kill
-   and restart fit inside one engine step (the fake engine sleeps ``STEP_S``), so the worker's
-   pooled connection reconnects silently and it sees no error: only the check of every write
-   (the stream's length, protocol/scripts/results.py) finds the loss. Repeated until the loss
-   happened several times: every stream exact, every later ``Client.get(id).result()`` equal to
-   the live text, ``usage.completion_tokens`` equal to the token ids.
+   next one, Redis is SIGKILLed and restarted on the same port from the older copy). Every other
+   round the worker is stopped (SIGSTOP) across the restart, as if it fit inside one engine step,
+   so its pooled connection reconnects silently and it sees no error: only the check of every
+   write (the stream's length, protocol/scripts/results.py) finds the loss; in the others it
+   may see the outage (on a loaded host the restart outlasts the fake engine's ``STEP_S``).
+   Repeated until the loss happened several times: every stream exact, every later
+   ``Client.get(id).result()`` equal to the live text, ``usage.completion_tokens`` equal to the
+   token ids.
 2. Without its data, while sampled jobs (temperature > 0, no seed) stream: the worker ends
    them without recreating anything (a fresh seed beside what readers hold would mix two
    samples); the readers, who hold the request, enqueue them again with the seed they saw.
@@ -16,10 +18,11 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
@@ -28,6 +31,8 @@ from tokenrelay.worker.fake_engine import fake_completion
 
 STEP_S = 0.3          # fake engine step: the quiet window the restart must fit in
 TOKENS = 14
+JOBS = 6              # a round's jobs, and the worker's batch: full, it keeps no blocking read
+                      # for new jobs outstanding, whose lost connection it would log
 
 
 class Reader(threading.Thread):
@@ -64,14 +69,22 @@ def next_step_landed(env: FaultEnv, job_ids: list[str], timeout: float = 10.0) -
                     interval=0.005, what="the next step's writes")
 
 
-def restore_after_kill(env: FaultEnv, snapshot: Path) -> None:
+def restore_after_kill(env: FaultEnv, snapshot: Path, frozen: Optional[Any] = None) -> None:
     """SIGKILL Redis and start it on the same port from the AOF copied before (the power cut
-    lost everything written since)."""
+    lost everything written since). ``frozen``: a worker stopped (SIGSTOP) until Redis serves
+    again, so the restart fits between two of its commands however slow the host: it sees no
+    error, only the writes' check can find the loss."""
     aof = env.redis.dir / "appendonlydir"
-    env.redis.kill()
-    shutil.rmtree(aof)
-    shutil.copytree(snapshot, aof)
-    env.redis.start()
+    if frozen is not None:
+        frozen.signal(signal.SIGSTOP)
+    try:
+        env.redis.kill()
+        shutil.rmtree(aof)
+        shutil.copytree(snapshot, aof)
+        env.redis.start()
+    finally:
+        if frozen is not None:
+            frozen.signal(signal.SIGCONT)
 
 
 REDIS_ERROR_LOGS = ("redis connection lost", "lost its connection", "redis command failed",
@@ -83,14 +96,14 @@ def test_a_restart_that_lost_the_last_step_is_found_and_resumed(tmp_path):
     env = FaultEnv(tmp_path, namespace="aofl",
                    redis_args=("--appendonly", "yes", "--appendfsync", "everysec"))
     try:
-        w = env.worker("w1", delay=STEP_S, max_num_seqs=16, lease_ms=5000)
+        w = env.worker("w1", delay=STEP_S, max_num_seqs=JOBS, lease_ms=5000)
         client = env.client()
         hits, silent, rounds = 0, 0, 0
         readers: dict[str, Reader] = {}
         prompts: dict[str, str] = {}
         while (hits < 3 or silent < 2) and rounds < 12:
             rounds += 1
-            jobs = {f"round {rounds} job {i}": None for i in range(6)}
+            jobs = {f"round {rounds} job {i}": None for i in range(JOBS)}
             for prompt in jobs:
                 job = client.submit(prompt, max_tokens=TOKENS, temperature=0)
                 prompts[job.id], readers[job.id] = prompt, Reader(job)
@@ -102,7 +115,7 @@ def test_a_restart_that_lost_the_last_step_is_found_and_resumed(tmp_path):
             shutil.copytree(env.redis.dir / "appendonlydir", snapshot)
             acked = next_step_landed(env, ids)      # a step the copy does not hold
             log_at = len(w.log())
-            restore_after_kill(env, snapshot)
+            restore_after_kill(env, snapshot, frozen=w if rounds % 2 else None)
             survived = lengths(env, ids)
             if any(survived[j] < acked[j] for j in ids):
                 hits += 1

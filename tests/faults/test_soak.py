@@ -1,7 +1,8 @@
 """Soak: 2,000 jobs through two workers while one of them is SIGKILLed and restarted every few
-seconds. Every job must end exactly once with each token once, nothing may stay pending, and
-once the (short) result TTL lapses Redis must hold no per-job key and return to its baseline
-memory: nothing leaks, whatever the kills interrupted.
+seconds; the jobs go in four waves, each after a kill once the restart is ready, so at least three
+kills land mid-stream however fast the host is. Every job must end exactly once with each token
+once, nothing may stay pending, and once the (short) result TTL lapses Redis must hold no per-job
+key and return to its baseline memory: nothing leaks, whatever the kills interrupted.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import pytest
 
 from tokenrelay.protocol.keys import EVENT_FIELD
 from tokenrelay.protocol.wire import decode_event
-from tests.fault_harness import FaultEnv, pending_summary, wait_for
+from tests.fault_harness import FaultEnv, RepeatedKills, pending_summary, wait_for
 from tokenrelay.worker.fake_engine import fake_completion
 
 N_JOBS = 2000
 MAX_TOKENS = 8
 RESULT_TTL_S = 6
 KILL_AFTER_READY_S = 1.0
+WAVES = 4             # the jobs go in four waves, the next after each kill
 
 
 class StreamFollower:
@@ -84,30 +86,29 @@ def test_soak_2000_jobs_with_a_worker_killed_every_few_seconds(env):
     flags = dict(max_num_seqs=32, result_ttl=RESULT_TTL_S, dedupe_ttl=RESULT_TTL_S,
                  max_deliveries=10, delay=0.02)
     env.worker("w1", **flags)
-    victim = env.worker("w2", **flags)
+    victim = RepeatedKills(env, "w2", after_ready_s=KILL_AFTER_READY_S, **flags)
     env.r.config_set("hz", 50)              # expire lapsed keys promptly for the memory check
     baseline = env.r.info("memory")["used_memory"]
     prompts = [f"soak {i}" for i in range(N_JOBS)]
     client = env.client(dedupe_ttl_s=RESULT_TTL_S)
     jobs = [f"s{i}" for i in range(N_JOBS)]
-    client.submit_many([{"prompt": p, "job_id": j} for p, j in zip(prompts, jobs)],
-                       max_tokens=MAX_TOKENS, temperature=0.0)
+    size = N_JOBS // WAVES
     follower = StreamFollower(env, jobs)
-    kills, ready_at = 0, time.monotonic()
-    deadline = time.monotonic() + 180
+    wave, deadline = 0, time.monotonic() + 180
     while len(follower.ended) < N_JOBS:
+        if wave < WAVES and victim.due(wave):
+            part = slice(wave * size, (wave + 1) * size)
+            client.submit_many([{"prompt": p, "job_id": j}
+                                for p, j in zip(prompts[part], jobs[part])],
+                               max_tokens=MAX_TOKENS, temperature=0.0)
+            wave += 1
         follower.poll()
-        if ready_at is None and "worker ready" in victim.log():
-            ready_at = time.monotonic()
-        if ready_at is not None and time.monotonic() > ready_at + KILL_AFTER_READY_S:
-            victim.kill()                   # SIGKILL, whatever it was doing
-            kills += 1
-            victim, ready_at = env.worker("w2", wait=False, **flags), None
+        victim.tick()
         assert time.monotonic() < deadline, (
-            f"{N_JOBS - len(follower.ended)} jobs open after {kills} kills; "
+            f"{N_JOBS - len(follower.ended)} jobs open after {victim.kills} kills; "
             f"pending {pending_summary(env.r, env.keys)[:5]}")
         time.sleep(0.2)
-    assert kills >= 3, f"the soak ended after only {kills} kills"
+    assert victim.kills >= WAVES - 1, f"the soak ended after only {victim.kills} kills"
     bad = {j: p for j, prompt in zip(jobs, prompts) if (p := follower.problems(j, prompt))}
     assert not bad, (f"{len(bad)} broken streams, e.g. {dict(list(bad.items())[:3])}; first: "
                      f"{follower.describe(next(iter(bad)))}" if bad else "")
