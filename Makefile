@@ -47,10 +47,12 @@ $(STAMP): pyproject.toml $(LOCK)
 demo: env
 	$(PY) -m demos.service
 
-# Two pytest workers, a file at a time (tests sharing a module fixture stay together): most
-# tests wait on worker and redis-server processes, so two of them fit two cores.
+# Three pytest workers, a file at a time (tests sharing a module fixture stay together): most
+# tests wait on worker and redis-server processes, so on two cores a third fills the idle time
+# (a fresh clone, 2026-12-06: 11 min 52 s with three, 14 min 35 s with two; the cores were busy
+# 67% of the run with two).
 test: env
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 3 --dist loadfile
 
 clean-env:
 	rm -rf $(VENV)
