@@ -29,7 +29,7 @@ from tokenrelay.producer_sdk.errors import JobNotFound, RedisUnavailable
 from tokenrelay.producer_sdk.gateway.access_log import AccessLog
 from tokenrelay.producer_sdk.gateway.backend import Gateway, Submitted
 from tokenrelay.producer_sdk.gateway.errors import APIError, api_error
-from tokenrelay.producer_sdk.gateway.guard import ON_DISCONNECT, Guard
+from tokenrelay.producer_sdk.gateway.guard import ON_DISCONNECT, WATCH_HANGUP, Guard
 from tokenrelay.producer_sdk.gateway.metrics import GatewayMetrics
 from tokenrelay.producer_sdk.gateway.models import ModelDirectory
 from tokenrelay.producer_sdk.gateway.responses import (Answer, JobFeed, Renderer, catch_up,
@@ -163,6 +163,9 @@ def create_app(settings: Optional[GatewaySettings] = None,
             feed = JobFeed(sub, gw.cancels, settings.retry_after_s, on_close=leaving(held))
             gw.streams.attach(held, feed)
             request.scope["state"][ON_DISCONNECT] = feed.close     # park or cancel, at once
+            watch = request.scope["state"].get(WATCH_HANGUP)
+            if watch is not None and settings.resume_grace_s <= 0:
+                watch(feed.hung_up)     # no grace: cancel the moment the kernel sees it leave
             first = await first_item(feed, settings.status_wait_s)
             return streaming(Renderer(answer, Marks(sub.job.id), metrics), feed, [], first,
                              held)

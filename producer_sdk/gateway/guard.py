@@ -54,6 +54,9 @@ def resumes(path: str) -> bool:
 # streamed answer's feed close, which parks or cancels its job); the gateway's own server runs
 # it sooner, from connection_lost (http.py).
 ON_DISCONNECT = "on_disconnect"
+# The request state's key, set by the gateway's own server (http.py), of a function that takes
+# a hook to run from another thread the moment the kernel sees the client hang up (hangups.py).
+WATCH_HANGUP = "watch_hangup"
 
 
 class BodyError(Exception):
@@ -257,5 +260,5 @@ async def send_error(send: Any, error: APIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["Guard", "Body", "send_error", "REQUEST_ID", "ENDPOINTS", "GENERATION", "TOKEN_URLS",
+__all__ = ["Guard", "Body", "send_error", "REQUEST_ID", "WATCH_HANGUP", "ENDPOINTS", "GENERATION", "TOKEN_URLS",
            "COUNTED", "AUTHENTICATED"]

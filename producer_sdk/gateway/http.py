@@ -13,17 +13,24 @@ its job) runs in ``connection_lost`` itself, not a turn of the event loop later 
 request's task wakes to read the disconnect: at 2,000 streams on a 2-core host that turn took
 12 ms at the median and 95 ms at p99, up to 5 engine steps (issue #42). The guard's own hook
 call stays for servers other than this one; the hook is popped, so it runs once.
+
+Sooner still, a stream whose job is cancelled when its client leaves hands a hook to the
+request state's ``WATCH_HANGUP``: the connection's socket is then watched by ``Hangups``
+(gateway/hangups.py), whose thread runs the hook the moment the kernel sees the peer close,
+whatever turn the loop is in. The socket is unwatched in ``connection_lost``, before asyncio
+closes it.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from tokenrelay.producer_sdk.gateway.guard import ON_DISCONNECT
+from tokenrelay.producer_sdk.gateway.guard import ON_DISCONNECT, WATCH_HANGUP
+from tokenrelay.producer_sdk.gateway.hangups import Hangups, available, socket_fd
 from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
 
 log = logging.getLogger("tokenrelay.producer_sdk.gateway")
@@ -33,9 +40,12 @@ class HeaderDeadline(H11Protocol):
     """h11 with a deadline on each request's headers (``header_timeout_s``)."""
 
     header_timeout_s = 10.0
+    hangups: Optional[Hangups] = None   # None: no hang-up watch (not Linux)
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         self._headers_timer: Optional[Any] = None
+        self._fd = socket_fd(transport)
+        self._hangup: Optional[tuple[Any, Callable[[], None]]] = None
         super().connection_made(transport)
         self._arm()
 
@@ -46,15 +56,34 @@ class HeaderDeadline(H11Protocol):
         super().data_received(data)
         if self.cycle is not before:    # a request's headers arrived whole
             self._disarm()
+            if self.cycle is not None and self.hangups is not None and self._fd is not None:
+                self.cycle.scope.setdefault("state", {})[WATCH_HANGUP] = self._watch_hangup
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._disarm()
+        if self._hangup is not None:
+            self._hangup = None
+            self.hangups.unwatch(self._fd)  # type: ignore[union-attr]  # set with _hangup
         cycle = self.cycle
         super().connection_lost(exc)
         if cycle is not None and not cycle.response_complete:
             hook = cycle.scope.get("state", {}).pop(ON_DISCONNECT, None)
             if hook is not None:
                 hook()
+
+    def _watch_hangup(self, hook: Callable[[], None]) -> None:
+        """The request being answered wants ``hook`` run, from the watcher's thread, if its
+        client hangs up before its response completes."""
+        self._hangup = (self.cycle, hook)
+        self.hangups.watch(self._fd, self._hung_up)     # type: ignore[union-attr, arg-type]
+
+    def _hung_up(self) -> None:
+        """The watcher's thread: the peer closed; run the hook of the request it was for, if
+        that request is still being answered."""
+        pending, self._hangup = self._hangup, None
+        if pending is not None and pending[0] is self.cycle and \
+                not pending[0].response_complete:
+            pending[1]()
 
     def _arm(self) -> None:
         self._disarm()
@@ -74,8 +103,10 @@ class HeaderDeadline(H11Protocol):
 
 
 def protocol(header_timeout_s: float) -> type[HeaderDeadline]:
+    """The protocol class of one server: its header deadline and its own hang-up watcher."""
+    watcher = Hangups() if available else None
     return type("HeaderDeadlineProtocol", (HeaderDeadline,),
-                {"header_timeout_s": header_timeout_s})
+                {"header_timeout_s": header_timeout_s, "hangups": watcher})
 
 
 def server_config(app: Any, settings: GatewaySettings, **overrides: Any) -> uvicorn.Config:

@@ -91,6 +91,13 @@ class JobFeed:
                 raise api_error(exc, self.retry_after_s) from None
         return None
 
+    def hung_up(self) -> None:
+        """From the hang-up watcher's thread (gateway/hangups.py): the client left a stream
+        whose job is cancelled when it does; owe that cancel now, before the loop's ``close``
+        (which owes it again: ``Cancels`` holds it once, the script is idempotent)."""
+        if not (self.ended or self.closed):
+            self.cancels.add(self.job.cancel_target)
+
     def close(self) -> None:
         """Drop the reader registration now; cancel the job unless it ended."""
         if self.closed:
