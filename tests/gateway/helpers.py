@@ -4,6 +4,7 @@ share. Every server started here is stopped at teardown, also when the test fail
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,14 +39,32 @@ class Gateway:
 
 
 def start_gateway(redis_url: str, **settings: Any) -> Gateway:
-    port = free_port()
-    s = GatewaySettings(redis_url=redis_url, port=port, **{**FAST, **settings})
-    server = uvicorn.Server(server_config(create_app(s), s, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True, name=f"gateway-{port}")
+    s = GatewaySettings(redis_url=redis_url, port=free_port(), **{**FAST, **settings})
+    return serve(create_app(s), s)
+
+
+def serve(app: Any, settings: GatewaySettings) -> Gateway:
+    """``app`` behind the gateway's own server (http.py's protocol) in a thread, on
+    ``settings.port``, once it accepts connections."""
+    server = uvicorn.Server(server_config(app, settings, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True, name=f"gateway-{settings.port}")
     thread.start()
     wait_for(lambda: server.started or not thread.is_alive(), timeout=20, what="gateway up")
     assert server.started, "gateway did not start"
-    return Gateway(f"http://127.0.0.1:{port}", server, thread)
+    return Gateway(f"http://127.0.0.1:{settings.port}", server, thread)
+
+
+def raw_stream(port: int, until: bytes) -> socket.socket:
+    """A plain socket that asked ``GET /stream`` and read up to ``until`` (the response's
+    headers and first chunk); the caller closes it to leave."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+    conn.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+    got = b""
+    while until not in got:
+        data = conn.recv(4096)
+        assert data, f"the server closed the connection: {got!r}"
+        got += data
+    return conn
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, Any]]:

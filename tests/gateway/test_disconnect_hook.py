@@ -5,18 +5,15 @@ gateway's loop took up to 95 ms, engine steps its job ran on for nobody (issue #
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 from typing import Any
 
 import pytest
-import uvicorn
 
 from tokenrelay.producer_sdk.gateway.guard import ON_DISCONNECT
-from tokenrelay.producer_sdk.gateway.http import server_config
 from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
 from tests.fault_harness import wait_for
 from tests.fixtures_redis import free_port
+from tests.gateway.helpers import raw_stream, serve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,21 +43,10 @@ class StreamingApp:
 
 def test_the_hook_runs_once_from_connection_lost() -> None:
     app = StreamingApp()
-    port = free_port()
-    server = uvicorn.Server(server_config(app, GatewaySettings(port=port), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True, name="hook-server")
-    thread.start()
+    gateway = serve(app, GatewaySettings(port=free_port()))
     try:
-        wait_for(lambda: server.started or not thread.is_alive(), timeout=20, what="server up")
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-            conn.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
-            got = b""
-            while b"hello" not in got:      # headers, then the chunk
-                data = conn.recv(4096)
-                assert data, f"the server closed the connection: {got!r}"
-                got += data
+        raw_stream(gateway.server.config.port, until=b"hello").close()
         wait_for(lambda: app.ran_before_read, timeout=20, what="the disconnect read")
         assert app.hook_runs == ["callback"] and app.ran_before_read == [True]
     finally:
-        server.should_exit = True
-        thread.join(timeout=15)
+        gateway.stop()

@@ -11,15 +11,14 @@ import time
 from typing import Any
 
 import pytest
-import uvicorn
 
 from tokenrelay.producer_sdk.gateway import hangups
 from tokenrelay.producer_sdk.gateway.guard import ON_DISCONNECT, WATCH_HANGUP
 from tokenrelay.producer_sdk.gateway.hangups import Hangups, peer_closed
-from tokenrelay.producer_sdk.gateway.http import server_config
 from tokenrelay.producer_sdk.gateway.settings import GatewaySettings
 from tests.fault_harness import wait_for
 from tests.fixtures_redis import free_port
+from tests.gateway.helpers import raw_stream, serve
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not hangups.available, reason="needs Linux's epoll")]
@@ -120,25 +119,14 @@ class StuckLoopApp:
 
 def test_a_hang_up_is_acted_on_while_the_loop_is_stuck() -> None:
     app = StuckLoopApp()
-    port = free_port()
-    server = uvicorn.Server(server_config(app, GatewaySettings(port=port), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True, name="hangup-server")
-    thread.start()
+    gateway = serve(app, GatewaySettings(port=free_port()))
     try:
-        wait_for(lambda: server.started or not thread.is_alive(), timeout=20, what="server up")
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-            conn.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
-            got = b""
-            while b"hello" not in got:
-                data = conn.recv(4096)
-                assert data, f"the server closed the connection: {got!r}"
-                got += data
-            assert app.stuck.wait(10)
+        with raw_stream(gateway.server.config.port, until=b"hello"):
+            assert app.stuck.wait(10)           # leave while the loop is stuck
         wait_for(lambda: len(app.runs) == 2, timeout=20, what="both hooks")
         (first, first_thread, first_at), (second, _, second_at) = app.runs
         assert (first, first_thread) == ("hangup", "tokenrelay-hangups")
         assert first_at < app.stuck_until, "the hang-up waited for the stuck loop"
         assert second == "disconnect" and second_at >= app.stuck_until
     finally:
-        server.should_exit = True
-        thread.join(timeout=15)
+        gateway.stop()
